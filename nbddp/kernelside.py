@@ -1,0 +1,108 @@
+"""Inside a rank: cut what the fork inherited from the Jupyter kernel that must not be used there.
+
+A forked rank holds copies of the kernel's zmq sockets and of objects that write to them (ipykernel's
+``OutStream``, the display publisher, widget comms, ``tqdm.auto``'s widget bar). Using them from a
+child corrupts or slows the kernel's channels, so each is pointed at the rank's own stdout/stderr.
+A rank is also not an interactive session: libraries that refuse to run DDP "in a notebook"
+(Lightning reads ``sys.ps1`` at import) must see a script.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+
+
+def redirect_in_rank() -> None:
+    _redirect_outstreams()
+    _text_display()
+    _dummy_comms()
+    _console_tqdm()
+    _not_interactive()
+
+
+def _redirect_outstreams() -> None:
+    """Anything still holding the kernel's OutStream (a logging handler made in the notebook, say)."""
+    iostream = sys.modules.get("ipykernel.iostream")
+    if iostream is None:
+        return
+
+    def _target(stream):
+        return sys.stderr if getattr(stream, "name", "stdout") == "stderr" else sys.stdout
+
+    iostream.OutStream.write = lambda self, s: _target(self).write(s)
+    iostream.OutStream.writelines = lambda self, lines: _target(self).writelines(lines)
+    iostream.OutStream.flush = lambda self: _target(self).flush()
+
+
+def _text_display() -> None:
+    """``display(obj)`` in a rank prints its text/plain form instead of publishing over zmq."""
+    getipython = sys.modules.get("IPython.core.getipython")
+    shell = getipython.get_ipython() if getipython else None
+    if shell is None:
+        return
+
+    def publish(data, metadata=None, *args, **kwargs):
+        text = data.get("text/plain") if isinstance(data, dict) else None
+        if text:
+            print(text)
+
+    shell.display_pub.publish = publish
+    shell.display_pub.clear_output = lambda *a, **k: None
+
+
+def _dummy_comms() -> None:
+    comm = sys.modules.get("comm")
+    if comm is not None and hasattr(comm, "DummyComm"):
+        comm.create_comm = lambda *a, **k: comm.DummyComm(*a, **k)
+
+
+def _console_tqdm() -> None:
+    """``tqdm.auto`` draws a text bar in a rank (a widget bar would need the kernel's sockets)."""
+    auto = sys.modules.get("tqdm.autonotebook")
+    if auto is not None:
+        from tqdm import std
+
+        for mod in (auto, sys.modules.get("tqdm.auto")):
+            if mod is not None:
+                mod.tqdm, mod.trange = std.tqdm, std.trange
+        return
+    sys.meta_path.insert(0, _ConsoleAutonotebook())
+
+
+class _ConsoleAutonotebook(importlib.abc.MetaPathFinder):
+    """Imports ``tqdm.autonotebook`` as if no kernel were present (it then picks tqdm.std)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "tqdm.autonotebook":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _HideKernel(spec.loader)
+        return spec
+
+
+class _HideKernel(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        hidden = sys.modules.pop("ipykernel.zmqshell", None)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            if hidden is not None:
+                sys.modules["ipykernel.zmqshell"] = hidden
+
+
+def _not_interactive() -> None:
+    for attr in ("ps1", "ps2"):
+        if hasattr(sys, attr):
+            delattr(sys, attr)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith(("lightning", "pytorch_lightning")) and getattr(mod, "_IS_INTERACTIVE", False):
+            mod._IS_INTERACTIVE = False

@@ -1,0 +1,99 @@
+"""Rank output -> whole, rank-prefixed lines, in order per rank, never fragmented.
+
+The supervisor feeds raw bytes as they arrive on each rank's stdout/stderr pipe; the relay cuts them
+at newlines, keeps partial lines until they are complete, and hands complete blocks of lines to a
+sink (the cell's stream, or the dashboard). Every byte also goes to the rank's log file (0600) in the
+run directory, so nothing is lost when a display trims output.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+STREAMS = ("stdout", "stderr")
+
+
+class TextSink:
+    """Writes prefixed lines to the parent's own stdout/stderr (the cell, in a kernel)."""
+
+    def write(self, stream: str, text: str) -> None:
+        (sys.stderr if stream == "stderr" else sys.stdout).write(text)
+
+    def progress(self, rank: int, stream: str, text: str) -> None:
+        pass  # a plain text sink cannot redraw a line in place; the final state arrives as a line
+
+    def flush(self) -> None:
+        for s in (sys.stdout, sys.stderr):
+            s.flush()
+
+
+class Relay:
+    def __init__(self, sink, *, ranks_output: str = "all", prefix: bool = True, log_paths=None):
+        self.sink = sink
+        self.ranks_output = ranks_output  # "all" | "0" | "none"
+        self.prefix = prefix
+        self.lines = 0
+        self.last_line: dict[int, str] = {}
+        self._partial: dict[tuple[int, str], bytes] = {}
+        self._capture: dict[int, list[str]] | None = None
+        self._logs = {r: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r, p in (log_paths or {}).items()}
+
+    def feed(self, rank: int, stream: str, data: bytes) -> None:
+        if rank in self._logs:
+            os.write(self._logs[rank], data)
+        key = (rank, stream)
+        buf = self._partial.pop(key, b"") + data
+        head, sep, tail = buf.rpartition(b"\n")
+        if sep:
+            self._emit(rank, stream, head)
+        if tail:
+            self._partial[key] = tail
+            if b"\r" in tail and self._shown(rank):
+                self.sink.progress(rank, stream, _last_segment(tail.decode("utf-8", "replace")))
+
+    def close(self, rank: int, stream: str) -> None:
+        tail = self._partial.pop((rank, stream), b"")
+        if tail:
+            self._emit(rank, stream, tail)
+
+    def close_all(self) -> None:
+        for rank, stream in list(self._partial):
+            self.close(rank, stream)
+        for fd in self._logs.values():
+            os.close(fd)
+        self._logs.clear()
+
+    def start_capture(self) -> None:
+        """Collect every rank's following stderr lines (for stacks dumped at a timeout)."""
+        self._capture = {}
+
+    def captured(self) -> dict[int, str]:
+        got = {r: "\n".join(lines) for r, lines in (self._capture or {}).items()}
+        self._capture = None
+        return got
+
+    def _shown(self, rank: int) -> bool:
+        return self.ranks_output == "all" or (self.ranks_output == "0" and rank == 0)
+
+    def _emit(self, rank: int, stream: str, block: bytes) -> None:
+        lines = [_last_segment(ln) for ln in block.decode("utf-8", "replace").split("\n")]
+        self.lines += len(lines)
+        self.last_line[rank] = lines[-1]
+        if self._capture is not None and stream == "stderr":
+            self._capture.setdefault(rank, []).extend(lines)
+        if not self._shown(rank):
+            return
+        if self.prefix:
+            tag = f"[rank{rank}]:"
+            text = tag + f"\n{tag}".join(lines) + "\n"
+        else:
+            text = "\n".join(lines) + "\n"
+        self.sink.write(stream, text)
+
+
+def _last_segment(line: str) -> str:
+    """A line redrawn with carriage returns (progress bars) keeps only what was drawn last."""
+    if "\r" not in line:
+        return line
+    parts = [p for p in line.split("\r") if p]
+    return parts[-1] if parts else ""

@@ -1,0 +1,110 @@
+"""Where ranks meet: a private run directory, a FileStore in it, and the torchrun environment.
+
+On one machine nbddp needs no port at all: ranks rendezvous through a FileStore in a 0700 directory
+under the user's cache, and gloo/NCCL are pinned to the loopback interface, so nothing of a run
+listens on a non-loopback address and no rerun ever meets "address already in use".
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+KEEP_RUNS = 20  # run directories (logs) kept; older ones are pruned at each launch
+
+
+@dataclass(frozen=True)
+class RunDir:
+    run_id: str
+    path: Path
+
+    @property
+    def store(self) -> Path:
+        return self.path / "store"
+
+    def log(self, rank: int) -> Path:
+        return self.path / f"rank{rank}.log"
+
+    def release_store(self) -> None:
+        for p in (self.store, Path(str(self.store) + ".lock")):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def runs_root() -> Path:
+    base = os.environ.get("NBDDP_RUNS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nbddp", "runs"
+    )
+    return Path(base)
+
+
+def new_run_dir() -> RunDir:
+    root = runs_root()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    _prune(root)
+    now = time.time_ns()  # names sort by start time, so pruning keeps the newest
+    run_id = time.strftime("%Y%m%d-%H%M%S", time.localtime(now / 1e9)) + f".{now % 10**9:09d}-{uuid.uuid4().hex[:6]}"
+    path = root / run_id
+    path.mkdir(mode=0o700)
+    return RunDir(run_id, path)
+
+
+def _prune(root: Path) -> None:
+    runs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name)
+    for old in runs[: max(0, len(runs) - (KEEP_RUNS - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def loopback_ifname() -> str:
+    """Name of the interface that carries 127.0.0.1 ("lo" on Linux, "lo0" on macOS)."""
+    try:
+        import psutil
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
+                return name
+    except Exception:
+        pass
+    return "lo"
+
+
+def torchrun_env(
+    *, rank: int, world_size: int, run_id: str, master_port: int, threads: int, ifname: str
+) -> dict[str, str]:
+    """The environment torchrun gives a rank on a single node (one group, one role)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1",
+        # No store listens here (ranks use a FileStore); a free loopback port keeps code that reads
+        # MASTER_PORT working without ever colliding with a previous run.
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "GLOO_SOCKET_IFNAME": ifname,
+        "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false"),
+        "NBDDP_RANK": str(rank),
+    }
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

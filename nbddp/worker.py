@@ -1,0 +1,223 @@
+"""What a rank does, from the instant after fork (or spawn) until ``os._exit``.
+
+Order matters and is the point of this module: first cut every tie to the kernel (die with it,
+ignore its SIGINT, own stdout/stderr, never touch its zmq sockets), then make torch safe after a fork
+(thread count before any op), then join the process group, run the job, send the result, leave.
+"""
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import io
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from . import results
+
+PR_SET_PDEATHSIG = 1
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    world_size: int
+    accelerator: str  # "cuda" | "cpu"
+    backend: str  # "nccl" | "gloo"
+    device_id: int | None
+    threads: int
+    store_path: str
+    parent_pid: int
+    env: dict = field(default_factory=dict)
+    pg_timeout_s: float = 1800.0
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a job sees: the same names the cell gets."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: object  # torch.device
+
+
+def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, result_fd: int, close_fds) -> None:
+    """Entry point in a freshly forked child. Never returns."""
+    code = 70
+    try:
+        _tie_to_parent(spec.parent_pid)
+        for fd in close_fds:
+            _close(fd)
+        _own_stdio(out_fd, err_fd)
+        code = run_rank(spec, job, result_fd)
+    finally:
+        _leave(code)
+
+
+def run_rank(spec: RankSpec, job, result_fd: int) -> int:
+    """Set up torch and the process group, run ``job(ctx)``, send its result. Returns the exit code."""
+    _detach_from_kernel()
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+    os.environ.update(spec.env)
+
+    import torch  # the first thing to touch torch: thread count, before any op (OpenMP fork hazard)
+
+    torch.set_num_threads(spec.threads)
+    message, code = _run_job(spec, job, torch)
+    _send(result_fd, message)
+    return code
+
+
+def _run_job(spec: RankSpec, job, torch) -> tuple[dict, int]:
+    import torch.distributed as dist
+
+    try:
+        if spec.accelerator == "cuda":
+            from . import cuda
+
+            device = cuda.backend().set_device(spec.device_id)
+        else:
+            device = torch.device("cpu")
+        store = dist.FileStore(spec.store_path, spec.world_size)
+        import datetime
+
+        dist.init_process_group(
+            spec.backend,
+            store=store,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=datetime.timedelta(seconds=spec.pg_timeout_s),
+        )
+        ctx = RankContext(spec.rank, spec.rank, spec.world_size, device)
+        value = job(ctx)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code == 0:
+            return {"ok": True, "value": None}, 0
+        return {"ok": False, "kind": "exit", "code": code, "time": time.time()}, code
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        return _error_message(e), 1
+    finally:
+        _destroy_group()
+    try:
+        results.dumps(value)
+    except Exception as e:  # noqa: BLE001
+        return {
+            "ok": False,
+            "kind": "result",
+            "type": results.describe(value),
+            "message": f"{type(e).__name__}: {e}",
+            "time": time.time(),
+        }, 1
+    return {"ok": True, "value": value}, 0
+
+
+def _error_message(exc: BaseException) -> dict:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PKG_DIR):
+        tb = tb.tb_next  # hide nbddp's own frames: the traceback starts in the user's code
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return {
+        "ok": False,
+        "kind": "exception",
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": text,
+        "time": time.time(),
+    }
+
+
+def _destroy_group() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _send(fd: int, message: dict) -> None:
+    data = results.frame(results.dumps(message))
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+    os.close(fd)
+
+
+# -- ties to the parent ---------------------------------------------------------------------------
+def _tie_to_parent(parent_pid: int) -> None:
+    """Die with the kernel, ignore Jupyter's group-wide SIGINT, get a process group of our own."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        os.setpgid(0, 0)  # teardown signals the rank and its own children (DataLoader workers) together
+    except OSError:
+        pass
+
+
+def _own_stdio(out_fd: int, err_fd: int) -> None:
+    """fd 1/2 become our pipes (C extensions and subprocesses included); stdin is /dev/null."""
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd in (out_fd, err_fd, null):
+        if fd > 2:
+            _close(fd)
+
+
+def _detach_from_kernel() -> None:
+    """New Python streams on fd 1/2, and nothing left that could write to the kernel's zmq sockets."""
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
+    sys.stdin = sys.__stdin__ = open(os.devnull)  # noqa: SIM115
+    _line_buffer_c_stdout()
+    from . import kernelside
+
+    kernelside.redirect_in_rank()
+
+
+def _line_buffer_c_stdout() -> None:
+    try:
+        libc = ctypes.CDLL(None)
+        for name in ("stdout", "stderr"):
+            libc.setvbuf(ctypes.c_void_p.in_dll(libc, name), None, 1, 0)  # _IOLBF
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _leave(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except Exception:
+        pass
+    os._exit(code)
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,31 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kernel import Kernel  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def runs_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runs")
+    os.environ["NBDDP_RUNS_DIR"] = str(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def kernel(runs_dir):
+    """One real kernel per test module, with nbddp loaded; every child it leaves is a test failure."""
+    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
+    k.ok("%load_ext nbddp\nimport torch, os, sys")
+    yield k
+    k.shutdown()
+
+
+@pytest.fixture
+def clean_kernel(kernel):
+    """The module kernel, checked after the test: no rank process may be left behind."""
+    yield kernel
+    left = kernel.process().children(recursive=True)
+    assert not left, f"processes left behind: {[(p.pid, p.name(), p.status()) for p in left]}"

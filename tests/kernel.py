@@ -1,0 +1,111 @@
+"""A real IPython kernel for tests, driven through jupyter_client, with deadlines on every wait."""
+from __future__ import annotations
+
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+
+import psutil
+from jupyter_client import KernelManager
+
+
+@dataclass
+class CellResult:
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = None  # text/plain of the execute_result (Out[n])
+    error: dict | None = None  # ename, evalue, traceback
+    displays: list = field(default_factory=list)  # display_data / update_display_data bundles
+    seconds: float = 0.0
+
+    @property
+    def error_text(self) -> str:
+        if not self.error:
+            return ""
+        import re
+
+        return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(self.error["traceback"]))
+
+
+class Kernel:
+    def __init__(self, env: dict | None = None):
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(env={**os.environ, **(env or {})})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid
+
+    def process(self) -> psutil.Process:
+        return psutil.Process(self.pid)
+
+    def execute(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def collect(self, msg_id: str, timeout: float = 60, on_message=None) -> CellResult:
+        """Gather a cell's outputs until the kernel reports idle for it, or fail at the deadline."""
+        res = CellResult()
+        start = time.monotonic()
+        deadline = start + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"cell did not finish within {timeout}s; so far: {res}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=left)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if on_message:
+                on_message(kind, content)
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    res.stdout += content["text"]
+                else:
+                    res.stderr += content["text"]
+            elif kind == "execute_result":
+                res.result = content["data"].get("text/plain")
+            elif kind == "error":
+                res.error = content
+            elif kind in ("display_data", "update_display_data"):
+                res.displays.append(content)
+            elif kind == "status" and content["execution_state"] == "idle":
+                res.seconds = time.monotonic() - start
+                return res
+
+    def run(self, code: str, timeout: float = 60) -> CellResult:
+        return self.collect(self.execute(code), timeout)
+
+    def ok(self, code: str, timeout: float = 60) -> CellResult:
+        res = self.run(code, timeout)
+        assert res.error is None, res.error_text + "\n" + res.stderr
+        return res
+
+    def value(self, expr: str):
+        import ast
+
+        return ast.literal_eval(self.ok(expr).result)
+
+    def interrupt(self) -> None:
+        self.km.interrupt_kernel()
+
+    def shutdown(self) -> None:
+        kids = []
+        try:
+            kids = self.process().children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+        for p in kids:  # nothing a test started may outlive it
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
