@@ -327,7 +327,9 @@ class Supervisor:
         blob = results.unframe(bytes(proc.result))
         message = _load(blob) if blob is not None else None
         self._seen += 1
-        proc.exit = failure.RankExit(proc.rank, os.waitstatus_to_exitcode(status), message, proc.stop_sent, self._seen)
+        # "stopped" only if our signal ended it: a rank that reported its own error failed by itself
+        stopped = proc.stop_sent and not (message and message.get("kind"))
+        proc.exit = failure.RankExit(proc.rank, os.waitstatus_to_exitcode(status), message, stopped, self._seen)
         if self.observer:
             self.observer.exited(proc.rank, proc.exit)
         if not proc.exit.ok and not proc.stop_sent:

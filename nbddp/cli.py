@@ -1,0 +1,27 @@
+"""The ``nbddp`` command: ``nbddp demo`` and ``nbddp env``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="nbddp", description="Notebook-first torch.distributed launcher.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="run a real %%ddp notebook (CPU, 2 ranks) headless and stream its output")
+    sub.add_parser("env", help="show what nbddp detects here: session, fork support, devices")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import main as demo
+
+        return demo()
+    if args.command == "env":
+        from . import environment
+
+        print(environment())
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
