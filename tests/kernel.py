@@ -18,11 +18,12 @@ class CellResult:
     error: dict | None = None  # ename, evalue, traceback
     displays: list = field(default_factory=list)  # display_data / update_display_data bundles
     seconds: float = 0.0
+    status: str = ""  # the execute_reply's status: ok | error | aborted
 
     @property
     def error_text(self) -> str:
         if not self.error:
-            return ""
+            return self.stderr  # IPython's own UsageError is printed, not raised as an error message
         import re
 
         return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(self.error["traceback"]))
@@ -77,7 +78,14 @@ class Kernel:
                 res.displays.append(content)
             elif kind == "status" and content["execution_state"] == "idle":
                 res.seconds = time.monotonic() - start
+                res.status = self._reply(msg_id, deadline)
                 return res
+
+    def _reply(self, msg_id: str, deadline: float) -> str:
+        while True:
+            reply = self.kc.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"]["status"]
 
     def run(self, code: str, timeout: float = 60) -> CellResult:
         return self.collect(self.execute(code), timeout)

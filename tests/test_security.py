@@ -1,0 +1,42 @@
+"""Nothing of a run listens beyond loopback; its files are private to the user."""
+import ipaddress
+import json
+import os
+import stat
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+LIST_LISTENERS = """
+import psutil, json, socket, torch.distributed as dist
+dist.barrier()          # both ranks are up and connected: gloo's sockets exist now
+if rank == 0:
+    kernel = psutil.Process(os.getppid())
+    tree = [kernel, *kernel.children(recursive=True)]
+    found = [(p.pid, c.laddr.ip, c.laddr.port) for p in tree for c in p.net_connections('inet')
+             if c.status == psutil.CONN_LISTEN or c.type == socket.SOCK_DGRAM]
+    print('LISTEN', json.dumps({'pids': [p.pid for p in tree], 'sockets': found}))
+dist.barrier()          # keep rank 1 alive until rank 0 has looked
+"""
+
+
+def test_no_socket_of_a_run_listens_beyond_loopback(clean_kernel):
+    res = clean_kernel.ok("%%ddp --devices 2\n" + LIST_LISTENERS)
+    line = next(ln for ln in res.stdout.splitlines() if "LISTEN" in ln)
+    seen = json.loads(line.split("LISTEN ", 1)[1])
+    assert len(seen["pids"]) == 3  # kernel + 2 ranks
+    assert seen["sockets"], "expected gloo's listening sockets to be visible"
+    exposed = [s for s in seen["sockets"] if not ipaddress.ip_address(s[1]).is_loopback]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def test_run_directories_and_logs_are_private(clean_kernel, runs_dir):
+    clean_kernel.ok("%%ddp --devices 2\nprint('secret', rank)\n")
+    assert stat.S_IMODE(os.stat(runs_dir).st_mode) == 0o700
+    runs = list(runs_dir.iterdir())
+    assert runs
+    for run in runs:
+        assert stat.S_IMODE(os.stat(run).st_mode) == 0o700
+        for f in run.iterdir():
+            assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
