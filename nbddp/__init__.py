@@ -21,7 +21,7 @@ __all__ = [
 
 
 def launch(fn, *args, devices="auto", accelerator="auto", backend="auto", start_method="fork",
-           threads=1, timeout=None, ranks_output="all", prefix=True) -> list:
+           threads=1, timeout=None, ranks_output="all", prefix=True, max_lines=200_000) -> list:
     """Run ``fn(*args)`` on every rank of a fresh process group; return each rank's return value.
 
     Each rank sees the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, ...) and an initialised
@@ -29,9 +29,12 @@ def launch(fn, *args, devices="auto", accelerator="auto", backend="auto", start_
     :class:`RankFailure` naming the rank and cause, after every rank has been stopped and reaped.
     """
     from . import launcher
+    from .display import view_for_session
 
-    config = launcher.Config(devices, accelerator, backend, start_method, threads, timeout, ranks_output, prefix)
-    return launcher.run(_Call(fn, args), config).values
+    config = launcher.Config(devices, accelerator, backend, start_method, threads, timeout, ranks_output, prefix,
+                             max_lines)
+    sink, observer = view_for_session()
+    return launcher.run(_Call(fn, args), config, sink=sink, observer=observer).values
 
 
 class _Call:

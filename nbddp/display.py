@@ -1,16 +1,16 @@
-"""What the cell shows while ranks run: prefixed lines (and, in a widget front end, the dashboard)."""
+"""Choosing the run's view: a live widget dashboard in a Jupyter-like kernel, text elsewhere."""
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 
+from .dashboard import RunView
 from .relay import TextSink
+from .session import session_kind
+
+WIDGET_SESSIONS = ("jupyter", "vscode", "colab", "kaggle")
 
 
-@contextlib.contextmanager
-def display_for(shell, config):
-    """Yield (sink, observer) for one run; the observer may be None (plain text)."""
-    sink = TextSink()
-    try:
-        yield sink, None
-    finally:
-        sink.flush()
+def view_for_session() -> tuple[TextSink, RunView]:
+    """(sink, observer) for one run: prefixed lines to the cell, and the dashboard or a text summary."""
+    widgets = session_kind() in WIDGET_SESSIONS and importlib.util.find_spec("ipywidgets") is not None
+    return TextSink(), RunView(widgets=widgets)

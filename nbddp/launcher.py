@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from . import cuda, devices, failure, rendezvous, results
 from .errors import CudaInitialisedError, UsageError
 from .relay import Relay, TextSink
-from .worker import RankSpec, fork_main
+from .worker import READY, RankSpec, fork_main
 
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
 STACK_QUIET_S = 0.3  # after SIGUSR1 at a timeout: stacks are complete once stderr is quiet this long
@@ -35,6 +35,7 @@ class Config:
     timeout: float | None = None
     ranks_output: str = "all"
     prefix: bool = True
+    max_lines: int = 200_000
 
     def validate(self) -> devices.Plan:
         if self.start_method not in ("fork", "spawn"):
@@ -43,6 +44,8 @@ class Config:
             raise UsageError(f"--threads {self.threads!r}: need a whole number >= 1.")
         if self.timeout is not None and not self.timeout > 0:
             raise UsageError(f"--timeout {self.timeout!r}: need a number of seconds > 0.")
+        if not isinstance(self.max_lines, int) or self.max_lines < 0:
+            raise UsageError(f"--max-lines {self.max_lines!r}: need a whole number >= 0.")
         if self.ranks_output not in ("all", "0", "none"):
             raise UsageError(f"--ranks-output {self.ranks_output!r}: choose all, 0 or none.")
         if self.start_method == "fork" and not fork_available():
@@ -92,16 +95,27 @@ def run(job, config: Config, *, sink=None, observer=None, relabel: dict | None =
     if plan.accelerator == "cuda" and config.start_method == "fork" and cuda.backend().initialised_in_kernel():
         raise _cuda_initialised()
     _active = True
+    try:
+        return _run(job, config, plan, sink, observer, relabel or {})
+    finally:
+        _active = False
+
+
+def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict) -> Outcome:
     run_dir = rendezvous.new_run_dir()
     relay = Relay(
         sink or TextSink(),
         ranks_output=config.ranks_output,
         prefix=config.prefix,
         log_paths={r: str(run_dir.log(r)) for r in range(plan.world_size)},
+        max_lines=config.max_lines,
     )
     start = time.monotonic()
     sup = Supervisor(relay, observer)
     starter = (ForkStarter if config.start_method == "fork" else SpawnStarter)(run_dir)
+    error = None
+    if observer:
+        observer.begin(plan, run_dir, relay)
     try:
         ifname = rendezvous.loopback_ifname()
         port = rendezvous.free_port()
@@ -120,7 +134,8 @@ def run(job, config: Config, *, sink=None, observer=None, relabel: dict | None =
             sup.add(starter.start(spec, job, sup.all_fds()))
         deadline = None if config.timeout is None else start + config.timeout
         sup.wait(deadline)
-    except BaseException:
+    except BaseException as e:
+        error = e
         sup.stop_all()
         sup.reap()
         raise
@@ -129,12 +144,13 @@ def run(job, config: Config, *, sink=None, observer=None, relabel: dict | None =
         relay.close_all()
         run_dir.release_store()
         starter.cleanup()
-        _active = False
+        if observer:
+            observer.finish(error)
     exits = [p.exit for p in sup.procs]
     if sup.timed_out:
-        raise failure.timed_out(config.timeout, sup.timed_out, sup.stacks, relabel or {}, str(run_dir.path))
+        raise failure.timed_out(config.timeout, sup.timed_out, sup.stacks, relabel, str(run_dir.path))
     if failure.root_cause(exits):
-        raise failure.rank_failed(exits, relabel or {}, str(run_dir.path))
+        raise failure.rank_failed(exits, relabel, str(run_dir.path))
     values = [p.exit.message.get("value") for p in sup.procs]
     return Outcome(values, str(run_dir.path), time.monotonic() - start)
 
@@ -283,7 +299,7 @@ class Supervisor:
             if self.kill_at is not None and now >= self.kill_at:
                 self._kill_live()
             if next_tick is not None and now >= next_tick:
-                self.observer.tick([p.pid for p in self.live()])
+                self.observer.tick()
                 next_tick = now + tick
 
     def _event(self, proc: RankProc, kind: str, fd: int) -> None:
@@ -300,6 +316,8 @@ class Supervisor:
 
     def _data(self, proc: RankProc, kind: str, data: bytes) -> None:
         if kind == "result":
+            if not proc.result and data[:1] == READY and self.observer:
+                self.observer.running(proc.rank)
             proc.result += data
         else:
             self.relay.feed(proc.rank, kind, data)
@@ -324,7 +342,7 @@ class Supervisor:
         self.sel.unregister(proc.pidfd)
         os.close(proc.pidfd)
         proc.pidfd = -1
-        blob = results.unframe(bytes(proc.result))
+        blob = results.unframe(bytes(proc.result[len(READY):] if proc.result[:1] == READY else proc.result))
         message = _load(blob) if blob is not None else None
         self._seen += 1
         # "stopped" only if our signal ended it: a rank that reported its own error failed by itself

@@ -6,6 +6,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 
 from . import cell as cellmod
 from . import launcher, results
+from .display import view_for_session
 from .errors import ResultError
 
 
@@ -48,6 +49,10 @@ class DDPMagics(Magics):
         help="Whose output the cell shows (every rank's is kept in the run's log directory).",
     )
     @magic_arguments.argument(
+        "--max-lines", type=int, default=200_000, metavar="N",
+        help="Lines per rank shown in the cell (default 200000); the rest stays in the rank's log file.",
+    )
+    @magic_arguments.argument(
         "--no-prefix", action="store_true",
         help="Do not prefix lines with [rankN]: (handy with --ranks-output 0).",
     )
@@ -63,7 +68,7 @@ class DDPMagics(Magics):
         config = launcher.Config(
             devices=args.devices, accelerator=args.accelerator, backend=args.backend,
             start_method=args.start_method, threads=args.threads, timeout=args.timeout,
-            ranks_output=args.ranks_output, prefix=not args.no_prefix,
+            ranks_output=args.ranks_output, prefix=not args.no_prefix, max_lines=args.max_lines,
         )
         shell = self.shell
         source = "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line, as the user sees it
@@ -78,11 +83,8 @@ class DDPMagics(Magics):
             source, filename, outs=args.out,
             namespace=shell.user_ns if args.start_method == "fork" else None, shipped=shipped,
         )
-        from .display import display_for
-
-        with display_for(shell, config) as (sink, observer):
-            outcome = launcher.run(job, config, sink=sink, observer=observer,
-                                   relabel={filename: f"Cell In[{number}]"})
+        sink, observer = view_for_session()
+        outcome = launcher.run(job, config, sink=sink, observer=observer, relabel={filename: f"Cell In[{number}]"})
         return _deliver(outcome.values[0], args.out, shell.user_ns)
 
 

@@ -19,17 +19,17 @@ class TextSink:
     def write(self, stream: str, text: str) -> None:
         (sys.stderr if stream == "stderr" else sys.stdout).write(text)
 
-    def progress(self, rank: int, stream: str, text: str) -> None:
-        pass  # a plain text sink cannot redraw a line in place; the final state arrives as a line
-
     def flush(self) -> None:
         for s in (sys.stdout, sys.stderr):
             s.flush()
 
 
 class Relay:
-    def __init__(self, sink, *, ranks_output: str = "all", prefix: bool = True, log_paths=None):
+    def __init__(self, sink, *, ranks_output: str = "all", prefix: bool = True, log_paths=None,
+                 max_lines: int = 200_000):
         self.sink = sink
+        self.max_lines = max_lines  # per rank shown in the cell; the log keeps everything
+        self._shown_lines: dict[int, int] = {}
         self.ranks_output = ranks_output  # "all" | "0" | "none"
         self.prefix = prefix
         self.lines = 0
@@ -48,8 +48,8 @@ class Relay:
             self._emit(rank, stream, head)
         if tail:
             self._partial[key] = tail
-            if b"\r" in tail and self._shown(rank):
-                self.sink.progress(rank, stream, _last_segment(tail.decode("utf-8", "replace")))
+            if b"\r" in tail:  # a progress bar redrawing in place: the dashboard shows its latest state
+                self.last_line[rank] = _last_segment(tail[-512:].decode("utf-8", "replace"))
 
     def close(self, rank: int, stream: str) -> None:
         tail = self._partial.pop((rank, stream), b"")
@@ -83,6 +83,14 @@ class Relay:
             self._capture.setdefault(rank, []).extend(lines)
         if not self._shown(rank):
             return
+        shown = self._shown_lines.get(rank, 0)
+        if shown >= self.max_lines:
+            return
+        self._shown_lines[rank] = shown + len(lines)
+        if shown + len(lines) > self.max_lines:
+            lines = lines[: self.max_lines - shown]
+            lines.append(f"... more output than --max-lines {self.max_lines}: the rest is only in the log "
+                         f"(rank{rank}.log in the run directory)")
         if self.prefix:
             tag = f"[rank{rank}]:"
             text = tag + f"\n{tag}".join(lines) + "\n"

@@ -50,16 +50,34 @@ def new_run_dir() -> RunDir:
     os.chmod(root, 0o700)
     _prune(root)
     now = time.time_ns()  # names sort by start time, so pruning keeps the newest
-    run_id = time.strftime("%Y%m%d-%H%M%S", time.localtime(now / 1e9)) + f".{now % 10**9:09d}-{uuid.uuid4().hex[:6]}"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now / 1e9))
+    run_id = f"{stamp}.{now % 10**9:09d}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     path = root / run_id
     path.mkdir(mode=0o700)
-    return RunDir(run_id, path)
+    run = RunDir(run_id, path)
+    os.close(os.open(run.store, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # FileStore keeps the mode
+    return run
 
 
 def _prune(root: Path) -> None:
+    """Keep the newest runs' logs; drop rendezvous files a killed kernel could not remove."""
     runs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name)
     for old in runs[: max(0, len(runs) - (KEEP_RUNS - 1))]:
         shutil.rmtree(old, ignore_errors=True)
+    for run in runs[-(KEEP_RUNS - 1):]:
+        owner = run.name.split("-")[2] if run.name.count("-") >= 3 else ""
+        if (run / "store").exists() and owner.isdigit() and not _alive(int(owner)):
+            RunDir(run.name, run).release_store()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def loopback_ifname() -> str:

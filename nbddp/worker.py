@@ -69,12 +69,15 @@ def run_rank(spec: RankSpec, job, result_fd: int) -> int:
     import torch  # the first thing to touch torch: thread count, before any op (OpenMP fork hazard)
 
     torch.set_num_threads(spec.threads)
-    message, code = _run_job(spec, job, torch)
+    message, code = _run_job(spec, job, torch, result_fd)
     _send(result_fd, message)
     return code
 
 
-def _run_job(spec: RankSpec, job, torch) -> tuple[dict, int]:
+READY = b"\x01"  # sent on the result pipe once the process group is up: the rank is "running"
+
+
+def _run_job(spec: RankSpec, job, torch, result_fd: int) -> tuple[dict, int]:
     import torch.distributed as dist
 
     try:
@@ -94,6 +97,7 @@ def _run_job(spec: RankSpec, job, torch) -> tuple[dict, int]:
             world_size=spec.world_size,
             timeout=datetime.timedelta(seconds=spec.pg_timeout_s),
         )
+        os.write(result_fd, READY)
         ctx = RankContext(spec.rank, spec.rank, spec.world_size, device)
         value = job(ctx)
     except SystemExit as e:

@@ -103,6 +103,33 @@ class Kernel:
     def interrupt(self) -> None:
         self.km.interrupt_kernel()
 
+    def interrupt_when(self, code: str, marker: str, count: int, timeout: float = 30) -> CellResult:
+        """Run ``code`` and interrupt the kernel once ``count`` distinct ranks printed ``marker``."""
+        import re
+
+        seen = set()
+        sent = []
+
+        def watch(kind, content):
+            if kind == "stream" and not sent:
+                seen.update(re.findall(rf"\[rank(\d+)\]:{re.escape(marker)}", content.get("text", "")))
+                if len(seen) >= count:
+                    sent.append(True)
+                    self.interrupt()
+
+        res = self.collect(self.execute(code), timeout, on_message=watch)
+        assert sent, f"never saw {count} ranks print {marker!r}: {res}"
+        return res
+
+    def warm_up(self) -> None:
+        """The kernel's first error and first interrupt each create an eventfd of its own: do both
+        once before measuring its footprint, so only nbddp's leaks would show."""
+        if getattr(self, "_warm", False):
+            return
+        self.run("raise ValueError('warm-up')")
+        self.interrupt_when("%%ddp --devices 2\nimport time\nprint('up', flush=True)\ntime.sleep(60)\n", "up", 2)
+        self._warm = True
+
     def shutdown(self) -> None:
         kids = []
         try:

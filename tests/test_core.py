@@ -124,7 +124,7 @@ def test_twenty_reruns_leave_no_process_fd_or_thread(clean_kernel):
     for _ in range(20):
         assert k.ok(cell).result == "0"
     after = (proc.num_fds(), proc.num_threads(), len(proc.children(recursive=True)))
-    assert after == before, f"(fds, threads, children) before {before} after {after}"
+    assert all(a <= b for a, b in zip(after, before)), f"(fds, threads, children) before {before} after {after}"
     assert k.value("sorted(k for k in os.environ if k in ('RANK', 'MASTER_PORT', 'WORLD_SIZE'))") == []
 
 

@@ -22,13 +22,16 @@ def shm():
 def faulty(clean_kernel):
     """After a fault: no child left (clean_kernel), no fd/thread/shm growth, and the next %%ddp works."""
     k = clean_kernel
+    k.warm_up()
     k.ok(HEALTHY)
     proc = k.process()
     before = (proc.num_fds(), proc.num_threads(), shm())
     yield k
     assert k.ok(HEALTHY).result == "2"
     after = (proc.num_fds(), proc.num_threads(), shm())
-    assert after == before, f"(fds, threads, /dev/shm) before {before} after {after}"
+    # no growth (the kernel itself may close a transient thread or fd of its own meanwhile)
+    assert after[0] <= before[0] and after[1] <= before[1] and after[2] == before[2], (
+        f"(fds, threads, /dev/shm) before {before} after {after}")
 
 
 FAULTS = {
@@ -81,23 +84,11 @@ def test_hang_is_cut_at_the_timeout_with_every_ranks_stack(faulty):
 
 
 def test_interrupt_stops_every_rank_and_keeps_the_kernel(faulty):
-    k = faulty
-    started = set()
-
-    def watch(kind, content):
-        if kind == "stream":
-            started.update(re.findall(r"\[rank(\d)\]:started", content.get("text", "")))
-            if len(started) == 2 and not watch.sent:
-                watch.sent = True
-                k.interrupt()
-
-    watch.sent = False
-    msg = k.execute("%%ddp --devices 2\nimport time\nprint('started', flush=True)\ntime.sleep(60)\n")
-    res = k.collect(msg, timeout=30, on_message=watch)
-    assert watch.sent
+    res = faulty.interrupt_when("%%ddp --devices 2\nimport time\nprint('started', flush=True)\ntime.sleep(60)\n",
+                                "started", 2)
     assert res.error["ename"] == "KeyboardInterrupt"
     assert res.seconds < 15
-    assert k.value("1 + 1") == 2
+    assert faulty.value("1 + 1") == 2
 
 
 def test_unpicklable_result_names_the_variable_and_keeps_the_output(faulty):

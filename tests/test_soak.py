@@ -1,7 +1,5 @@
 """100 %%ddp cells in one kernel (successes, failures, interrupts): the kernel's footprint stays flat."""
 import os
-import re
-
 import pytest
 
 pytestmark = pytest.mark.timeout(600)
@@ -16,28 +14,15 @@ def footprint(k):
     return p.num_fds(), p.num_threads(), len(p.children(recursive=True)), len(os.listdir("/dev/shm"))
 
 
-def interrupt_once_started(k):
-    started = set()
-
-    def watch(kind, content):
-        if kind == "stream":
-            started.update(re.findall(r"\[rank(\d)\]:started", content.get("text", "")))
-            if len(started) == 2 and not watch.sent:
-                watch.sent = True
-                k.interrupt()
-
-    watch.sent = False
-    return k.collect(k.execute(SLOW), timeout=30, on_message=watch)
-
-
 def test_hundred_cells_mixed(clean_kernel):
     k = clean_kernel
+    k.warm_up()
     k.ok(OK)
     before = footprint(k)
     outcomes = {"ok": 0, "fail": 0, "interrupt": 0}
     for i in range(100):
         if i % 20 == 7:
-            res = interrupt_once_started(k)
+            res = k.interrupt_when(SLOW, "started", 2)
             assert res.error["ename"] == "KeyboardInterrupt"
             outcomes["interrupt"] += 1
         elif i % 5 == 3:
@@ -48,4 +33,5 @@ def test_hundred_cells_mixed(clean_kernel):
             assert k.ok(OK, timeout=30).result == "2"
             outcomes["ok"] += 1
     assert outcomes == {"ok": 75, "fail": 20, "interrupt": 5}
-    assert footprint(k) == before, f"(fds, threads, children, shm) before {before}"
+    after = footprint(k)
+    assert all(a <= b for a, b in zip(after, before)), f"(fds, threads, children, shm) before {before} after {after}"

@@ -1,0 +1,210 @@
+"""The run's view in the cell: a live ipywidgets dashboard while ranks run, a static summary after.
+
+All updates happen on the kernel's main thread, from the supervisor's 1 Hz tick (widget updates from
+background threads go to the wrong cell in ipykernel >= 7 and never render in Colab). The live widget
+is created at the first tick, so a run shorter than a second costs nothing but its summary. The
+summary replaces the widget through its display id, as HTML with a text/plain twin, so a saved
+notebook shows what happened where widgets do not render (GitHub, nbviewer).
+"""
+from __future__ import annotations
+
+import html
+import time
+
+from .monitor import Monitor, mb, sparkline
+
+STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
+                 "stopped": "#ef6c00"}
+
+
+class RunView:
+    interval = 1.0
+
+    def __init__(self, widgets: bool):
+        self.widgets = widgets
+        self.handle = None
+        self.widget = None
+        self.error: BaseException | None = None
+
+    # -- supervisor callbacks -------------------------------------------------------------------
+    def begin(self, plan, run_dir, relay) -> None:
+        self.plan, self.run_dir, self.relay = plan, run_dir, relay
+        self.t0 = time.monotonic()
+        self.monitor = Monitor([d for d in plan.device_ids if d is not None])
+        self.state = {r: "starting" for r in range(plan.world_size)}
+        self.ended: dict[int, float] = {}
+        self.exits: dict[int, object] = {}
+        if self.widgets:
+            from IPython.display import display
+
+            self.handle = display(_Html(self._title("starting")), display_id=True)
+
+    def started(self, rank: int, pid: int) -> None:
+        self.monitor.watch(rank, pid)
+
+    def running(self, rank: int) -> None:
+        if self.state[rank] == "starting":
+            self.state[rank] = "running"
+
+    def exited(self, rank: int, exit) -> None:
+        self.monitor.sample()
+        self.monitor.forget(rank)
+        self.exits[rank] = exit
+        self.ended[rank] = time.monotonic() - self.t0
+        self.state[rank] = "finished" if exit.ok else ("stopped" if exit.stopped else "failed")
+
+    def tick(self) -> None:
+        self.monitor.sample()
+        if not self.widgets:
+            return
+        if self.widget is None:
+            import ipywidgets
+
+            self.widget = ipywidgets.HTML()
+            self.handle.update(self.widget)
+        self.widget.value = self.render_html(live=True)
+
+    def finish(self, error: BaseException | None) -> None:
+        summary = Summary(self.render_html(live=False), self.render_text())
+        if self.handle is not None:
+            self.handle.update(summary)
+            if self.widget is not None:
+                self.widget.close()
+        else:
+            print(summary.text)
+
+    # -- rendering --------------------------------------------------------------------------------
+    def _elapsed(self, rank=None) -> float:
+        if rank is not None and rank in self.ended:
+            return self.ended[rank]
+        return time.monotonic() - self.t0
+
+    def _title(self, status: str) -> str:
+        p = self.plan
+        return (f"<b>nbddp</b> · {p.world_size} rank{'s' if p.world_size > 1 else ''} · {p.accelerator}/{p.backend}"
+                f" · {status} · {self._elapsed():.1f} s")
+
+    def _status(self, live: bool) -> str:
+        if live:
+            return "running"
+        states = set(self.state.values())
+        if isinstance(self.error, KeyboardInterrupt):
+            return "interrupted"
+        return "failed" if states & {"failed", "stopped", "starting", "running"} else "finished"
+
+    def _rank_rows(self, live: bool):
+        for r in range(self.plan.world_size):
+            s = self.monitor.ranks.get(r)
+            dev = self.plan.device_ids[r]
+            exit = self.exits.get(r)
+            yield {
+                "rank": str(r),
+                "device": f"cuda:{dev}" if dev is not None else "cpu",
+                "state": self.state[r],
+                "exit": "" if exit is None else _exit_text(exit),
+                "time": f"{self._elapsed(r):.1f} s",
+                "cpu": f"{s.cpu_percent:.0f}%" if (s and live) else "",
+                "rss": mb(s.rss if live else s.peak_rss) if s else "-",
+                "uss": mb(s.uss if live else s.peak_uss) if s else "-",
+                "shared": mb(s.shared) if (s and live) else "",
+                "last": self.relay.last_line.get(r, "")[-120:],
+            }
+
+    def _columns(self, live: bool):
+        cols = [("rank", "rank"), ("device", "device"), ("state", "state"), ("exit", "exit"), ("time", "time")]
+        if live:
+            cols += [("cpu", "CPU"), ("rss", "RSS"), ("uss", "USS (private)"), ("shared", "shared")]
+        else:
+            cols += [("rss", "peak RSS"), ("uss", "peak USS")]
+        return cols + [("last", "last output line")]
+
+    def render_html(self, live: bool) -> str:
+        cols = self._columns(live)
+        head = "".join(f"<th style='text-align:left;padding:2px 8px'>{t}</th>" for _, t in cols)
+        rows = []
+        for row in self._rank_rows(live):
+            cells = []
+            for key, _ in cols:
+                value = html.escape(row[key])
+                if key == "state":
+                    value = f"<span style='color:{STATE_COLOURS.get(row[key], '#000')}'>{value}</span>"
+                style = "padding:2px 8px;font-family:monospace" if key == "last" else "padding:2px 8px"
+                cells.append(f"<td style='{style};text-align:left'>{value}</td>")
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+        parts = [f"<div class='nbddp-run'><div>{self._title(self._status(live))}</div>",
+                 f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"]
+        gpus = self._gpu_rows(live)
+        if gpus:
+            gh = "".join(f"<th style='text-align:left;padding:2px 8px'>{h}</th>" for h in gpus[0])
+            gb = "".join("<tr>" + "".join(f"<td style='padding:2px 8px'>{html.escape(c)}</td>" for c in r) + "</tr>"
+                         for r in gpus[1:])
+            parts.append(f"<table><thead><tr>{gh}</tr></thead><tbody>{gb}</tbody></table>")
+        parts.append(f"<div style='color:#666'>logs: {html.escape(str(self.run_dir.path))}</div></div>")
+        return "".join(parts)
+
+    def _gpu_rows(self, live: bool) -> list[list[str]]:
+        if not self.monitor.gpus:
+            return []
+        rows = [["GPU", "util", "memory", "power", "temp", "util history", "memory history"]]
+        for i, h in self.monitor.gpus.items():
+            g = h.last
+            if g is None:
+                continue
+            used = g.mem_used if live else h.peak_mem
+            rows.append([
+                f"cuda:{i} {g.name}",
+                f"{g.util_percent:.0f}%" if g.util_percent is not None else "-",
+                f"{mb(used)} / {mb(g.mem_total)}" + ("" if live else " peak"),
+                f"{g.power_w:.0f} W" if g.power_w is not None else "-",
+                f"{g.temp_c:.0f} °C" if g.temp_c is not None else "-",
+                sparkline(h.util),
+                sparkline(h.mem),
+            ])
+        return rows
+
+    def render_text(self) -> str:
+        cols = self._columns(live=False)
+        table = [[t for _, t in cols]] + [[row[k] for k, _ in cols] for row in self._rank_rows(live=False)]
+        widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
+        lines = [_strip_tags(self._title(self._status(False)))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+        for r in self._gpu_rows(live=False):
+            lines.append("  ".join(r))
+        lines.append(f"logs: {self.run_dir.path}")
+        return "\n".join(lines)
+
+
+def _exit_text(exit) -> str:
+    import signal
+
+    if exit.code is None:
+        return ""
+    if exit.code < 0:
+        return signal.Signals(-exit.code).name
+    return str(exit.code)
+
+
+def _strip_tags(text: str) -> str:
+    return text.replace("<b>", "").replace("</b>", "")
+
+
+class _Html:
+    def __init__(self, body: str):
+        self.body = body
+
+    def _repr_html_(self):
+        return self.body
+
+    def __repr__(self):
+        return _strip_tags(self.body)
+
+
+class Summary:
+    def __init__(self, html_text: str, text: str):
+        self.html, self.text = html_text, text
+
+    def _repr_html_(self):
+        return self.html
+
+    def __repr__(self):
+        return self.text
