@@ -47,8 +47,10 @@ class RunView:
             self.state[rank] = "running"
 
     def exited(self, rank: int, exit) -> None:
-        self.monitor.sample()
         self.monitor.forget(rank)
+        s = self.monitor.ranks.get(rank)
+        if s is not None and exit.max_rss:
+            s.peak_rss = max(s.peak_rss, exit.max_rss)  # the kernel's exact figure (wait4)
         self.exits[rank] = exit
         self.ended[rank] = time.monotonic() - self.t0
         self.state[rank] = "finished" if exit.ok else ("stopped" if exit.stopped else "failed")

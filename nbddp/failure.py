@@ -25,6 +25,7 @@ class RankExit:
     message: dict | None  # what the rank sent over its result pipe, if anything
     stopped: bool = False  # nbddp stopped it because another rank failed / interrupt / timeout
     order: int = 0  # order in which the parent saw it end
+    max_rss: int = 0  # peak resident set size in bytes, from wait4
 
     @property
     def ok(self) -> bool:

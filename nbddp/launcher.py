@@ -338,7 +338,7 @@ class Supervisor:
                 self._data(proc, proc.fds[fd], data)
             self._close_fd(proc, fd)
         _signal_group(proc.pid, signal.SIGKILL)
-        _, status = os.waitpid(proc.pid, 0)
+        _, status, usage = os.wait4(proc.pid, 0)
         self.sel.unregister(proc.pidfd)
         os.close(proc.pidfd)
         proc.pidfd = -1
@@ -347,7 +347,8 @@ class Supervisor:
         self._seen += 1
         # "stopped" only if our signal ended it: a rank that reported its own error failed by itself
         stopped = proc.stop_sent and not (message and message.get("kind"))
-        proc.exit = failure.RankExit(proc.rank, os.waitstatus_to_exitcode(status), message, stopped, self._seen)
+        proc.exit = failure.RankExit(proc.rank, os.waitstatus_to_exitcode(status), message, stopped, self._seen,
+                                     max_rss=usage.ru_maxrss * 1024)
         if self.observer:
             self.observer.exited(proc.rank, proc.exit)
         if not proc.exit.ok and not proc.stop_sent:

@@ -16,7 +16,8 @@ class CellResult:
     stderr: str = ""
     result: str | None = None  # text/plain of the execute_result (Out[n])
     error: dict | None = None  # ename, evalue, traceback
-    displays: list = field(default_factory=list)  # display_data / update_display_data bundles
+    displays: list = field(default_factory=list)  # display_data / update_display_data contents
+    comms: list = field(default_factory=list)  # comm_open / comm_msg contents (widget state)
     seconds: float = 0.0
     status: str = ""  # the execute_reply's status: ok | error | aborted
 
@@ -76,6 +77,8 @@ class Kernel:
                 res.error = content
             elif kind in ("display_data", "update_display_data"):
                 res.displays.append(content)
+            elif kind in ("comm_open", "comm_msg"):
+                res.comms.append(content)
             elif kind == "status" and content["execution_state"] == "idle":
                 res.seconds = time.monotonic() - start
                 res.status = self._reply(msg_id, deadline)

@@ -1,0 +1,45 @@
+"""The dashboard's GPU rows, with NVML replaced at its seam (no GPU here)."""
+import os
+from types import SimpleNamespace
+
+from nbddp import dashboard, devices, nvml
+from nbddp.failure import RankExit
+
+
+class FakeNvml:
+    def __init__(self):
+        self.calls = 0
+
+    def count(self):
+        return 2
+
+    def names(self):
+        return ["Fake H100"] * 2
+
+    def sample(self, indices):
+        self.calls += 1
+        return [nvml.GpuSample(i, "Fake H100", util_percent=10.0 * self.calls + i, mem_used=(20 + self.calls) * 2**30,
+                               mem_total=80 * 2**30, power_w=300.0 + i, temp_c=60.0) for i in indices]
+
+
+def test_gpu_rows_with_history_and_peaks(monkeypatch, tmp_path):
+    fake = FakeNvml()
+    monkeypatch.setattr(nvml, "_backend", fake)
+    view = dashboard.RunView(widgets=False)
+    relay = SimpleNamespace(last_line={0: "epoch 3 loss 0.1", 1: "epoch 3 loss 0.2"})
+    view.begin(devices.Plan("cuda", "nccl", (0, 1)), SimpleNamespace(path=tmp_path), relay)
+    for r in (0, 1):
+        view.started(r, os.getpid())  # a real process to sample; its GPU figures come from the seam
+    for _ in range(5):
+        view.tick()
+    live = view.render_html(live=True)
+    assert "cuda:0 Fake H100" in live and "cuda:1 Fake H100" in live
+    assert "51%" in live  # rank 1's device at the 5th sample
+    assert "25.0 GB / 80.0 GB" in live and "301 W" in live and "60 °C" in live
+    assert "▁▂▃▄▅" in live or len([c for c in live if c in "▁▂▃▄▅▆▇█"]) >= 10  # util history sparkline
+    for r in (0, 1):
+        view.exited(r, RankExit(r, 0, {"ok": True, "value": None}, max_rss=3 * 2**30))
+    text = view.render_text()
+    assert "cuda:0 Fake H100" in text and "25.0 GB / 80.0 GB peak" in text
+    assert "nccl" in text and "finished" in text
+    assert "3072 MB" in text  # peak RSS from wait4
