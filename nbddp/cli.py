@@ -10,11 +10,20 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="run a real %%ddp notebook (CPU, 2 ranks) headless and stream its output")
     sub.add_parser("env", help="show what nbddp detects here: session, fork support, devices")
+    exp = sub.add_parser("export", help="write a notebook's %%ddp cells as a script for torchrun")
+    exp.add_argument("notebook")
+    exp.add_argument("-o", "--output", default="train.py")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import main as demo
 
         return demo()
+    if args.command == "export":
+        from .export import export_notebook
+
+        out = export_notebook(args.notebook, args.output)
+        print(f"wrote {out}: run it with torchrun --standalone --nproc-per-node 2 {out}")
+        return 0
     if args.command == "env":
         from . import environment
 

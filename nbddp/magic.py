@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from IPython.core import magic_arguments
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from . import cell as cellmod
 from . import launcher, results
@@ -86,6 +86,18 @@ class DDPMagics(Magics):
         sink, observer = view_for_session()
         outcome = launcher.run(job, config, sink=sink, observer=observer, relabel={filename: f"Cell In[{number}]"})
         return _deliver(outcome.values[0], args.out, shell.user_ns)
+
+    @line_magic
+    def ddp_export(self, line):
+        """%ddp_export train.py: write this session's %%ddp cells (and the cells they need) for torchrun."""
+        from .export import export_cells
+
+        path = line.strip() or "train.py"
+        raw = self.shell.history_manager.input_hist_raw[1:]  # as typed: "%%ddp ..." not run_cell_magic(...)
+        history = [c for c in raw if not c.lstrip().startswith("%ddp_export")]
+        with open(path, "w") as f:
+            f.write(export_cells(history, source="this notebook session", script=path))
+        print(f"wrote {path}: run it with torchrun --standalone --nproc-per-node 2 {path}")
 
 
 def _deliver(packed: dict, outs: list[str], user_ns: dict):
