@@ -12,6 +12,12 @@ from .errors import ResultError
 
 @magics_class
 class DDPMagics(Magics):
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        self.cells: list[str] = []
+        if shell is not None:
+            shell.events.register("pre_run_cell", lambda info: self.cells.append(info.raw_cell))
+
     @magic_arguments.magic_arguments()
     @magic_arguments.argument(
         "-d", "--devices", default="auto",
@@ -93,7 +99,9 @@ class DDPMagics(Magics):
         from .export import export_cells
 
         path = line.strip() or "train.py"
-        raw = self.shell.history_manager.input_hist_raw[1:]  # as typed: "%%ddp ..." not run_cell_magic(...)
+        # cells as typed ("%%ddp ...", not run_cell_magic(...)); front ends that run cells without
+        # storing history (nbval, some IDEs) still reach pre_run_cell, which nbddp records from %load_ext on
+        raw = self.shell.history_manager.input_hist_raw[1:] or self.cells
         history = [c for c in raw if not c.lstrip().startswith("%ddp_export")]
         with open(path, "w") as f:
             f.write(export_cells(history, source="this notebook session", script=path))

@@ -30,6 +30,7 @@ class Relay:
         self.sink = sink
         self.max_lines = max_lines  # per rank shown in the cell; the log keeps everything
         self._shown_lines: dict[int, int] = {}
+        self._capped: set[int] = set()
         self.ranks_output = ranks_output  # "all" | "0" | "none"
         self.prefix = prefix
         self.lines = 0
@@ -83,14 +84,15 @@ class Relay:
             self._capture.setdefault(rank, []).extend(lines)
         if not self._shown(rank):
             return
-        shown = self._shown_lines.get(rank, 0)
-        if shown >= self.max_lines:
-            return
-        self._shown_lines[rank] = shown + len(lines)
-        if shown + len(lines) > self.max_lines:
-            lines = lines[: self.max_lines - shown]
-            lines.append(f"... more output than --max-lines {self.max_lines}: the rest is only in the log "
-                         f"(rank{rank}.log in the run directory)")
+        room = self.max_lines - self._shown_lines.get(rank, 0)
+        if len(lines) > room:
+            if rank in self._capped:
+                return
+            self._capped.add(rank)
+            lines = lines[: max(room, 0)] + [
+                f"... more output than --max-lines {self.max_lines}: the rest is only in the log "
+                f"(rank{rank}.log in the run directory)"]
+        self._shown_lines[rank] = self._shown_lines.get(rank, 0) + len(lines)
         if self.prefix:
             tag = f"[rank{rank}]:"
             text = tag + f"\n{tag}".join(lines) + "\n"

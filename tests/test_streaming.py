@@ -82,8 +82,10 @@ def test_ranks_output_zero_without_prefix_and_the_log_keeps_everything(clean_ker
     assert "hello from 1" in (run / "rank1.log").read_text()
 
 
-def test_display_cap_sends_the_rest_to_the_log(clean_kernel, runs_dir):
-    res = clean_kernel.ok("%%ddp --devices 2 --max-lines 10\nfor i in range(100):\n    print(i)\n")
+@pytest.mark.parametrize("flush_at", [None, 10])  # a block that ends exactly at the cap, or not
+def test_display_cap_sends_the_rest_to_the_log(clean_kernel, runs_dir, flush_at):
+    pause = f"\n    if i == {flush_at} - 1:\n        import time; time.sleep(0.3)" if flush_at else ""
+    res = clean_kernel.ok(f"%%ddp --devices 2 --max-lines 10\nfor i in range(100):\n    print(i){pause}\n")
     lines = by_rank(res.stdout)
     assert lines[0][:10] == [str(i) for i in range(10)]
     assert len(lines[0]) == 11 and "the rest is only in the log" in lines[0][10]

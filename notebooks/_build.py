@@ -1,0 +1,196 @@
+"""Regenerate the tutorial notebooks: python notebooks/_build.py (executes each one, saves its outputs).
+
+The cells live here so the tutorials stay consistent; CI runs the saved notebooks with nbval
+(``--nbval-lax``: every cell must run as written, cells tagged NBVAL_CHECK_OUTPUT must also match).
+"""
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = Path(__file__).parent
+md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+
+NOTEBOOKS = {
+    "01-quickstart.ipynb": [
+        md("# Quickstart: train on 2 ranks from a notebook\n\n`%%ddp` runs a cell on every rank of a "
+           "`torch.distributed` job forked from this kernel. On a GPU machine it uses every GPU (NCCL); here, "
+           "2 CPU ranks (gloo). The same notebook runs unchanged on both."),
+        code("%load_ext nbddp\nimport nbddp, torch\nprint(nbddp.environment())"),
+        md("Build the data **once, in the notebook**. Every rank is a fork of this kernel, so `X` and `Y` are "
+           "shared copy-on-write: no copies, no pickling."),
+        code("torch.manual_seed(0)\nX = torch.randn(100_000, 16)\nY = X @ torch.randn(16, 1) + 0.01 * torch.randn(100_000, 1)"),
+        md("The cell below runs on each rank with `rank`, `local_rank`, `world_size` and `device` defined and the "
+           "process group ready. Every rank's output arrives as whole `[rankN]:` lines; while it runs, a dashboard "
+           "shows each rank's state, CPU/GPU and memory, and a summary stays when it ends. `--out state` brings "
+           "rank 0's `state` back; the last expression is the cell's result."),
+        code("%%ddp --devices 2 --out state\n"
+             "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1).to(device))\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+             "x, y = X[rank::world_size].to(device), Y[rank::world_size].to(device)\n"
+             "for epoch in range(3):\n"
+             "    for i in range(0, len(x), 5_000):\n"
+             "        opt.zero_grad()\n"
+             "        loss = torch.nn.functional.mse_loss(model(x[i:i + 5_000]), y[i:i + 5_000])\n"
+             "        loss.backward()\n"
+             "        opt.step()\n"
+             "    print(f'epoch {epoch} loss {loss.item():.4f}')\n"
+             "state = model.module.state_dict()\n"
+             "round(loss.item(), 2)"),
+        code("# NBVAL_CHECK_OUTPUT\nprint({k: tuple(v.shape) for k, v in state.items()}, state['weight'].device)"),
+        code("assert 'rank' not in globals()  # the notebook's namespace only gained `state`"),
+    ],
+    "02-shared-datasets.ipynb": [
+        md("# Shared datasets: what copy-on-write shares, and what breaks it\n\nA forked rank sees the notebook's "
+           "memory without copying it, until it writes to a page. Tensors stay shared when ranks only read them. "
+           "Python objects do not: reading one updates its reference count, which writes to its page, so every "
+           "rank ends up with its own copy. The dashboard shows this live: USS is what a rank holds privately, "
+           "*shared* is what it still shares."),
+        code("%load_ext nbddp\nimport torch\nbig = torch.ones(64 * 2**20)  # 256 MB tensor\nnames = [f'sample-{i}' for i in range(1_000_000)]  # a Python list of 1M strings"),
+        code("%%ddp --devices 2 --out report\n"
+             "import psutil, torch.distributed as dist\n"
+             "def uss_mb():\n"
+             "    return psutil.Process().memory_full_info().uss / 2**20\n"
+             "start = uss_mb()\n"
+             "total = big[rank::world_size].sum().item()      # read the tensor\n"
+             "after_tensor = uss_mb()\n"
+             "n = sum(len(s) for s in names)                   # read the Python list\n"
+             "after_list = uss_mb()\n"
+             "mine = [after_tensor - start, after_list - after_tensor]\n"
+             "allr = [None] * world_size\n"
+             "dist.all_gather_object(allr, mine)\n"
+             "report = {'tensor_mb': max(r[0] for r in allr), 'list_mb': max(r[1] for r in allr)}\n"
+             "print(f'private memory added by reading the tensor: {mine[0]:.0f} MB, the list: {mine[1]:.0f} MB')"),
+        code("print(f\"reading 256 MB of tensor made each rank copy at most {report['tensor_mb']:.0f} MB\")\n"
+             "print(f\"reading a list of 1M strings made a rank copy {report['list_mb']:.0f} MB\")\n"
+             "assert report['tensor_mb'] < 0.05 * 256, report\n"
+             "assert report['list_mb'] > report['tensor_mb'], report"),
+        md("**What to do:** keep datasets as tensors (or numpy arrays) built in the notebook; turn lists of Python "
+           "objects into tensors or arrays before the `%%ddp` cell. `THP_MEM_ALLOC_ENABLE=1`, which nbddp sets at "
+           "`%load_ext`, also keeps the fork itself cheap when the kernel holds many GB of tensors."),
+    ],
+    "03-metrics-and-results.ipynb": [
+        md("# Metrics and results\n\nRanks are a real process group, so metric libraries sync across them. Results "
+           "come back three ways: `--out NAME` (rank 0's variables), the last expression (rank 0's value, "
+           "as `Out[n]`), and `nbddp.launch` (every rank's return value)."),
+        code("%load_ext nbddp\nimport nbddp, torch"),
+        code("%%ddp --devices 2 --out mean\n"
+             "import torchmetrics\n"
+             "metric = torchmetrics.MeanMetric()\n"
+             "metric.update(torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([6.0, 7.0, 9.0]))\n"
+             "mean = metric.compute()   # synced across ranks: the mean of all five values\n"
+             "print(f'rank {rank} sees {mean.item():.1f}')"),
+        code("# NBVAL_CHECK_OUTPUT\nmean"),
+        code("def shard_sum(n):\n"
+             "    import torch.distributed as dist\n"
+             "    part = torch.arange(n)[dist.get_rank()::dist.get_world_size()].sum()\n"
+             "    return int(part)\n\n"
+             "parts = nbddp.launch(shard_sum, 1000, devices=2)\nparts"),
+        code("# NBVAL_CHECK_OUTPUT\nsum(parts) == sum(range(1000))"),
+    ],
+    "04-lightning-and-accelerate.ipynb": [
+        md("# Bringing Lightning and Accelerate code\n\nnbddp sets the torchrun environment and the process group "
+           "before the cell runs, so Lightning's `strategy=\"ddp\"` and Accelerate's `Accelerator` find an "
+           "already-launched job and join it instead of starting processes of their own. A rank is not an "
+           "interactive session, so Lightning does not refuse `ddp` even when it was imported in the notebook."),
+        code("%load_ext nbddp\nimport torch, pytorch_lightning as pl"),
+        code("class Regression(pl.LightningModule):\n"
+             "    def __init__(self):\n"
+             "        super().__init__()\n"
+             "        self.layer = torch.nn.Linear(4, 1)\n"
+             "    def training_step(self, batch, _):\n"
+             "        x, y = batch\n"
+             "        return torch.nn.functional.mse_loss(self.layer(x), y)\n"
+             "    def configure_optimizers(self):\n"
+             "        return torch.optim.SGD(self.parameters(), lr=0.1)\n\n"
+             "data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randn(256, 1))"),
+        code("%%ddp --devices 2 --out weight\n"
+             "trainer = pl.Trainer(accelerator='auto', devices=world_size, strategy='ddp', max_epochs=2, logger=False,\n"
+             "                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)\n"
+             "model = Regression()\n"
+             "trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=32))\n"
+             "print(f'Lightning: world_size={trainer.world_size} global_rank={trainer.global_rank}')\n"
+             "weight = model.layer.weight.detach()"),
+        code("# NBVAL_CHECK_OUTPUT\ntuple(weight.shape)"),
+        code("%%ddp --devices 2\n"
+             "from accelerate import Accelerator\n"
+             "acc = Accelerator(cpu=device.type == 'cpu')\n"
+             "print(f'Accelerate: {acc.num_processes} processes, this is #{acc.process_index}')\n"
+             "total = acc.reduce(torch.tensor([float(rank + 1)], device=acc.device), reduction='sum')\n"
+             "total.item()"),
+    ],
+    "05-failures.ipynb": [
+        md("# Failures: what you see, and how to read it\n\nEvery failure ends the cell within seconds, names the "
+           "rank and the cause, stops the other ranks and leaves no process behind. The next `%%ddp` works.\n\n"
+           "**Interrupt** (the stop button) stops every rank and ends the cell with `KeyboardInterrupt`; the kernel "
+           "and its variables stay. (An interrupt cannot be shown in a notebook that is run top to bottom, so it "
+           "is not in this one; the test suite covers it.)"),
+        code("%load_ext nbddp\nimport torch"),
+        md("An exception on one rank while the other waits in a collective: the traceback points into this cell."),
+        code("# NBVAL_RAISES_EXCEPTION\n%%ddp --devices 2\nimport torch.distributed as dist\n"
+             "if rank == 1:\n    raise ValueError('bad batch on rank 1')\ndist.all_reduce(torch.ones(1))"),
+        md("A hang: `--timeout` stops the run and shows where every rank was."),
+        code("# NBVAL_RAISES_EXCEPTION\n%%ddp --devices 2 --timeout 3\nimport time, torch.distributed as dist\n"
+             "def wait_for_data():\n    while True:\n        time.sleep(0.1)\n"
+             "if rank == 0:\n    wait_for_data()   # rank 0 never reaches the barrier\ndist.barrier()"),
+        md("A rank killed outright (what the out-of-memory killer does):"),
+        code("# NBVAL_RAISES_EXCEPTION\n%%ddp --devices 2\nimport os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+             "import torch.distributed as dist\ndist.barrier()"),
+        md("Bad input launches nothing:"),
+        code("# NBVAL_RAISES_EXCEPTION\n%%ddp --devices 0,0\nprint('never runs')"),
+        md("And after all that, the kernel is fine:"),
+        code("# NBVAL_CHECK_OUTPUT\n%%ddp --devices 2 --ranks-output none\nworld_size"),
+    ],
+    "06-export-to-torchrun.ipynb": [
+        md("# From notebook to torchrun\n\nWhen a job outgrows one machine, the same cells become a script for "
+           "`torchrun` (or SLURM `srun`): `%ddp_export train.py` (or `nbddp export NOTEBOOK.ipynb -o train.py`) "
+           "writes the `%%ddp` cells, and the plain cells they need, around a process group that torchrun sets up."),
+        code("%load_ext nbddp"),
+        code("import torch\ntorch.manual_seed(0)\nX = torch.randn(4096, 8)\nY = X.sum(dim=1, keepdim=True)"),
+        code("%%ddp --devices 2\n"
+             "import torch.distributed as dist\n"
+             "torch.manual_seed(0)\n"
+             "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+             "for step in range(50):\n"
+             "    opt.zero_grad()\n"
+             "    loss = torch.nn.functional.mse_loss(model(X[rank::world_size]), Y[rank::world_size])\n"
+             "    loss.backward()\n"
+             "    opt.step()\n"
+             "final = loss.detach().clone()\n"
+             "dist.all_reduce(final)\n"
+             "round(final.item() / world_size, 4)"),
+        code("%ddp_export train.py"),
+        code("import shutil, subprocess, sys, pathlib\n"
+             "torchrun = shutil.which('torchrun') or str(pathlib.Path(sys.executable).with_name('torchrun'))\n"
+             "run = subprocess.run([torchrun, '--standalone', '--nproc-per-node', '2', 'train.py'],\n"
+             "                     capture_output=True, text=True, timeout=300)\n"
+             "print(run.stdout)\n"
+             "assert run.returncode == 0, run.stderr\n"
+             "cell_result = Out[max(Out)]  # what the %%ddp cell showed as its Out[n]\n"
+             "assert run.stdout.strip() == repr(cell_result), (run.stdout, cell_result)"),
+        md("Across machines, run the same script with `torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d "
+           "--rdzv-endpoint HOST:29500 train.py`, or under SLURM with `srun torchrun ...`; see docs/user-guide.md."),
+    ],
+}
+
+
+def main(names):
+    for name, cells in NOTEBOOKS.items():
+        if names and name not in names:
+            continue
+        nb = nbformat.v4.new_notebook(cells=cells)
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                       resources={"metadata": {"path": str(HERE)}}).execute()
+        for cell in nb.cells:
+            errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
+            if errors and "NBVAL_RAISES_EXCEPTION" not in cell.source:
+                sys.exit(f"{name}: unexpected error in cell:\n{cell.source}\n{errors[0].ename}: {errors[0].evalue}")
+        nbformat.write(nb, HERE / name)
+        print("wrote", name)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
