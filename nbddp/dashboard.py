@@ -35,9 +35,7 @@ class RunView:
         self.ended: dict[int, float] = {}
         self.exits: dict[int, object] = {}
         if self.widgets:
-            from IPython.display import display
-
-            self.handle = display(_Html(self._title("starting")), display_id=True)
+            self.handle = _Display(self._title("starting"))
 
     def started(self, rank: int, pid: int) -> None:
         self.monitor.watch(rank, pid)
@@ -63,17 +61,17 @@ class RunView:
             import ipywidgets
 
             self.widget = ipywidgets.HTML()
-            self.handle.update(self.widget)
+            self.handle.update_widget(self.widget)
         self.widget.value = self.render_html(live=True)
 
     def finish(self, error: BaseException | None) -> None:
-        summary = Summary(self.render_html(live=False), self.render_text())
+        text = self.render_text()
         if self.handle is not None:
-            self.handle.update(summary)
+            self.handle.update_html(self.render_html(live=False), text)
             if self.widget is not None:
                 self.widget.close()
         else:
-            print(summary.text)
+            print(text)
 
     # -- rendering --------------------------------------------------------------------------------
     def _elapsed(self, rank=None) -> float:
@@ -190,23 +188,24 @@ def _strip_tags(text: str) -> str:
     return text.replace("<b>", "").replace("</b>", "")
 
 
-class _Html:
-    def __init__(self, body: str):
-        self.body = body
+class _Display:
+    """One output slot, updated in place by display id (ipyparallel's pattern). Bundles are built here:
+    IPython's formatter machinery costs milliseconds per call, which every short run would pay."""
 
-    def _repr_html_(self):
-        return self.body
+    def __init__(self, title_html: str):
+        import uuid
 
-    def __repr__(self):
-        return _strip_tags(self.body)
+        self.display_id = uuid.uuid4().hex
+        self._publish(False, {"text/html": title_html, "text/plain": _strip_tags(title_html)})
 
+    def update_widget(self, widget) -> None:
+        view = {"model_id": widget.model_id, "version_major": 2, "version_minor": 0}
+        self._publish(True, {"application/vnd.jupyter.widget-view+json": view, "text/plain": "nbddp dashboard"})
 
-class Summary:
-    def __init__(self, html_text: str, text: str):
-        self.html, self.text = html_text, text
+    def update_html(self, html_text: str, text: str) -> None:
+        self._publish(True, {"text/html": html_text, "text/plain": text})
 
-    def _repr_html_(self):
-        return self.html
+    def _publish(self, update: bool, data: dict) -> None:
+        from IPython.display import publish_display_data
 
-    def __repr__(self):
-        return self.text
+        publish_display_data(data, transient={"display_id": self.display_id}, update=update)

@@ -103,6 +103,8 @@ def _not_interactive() -> None:
     for attr in ("ps1", "ps2"):
         if hasattr(sys, attr):
             delattr(sys, attr)
+    if not any(m in sys.modules for m in ("lightning", "lightning_fabric", "pytorch_lightning")):
+        return
     for name, mod in list(sys.modules.items()):
         if name.startswith(("lightning", "pytorch_lightning")) and getattr(mod, "_IS_INTERACTIVE", False):
             mod._IS_INTERACTIVE = False

@@ -7,6 +7,7 @@ process exits). Its only timeouts are real deadlines (``--timeout``, teardown gr
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import selectors
 import signal
@@ -20,6 +21,12 @@ from .errors import CudaInitialisedError, UsageError
 from .relay import Relay, TextSink
 from .worker import READY, RankSpec, fork_main
 
+# Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
+# ranks only run the cell and exit through os._exit, and worker.py makes torch safe first.
+warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=DeprecationWarning,
+                        module=__name__)
+
+_LIBC = ctypes.CDLL(None)
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
 STACK_QUIET_S = 0.3  # after SIGUSR1 at a timeout: stacks are complete once stderr is quiet this long
 STACK_MAX_S = 2.0
@@ -119,8 +126,8 @@ def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict)
     try:
         ifname = rendezvous.loopback_ifname()
         port = rendezvous.free_port()
-        for rank, dev in enumerate(plan.device_ids):
-            spec = RankSpec(
+        specs = [
+            RankSpec(
                 rank=rank,
                 world_size=plan.world_size,
                 accelerator=plan.accelerator,
@@ -131,7 +138,11 @@ def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict)
                 parent_pid=os.getpid(),
                 env=_rank_env(plan, rank, run_dir.run_id, port, config.threads, ifname),
             )
+            for rank, dev in enumerate(plan.device_ids)
+        ]
+        for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
             sup.add(starter.start(spec, job, sup.all_fds()))
+        sup.announce()
         deadline = None if config.timeout is None else start + config.timeout
         sup.wait(deadline)
     except BaseException as e:
@@ -190,14 +201,8 @@ class ForkStarter:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         res_r, res_w = os.pipe()
-        for s in (sys.stdout, sys.stderr):
-            try:
-                s.flush()
-            except Exception:
-                pass
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
-            pid = os.fork()
+        _LIBC.fflush(None)  # C-level buffers would otherwise be written again by the child
+        pid = os.fork()
         if pid == 0:  # pragma: no cover - the child; fork_main never returns
             fork_main(spec, job, out_fd=out_w, err_fd=err_w, result_fd=res_w,
                       close_fds=[*inherited_fds, out_r, err_r, res_r])
@@ -274,8 +279,12 @@ class Supervisor:
         for fd in proc.fds:
             self.sel.register(fd, selectors.EVENT_READ, (proc, proc.fds[fd]))
         self.sel.register(proc.pidfd, selectors.EVENT_READ, (proc, "exit"))
+
+    def announce(self) -> None:
+        """Tell the observer about every rank, once all are forked."""
         if self.observer:
-            self.observer.started(proc.rank, proc.pid)
+            for proc in self.procs:
+                self.observer.started(proc.rank, proc.pid)
 
     def all_fds(self) -> list[int]:
         return [fd for p in self.procs for fd in (*p.fds, p.pidfd)]

@@ -43,20 +43,23 @@ class Monitor:
         self.ranks: dict[int, RankSample] = {}
         self.gpus: dict[int, GpuHistory] = {i: GpuHistory() for i in gpu_indices}
         self._procs: dict[int, psutil.Process] = {}
+        self._pids: dict[int, int] = {}
 
     def watch(self, rank: int, pid: int) -> None:
-        try:
-            proc = psutil.Process(pid)
-            proc.cpu_percent(None)  # primes the counter: the next call reports the interval's use
-            self._procs[rank] = proc
-        except psutil.Error:
-            pass
+        self._pids[rank] = pid  # psutil handles are made at the first sample: a short run never pays
         self.ranks[rank] = RankSample()
 
     def forget(self, rank: int) -> None:
         self._procs.pop(rank, None)
+        self._pids.pop(rank, None)
 
     def sample(self) -> None:
+        for rank, pid in list(self._pids.items()):
+            if rank not in self._procs:
+                try:
+                    self._procs[rank] = psutil.Process(pid)
+                except psutil.Error:
+                    self._pids.pop(rank)
         for rank, proc in list(self._procs.items()):
             s = self.ranks[rank]
             try:

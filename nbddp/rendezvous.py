@@ -6,6 +6,7 @@ listens on a non-loopback address and no rerun ever meets "address already in us
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
@@ -60,8 +61,14 @@ def new_run_dir() -> RunDir:
 
 
 def _prune(root: Path) -> None:
-    """Keep the newest runs' logs; drop rendezvous files a killed kernel could not remove."""
-    runs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.name)
+    """Keep the newest runs' logs; drop rendezvous files a killed kernel could not remove.
+
+    Runs only once the directory holds half again as many runs as it keeps, so a launch rarely pays.
+    """
+    names = sorted(os.listdir(root))
+    if len(names) < KEEP_RUNS + KEEP_RUNS // 2:
+        return
+    runs = [root / n for n in names]
     for old in runs[: max(0, len(runs) - (KEEP_RUNS - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     for run in runs[-(KEEP_RUNS - 1):]:
@@ -80,6 +87,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=1)
 def loopback_ifname() -> str:
     """Name of the interface that carries 127.0.0.1 ("lo" on Linux, "lo0" on macOS)."""
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import io
 import os
 import signal
@@ -50,6 +51,9 @@ def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, result_fd: int, 
     """Entry point in a freshly forked child. Never returns."""
     code = 70
     try:
+        # Objects inherited from the kernel are never collected here: the GC skips them (a big
+        # notebook heap would slow every collection) and leaves their pages shared with the kernel.
+        gc.freeze()
         _tie_to_parent(spec.parent_pid)
         for fd in close_fds:
             _close(fd)
@@ -185,17 +189,41 @@ def _own_stdio(out_fd: int, err_fd: int) -> None:
 
 def _detach_from_kernel() -> None:
     """New Python streams on fd 1/2, and nothing left that could write to the kernel's zmq sockets."""
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
-    )
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
-    )
+    sys.stdout = sys.__stdout__ = _stream(1, line_buffering=False)
+    sys.stderr = sys.__stderr__ = _stream(2, line_buffering=True)
     sys.stdin = sys.__stdin__ = open(os.devnull)  # noqa: SIM115
+    _start_flusher()
+    os.register_at_fork(after_in_child=_start_flusher)  # DataLoader workers forked by the rank
     _line_buffer_c_stdout()
     from . import kernelside
 
     kernelside.redirect_in_rank()
+
+
+def _stream(fd: int, line_buffering: bool) -> io.TextIOWrapper:
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(io.BufferedWriter(raw, 1 << 16), encoding="utf-8", errors="backslashreplace",
+                            line_buffering=line_buffering)
+
+
+FLUSH_S = 0.05
+
+
+def _start_flusher() -> None:
+    """stdout is block-buffered (one write per 64 KiB, not per line: a chatty rank costs its parent
+    and its own loop far less); this thread pushes what is pending every 50 ms, so output stays live.
+    stderr stays line-buffered: warnings and errors go out at once."""
+    import threading
+
+    def flush_forever():
+        while True:
+            time.sleep(FLUSH_S)
+            try:
+                sys.stdout.flush()
+            except Exception:  # a closed or replaced stream: nothing to push
+                pass
+
+    threading.Thread(target=flush_forever, name="nbddp-flush", daemon=True).start()
 
 
 def _line_buffer_c_stdout() -> None:

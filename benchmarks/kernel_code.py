@@ -1,0 +1,207 @@
+"""Code the benchmark runs inside a real ipykernel (sent as a cell); each measure prints one BENCH line."""
+
+SETUP = r'''
+%load_ext nbddp
+import json, os, pickle, shutil, statistics, subprocess, sys, tempfile, time
+import psutil, torch, torch.distributed as dist, torch.multiprocessing as tmp
+
+def bench(name, value):
+    print("BENCH " + json.dumps({"name": name, "value": value}), flush=True)
+
+def _raw_job(rank, world, path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+
+def raw_round_trip(n=2):
+    d = tempfile.mkdtemp()
+    t0 = time.perf_counter()
+    tmp.start_processes(_raw_job, args=(n, os.path.join(d, "store")), nprocs=n, start_method="fork")
+    dt = time.perf_counter() - t0
+    shutil.rmtree(d)
+    return dt
+
+def nbddp_round_trip(n=2, extra=""):
+    t0 = time.perf_counter()
+    get_ipython().run_cell_magic("ddp", f"--devices {n} {extra}", "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    return time.perf_counter() - t0
+
+def _fabric_job(fabric):
+    torch.set_num_threads(1)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+def lightning_round_trip(n=2):
+    from lightning_fabric import Fabric
+    os.environ.pop("MASTER_PORT", None)  # Lightning leaves it behind; a stale one collides on rerun
+    t0 = time.perf_counter()
+    Fabric(accelerator="cpu", devices=n, strategy="ddp_notebook").launch(_fabric_job)
+    return time.perf_counter() - t0
+
+def _accelerate_job():
+    torch.set_num_threads(1)
+    from accelerate import PartialState
+    PartialState(cpu=True)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+
+def accelerate_round_trip(n=2):
+    from accelerate import notebook_launcher
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    t0 = time.perf_counter()
+    notebook_launcher(_accelerate_job, num_processes=n, use_port=str(port))
+    return time.perf_counter() - t0
+'''
+
+ROUND_TRIP = r'''
+launchers = {"raw fork": raw_round_trip, "nbddp %%ddp": nbddp_round_trip,
+             "Lightning ddp_notebook": lightning_round_trip, "Accelerate notebook_launcher": accelerate_round_trip}
+for f in launchers.values():
+    f()  # warm-up: first-use imports are not launch cost
+times = {k: [] for k in launchers}
+for _ in range({runs}):
+    for k, f in launchers.items():  # interleaved, so drift hits every launcher alike
+        times[k].append(f())
+bench("round_trip", {k: statistics.median(v) for k, v in times.items()})
+'''
+
+SCALING = r'''
+res = {}
+for n in (1, 2, 4, 8):
+    raw, ours = [], []
+    for _ in range(5):
+        raw.append(raw_round_trip(n)); ours.append(nbddp_round_trip(n))
+    res[n] = {"raw fork": statistics.median(raw), "nbddp %%ddp": statistics.median(ours)}
+bench("scaling", res)
+'''
+
+SHARING = r'''
+data = torch.ones(256 * 2**20)  # 1 GiB
+reader = "import psutil\ns = data[rank::world_size].sum().item()\nuss = psutil.Process().memory_full_info().uss\n"
+def rank_uss(method):
+    allr = get_ipython().run_cell_magic("ddp", f"--devices 2 --start-method {method} --ranks-output none -o uss_all",
+        reader + "allu = [None] * world_size\ndist.all_gather_object(allu, uss)\nuss_all = allu\n")
+    return max(uss_all)
+get_ipython().run_cell_magic("ddp", "--devices 2 --ranks-output none", "import psutil")  # baseline imports
+base = get_ipython().run_cell_magic("ddp", "--devices 2 --ranks-output none", "import psutil\npsutil.Process().memory_full_info().uss")
+bench("sharing", {"dataset": data.numel() * 4, "baseline_uss": base, "fork": rank_uss("fork"), "spawn": rank_uss("spawn")})
+del data
+'''
+
+RESULTS = r'''
+build = "state = {f'layer{i}.weight': torch.randn(1024, 1024) for i in range(25)}  # 100 MiB\n"
+def cell(outs):
+    t0 = time.perf_counter()
+    get_ipython().run_cell_magic("ddp", f"--devices 2 {outs}", build)
+    return time.perf_counter() - t0
+def raw_pipe():
+    r, w = os.pipe()
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        exec(build, globals())
+        blob = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(blob)
+        while view:
+            view = view[os.write(w, view):]
+        os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 1 << 20):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    pickle.loads(b"".join(chunks))
+    return time.perf_counter() - t0
+def raw_pipe_no_data():
+    pid = os.fork()
+    t0 = time.perf_counter()
+    if pid == 0:
+        exec(build, globals()); os._exit(0)
+    os.waitpid(pid, 0)
+    return time.perf_counter() - t0
+with_out, without, raw, raw0 = [], [], [], []
+for _ in range({runs}):
+    with_out.append(cell("-o state")); without.append(cell("")); raw.append(raw_pipe()); raw0.append(raw_pipe_no_data())
+bench("results", {"nbddp": statistics.median(with_out) - statistics.median(without),
+                  "raw pipe": statistics.median(raw) - statistics.median(raw0),
+                  "bytes": sum(v.numel() * 4 for v in state.values())})
+'''
+
+TRAIN_BODY = r'''import time, torch, torch.distributed as dist
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+    torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(64, 256), torch.randn(64, 1)
+def step():
+    opt.zero_grad(); torch.nn.functional.mse_loss(model(x), y).backward(); opt.step()
+for _ in range(20):
+    step()
+dist.barrier()
+t0 = time.perf_counter()
+for _ in range(300):
+    step()
+dist.barrier()
+steps_per_s = 300 / (time.perf_counter() - t0)
+'''
+
+TRAINING = r'''
+script = os.path.join(tempfile.mkdtemp(), "train.py")
+with open(script, "w") as f:
+    f.write("import torch\ntorch.set_num_threads(1)\nimport torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\nrank = dist.get_rank()\n" + TRAIN_BODY_SRC +
+            "if rank == 0:\n    print('STEPS', steps_per_s)\ndist.destroy_process_group()\n")
+torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+ours, theirs = [], []
+for _ in range(3):
+    ours.append(get_ipython().run_cell_magic("ddp", "--devices 2 --ranks-output none", TRAIN_BODY_SRC + "steps_per_s"))
+    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", script], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    theirs.append(float(out.stdout.split("STEPS")[1].split()[0]))
+bench("training", {"nbddp %%ddp": statistics.median(ours), "torchrun": statistics.median(theirs)})
+'''
+
+RELAY_SLOWDOWN = r'''
+body = (
+    "import time, statistics\nx = torch.randn(96, 96)\n"
+    "t0 = time.perf_counter()\nfor _ in range(2000):\n    x @ x\n"
+    "reps = max(1, round(100e-6 / ((time.perf_counter() - t0) / 2000)))  # one step = about 100 us of work\n"
+    "def work(loud):\n"
+    "    t0 = time.perf_counter()\n"
+    "    for i in range(10_000):\n"
+    "        for _ in range(reps):\n"
+    "            y = x @ x\n"
+    "        if loud:\n"
+    "            print(f'step {i} value {float(y[0, 0]):.4f}')\n"
+    "    return time.perf_counter() - t0\n"
+    "work(False)\n"
+    "quiet, loud = [], []\n"
+    "for _ in range(5):\n"
+    "    quiet.append(work(False)); loud.append(work(True))\n"
+    "(statistics.median(quiet), statistics.median(loud))\n"
+)
+q, l = get_ipython().run_cell_magic("ddp", "--devices 2", body)
+q2, l2 = get_ipython().run_cell_magic("ddp", "--devices 2 --ranks-output none", body)
+bench("slowdown", {"quiet_s": q, "loud_s": l, "lines_per_s": 10_000 / l, "hidden_quiet_s": q2, "hidden_loud_s": l2})
+'''
+
+MEMORY = r'''
+res = {}
+for gb in (0, 0.5, 2, 4, 8):
+    big = torch.ones(int(gb * 2**30) // 4) if gb else None
+    times, raws = [], []
+    for _ in range(5):
+        times.append(nbddp_round_trip()); raws.append(raw_round_trip())
+    uss = get_ipython().run_cell_magic("ddp", "--devices 2 --ranks-output none",
+        "import psutil\nif big is not None:\n    big[rank::1024].sum()\npsutil.Process().memory_full_info().uss")
+    res[gb] = {"nbddp %%ddp": statistics.median(times), "raw fork": statistics.median(raws), "rank_uss": uss}
+    del big
+bench("memory", res)
+'''
