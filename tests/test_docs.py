@@ -1,0 +1,53 @@
+"""The docs stay true to the code: reference generated from the magic, every module in architecture.md,
+every message class in troubleshooting.md, README's commands run by .ci/run."""
+import importlib.util
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def test_reference_is_generated_from_the_magic():
+    spec = importlib.util.spec_from_file_location("gen_reference", DOCS / "gen_reference.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (DOCS / "reference.md").read_text() == gen.render(), "run: python docs/gen_reference.py"
+
+
+def test_architecture_names_every_module():
+    text = (DOCS / "architecture.md").read_text()
+    modules = sorted(p.name for p in (ROOT / "nbddp").glob("*.py"))
+    missing = [m for m in modules if f"nbddp/{m}" not in text]
+    assert not missing, f"docs/architecture.md does not mention {missing}"
+
+
+MESSAGES = [  # a fragment of every message a user can meet (see the modules raising them)
+    "unrecognized arguments", "is not a device spec", "more than once", "need at least one device",
+    "cannot be negative", "names no device", "CPU ranks are counted, not indexed", "but this machine has",
+    "NVML sees no GPU", "has no CUDA support", "--backend nccl needs GPUs", "need a whole number >= 1",
+    "need a number of seconds > 0", "does not compile", "fork is not available", "cannot be pickled",
+    "cannot launch from inside a rank", "another nbddp launch is still running", "CUDA was initialised in this kernel by",
+    "already initialised in this kernel", "also failed (likely a consequence)", "stopped by nbddp after rank",
+    "killed by SIGKILL", "killed by SIGSEGV", "killed by SIGBUS", "killed by SIGABRT", "exited with code",
+    "called sys.exit", "exited (code 0)", "its return value", "--timeout", "was here:", "KeyboardInterrupt",
+    "never defined", "the cell's last expression cannot be pickled",
+]
+
+
+def test_troubleshooting_covers_every_message():
+    text = (DOCS / "troubleshooting.md").read_text()
+    missing = [m for m in MESSAGES if m not in text]
+    assert not missing, f"docs/troubleshooting.md lacks {missing}"
+
+
+def test_ci_runs_the_readme_commands_verbatim():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
+    assert readme.index("```bash") < readme.index("##"), "README.md must open with its two commands"
+    assert "nbddp demo" in blocks[0] and "pytest" in blocks[1]
+    listed = subprocess.run(["bash", "-c", "awk '/^```bash$/{inside=1; next} /^```$/{inside=0} inside' README.md"],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert listed[:2] == [blocks[0], blocks[1]]
+    assert "readme_commands" in (ROOT / ".ci" / "run").read_text()
