@@ -192,6 +192,20 @@ q2, l2 = get_ipython().run_cell_magic("ddp", "--devices 2 --ranks-output none", 
 bench("slowdown", {"quiet_s": q, "loud_s": l, "lines_per_s": 10_000 / l, "hidden_quiet_s": q2, "hidden_loud_s": l2})
 '''
 
+DASHBOARD_COST = r'''
+import nbddp.dashboard as D
+ticks = []
+_tick = D.RunView.tick
+def timed_tick(self):
+    t0 = time.perf_counter(); _tick(self); ticks.append(time.perf_counter() - t0)
+D.RunView.tick = timed_tick
+try:
+    get_ipython().run_cell_magic("ddp", "--devices 2", "import time\nx = torch.zeros(2**20)\ntime.sleep(6.5)")
+finally:
+    D.RunView.tick = _tick
+bench("dashboard", {"ticks": len(ticks), "mean_s": statistics.mean(ticks), "max_s": max(ticks)})
+'''
+
 MEMORY = r'''
 res = {}
 for gb in (0, 0.5, 2, 4, 8):

@@ -65,7 +65,7 @@ def run(quick: bool) -> dict:
     try:
         for code in (kc.ROUND_TRIP.replace("{runs}", str(runs)), kc.SCALING, kc.SHARING,
                      kc.RESULTS.replace("{runs}", str(runs)),
-                     f"TRAIN_BODY_SRC = {kc.TRAIN_BODY!r}\n" + kc.TRAINING, kc.RELAY_SLOWDOWN):
+                     f"TRAIN_BODY_SRC = {kc.TRAIN_BODY!r}\n" + kc.TRAINING, kc.RELAY_SLOWDOWN, kc.DASHBOARD_COST):
             results.update(measures(k.ok(code, timeout=600)))
             print("done:", list(results)[-1], flush=True)
         results["relay"] = relay(k, 20_000 if quick else 100_000)
@@ -140,6 +140,15 @@ def report(r: dict) -> str:
         f"{sd['hidden_loud_s'] / sd['hidden_quiet_s'] - 1:+.1%} time |",
         "",
         f"Targets: ≥ 200,000 lines/s — {verdict(rl['lines_per_s'] >= 200_000)}; slowdown < 2% — {verdict(slow < 0.02)}.",
+        "",
+    ]
+    db = r["dashboard"]
+    lines += [
+        "## 3b. Dashboard sampling cost",
+        "",
+        f"A 6.5 s run with the live widget: {db['ticks']} ticks (1 Hz), each {db['mean_s'] * 1000:.1f} ms on average "
+        f"(max {db['max_s'] * 1000:.1f} ms): psutil samples of both ranks, HTML render, widget update. That is "
+        f"{db['mean_s'] * 100:.2f}% of one core. Target < 1%: {verdict(db['mean_s'] < 0.01)}.",
         "",
     ]
     res = r["results"]

@@ -117,6 +117,11 @@ class Cuda:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
 
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
     def built(self) -> bool:
         """torch was built with CUDA (a CPU wheel cannot drive a GPU even where NVML sees one)."""
         try:

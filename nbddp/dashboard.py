@@ -25,6 +25,7 @@ class RunView:
         self.handle = None
         self.widget = None
         self.error: BaseException | None = None
+        self.plan = None  # set by begin(); a run that failed before its ranks existed shows nothing
 
     # -- supervisor callbacks -------------------------------------------------------------------
     def begin(self, plan, run_dir, relay) -> None:
@@ -41,10 +42,12 @@ class RunView:
         self.monitor.watch(rank, pid)
 
     def running(self, rank: int) -> None:
-        if self.state[rank] == "starting":
+        if self.plan is not None and self.state[rank] == "starting":
             self.state[rank] = "running"
 
     def exited(self, rank: int, exit) -> None:
+        if self.plan is None:
+            return
         self.monitor.forget(rank)
         s = self.monitor.ranks.get(rank)
         if s is not None and exit.max_rss:
@@ -65,6 +68,9 @@ class RunView:
         self.widget.value = self.render_html(live=True)
 
     def finish(self, error: BaseException | None) -> None:
+        if self.plan is None:
+            return
+        self.error = error
         text = self.render_text()
         if self.handle is not None:
             self.handle.update_html(self.render_html(live=False), text)

@@ -72,6 +72,8 @@ def rank_failed(exits: list[RankExit], relabel: dict[str, str], log_dir: str) ->
             continue
         if e.stopped:
             lines.append(f"rank {e.rank}: stopped by nbddp after rank {first.rank} failed")
+        elif not e.ok and e.describe() == first.describe():
+            lines.append(f"rank {e.rank} failed the same way")
         elif not e.ok:
             lines.append(f"rank {e.rank} also failed (likely a consequence): {e.describe()}")
     lines.append(f"Every rank's full output: {log_dir}")

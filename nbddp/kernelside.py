@@ -13,15 +13,16 @@ import importlib.util
 import sys
 
 
-def redirect_in_rank() -> None:
-    _redirect_outstreams()
+def redirect_in_rank(kernel_streams=()) -> None:
+    """``kernel_streams``: what sys.stdout/sys.stderr were in the kernel at fork time."""
+    _redirect_outstreams(kernel_streams)
     _text_display()
     _dummy_comms()
     _console_tqdm()
     _not_interactive()
 
 
-def _redirect_outstreams() -> None:
+def _redirect_outstreams(kernel_streams) -> None:
     """Anything still holding the kernel's OutStream (a logging handler made in the notebook, say)."""
     iostream = sys.modules.get("ipykernel.iostream")
     if iostream is None:
@@ -33,6 +34,10 @@ def _redirect_outstreams() -> None:
     iostream.OutStream.write = lambda self, s: _target(self).write(s)
     iostream.OutStream.writelines = lambda self, lines: _target(self).writelines(lines)
     iostream.OutStream.flush = lambda self: _target(self).flush()
+    for stream in kernel_streams:  # ipykernel >= 7 also binds write on each instance
+        if isinstance(stream, iostream.OutStream):
+            target = _target(stream)
+            stream.__dict__.update(write=target.write, writelines=target.writelines, flush=target.flush)
 
 
 def _text_display() -> None:

@@ -121,8 +121,6 @@ def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict)
     sup = Supervisor(relay, observer)
     starter = (ForkStarter if config.start_method == "fork" else SpawnStarter)(run_dir)
     error = None
-    if observer:
-        observer.begin(plan, run_dir, relay)
     try:
         ifname = rendezvous.loopback_ifname()
         port = rendezvous.free_port()
@@ -142,6 +140,8 @@ def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict)
         ]
         for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
             sup.add(starter.start(spec, job, sup.all_fds()))
+        if observer:  # after the forks: its display costs overlap the ranks' start-up
+            observer.begin(plan, run_dir, relay)
         sup.announce()
         deadline = None if config.timeout is None else start + config.timeout
         sup.wait(deadline)

@@ -11,6 +11,7 @@ import os
 import sys
 
 STREAMS = ("stdout", "stderr")
+MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
 
 
 class TextSink:
@@ -47,6 +48,9 @@ class Relay:
         head, sep, tail = buf.rpartition(b"\n")
         if sep:
             self._emit(rank, stream, head)
+        if len(tail) > MAX_PARTIAL:  # a "line" that never ends: show it in pieces, keep memory bounded
+            self._emit(rank, stream, tail)
+            tail = b""
         if tail:
             self._partial[key] = tail
             if b"\r" in tail:  # a progress bar redrawing in place: the dashboard shows its latest state

@@ -29,7 +29,7 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "NVML sees no GPU", "has no CUDA support", "--backend nccl needs GPUs", "need a whole number >= 1",
     "need a number of seconds > 0", "does not compile", "fork is not available", "cannot be pickled",
     "cannot launch from inside a rank", "another nbddp launch is still running", "CUDA was initialised in this kernel by",
-    "already initialised in this kernel", "also failed (likely a consequence)", "stopped by nbddp after rank",
+    "already initialised in this kernel", "also failed (likely a consequence)", "failed the same way", "stopped by nbddp after rank",
     "killed by SIGKILL", "killed by SIGSEGV", "killed by SIGBUS", "killed by SIGABRT", "exited with code",
     "called sys.exit", "exited (code 0)", "its return value", "--timeout", "was here:", "KeyboardInterrupt",
     "never defined", "the cell's last expression cannot be pickled",

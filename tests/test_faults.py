@@ -58,6 +58,15 @@ def test_rank_fault_while_the_other_waits_in_a_collective(faulty, fault):
     assert res.seconds < 15
 
 
+def test_the_same_error_on_every_rank_is_reported_once(faulty):
+    res = faulty.run("%%ddp --devices 2\nundefined_name + 1\n", timeout=30)
+    text = res.error_text
+    assert re.search(r"rank [01] failed: NameError: name 'undefined_name' is not defined", text)
+    # the other rank either reported the same error first, or was stopped before it could
+    assert re.search(r"rank [01](?: failed the same way|: stopped by nbddp after rank [01] failed)", text), text
+    assert text.count("Traceback") == 1
+
+
 def test_segfault_shows_the_python_stack_of_the_crash(faulty):
     res = faulty.run(
         "%%ddp --devices 2\nimport signal\ndef crash():\n    os.kill(os.getpid(), signal.SIGSEGV)\n"

@@ -122,3 +122,19 @@ def test_failed_run_summary_shows_states(clean_kernel):
     assert "· failed ·" in text
     assert re.search(r"^0\s+cpu\s+stopped\s+SIGTERM", text, re.M)
     assert re.search(r"^1\s+cpu\s+failed\s+1\b", text, re.M)
+
+
+def test_logging_handler_made_in_the_notebook_writes_to_the_ranks_stderr(clean_kernel):
+    k = clean_kernel
+    k.ok("import logging\nlog = logging.getLogger('train')\nlog.addHandler(logging.StreamHandler())  # the kernel's stderr\n"
+         "log.setLevel(logging.INFO)\nlog.propagate = False")
+    res = k.ok("%%ddp --devices 2\nlog.info(f'epoch 1 done on rank {rank}')\n")
+    err = by_rank(res.stderr)
+    assert err[0] == ["epoch 1 done on rank 0"] and err[1] == ["epoch 1 done on rank 1"]
+
+
+def test_a_line_without_end_is_shown_in_bounded_pieces(clean_kernel):
+    res = clean_kernel.ok("%%ddp --devices 2 --ranks-output 0\nimport sys\nsys.stdout.write('x' * 3_000_000)\n")
+    pieces = by_rank(res.stdout)[0]
+    assert "".join(pieces) == "x" * 3_000_000
+    assert len(pieces) >= 2
