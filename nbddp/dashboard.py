@@ -26,6 +26,7 @@ class RunView:
         self.widget = None
         self.error: BaseException | None = None
         self.plan = None  # set by begin(); a run that failed before its ranks existed shows nothing
+        self.ticks = 0
 
     # -- supervisor callbacks -------------------------------------------------------------------
     def begin(self, plan, run_dir, relay) -> None:
@@ -56,8 +57,11 @@ class RunView:
         self.ended[rank] = time.monotonic() - self.t0
         self.state[rank] = "finished" if exit.ok else ("stopped" if exit.stopped else "failed")
 
+    USS_EVERY = 5  # ticks between USS samples: it changes slowly and costs ~3 ms a rank
+
     def tick(self) -> None:
-        self.monitor.sample()
+        self.ticks += 1
+        self.monitor.sample(uss=self.ticks % self.USS_EVERY == 1)
         if not self.widgets:
             return
         if self.widget is None:

@@ -2,7 +2,8 @@
 
 One small class per start method (fork, spawn), one supervisor loop shared by both. The loop waits
 on events only: each rank's stdout/stderr/result pipes and its pidfd (readable the instant the
-process exits). Its only timeouts are real deadlines (``--timeout``, teardown grace, the dashboard's
+process exits; where a platform has no pidfds, a "life pipe" the rank holds open, which reads EOF when
+it exits). Its only timeouts are real deadlines (``--timeout``, teardown grace, the dashboard's
 1 Hz tick), so no polling interval ever lands in the user's wait.
 """
 from __future__ import annotations
@@ -64,7 +65,12 @@ class Config:
 
 
 def fork_available() -> bool:
-    return hasattr(os, "fork") and hasattr(os, "pidfd_open")
+    return hasattr(os, "fork")
+
+
+def _life_pipe() -> tuple[int, int] | tuple[None, None]:
+    """Where there are no pidfds (macOS): a pipe whose write end only the rank holds."""
+    return (None, None) if hasattr(os, "pidfd_open") else os.pipe()
 
 
 @dataclass
@@ -78,7 +84,7 @@ class Outcome:
 class RankProc:
     rank: int
     pid: int
-    pidfd: int
+    exit_fd: int  # a pidfd, or the read end of the rank's life pipe
     fds: dict = field(default_factory=dict)  # fd -> stream name ("stdout" | "stderr" | "result")
     result: bytearray = field(default_factory=bytearray)
     exit: failure.RankExit | None = None
@@ -201,12 +207,13 @@ class ForkStarter:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         res_r, res_w = os.pipe()
+        life_r, life_w = _life_pipe()
         _LIBC.fflush(None)  # C-level buffers would otherwise be written again by the child
         pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child; fork_main never returns
+        if pid == 0:  # pragma: no cover - the child; fork_main never returns (life_w stays open)
             fork_main(spec, job, out_fd=out_w, err_fd=err_w, result_fd=res_w,
-                      close_fds=[*inherited_fds, out_r, err_r, res_r])
-        return _parent_side(pid, spec.rank, out_r, err_r, res_r, (out_w, err_w, res_w))
+                      close_fds=[*inherited_fds, out_r, err_r, res_r, *([life_r] if life_r is not None else [])])
+        return _parent_side(pid, spec.rank, out_r, err_r, res_r, (out_w, err_w, res_w), (life_r, life_w))
 
     def cleanup(self) -> None:
         pass
@@ -231,6 +238,7 @@ class SpawnStarter:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         res_r, res_w = os.pipe()
+        life_r, life_w = _life_pipe()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         pid = os.posix_spawn(
@@ -242,24 +250,27 @@ class SpawnStarter:
                 (os.POSIX_SPAWN_DUP2, err_w, 2),
                 (os.POSIX_SPAWN_DUP2, res_w, 3),
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                *([(os.POSIX_SPAWN_DUP2, life_w, 4)] if life_w is not None else []),
             ],
             setpgroup=0,
         )
-        return _parent_side(pid, spec.rank, out_r, err_r, res_r, (out_w, err_w, res_w))
+        return _parent_side(pid, spec.rank, out_r, err_r, res_r, (out_w, err_w, res_w), (life_r, life_w))
 
     def cleanup(self) -> None:
         for p in self.run_dir.path.glob("*.pkl"):
             p.unlink(missing_ok=True)
 
 
-def _parent_side(pid, rank, out_r, err_r, res_r, child_ends) -> RankProc:
-    for fd in child_ends:
+def _parent_side(pid, rank, out_r, err_r, res_r, child_ends, life) -> RankProc:
+    life_r, life_w = life
+    for fd in (*child_ends, *([life_w] if life_w is not None else [])):
         os.close(fd)
     try:
         os.setpgid(pid, pid)  # also done in the child; whichever runs first wins the race
     except OSError:
         pass
-    return RankProc(rank, pid, os.pidfd_open(pid), {out_r: "stdout", err_r: "stderr", res_r: "result"})
+    exit_fd = life_r if life_r is not None else os.pidfd_open(pid)
+    return RankProc(rank, pid, exit_fd, {out_r: "stdout", err_r: "stderr", res_r: "result"})
 
 
 # -- supervision ------------------------------------------------------------------------------------
@@ -278,7 +289,7 @@ class Supervisor:
         self.procs.append(proc)
         for fd in proc.fds:
             self.sel.register(fd, selectors.EVENT_READ, (proc, proc.fds[fd]))
-        self.sel.register(proc.pidfd, selectors.EVENT_READ, (proc, "exit"))
+        self.sel.register(proc.exit_fd, selectors.EVENT_READ, (proc, "exit"))
 
     def announce(self) -> None:
         """Tell the observer about every rank, once all are forked."""
@@ -287,7 +298,7 @@ class Supervisor:
                 self.observer.started(proc.rank, proc.pid)
 
     def all_fds(self) -> list[int]:
-        return [fd for p in self.procs for fd in (*p.fds, p.pidfd)]
+        return [fd for p in self.procs for fd in (*p.fds, p.exit_fd)]
 
     def live(self) -> list[RankProc]:
         return [p for p in self.procs if p.exit is None]
@@ -348,9 +359,9 @@ class Supervisor:
             self._close_fd(proc, fd)
         _signal_group(proc.pid, signal.SIGKILL)
         _, status, usage = os.wait4(proc.pid, 0)
-        self.sel.unregister(proc.pidfd)
-        os.close(proc.pidfd)
-        proc.pidfd = -1
+        self.sel.unregister(proc.exit_fd)
+        os.close(proc.exit_fd)
+        proc.exit_fd = -1
         blob = results.unframe(bytes(proc.result[len(READY):] if proc.result[:1] == READY else proc.result))
         message = _load(blob) if blob is not None else None
         self._seen += 1
@@ -411,10 +422,10 @@ class Supervisor:
         for p in self.procs:
             for fd in list(p.fds):
                 self._close_fd(p, fd)
-            if p.pidfd >= 0:
-                self.sel.unregister(p.pidfd)
-                os.close(p.pidfd)
-                p.pidfd = -1
+            if p.exit_fd >= 0:
+                self.sel.unregister(p.exit_fd)
+                os.close(p.exit_fd)
+                p.exit_fd = -1
         self.sel.close()
 
 

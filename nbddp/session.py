@@ -62,8 +62,6 @@ def _shell():
 def _fork() -> tuple[bool, str]:
     if not hasattr(os, "fork"):
         return False, f"{sys.platform} has no fork; use --start-method spawn"
-    if not hasattr(os, "pidfd_open"):
-        return False, "nbddp's fork launcher needs Linux (pidfd); use --start-method spawn"
     return True, "ranks are forks of this process: notebook data is shared copy-on-write"
 
 

@@ -87,11 +87,29 @@ def test_a_second_launch_while_one_runs_is_refused(clean_kernel, tmp_path):
 
 def test_fork_unavailable_says_use_spawn(nothing_launched):
     k = nothing_launched
-    res = k.run("import os\n_pidfd = os.pidfd_open\ndel os.pidfd_open\ntry:\n"
+    res = k.run("import os\n_fork = os.fork\ndel os.fork\ntry:\n"
                 "    get_ipython().run_cell_magic('ddp', '--devices 2', 'sentinel = 1')\n"
-                "finally:\n    os.pidfd_open = _pidfd\n")
+                "finally:\n    os.fork = _fork\n")
     assert res.error["ename"] == "UsageError"
     assert re.search(r"fork is not available on linux: use --start-method spawn", res.error_text)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_without_pidfds_exits_are_seen_through_the_life_pipe(clean_kernel, method):
+    """macOS has no pidfd_open: the same supervisor then watches a pipe each rank holds open."""
+    k = clean_kernel
+    k.ok("import os\n_pidfd = os.pidfd_open\ndel os.pidfd_open")
+    try:
+        ok = k.ok(f"%%ddp --devices 2 --start-method {method}\nimport torch.distributed as dist\n"
+                  "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()\n", timeout=90)
+        assert ok.result == "2.0"
+        bad = k.run(f"%%ddp --devices 2 --start-method {method}\nimport os, signal\nif rank == 1:\n"
+                    "    os.kill(os.getpid(), signal.SIGKILL)\nimport torch.distributed as dist\ndist.barrier()\n",
+                    timeout=90)
+        assert "rank 1 failed: killed by SIGKILL" in bad.error_text
+        assert bad.seconds < 15
+    finally:
+        k.ok("os.pidfd_open = _pidfd")
 
 
 def test_spawn_ships_the_cell_and_the_globals_it_uses(clean_kernel):
