@@ -56,6 +56,11 @@ class Config:
             raise UsageError(f"--max-lines {self.max_lines!r}: need a whole number >= 0.")
         if self.ranks_output not in ("all", "0", "none"):
             raise UsageError(f"--ranks-output {self.ranks_output!r}: choose all, 0 or none.")
+        if not hasattr(os, "posix_spawn"):
+            raise UsageError(
+                f"nbddp runs ranks on Linux and macOS; {sys.platform} has neither fork nor posix_spawn.\n"
+                "On Windows, run the notebook inside WSL2 (CUDA and NCCL work there)."
+            )
         if self.start_method == "fork" and not fork_available():
             raise UsageError(
                 f"fork is not available on {sys.platform}: use --start-method spawn "

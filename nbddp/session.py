@@ -60,6 +60,8 @@ def _shell():
 
 
 def _fork() -> tuple[bool, str]:
+    if not hasattr(os, "posix_spawn"):
+        return False, f"{sys.platform} is not supported (no fork, no posix_spawn): use WSL2 on Windows"
     if not hasattr(os, "fork"):
         return False, f"{sys.platform} has no fork; use --start-method spawn"
     return True, "ranks are forks of this process: notebook data is shared copy-on-write"

@@ -27,7 +27,7 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "unrecognized arguments", "is not a device spec", "more than once", "need at least one device",
     "cannot be negative", "names no device", "CPU ranks are counted, not indexed", "but this machine has",
     "NVML sees no GPU", "has no CUDA support", "--backend nccl needs GPUs", "need a whole number >= 1",
-    "need a number of seconds > 0", "does not compile", "fork is not available", "cannot be pickled",
+    "need a number of seconds > 0", "does not compile", "fork is not available", "has neither fork nor posix_spawn", "cannot be pickled",
     "cannot launch from inside a rank", "another nbddp launch is still running", "CUDA was initialised in this kernel by",
     "already initialised in this kernel", "also failed (likely a consequence)", "failed the same way", "stopped by nbddp after rank",
     "killed by SIGKILL", "killed by SIGSEGV", "killed by SIGBUS", "killed by SIGABRT", "exited with code",

@@ -134,3 +134,12 @@ def test_spawn_traceback_points_into_the_cell(clean_kernel):
     res = clean_kernel.run("%%ddp --devices 2 --start-method spawn\nx = 1\nif rank == 0:\n    x / 0\n", timeout=90)
     assert "rank 0 failed: ZeroDivisionError" in res.error_text
     assert re.search(r"Cell In\[\d+\], line 4", res.error_text) and "x / 0" in res.error_text
+
+
+def test_windows_is_told_to_use_wsl(nothing_launched):
+    k = nothing_launched
+    res = k.run("import os\n_ps = os.posix_spawn\ndel os.posix_spawn\ntry:\n"
+                "    get_ipython().run_cell_magic('ddp', '--devices 2 --start-method spawn', 'sentinel = 1')\n"
+                "finally:\n    os.posix_spawn = _ps\n")
+    assert res.error["ename"] == "UsageError"
+    assert "has neither fork nor posix_spawn" in res.error_text and "WSL2" in res.error_text
