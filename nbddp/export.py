@@ -43,6 +43,7 @@ rank, local_rank, world_size, device = _nbddp_process_group()
 '''
 
 FOOTER = '''
+dist.barrier()  # every rank is past its last collective before the group is torn down
 dist.destroy_process_group()
 '''
 
