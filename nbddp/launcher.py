@@ -8,11 +8,13 @@ it exits). Its only timeouts are real deadlines (``--timeout``, teardown grace, 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import selectors
 import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -149,8 +151,9 @@ def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict)
             )
             for rank, dev in enumerate(plan.device_ids)
         ]
-        for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
-            sup.add(starter.start(spec, job, sup.all_fds()))
+        with _sigint_deferred():  # an interrupt now would lose track of a rank just forked
+            for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
+                sup.add(starter.start(spec, job, sup.all_fds()))
         if observer:  # after the forks: its display costs overlap the ranks' start-up
             observer.begin(plan, run_dir, relay)
         sup.announce()
@@ -175,6 +178,26 @@ def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict)
         raise failure.rank_failed(exits, relabel, str(run_dir.path))
     values = [p.exit.message.get("value") for p in sup.procs]
     return Outcome(values, str(run_dir.path), time.monotonic() - start)
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold an interrupt back while ranks are forked and registered, then raise it.
+
+    A signal mask would not do: Jupyter's SIGINT goes to the whole process, and any of the kernel's
+    other threads takes it; so the handler itself is swapped for one that only takes note.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if noted:
+            raise KeyboardInterrupt
 
 
 def _rank_env(plan, rank, run_id, port, threads, ifname) -> dict:

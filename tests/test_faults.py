@@ -100,6 +100,26 @@ def test_interrupt_stops_every_rank_and_keeps_the_kernel(faulty):
     assert faulty.value("1 + 1") == 2
 
 
+def test_an_interrupt_while_ranks_are_being_forked_orphans_none(faulty):
+    """SIGINT lands between two forks: it is held back until both ranks are tracked, then stops them."""
+    res = faulty.run(
+        "import nbddp.launcher as L, signal\n_start = L.ForkStarter.start\n"
+        "def start(self, spec, *a, **k):\n"
+        "    proc = _start(self, spec, *a, **k)\n"
+        "    if spec.rank == 0:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)  # what Jupyter's interrupt does, mid-launch\n"
+        "    return proc\n"
+        "L.ForkStarter.start = start\n"
+        "try:\n"
+        "    get_ipython().run_cell_magic('ddp', '--devices 2', 'import time\\ntime.sleep(60)')\n"
+        "finally:\n"
+        "    L.ForkStarter.start = _start\n",
+        timeout=30,
+    )
+    assert res.error["ename"] == "KeyboardInterrupt"
+    assert res.seconds < 15
+
+
 def test_unpicklable_result_names_the_variable_and_keeps_the_output(faulty):
     res = faulty.run(
         "%%ddp --devices 2 --out lock value\nimport threading\nprint('still shown')\n"
