@@ -10,7 +10,6 @@ Prints a PASS/FAIL table; exits non-zero on any FAIL.
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess

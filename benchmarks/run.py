@@ -43,7 +43,7 @@ def new_kernel(env=None) -> Kernel:
 
 def relay(k: Kernel, lines_per_rank: int) -> dict:
     """Lines/s from the ranks through the kernel to this client, and the kernel-only anchor."""
-    k.ok(f"%%ddp --devices 2\nfor i in range(100):\n    print(i)\n")  # warm-up
+    k.ok("%%ddp --devices 2\nfor i in range(100):\n    print(i)\n")  # warm-up
     t0 = time.perf_counter()
     res = k.ok(f"%%ddp --devices 2 --max-lines {lines_per_rank}\nfor i in range({lines_per_rank}):\n    print(f'line {{i}}')\n",
                timeout=300)

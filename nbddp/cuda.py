@@ -37,6 +37,9 @@ class Cuda:
     # -- kernel side ------------------------------------------------------------------------------
     def install(self, shell=None) -> None:
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        # CUDA numbers GPUs fastest-first unless told otherwise; NVML (and nvidia-smi) by PCI bus.
+        # Same order for both, so the dashboard's cuda:N is the rank's cuda:N.
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         self._shell = shell
         self._wrap_lazy_init()
         if shell is not None:

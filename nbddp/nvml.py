@@ -58,21 +58,20 @@ class Nvml:
             return []
         import pynvml
 
-        out = []
-        for i in indices:
-            h = self._handles[i]
-            out.append(
-                GpuSample(
-                    index=i,
-                    name=_str(pynvml.nvmlDeviceGetName(h)),
-                    util_percent=_try(lambda: float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)),
-                    mem_used=_try(lambda: int(pynvml.nvmlDeviceGetMemoryInfo(h).used)),
-                    mem_total=_try(lambda: int(pynvml.nvmlDeviceGetMemoryInfo(h).total)),
-                    power_w=_try(lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0),
-                    temp_c=_try(lambda: float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))),
-                )
-            )
-        return out
+        return [_sample(pynvml, i, self._handles[i]) for i in indices]
+
+
+def _sample(pynvml, index: int, handle) -> GpuSample:
+    mem = _try(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
+    return GpuSample(
+        index=index,
+        name=_str(pynvml.nvmlDeviceGetName(handle)),
+        util_percent=_try(lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)),
+        mem_used=int(mem.used) if mem is not None else None,
+        mem_total=int(mem.total) if mem is not None else None,
+        power_w=_try(lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0),  # milliwatts
+        temp_c=_try(lambda: float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))),
+    )
 
 
 def _visible(count: int) -> list[int]:
