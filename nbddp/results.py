@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+import sys
 
 import cloudpickle
 
@@ -23,9 +24,7 @@ def _identity(x):
 
 
 def _torch():
-    import sys
-
-    return sys.modules.get("torch")
+    return sys.modules.get("torch")  # never imports torch: a value without tensors needs none
 
 
 def dumps(obj) -> bytes:
