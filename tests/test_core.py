@@ -23,6 +23,13 @@ def test_cell_runs_on_every_rank_with_injected_names(clean_kernel):
     assert "[rank1]:env 1 2 2 127.0.0.1 True gloo" in lines
 
 
+def test_one_rank_just_works_as_on_colab(clean_kernel):
+    """`--devices auto` on a CPU machine (or a 1-GPU Colab) is a single rank: a group of one."""
+    res = clean_kernel.ok("%%ddp\nimport torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                          "print(world_size, dist.get_world_size())\n(rank, t.item())\n")
+    assert res.stdout == "[rank0]:1 1\n" and res.result == "(0, 1.0)"
+
+
 def test_ddp_training_matches_full_batch_training_in_the_kernel(clean_kernel):
     k = clean_kernel
     k.ok(
