@@ -22,7 +22,7 @@ def main(argv=None) -> int:
         from .export import export_notebook
 
         out = export_notebook(args.notebook, args.output)
-        print(f"wrote {out}: run it with torchrun --standalone --nproc-per-node 2 {out}")
+        print(f"wrote {out}: its first lines give the torchrun command")
         return 0
     if args.command == "env":
         from . import environment

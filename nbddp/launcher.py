@@ -101,8 +101,11 @@ class RankProc:
 _active = False  # one launch at a time per process
 
 
-def run(job, config: Config, *, sink=None, observer=None, relabel: dict | None = None) -> Outcome:
-    """Run ``job(ctx)`` on every rank; return each rank's value or raise a RankFailure."""
+def run(job, config: Config, *, plan: devices.Plan | None = None, sink=None, observer=None,
+        relabel: dict | None = None) -> Outcome:
+    """Run ``job(ctx)`` on every rank; return each rank's value or raise a RankFailure.
+
+    ``plan``: ``config.validate()``'s result, when the caller already has it."""
     global _active
     if os.environ.get("NBDDP_RANK") is not None:
         raise UsageError(
@@ -111,7 +114,7 @@ def run(job, config: Config, *, sink=None, observer=None, relabel: dict | None =
         )
     if _active:
         raise UsageError("another nbddp launch is still running in this process; wait for it to finish.")
-    plan = config.validate()
+    plan = plan or config.validate()
     if plan.accelerator == "cuda" and config.start_method == "fork" and cuda.backend().initialised_in_kernel():
         raise _cuda_initialised()
     _active = True

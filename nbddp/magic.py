@@ -81,7 +81,7 @@ class DDPMagics(Magics):
         number = max(1, shell.execution_count - 1)  # IPython counts the running cell before it runs
         filename = shell.compile.cache(source, number, raw_code=cell)
         cellmod.split_last_expression(source, filename)  # a syntax error launches nothing
-        config.validate()  # bad options launch nothing (and before spawn pickles anything)
+        plan = config.validate()  # bad options launch nothing (and before spawn pickles anything)
         shipped = None
         if args.start_method == "spawn":
             shipped = cellmod.ship_globals(source, filename, shell.user_ns)
@@ -90,7 +90,8 @@ class DDPMagics(Magics):
             namespace=shell.user_ns if args.start_method == "fork" else None, shipped=shipped,
         )
         sink, observer = view_for_session()
-        outcome = launcher.run(job, config, sink=sink, observer=observer, relabel={filename: f"Cell In[{number}]"})
+        outcome = launcher.run(job, config, plan=plan, sink=sink, observer=observer,
+                               relabel={filename: f"Cell In[{number}]"})
         return _deliver(outcome.values[0], args.out, shell.user_ns)
 
     @line_magic
@@ -105,7 +106,7 @@ class DDPMagics(Magics):
         history = [c for c in raw if not c.lstrip().startswith("%ddp_export")]
         with open(path, "w") as f:
             f.write(export_cells(history, source="this notebook session", script=path))
-        print(f"wrote {path}: run it with torchrun --standalone --nproc-per-node 2 {path}")
+        print(f"wrote {path}: its first lines give the torchrun command")
 
 
 def _deliver(packed: dict, outs: list[str], user_ns: dict):
