@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from .errors import RankFailure
 
+# what gloo and NCCL raise in a collective when another rank died or left
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "NCCL communicator was aborted", "remote process exited or there was a network error")
+
 SIGNAL_HINTS = {
     signal.SIGKILL: "killed outright: most often the kernel's out-of-memory killer (see `dmesg`), "
     "or a `kill -9`. Use fewer ranks, smaller batches, or free memory in the notebook.",
@@ -26,6 +30,7 @@ class RankExit:
     stopped: bool = False  # nbddp stopped it because another rank failed / interrupt / timeout
     order: int = 0  # order in which the parent saw it end
     max_rss: int = 0  # peak resident set size in bytes, from wait4
+    seen: float = float("inf")  # time.time() when the parent saw it end
 
     @property
     def ok(self) -> bool:
@@ -33,7 +38,14 @@ class RankExit:
 
     @property
     def when(self) -> float:
-        return (self.message or {}).get("time", float("inf"))
+        """When it failed: the rank's own timestamp, else (a signal, a silent exit) when the parent saw it."""
+        return (self.message or {}).get("time", self.seen)
+
+    @property
+    def peer_lost(self) -> bool:
+        """A collective that failed because a peer went away: a consequence, never the cause."""
+        m = self.message or {}
+        return m.get("kind") == "exception" and any(p in m.get("message", "") for p in PEER_LOST)
 
     def describe(self) -> str:
         m = self.message or {}
@@ -52,11 +64,12 @@ class RankExit:
 
 
 def root_cause(exits: list[RankExit]) -> RankExit | None:
-    """The failure that came first: the earliest timestamped error, else the first exit seen."""
+    """The failure that came first, errors that only say "my peer went away" last: a rank killed by
+    SIGSEGV is seen by the parent after its peer's collective already raised "Connection closed"."""
     failed = [e for e in exits if not e.ok and not e.stopped]
     if not failed:
         return None
-    return min(failed, key=lambda e: (e.when, e.order))
+    return min(failed, key=lambda e: (e.peer_lost, e.when, e.order))
 
 
 def rank_failed(exits: list[RankExit], relabel: dict[str, str], log_dir: str) -> RankFailure:

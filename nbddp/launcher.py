@@ -399,7 +399,7 @@ class Supervisor:
         # "stopped" only if our signal ended it: a rank that reported its own error failed by itself
         stopped = proc.stop_sent and not (message and message.get("kind"))
         proc.exit = failure.RankExit(proc.rank, os.waitstatus_to_exitcode(status), message, stopped, self._seen,
-                                     max_rss=usage.ru_maxrss * 1024)
+                                     max_rss=usage.ru_maxrss * 1024, seen=time.time())
         if self.observer:
             self.observer.exited(proc.rank, proc.exit)
         if not proc.exit.ok and not proc.stop_sent:
