@@ -51,10 +51,12 @@ class Relay:
         if len(tail) > MAX_PARTIAL:  # a "line" that never ends: show it in pieces, keep memory bounded
             self._emit(rank, stream, tail)
             tail = b""
+        if b"\r" in tail:  # a progress bar redrawing in place: only its latest state is worth keeping
+            latest = next((seg for seg in reversed(tail.split(b"\r")) if seg), b"")
+            tail = b"\r" + latest
+            self.last_line[rank] = latest.decode("utf-8", "replace")  # the dashboard shows it live
         if tail:
             self._partial[key] = tail
-            if b"\r" in tail:  # a progress bar redrawing in place: the dashboard shows its latest state
-                self.last_line[rank] = _last_segment(tail[-512:].decode("utf-8", "replace"))
 
     def close(self, rank: int, stream: str) -> None:
         tail = self._partial.pop((rank, stream), b"")

@@ -138,3 +138,15 @@ def test_a_line_without_end_is_shown_in_bounded_pieces(clean_kernel):
     pieces = by_rank(res.stdout)[0]
     assert "".join(pieces) == "x" * 3_000_000
     assert len(pieces) >= 2
+
+
+def test_a_long_redrawn_line_keeps_only_its_latest_state(clean_kernel):
+    """3 MB of carriage-return redraws without a newline: one final line, never cut into pieces."""
+    res = clean_kernel.ok(
+        "%%ddp --devices 2\nimport sys\nfor i in range(100_000):\n"
+        "    sys.stderr.write(f'\\rprogress {i:06d} ' + 'x' * 20)\nsys.stderr.write('\\n')\n",
+        timeout=120,
+    )
+    err = by_rank(res.stderr)
+    for r in (0, 1):
+        assert err[r] == ["progress 099999 " + "x" * 20]
