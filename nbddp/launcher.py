@@ -9,7 +9,6 @@ it exits). Its only timeouts are real deadlines (``--timeout``, teardown grace, 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import selectors
 import signal
@@ -22,14 +21,13 @@ from dataclasses import dataclass, field
 from . import cuda, devices, failure, rendezvous, results
 from .errors import CudaInitialisedError, UsageError
 from .relay import Relay, TextSink
-from .worker import READY, RankSpec, fork_main
+from .worker import LIBC, READY, RankSpec, fork_main
 
 # Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
 # ranks only run the cell and exit through os._exit, and worker.py makes torch safe first.
 warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=DeprecationWarning,
                         module=__name__)
 
-_LIBC = ctypes.CDLL(None)
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
 STACK_QUIET_S = 0.3  # after SIGUSR1 at a timeout: stacks are complete once stderr is quiet this long
 STACK_MAX_S = 2.0
@@ -239,7 +237,7 @@ class ForkStarter:
         err_r, err_w = os.pipe()
         res_r, res_w = os.pipe()
         life_r, life_w = _life_pipe()
-        _LIBC.fflush(None)  # C-level buffers would otherwise be written again by the child
+        LIBC.fflush(None)  # C-level buffers would otherwise be written again by the child
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child; fork_main never returns (life_w stays open)
             fork_main(spec, job, out_fd=out_w, err_fd=err_w, result_fd=res_w,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 
-STREAMS = ("stdout", "stderr")
 MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
 
 
@@ -34,7 +33,6 @@ class Relay:
         self._capped: set[int] = set()
         self.ranks_output = ranks_output  # "all" | "0" | "none"
         self.prefix = prefix
-        self.lines = 0
         self.last_line: dict[int, str] = {}
         self._partial: dict[tuple[int, str], bytes] = {}
         self._capture: dict[int, list[str]] | None = None
@@ -84,7 +82,6 @@ class Relay:
 
     def _emit(self, rank: int, stream: str, block: bytes) -> None:
         lines = [_last_segment(ln) for ln in block.decode("utf-8", "replace").split("\n")]
-        self.lines += len(lines)
         self.last_line[rank] = lines[-1]
         if self._capture is not None and stream == "stderr":
             self._capture.setdefault(rank, []).extend(lines)

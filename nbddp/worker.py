@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from . import results
 
 PR_SET_PDEATHSIG = 1
+LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library: prctl, setvbuf, fflush
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -161,8 +162,7 @@ def _send(fd: int, payload: bytes) -> None:
 def _tie_to_parent(parent_pid: int) -> None:
     """Die with the kernel, ignore Jupyter's group-wide SIGINT, get a process group of our own."""
     if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -226,9 +226,8 @@ def _start_flusher() -> None:
 
 def _line_buffer_c_stdout() -> None:
     try:
-        libc = ctypes.CDLL(None)
         for name in ("stdout", "stderr"):
-            libc.setvbuf(ctypes.c_void_p.in_dll(libc, name), None, 1, 0)  # _IOLBF
+            LIBC.setvbuf(ctypes.c_void_p.in_dll(LIBC, name), None, 1, 0)  # _IOLBF
     except (OSError, ValueError, AttributeError):
         pass
 
@@ -240,7 +239,7 @@ def _leave(code: int) -> None:
         except Exception:
             pass
     try:
-        ctypes.CDLL(None).fflush(None)
+        LIBC.fflush(None)
     except Exception:
         pass
     os._exit(code)

@@ -85,11 +85,15 @@ def test_a_second_launch_while_one_runs_is_refused(clean_kernel, tmp_path):
     assert "another nbddp launch is still running" in k.value("second[0]")
 
 
+def ddp_without(k, os_function: str, options: str):
+    """Run a %%ddp cell in the kernel while ``os.<os_function>`` is missing (as on another platform)."""
+    return k.run(f"import os\n_saved = os.{os_function}\ndel os.{os_function}\ntry:\n"
+                 f"    get_ipython().run_cell_magic('ddp', {options!r}, 'sentinel = 1')\n"
+                 f"finally:\n    os.{os_function} = _saved\n")
+
+
 def test_fork_unavailable_says_use_spawn(nothing_launched):
-    k = nothing_launched
-    res = k.run("import os\n_fork = os.fork\ndel os.fork\ntry:\n"
-                "    get_ipython().run_cell_magic('ddp', '--devices 2', 'sentinel = 1')\n"
-                "finally:\n    os.fork = _fork\n")
+    res = ddp_without(nothing_launched, "fork", "--devices 2")
     assert res.error["ename"] == "UsageError"
     assert re.search(r"fork is not available on linux: use --start-method spawn", res.error_text)
 
@@ -137,9 +141,6 @@ def test_spawn_traceback_points_into_the_cell(clean_kernel):
 
 
 def test_windows_is_told_to_use_wsl(nothing_launched):
-    k = nothing_launched
-    res = k.run("import os\n_ps = os.posix_spawn\ndel os.posix_spawn\ntry:\n"
-                "    get_ipython().run_cell_magic('ddp', '--devices 2 --start-method spawn', 'sentinel = 1')\n"
-                "finally:\n    os.posix_spawn = _ps\n")
+    res = ddp_without(nothing_launched, "posix_spawn", "--devices 2 --start-method spawn")
     assert res.error["ename"] == "UsageError"
     assert "has neither fork nor posix_spawn" in res.error_text and "WSL2" in res.error_text

@@ -82,7 +82,9 @@ def test_ranks_output_zero_without_prefix_and_the_log_keeps_everything(clean_ker
     assert "hello from 1" in (run / "rank1.log").read_text()
 
 
-@pytest.mark.parametrize("flush_at", [None, 10])  # a block that ends exactly at the cap, or not
+# flush_at=10: the pause lets the rank's 50 ms flusher send lines 0-9 as one block that ends exactly at the
+# cap (the case that once lost the notice); None: all 100 lines in whatever blocks they come in
+@pytest.mark.parametrize("flush_at", [None, 10])
 def test_display_cap_sends_the_rest_to_the_log(clean_kernel, runs_dir, flush_at):
     pause = f"\n    if i == {flush_at} - 1:\n        import time; time.sleep(0.3)" if flush_at else ""
     res = clean_kernel.ok(f"%%ddp --devices 2 --max-lines 10\nfor i in range(100):\n    print(i){pause}\n")
