@@ -70,6 +70,31 @@ for _ in range({runs}):
 bench("round_trip", {k: statistics.median(v) for k, v in times.items()})
 '''
 
+PNG = r'''
+import zlib, struct
+def _png(width, height, seed=0):
+    """A valid PNG of random pixels (incompressible): about width * height * 3 bytes."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, 256, (height, width * 3 + 1), dtype=torch.uint8, generator=g)
+    rows[:, 0] = 0
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows.numpy().tobytes(), 0)) + chunk(b"IEND", b"")
+BIG_PNG = _png(580, 580)
+from IPython.display import Image
+def png_cell(show):
+    body = "if rank == 0:\n    display(Image(data=BIG_PNG))\n" if show else "if rank == 0:\n    pass\n"
+    t0 = time.perf_counter()
+    get_ipython().run_cell_magic("ddp", "--devices 2", body)
+    return time.perf_counter() - t0
+png_cell(True); png_cell(False)
+with_png, without = [], []
+for _ in range({runs}):
+    with_png.append(png_cell(True)); without.append(png_cell(False))
+bench("png", {"bytes": len(BIG_PNG), "with": statistics.median(with_png), "without": statistics.median(without)})
+'''
+
 SCALING = r'''
 res = {}
 for n in (1, 2, 4, 8):

@@ -63,7 +63,7 @@ def run(quick: bool) -> dict:
     results = {}
     k = new_kernel()
     try:
-        for code in (kc.ROUND_TRIP.replace("{runs}", str(runs)), kc.SCALING, kc.SHARING,
+        for code in (kc.ROUND_TRIP.replace("{runs}", str(runs)), kc.PNG.replace("{runs}", str(runs)), kc.SCALING, kc.SHARING,
                      kc.RESULTS.replace("{runs}", str(runs)),
                      f"TRAIN_BODY_SRC = {kc.TRAIN_BODY!r}\n" + kc.TRAINING, kc.RELAY_SLOWDOWN, kc.DASHBOARD_COST):
             results.update(measures(k.ok(code, timeout=600)))
@@ -111,6 +111,19 @@ def report(r: dict) -> str:
     ours = rt["nbddp %%ddp"] / raw
     lines += ["", f"Target nbddp ≤ 1.10× raw fork (relay, results and dashboard on): {ours:.2f}× — {verdict(ours <= 1.10)}.",
               ""]
+    png = r["png"]
+    extra = png["with"] - png["without"]
+    lines += [
+        f"## 1b. A {png['bytes'] / 2**20:.1f} MiB PNG displayed on rank 0, through the channel to the client",
+        "",
+        "| cell | median |",
+        "|---|---|",
+        f"| `display(Image(data=png))` on rank 0 | {fmt_s(png['with'])} |",
+        f"| the same cell without the display | {fmt_s(png['without'])} |",
+        "",
+        f"Target: the PNG adds < 50 ms — it adds {extra * 1000:.0f} ms, {verdict(extra < 0.05)}.",
+        "",
+    ]
     s = r["sharing"]
     gib = s["dataset"]
     lines += [

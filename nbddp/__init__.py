@@ -20,29 +20,42 @@ __all__ = [
 ]
 
 
-def launch(fn, *args, devices="auto", accelerator="auto", backend="auto", start_method="fork",
-           threads=1, timeout=None, ranks_output="all", prefix=True, max_lines=200_000) -> list:
+def launch(fn, *args, **options) -> list:
     """Run ``fn(*args)`` on every rank of a fresh process group; return each rank's return value.
 
+    ``options`` are ``%%ddp``'s, by keyword, with the same defaults (one source: ``launcher.Config``):
+    ``devices``, ``accelerator``, ``backend``, ``start_method``, ``threads``, ``timeout``,
+    ``ranks_output``, ``prefix``, ``max_lines``, ``max_value_mb``.
     Each rank sees the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, ...) and an initialised
     ``torch.distributed`` group. Output is relayed as ``[rankN]:`` lines. On failure raises
-    :class:`RankFailure` naming the rank and cause, after every rank has been stopped and reaped.
+    :class:`RankFailure` naming the rank and cause, after every rank has been stopped and reaped; a
+    return value that cannot come back raises :class:`ResultError` naming the rank.
     """
-    from . import launcher
+    from . import launcher, results
     from .display import view_for_session
 
-    config = launcher.Config(devices, accelerator, backend, start_method, threads, timeout, ranks_output, prefix,
-                             max_lines)
-    sink, observer = view_for_session()
-    return launcher.run(_Call(fn, args), config, sink=sink, observer=observer).values
+    config = launcher.Config.from_options(options)
+    outcome = launcher.run(_Call(fn, args, config.max_value_bytes), config, observer=view_for_session())
+    values, problems = [], []
+    for rank, res in enumerate(outcome.results()):
+        item = res.value
+        if item is not None and item.problem:
+            problems.append(f"rank {rank}'s return value: {item.problem}")
+        values.append(results.loads(item.blob) if item is not None and item.blob is not None else None)
+    if problems:
+        raise ResultError("\n".join(problems))
+    return values
 
 
 class _Call:
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
+    def __init__(self, fn, args, max_value_bytes: int):
+        self.fn, self.args, self.max_value_bytes = fn, args, max_value_bytes
 
     def __call__(self, ctx):
-        return self.fn(*self.args)
+        from . import results
+        from .channel import Result
+
+        return Result(value=results.pack(self.fn(*self.args), max_bytes=self.max_value_bytes))
 
 
 def load_ipython_extension(ipython) -> None:
@@ -57,4 +70,9 @@ def load_ipython_extension(ipython) -> None:
 
 
 def unload_ipython_extension(ipython) -> None:
-    pass
+    """``%unload_ext`` / ``%reload_ext``: take back every event handler load registered."""
+    from . import cuda
+    from .magic import DDPMagics
+
+    cuda.backend().uninstall(ipython)
+    DDPMagics.unregister_events(ipython)

@@ -1,18 +1,25 @@
-"""Entry point of a spawned rank: ``python -m nbddp._spawn SPEC JOB`` with fd 1/2/3 set by the parent."""
+"""Entry point of a spawned rank: ``python -m nbddp._spawn SPEC JOB`` with fd 1/2/3 set by the parent
+(fd 3: the rank's channel)."""
 import sys
 
-from nbddp import results, worker
+from nbddp import channel, results, worker
 
 
 def main() -> None:
     code = 70
+    chan = channel.Writer(3)
     try:
         with open(sys.argv[1], "rb") as f:
             spec = results.loads(f.read())
         worker._tie_to_parent(spec.parent_pid)
-        with open(sys.argv[2], "rb") as f:
-            job = results.loads(f.read())
-        code = worker.run_rank(spec, job, result_fd=3)
+
+        def load_job():
+            with open(sys.argv[2], "rb") as f:
+                return results.loads(f.read())
+
+        code = worker.run_rank(spec, load_job, chan)
+    except BaseException as e:  # noqa: BLE001 - reading the spec failed: still reported
+        worker._report(chan, "start", e)
     finally:
         worker._leave(code)
 

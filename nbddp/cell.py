@@ -4,16 +4,19 @@ from __future__ import annotations
 import ast
 import builtins
 import linecache
+import re
+import sys
 import types
 
 import cloudpickle
 
 from . import results
+from .channel import Result
 from .errors import UsageError
 
 # IPython's own names in the user namespace: never shipped, never needed by a rank
-_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_oh", "_ih", "_dh", "_i", "_ii", "_iii"}
-
+_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_oh", "_ih", "_dh"}
+_IPYTHON_HISTORY = re.compile(r"_i{1,3}$|_i\d+$|_\d+$")  # _i, _ii, _iii, _iN, _N: IPython's history
 
 def split_last_expression(source: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
     """Compile a cell into its body and, if it ends in an expression, that expression (IPython's rule)."""
@@ -41,7 +44,7 @@ def ship_globals(source: str, filename: str, user_ns: dict) -> dict[str, bytes]:
     wanted = names_used(body) | (names_used(last) if last else set())
     shipped = {}
     for name in sorted(wanted):
-        if name not in user_ns or name in _IPYTHON_NAMES or name.startswith("_i"):
+        if name not in user_ns or name in _IPYTHON_NAMES or _IPYTHON_HISTORY.match(name):
             continue
         if hasattr(builtins, name) and user_ns[name] is getattr(builtins, name):
             continue
@@ -57,12 +60,16 @@ def ship_globals(source: str, filename: str, user_ns: dict) -> dict[str, bytes]:
 
 
 class CellJob:
-    """Runs a cell on a rank with the notebook's globals (the fork's copy, or shipped ones)."""
+    """Runs a cell on a rank with the notebook's globals (the fork's copy, or shipped ones) and returns
+    its ``Result``: rank 0's last expression and ``outs``, every rank's ``gathers``."""
 
-    def __init__(self, source: str, filename: str, *, outs=(), namespace=None, shipped=None):
+    def __init__(self, source: str, filename: str, *, outs=(), gathers=(), max_value_bytes: int,
+                 namespace=None, shipped=None):
         self.source = source
         self.filename = filename
         self.outs = tuple(outs)
+        self.gathers = tuple(gathers)
+        self.max_value_bytes = max_value_bytes
         self.namespace = namespace  # fork: the kernel's user_ns itself (each rank has its own copy)
         self.shipped = shipped  # spawn: {name: pickled value}
 
@@ -71,37 +78,58 @@ class CellJob:
         state["namespace"] = None  # the kernel's namespace never travels; spawn uses `shipped`
         return state
 
-    def __call__(self, ctx):
+    def __call__(self, ctx) -> Result:
         if self.namespace is not None:
             ns = self.namespace
+            notebook = results.notebook_objects(ns)  # before the cell: what may travel by reference
         else:
             ns = {"__name__": "__main__", "__builtins__": builtins}
             ns.update({k: cloudpickle.loads(v) for k, v in (self.shipped or {}).items()})
+            notebook = None  # spawn: cloudpickle's own class tracking restores the notebook's classes
         if self.filename not in linecache.cache:
             lines = self.source.splitlines(keepends=True)
             linecache.cache[self.filename] = (len(self.source), None, lines, self.filename)
         ns.update(rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, device=ctx.device)
+        ns.update(exit=sys.exit, quit=sys.exit)  # as in a script: ends this rank's cell
         body, last = split_last_expression(self.source, self.filename)  # compiled per rank: code objects
         # do not need to travel for spawn, and a compile is ~0.1 ms
         exec(body, ns)
         value = eval(last, ns) if last is not None else None
+        _show_figures()
+
+        def pack(obj):
+            return results.pack(obj, max_bytes=self.max_value_bytes, notebook=notebook)
+
+        def named(names):
+            return {n: pack(ns[n]) if n in ns else _never_defined(n) for n in names}
+
+        gathers = named(self.gathers)
         if ctx.rank != 0:
-            return None
-        return pack_results(value, {name: ns[name] for name in self.outs if name in ns},
-                            [name for name in self.outs if name not in ns])
+            return Result(gathers=gathers)
+        item = pack(value) if value is not None else None
+        if item is not None and item.problem:
+            _display_instead(value, item.problem)
+            item = None
+        return Result(value=item, outs=named(self.outs), gathers=gathers)
 
 
-def pack_results(value, outs: dict, missing: list[str]) -> dict:
-    """Pickle each value on its own, so one that cannot travel is named and the others still arrive."""
-    packed = {"value": None, "outs": {}, "errors": {}, "missing": missing}
-    for name, obj in [("__value__", value), *outs.items()]:
-        try:
-            blob = results.dumps(obj)
-        except Exception as e:  # noqa: BLE001
-            packed["errors"][name] = f"{results.describe(obj)}: {type(e).__name__}: {e}"
-            continue
-        if name == "__value__":
-            packed["value"] = blob
-        else:
-            packed["outs"][name] = blob
-    return packed
+NEVER_DEFINED = "never defined"
+
+
+def _never_defined(name: str):
+    return results.Item(problem=NEVER_DEFINED)
+
+
+def _show_figures() -> None:
+    """As a notebook cell ends: figures drawn under the inline backend but never shown are shown."""
+    inline = sys.modules.get("matplotlib_inline.backend_inline")
+    if inline is not None and "inline" in str(sys.modules["matplotlib"].get_backend()):
+        inline.flush_figures()
+
+
+def _display_instead(value, problem: str) -> None:
+    """A last expression that cannot travel is shown from the rank (its rich display) instead."""
+    from IPython.display import display
+
+    display(value)
+    print(f"(Out[] stays empty: the last expression's value {problem})", file=sys.stderr)

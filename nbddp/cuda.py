@@ -43,7 +43,14 @@ class Cuda:
         self._shell = shell
         self._wrap_lazy_init()
         if shell is not None:
+            self.uninstall(shell)  # %reload_ext: registered once
             shell.events.register("post_run_cell", self._after_cell)
+
+    def uninstall(self, shell) -> None:
+        try:
+            shell.events.unregister("post_run_cell", self._after_cell)
+        except ValueError:
+            pass
 
     def _after_cell(self, result=None) -> None:
         self._wrap_lazy_init()  # torch may have been imported by this cell

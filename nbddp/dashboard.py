@@ -11,7 +11,9 @@ from __future__ import annotations
 import html
 import time
 
+from .channel import Ready
 from .monitor import Monitor, mb, sparkline
+from .relay import last_segment
 
 STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
                  "stopped": "#ef6c00"}
@@ -28,10 +30,12 @@ class RunView:
         self.plan = None  # set by begin(); a run that failed before its ranks existed shows nothing
         self.ticks = 0
 
-    # -- supervisor callbacks -------------------------------------------------------------------
-    def begin(self, plan, run_dir, relay) -> None:
-        self.plan, self.run_dir, self.relay = plan, run_dir, relay
+    # -- the launcher's calls, then the supervisor's events ---------------------------------------
+    def begin(self, plan, run_dir) -> None:
+        self.plan, self.run_dir = plan, run_dir
         self.t0 = time.monotonic()
+        self.last_line: dict[int, str] = {}
+        self._tail: dict[int, bytes] = {}
         self.monitor = Monitor([d for d in plan.device_ids if d is not None])
         self.state = {r: "starting" for r in range(plan.world_size)}
         self.ended: dict[int, float] = {}
@@ -39,12 +43,28 @@ class RunView:
         if self.widgets:
             self.handle = _Display(self._title("starting"))
 
-    def started(self, rank: int, pid: int) -> None:
-        self.monitor.watch(rank, pid)
+    def on_Started(self, event) -> None:
+        self.monitor.watch(event.rank, event.pid)
 
-    def running(self, rank: int) -> None:
-        if self.plan is not None and self.state[rank] == "starting":
-            self.state[rank] = "running"
+    def on_Message(self, event) -> None:
+        if isinstance(event.record, Ready) and self.state[event.rank] == "starting":
+            self.state[event.rank] = "running"
+
+    TAIL = 512  # bytes of each rank's output kept to show its last line
+
+    def on_Output(self, event) -> None:
+        """The rank's last line, as a progress bar would show it (a carriage return redraws it)."""
+        tail = (self._tail.get(event.rank, b"") + event.data)[-self.TAIL:]
+        self._tail[event.rank] = tail
+        lines = [ln for ln in tail.decode("utf-8", "replace").split("\n") if ln.strip()]
+        if lines:
+            self.last_line[event.rank] = last_segment(lines[-1])
+
+    def on_Exited(self, event) -> None:
+        self.exited(event.rank, event.exit)
+
+    def on_Tick(self, event) -> None:
+        self.tick()
 
     def exited(self, rank: int, exit) -> None:
         if self.plan is None:
@@ -117,7 +137,7 @@ class RunView:
                 "rss": mb(s.rss if live else s.peak_rss) if s else "-",
                 "uss": mb(s.uss if live else s.peak_uss) if s else "-",
                 "shared": mb(s.shared) if (s and live) else "",
-                "last": self.relay.last_line.get(r, "")[-120:],
+                "last": self.last_line.get(r, "")[-120:],
             }
 
     def _columns(self, live: bool):

@@ -13,10 +13,11 @@ import importlib.util
 import sys
 
 
-def redirect_in_rank(kernel_streams=()) -> None:
-    """``kernel_streams``: what sys.stdout/sys.stderr were in the kernel at fork time."""
+def redirect_in_rank(kernel_streams=(), chan=None) -> None:
+    """``kernel_streams``: what sys.stdout/sys.stderr were in the kernel at fork time; ``chan``: the
+    rank's channel, which carries its rich outputs (display, plots) to the cell."""
     _redirect_outstreams(kernel_streams)
-    _text_display()
+    _rank_display(chan)
     _dummy_comms()
     _console_tqdm()
     _not_interactive()
@@ -40,20 +41,36 @@ def _redirect_outstreams(kernel_streams) -> None:
             stream.__dict__.update(write=target.write, writelines=target.writelines, flush=target.flush)
 
 
-def _text_display() -> None:
-    """``display(obj)`` in a rank prints its text/plain form instead of publishing over zmq."""
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # a model only the rank has: never sent
+
+
+def _rank_display(chan) -> None:
+    """``display(obj)``, ``plt.show()``, rich reprs: their MIME bundles go to the cell through the
+    rank's channel instead of the kernel's zmq sockets. Text written before a display is flushed first,
+    so the cell shows both in the order the rank produced them."""
     getipython = sys.modules.get("IPython.core.getipython")
     shell = getipython.get_ipython() if getipython else None
-    if shell is None:
+    if shell is None or chan is None:
         return
+    from .channel import ClearOutput, Display
 
-    def publish(data, metadata=None, *args, **kwargs):
-        text = data.get("text/plain") if isinstance(data, dict) else None
-        if text:
-            print(text)
+    def flush():
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+
+    def publish(data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
+        data = {k: v for k, v in (data or {}).items() if k != WIDGET_VIEW}
+        if not data:
+            return
+        flush()
+        chan.send(Display(data, metadata or {}, (transient or {}).get("display_id"), update))
+
+    def clear_output(wait=False):
+        flush()
+        chan.send(ClearOutput(wait))
 
     shell.display_pub.publish = publish
-    shell.display_pub.clear_output = lambda *a, **k: None
+    shell.display_pub.clear_output = clear_output
 
 
 def _dummy_comms() -> None:

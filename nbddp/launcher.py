@@ -1,40 +1,38 @@
 """Start one rank per device and supervise them from the kernel's main thread until all are gone.
 
-One small class per start method (fork, spawn), one supervisor loop shared by both. The loop waits
-on events only: each rank's stdout/stderr/result pipes and its pidfd (readable the instant the
-process exits; where a platform has no pidfds, a "life pipe" the rank holds open, which reads EOF when
-it exits). Its only timeouts are real deadlines (``--timeout``, teardown grace, the dashboard's
-1 Hz tick), so no polling interval ever lands in the user's wait.
+``Config`` is the one source of every option's default. One small class per start method (fork,
+spawn) gives each rank three pipes (stdout, stderr, its typed channel); supervisor.py's loop reads
+them and publishes events to the relay, the logs, the dashboard and the timeout report.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-import selectors
 import signal
 import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import cuda, devices, failure, rendezvous, results
+from .channel import Result
 from .errors import CudaInitialisedError, UsageError
-from .relay import Relay, TextSink
-from .worker import LIBC, READY, RankSpec, fork_main
+from .relay import CellSink, RankLogs, Relay
+from .supervisor import Bus, RankProc, Supervisor
+from .worker import LIBC, RankSpec, fork_main
 
 # Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
 # ranks only run the cell and exit through os._exit, and worker.py makes torch safe first.
 warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=DeprecationWarning,
                         module=__name__)
 
-GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
-STACK_QUIET_S = 0.3  # after SIGUSR1 at a timeout: stacks are complete once stderr is quiet this long
-STACK_MAX_S = 2.0
 
-
-@dataclass
+@dataclass(kw_only=True)
 class Config:
+    """Every option of a run, with its default: the magic, ``nbddp.launch`` and the docs read them here."""
+
     devices: object = "auto"
     accelerator: str = "auto"
     backend: str = "auto"
@@ -44,6 +42,19 @@ class Config:
     ranks_output: str = "all"
     prefix: bool = True
     max_lines: int = 200_000
+    max_value_mb: float = results.DEFAULT_MAX_VALUE_MB
+
+    @classmethod
+    def from_options(cls, options: dict) -> "Config":
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise UsageError(f"unknown option(s) {', '.join(unknown)}; the options are: {', '.join(names)}.")
+        return cls(**options)
+
+    @property
+    def max_value_bytes(self) -> int:
+        return int(self.max_value_mb * 2**20)
 
     def validate(self) -> devices.Plan:
         if self.start_method not in ("fork", "spawn"):
@@ -54,6 +65,8 @@ class Config:
             raise UsageError(f"--timeout {self.timeout!r}: need a number of seconds > 0.")
         if not isinstance(self.max_lines, int) or self.max_lines < 0:
             raise UsageError(f"--max-lines {self.max_lines!r}: need a whole number >= 0.")
+        if not isinstance(self.max_value_mb, (int, float)) or not self.max_value_mb > 0:
+            raise UsageError(f"--max-value-mb {self.max_value_mb!r}: need a size in MiB > 0.")
         if self.ranks_output not in ("all", "0", "none"):
             raise UsageError(f"--ranks-output {self.ranks_output!r}: choose all, 0 or none.")
         if not hasattr(os, "posix_spawn"):
@@ -78,22 +91,19 @@ def _life_pipe() -> tuple[int, int] | tuple[None, None]:
     return (None, None) if hasattr(os, "pidfd_open") else os.pipe()
 
 
+DEFAULTS = Config()
+
+
 @dataclass
 class Outcome:
-    values: list  # per rank, what the job returned
+    exits: list  # per rank, its failure.RankExit (each with the Result it sent)
     run_dir: str
     wall_s: float
+    notes: list  # what a successful run still has to say (a rank that left early)
 
-
-@dataclass
-class RankProc:
-    rank: int
-    pid: int
-    exit_fd: int  # a pidfd, or the read end of the rank's life pipe
-    fds: dict = field(default_factory=dict)  # fd -> stream name ("stdout" | "stderr" | "result")
-    result: bytearray = field(default_factory=bytearray)
-    exit: failure.RankExit | None = None
-    stop_sent: bool = False
+    def results(self) -> list:
+        """Each rank's Result; an empty one for a rank that ended by its own exit() before sending any."""
+        return [e.result or Result() for e in self.exits]
 
 
 _active = False  # one launch at a time per process
@@ -124,15 +134,13 @@ def run(job, config: Config, *, plan: devices.Plan | None = None, sink=None, obs
 
 def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict) -> Outcome:
     run_dir = rendezvous.new_run_dir()
-    relay = Relay(
-        sink or TextSink(),
-        ranks_output=config.ranks_output,
-        prefix=config.prefix,
-        log_paths={r: str(run_dir.log(r)) for r in range(plan.world_size)},
-        max_lines=config.max_lines,
-    )
+    relay = Relay(sink or CellSink(run_dir.run_id), ranks_output=config.ranks_output, prefix=config.prefix,
+                  max_lines=config.max_lines)
+    logs = RankLogs({r: str(run_dir.log(r)) for r in range(plan.world_size)})
+    stacks = failure.StackCapture()
+    bus = Bus([logs, relay, stacks, *([observer] if observer else [])])
     start = time.monotonic()
-    sup = Supervisor(relay, observer)
+    sup = Supervisor(bus, tick=getattr(observer, "interval", None))
     starter = (ForkStarter if config.start_method == "fork" else SpawnStarter)(run_dir)
     error = None
     try:
@@ -156,7 +164,7 @@ def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict)
             for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
                 sup.add(starter.start(spec, job, sup.all_fds()))
         if observer:  # after the forks: its display costs overlap the ranks' start-up
-            observer.begin(plan, run_dir, relay)
+            observer.begin(plan, run_dir)
         sup.announce()
         deadline = None if config.timeout is None else start + config.timeout
         sup.wait(deadline)
@@ -168,17 +176,17 @@ def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict)
     finally:
         sup.close()
         relay.close_all()
+        logs.close()
         run_dir.release_store()
         starter.cleanup()
         if observer:
             observer.finish(error)
     exits = [p.exit for p in sup.procs]
     if sup.timed_out:
-        raise failure.timed_out(config.timeout, sup.timed_out, sup.stacks, relabel, str(run_dir.path))
+        raise failure.timed_out(config.timeout, sup.timed_out, stacks.stacks(), relabel, str(run_dir.path))
     if failure.root_cause(exits):
         raise failure.rank_failed(exits, relabel, str(run_dir.path))
-    values = [p.exit.message.get("value") for p in sup.procs]
-    return Outcome(values, str(run_dir.path), time.monotonic() - start)
+    return Outcome(exits, str(run_dir.path), time.monotonic() - start, failure.notes(exits, relabel))
 
 
 @contextlib.contextmanager
@@ -235,14 +243,14 @@ class ForkStarter:
     def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        res_r, res_w = os.pipe()
+        chan_r, chan_w = os.pipe()
         life_r, life_w = _life_pipe()
         LIBC.fflush(None)  # C-level buffers would otherwise be written again by the child
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child; fork_main never returns (life_w stays open)
-            fork_main(spec, job, out_fd=out_w, err_fd=err_w, result_fd=res_w,
-                      close_fds=[*inherited_fds, out_r, err_r, res_r, *([life_r] if life_r is not None else [])])
-        return _parent_side(pid, spec.rank, out_r, err_r, res_r, (out_w, err_w, res_w), (life_r, life_w))
+            fork_main(spec, job, out_fd=out_w, err_fd=err_w, chan_fd=chan_w,
+                      close_fds=[*inherited_fds, out_r, err_r, chan_r, *([life_r] if life_r is not None else [])])
+        return _parent_side(pid, spec.rank, out_r, err_r, chan_r, (out_w, err_w, chan_w), (life_r, life_w))
 
     def cleanup(self) -> None:
         pass
@@ -266,7 +274,7 @@ class SpawnStarter:
             f.write(results.dumps(spec))
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        res_r, res_w = os.pipe()
+        chan_r, chan_w = os.pipe()
         life_r, life_w = _life_pipe()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
@@ -277,20 +285,20 @@ class SpawnStarter:
             file_actions=[
                 (os.POSIX_SPAWN_DUP2, out_w, 1),
                 (os.POSIX_SPAWN_DUP2, err_w, 2),
-                (os.POSIX_SPAWN_DUP2, res_w, 3),
+                (os.POSIX_SPAWN_DUP2, chan_w, 3),
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                 *([(os.POSIX_SPAWN_DUP2, life_w, 4)] if life_w is not None else []),
             ],
             setpgroup=0,
         )
-        return _parent_side(pid, spec.rank, out_r, err_r, res_r, (out_w, err_w, res_w), (life_r, life_w))
+        return _parent_side(pid, spec.rank, out_r, err_r, chan_r, (out_w, err_w, chan_w), (life_r, life_w))
 
     def cleanup(self) -> None:
         for p in self.run_dir.path.glob("*.pkl"):
             p.unlink(missing_ok=True)
 
 
-def _parent_side(pid, rank, out_r, err_r, res_r, child_ends, life) -> RankProc:
+def _parent_side(pid, rank, out_r, err_r, chan_r, child_ends, life) -> RankProc:
     life_r, life_w = life
     for fd in (*child_ends, *([life_w] if life_w is not None else [])):
         os.close(fd)
@@ -299,184 +307,4 @@ def _parent_side(pid, rank, out_r, err_r, res_r, child_ends, life) -> RankProc:
     except OSError:
         pass
     exit_fd = life_r if life_r is not None else os.pidfd_open(pid)
-    return RankProc(rank, pid, exit_fd, {out_r: "stdout", err_r: "stderr", res_r: "result"})
-
-
-# -- supervision ------------------------------------------------------------------------------------
-class Supervisor:
-    def __init__(self, relay: Relay, observer=None):
-        self.relay = relay
-        self.observer = observer
-        self.procs: list[RankProc] = []
-        self.sel = selectors.DefaultSelector()
-        self.kill_at: float | None = None
-        self.timed_out: list[int] = []
-        self.stacks: dict[int, str] = {}
-        self._seen = 0
-
-    def add(self, proc: RankProc) -> None:
-        self.procs.append(proc)
-        for fd in proc.fds:
-            self.sel.register(fd, selectors.EVENT_READ, (proc, proc.fds[fd]))
-        self.sel.register(proc.exit_fd, selectors.EVENT_READ, (proc, "exit"))
-
-    def announce(self) -> None:
-        """Tell the observer about every rank, once all are forked."""
-        if self.observer:
-            for proc in self.procs:
-                self.observer.started(proc.rank, proc.pid)
-
-    def all_fds(self) -> list[int]:
-        return [fd for p in self.procs for fd in (*p.fds, p.exit_fd)]
-
-    def live(self) -> list[RankProc]:
-        return [p for p in self.procs if p.exit is None]
-
-    def wait(self, deadline: float | None) -> None:
-        tick = getattr(self.observer, "interval", None)
-        next_tick = time.monotonic() + tick if tick else None
-        while self.live():
-            now = time.monotonic()
-            wake = [t for t in (deadline, self.kill_at, next_tick) if t is not None]
-            timeout = max(0.0, min(wake) - now) if wake else None
-            for key, _ in self.sel.select(timeout):
-                self._event(*key.data, key.fd)
-            now = time.monotonic()
-            if deadline is not None and now >= deadline and self.live() and not self.timed_out:
-                self._expire()
-                deadline = None
-            if self.kill_at is not None and now >= self.kill_at:
-                self._kill_live()
-            if next_tick is not None and now >= next_tick:
-                self.observer.tick()
-                next_tick = now + tick
-
-    def _event(self, proc: RankProc, kind: str, fd: int) -> None:
-        if (kind == "exit" and proc.exit is not None) or (kind != "exit" and fd not in proc.fds):
-            return  # closed earlier in this same batch of events (the rank's exit drained it)
-        if kind == "exit":
-            self._exited(proc)
-            return
-        data = _read(fd)
-        if data:
-            self._data(proc, kind, data)
-        else:
-            self._close_fd(proc, fd)
-
-    def _data(self, proc: RankProc, kind: str, data: bytes) -> None:
-        if kind == "result":
-            if not proc.result and data[:1] == READY and self.observer:
-                self.observer.running(proc.rank)
-            proc.result += data
-        else:
-            self.relay.feed(proc.rank, kind, data)
-
-    def _close_fd(self, proc: RankProc, fd: int) -> None:
-        kind = proc.fds.pop(fd)
-        self.sel.unregister(fd)
-        os.close(fd)
-        if kind != "result":
-            self.relay.close(proc.rank, kind)
-
-    def _exited(self, proc: RankProc) -> None:
-        # Everything the rank wrote is in its pipes now; a grandchild may hold them open, so drain
-        # what is there instead of waiting for EOF. The group dies before the reap (pid still reserved).
-        for fd in list(proc.fds):
-            os.set_blocking(fd, False)
-            while data := _read(fd):
-                self._data(proc, proc.fds[fd], data)
-            self._close_fd(proc, fd)
-        _signal_group(proc.pid, signal.SIGKILL)
-        _, status, usage = os.wait4(proc.pid, 0)
-        self.sel.unregister(proc.exit_fd)
-        os.close(proc.exit_fd)
-        proc.exit_fd = -1
-        blob = results.unframe(bytes(proc.result[len(READY):] if proc.result[:1] == READY else proc.result))
-        message = _load(blob) if blob is not None else None
-        self._seen += 1
-        # "stopped" only if our signal ended it: a rank that reported its own error failed by itself
-        stopped = proc.stop_sent and not (message and message.get("kind"))
-        proc.exit = failure.RankExit(proc.rank, os.waitstatus_to_exitcode(status), message, stopped, self._seen,
-                                     max_rss=usage.ru_maxrss * 1024, seen=time.time())
-        if self.observer:
-            self.observer.exited(proc.rank, proc.exit)
-        if not proc.exit.ok and not proc.stop_sent:
-            self.stop_all()
-
-    def stop_all(self) -> None:
-        """SIGTERM every live rank (and its children); SIGKILL after the grace period."""
-        for p in self.live():
-            if not p.stop_sent:
-                p.stop_sent = True
-                _signal_group(p.pid, signal.SIGTERM)
-        if self.kill_at is None:
-            self.kill_at = time.monotonic() + GRACE_S
-
-    def _kill_live(self) -> None:
-        for p in self.live():
-            _signal_group(p.pid, signal.SIGKILL)
-        self.kill_at = None
-
-    def _expire(self) -> None:
-        """--timeout: ask every live rank for its Python stack (faulthandler on SIGUSR1), then stop all."""
-        live = self.live()
-        self.timed_out = [p.rank for p in live]
-        self.relay.start_capture()
-        for p in live:
-            try:
-                os.kill(p.pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        end = time.monotonic() + STACK_MAX_S
-        quiet_until = time.monotonic() + STACK_QUIET_S
-        while time.monotonic() < min(end, quiet_until):
-            events = self.sel.select(max(0.0, min(end, quiet_until) - time.monotonic()))
-            for key, _ in events:
-                proc, kind = key.data
-                if kind == "stderr":
-                    quiet_until = time.monotonic() + STACK_QUIET_S
-                self._event(proc, kind, key.fd)
-        self.stacks = self.relay.captured()
-        self.stop_all()
-
-    def reap(self) -> None:
-        """After an interrupt or an error in the parent: wait for every rank, escalating to SIGKILL."""
-        while self.live():
-            try:
-                self.wait(None)
-            except KeyboardInterrupt:
-                self._kill_live()
-
-    def close(self) -> None:
-        for p in self.procs:
-            for fd in list(p.fds):
-                self._close_fd(p, fd)
-            if p.exit_fd >= 0:
-                self.sel.unregister(p.exit_fd)
-                os.close(p.exit_fd)
-                p.exit_fd = -1
-        self.sel.close()
-
-
-def _read(fd: int) -> bytes:
-    try:
-        return os.read(fd, 1 << 16)
-    except BlockingIOError:
-        return b""
-
-
-def _load(blob: bytes):
-    try:
-        return results.loads(blob)
-    except Exception as e:  # noqa: BLE001
-        return {"ok": False, "kind": "result", "type": "result", "message": f"cannot unpickle in the kernel: {e}"}
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    return RankProc(rank, pid, exit_fd, {out_r: "stdout", err_r: "stderr", chan_r: "channel"})

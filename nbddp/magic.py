@@ -1,6 +1,8 @@
 """``%%ddp``: run the cell on every rank. Its options are declared here, so ``%%ddp?`` is the reference."""
 from __future__ import annotations
 
+import sys
+
 from IPython.core import magic_arguments
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
@@ -9,54 +11,82 @@ from . import launcher, results
 from .display import view_for_session
 from .errors import ResultError
 
+D = launcher.DEFAULTS  # every default below is read from the one Config
+
 
 @magics_class
 class DDPMagics(Magics):
+    _handlers: list = []  # (shell, handler) registered by every instance: %unload_ext takes them back
+
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.cells: list[str] = []
         if shell is not None:
-            shell.events.register("pre_run_cell", lambda info: self.cells.append(info.raw_cell))
+            self.unregister_events(shell)  # %reload_ext: one recorder, not two
+            shell.events.register("pre_run_cell", self._record)
+            DDPMagics._handlers.append((shell, self._record))
+
+    def _record(self, info) -> None:
+        self.cells.append(info.raw_cell)
+
+    @classmethod
+    def unregister_events(cls, shell) -> None:
+        for owner, handler in [h for h in cls._handlers if h[0] is shell]:
+            try:
+                shell.events.unregister("pre_run_cell", handler)
+            except ValueError:
+                pass
+            cls._handlers.remove((owner, handler))
 
     @magic_arguments.magic_arguments()
     @magic_arguments.argument(
-        "-d", "--devices", default="auto",
+        "-d", "--devices", default=D.devices,
         help="Ranks to start, Lightning-style: a count (4), GPU indices (0,2), -1 for all, or auto "
         "(all GPUs; one CPU rank). Default: auto.",
     )
     @magic_arguments.argument(
-        "--accelerator", default="auto", choices=["auto", "cuda", "cpu"],
+        "--accelerator", default=D.accelerator, choices=["auto", "cuda", "cpu"],
         help="auto: cuda when NVML sees a GPU, else cpu.",
     )
     @magic_arguments.argument(
-        "--backend", default="auto", choices=["auto", "nccl", "gloo"],
+        "--backend", default=D.backend, choices=["auto", "nccl", "gloo"],
         help="torch.distributed backend. auto: nccl on GPU, gloo on CPU.",
     )
     @magic_arguments.argument(
         "-o", "--out", nargs="+", default=[], metavar="NAME",
-        help="Variables to bring back from rank 0 into the notebook (tensors arrive on the CPU).",
+        help="Variables to bring back from rank 0 into the notebook (tensors arrive on the CPU; "
+        "classes the notebook defined stay the notebook's own).",
     )
     @magic_arguments.argument(
-        "--start-method", default="fork", choices=["fork", "spawn"],
+        "-g", "--gather", nargs="+", default=[], metavar="NAME",
+        help="Variables to bring back from every rank: NAME becomes a list of each rank's value, in rank order.",
+    )
+    @magic_arguments.argument(
+        "--max-value-mb", type=float, default=D.max_value_mb, metavar="MB",
+        help=f"Largest value (pickled) one rank may send back per name (default {D.max_value_mb:g} MiB); "
+        "a larger one fails with its size, the other names still arrive.",
+    )
+    @magic_arguments.argument(
+        "--start-method", default=D.start_method, choices=["fork", "spawn"],
         help="fork (default): ranks share the notebook's data copy-on-write. spawn: fresh interpreters; "
         "the cell and the globals it uses are pickled (for a kernel that already initialised CUDA).",
     )
     @magic_arguments.argument(
-        "--threads", type=int, default=1,
+        "--threads", type=int, default=D.threads,
         help="Intra-op threads per rank (torch.set_num_threads). Default 1: after the kernel has used "
         "OpenMP, a forked rank with more threads can hang on its first parallel op.",
     )
     @magic_arguments.argument(
-        "--timeout", type=float, default=None, metavar="SECONDS",
+        "--timeout", type=float, default=D.timeout, metavar="SECONDS",
         help="Wall-clock limit. At expiry every live rank's Python stack is shown and all ranks stop.",
     )
     @magic_arguments.argument(
-        "--ranks-output", default="all", choices=["all", "0", "none"],
-        help="Whose output the cell shows (every rank's is kept in the run's log directory).",
+        "--ranks-output", default=D.ranks_output, choices=["all", "0", "none"],
+        help="Whose output (text and displays) the cell shows; every rank's text is kept in the run's log directory.",
     )
     @magic_arguments.argument(
-        "--max-lines", type=int, default=200_000, metavar="N",
-        help="Lines per rank shown in the cell (default 200000); the rest stays in the rank's log file.",
+        "--max-lines", type=int, default=D.max_lines, metavar="N",
+        help=f"Lines per rank shown in the cell (default {D.max_lines}); the rest stays in the rank's log file.",
     )
     @magic_arguments.argument(
         "--no-prefix", action="store_true",
@@ -68,13 +98,16 @@ class DDPMagics(Magics):
 
         The cell sees the notebook's globals plus ``rank``, ``local_rank``, ``world_size`` and
         ``device``; the process group is initialised. Rank 0's last expression becomes the cell's
-        result; ``--out`` names come back from rank 0. Nothing else in the notebook changes.
+        result; ``--out`` names come back from rank 0, ``--gather`` names from every rank. A rank's
+        ``display()``, ``plt.show()`` and rich outputs appear in the cell (other ranks' labelled with
+        their rank). Nothing else in the notebook changes.
         """
         args = magic_arguments.parse_argstring(self.ddp, line)
         config = launcher.Config(
             devices=args.devices, accelerator=args.accelerator, backend=args.backend,
             start_method=args.start_method, threads=args.threads, timeout=args.timeout,
             ranks_output=args.ranks_output, prefix=not args.no_prefix, max_lines=args.max_lines,
+            max_value_mb=args.max_value_mb,
         )
         shell = self.shell
         source = "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line, as the user sees it
@@ -86,13 +119,14 @@ class DDPMagics(Magics):
         if args.start_method == "spawn":
             shipped = cellmod.ship_globals(source, filename, shell.user_ns)
         job = cellmod.CellJob(
-            source, filename, outs=args.out,
+            source, filename, outs=args.out, gathers=args.gather, max_value_bytes=config.max_value_bytes,
             namespace=shell.user_ns if args.start_method == "fork" else None, shipped=shipped,
         )
-        sink, observer = view_for_session()
-        outcome = launcher.run(job, config, plan=plan, sink=sink, observer=observer,
-                               relabel={filename: f"Cell In[{number}]"})
-        return _deliver(outcome.values[0], args.out, shell.user_ns)
+        observer = view_for_session()
+        outcome = launcher.run(job, config, plan=plan, observer=observer, relabel={filename: f"Cell In[{number}]"})
+        for note in outcome.notes:
+            print(f"nbddp: {note}", file=sys.stderr)
+        return _deliver(outcome.results(), args.out, args.gather, shell.user_ns)
 
     @line_magic
     def ddp_export(self, line):
@@ -109,22 +143,41 @@ class DDPMagics(Magics):
         print(f"wrote {path}: its first lines give the torchrun command")
 
 
-def _deliver(packed: dict, outs: list[str], user_ns: dict):
+def _deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict):
+    """--out names from rank 0, --gather names from every rank, into the notebook; every name that can
+    arrive does, then one ResultError names each that could not (rank, name, why)."""
     problems = []
+    arrived = []
+
+    def load(rank: int, name: str, item):
+        flag = "--out" if name in outs else "--gather"
+        if item is None or item.problem == cellmod.NEVER_DEFINED:
+            problems.append(f"{flag} {name}: rank {rank} never defined `{name}`.")
+            return None, False
+        if item.problem:
+            problems.append(f"{flag} {name}: rank {rank}'s `{name}`: {item.problem}.")
+            return None, False
+        try:
+            return results.loads(item.blob), True
+        except Exception as e:  # noqa: BLE001 - a value the kernel cannot rebuild is named, not raised
+            problems.append(f"{name}: rank {rank}'s value cannot be unpickled in the kernel: {type(e).__name__}: {e}.")
+            return None, False
+
+    first = per_rank[0]
     for name in outs:
-        if name in packed["outs"]:
-            user_ns[name] = results.loads(packed["outs"][name])
-        elif name in packed["errors"]:
-            problems.append(f"--out {name}: rank 0's `{name}` cannot be pickled ({packed['errors'][name]}).")
-        elif name in packed["missing"]:
-            problems.append(f"--out {name}: rank 0 never defined `{name}`.")
-    if "__value__" in packed["errors"]:
-        problems.append(f"the cell's last expression cannot be pickled ({packed['errors']['__value__']}).")
+        value, ok = load(0, name, first.outs.get(name))
+        if ok:
+            user_ns[name] = value
+            arrived.append(name)
+    for name in gathers:
+        loaded = [load(r, name, res.gathers.get(name)) for r, res in enumerate(per_rank)]
+        if all(ok for _, ok in loaded):
+            user_ns[name] = [v for v, _ in loaded]
+            arrived.append(name)
     if problems:
-        arrived = [n for n in outs if n in packed["outs"]]
         problems.append(
             "The cell ran on every rank; " + (f"these arrived: {', '.join(arrived)}." if arrived else "nothing arrived.")
-            + "\nMove what cannot be pickled to plain data (tensors, numbers, dicts), or leave it out of --out."
+            + "\nSend plain data instead (tensors, numbers, dicts, a state_dict), or leave the name out."
         )
         raise ResultError("\n".join(problems))
-    return results.loads(packed["value"]) if packed["value"] is not None else None
+    return results.loads(first.value.blob) if first.value is not None else None

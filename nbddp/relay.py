@@ -1,20 +1,34 @@
-"""Rank output -> whole, rank-prefixed lines, in order per rank, never fragmented.
+"""Rank output -> the cell: whole, rank-prefixed lines and rich displays, in order per rank, never fragmented.
 
-The supervisor feeds raw bytes as they arrive on each rank's stdout/stderr pipe; the relay cuts them
-at newlines, keeps partial lines until they are complete, and hands complete blocks of lines to a
-sink (the cell's stream, or the dashboard). Every byte also goes to the rank's log file (0600) in the
-run directory, so nothing is lost when a display trims output.
+The relay subscribes to the supervisor's events: raw bytes as they arrive on each rank's stdout/stderr
+pipe, which it cuts at newlines (keeping partial lines until they are complete, a carriage-return redraw
+as its latest state), and the displays a rank sends on its channel, before which that rank's pending
+text is flushed. It hands both to a sink (the cell). ``RankLogs`` keeps every byte in the rank's log
+file (0600), so nothing is lost when the cell trims output.
 """
 from __future__ import annotations
 
 import os
 import sys
 
+from . import channel
+
 MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
 
 
-class TextSink:
-    """Writes prefixed lines to the parent's own stdout/stderr (the cell, in a kernel)."""
+class CellSink:
+    """Where relayed output goes: the parent's stdout/stderr (the cell, in a kernel) and, for rich
+    outputs, the kernel's display publisher. Each rank's displays get display ids of their own, so a
+    rank's ``clear_output()`` clears only what that rank showed, and its display-id updates reach the
+    right output. Outside a kernel a display prints its text/plain form."""
+
+    def __init__(self, run_id: str = "nbddp"):
+        self.run_id = run_id
+        self._shown: dict[int, list[str]] = {}  # rank -> ids of the outputs it occupies, in order
+        self._free: dict[int, list[str]] = {}  # rank -> cleared outputs, reused by its next displays
+        self._clear_pending: set[int] = set()  # clear_output(wait=True): clear at the next display
+        self._alias: dict[tuple[int, str], str] = {}  # (rank, the rank's display id) -> ours
+        self._count = 0
 
     def write(self, stream: str, text: str) -> None:
         (sys.stderr if stream == "stderr" else sys.stdout).write(text)
@@ -23,70 +37,142 @@ class TextSink:
         for s in (sys.stdout, sys.stderr):
             s.flush()
 
+    def display(self, rank: int, rec, label: str | None) -> None:
+        publish = _publisher()
+        if publish is None:
+            text = rec.data.get("text/plain")
+            if text:
+                self.write("stdout", (label or "") + text + "\n")
+            return
+        if rec.update:
+            target = self._alias.get((rank, rec.display_id))
+            if target is not None:
+                publish(rec.data, rec.metadata, transient={"display_id": target}, update=True)
+            return
+        if rank in self._clear_pending:
+            self._clear_pending.discard(rank)
+            self._free[rank] = self._free.get(rank, []) + self._shown.pop(rank, [])
+        free = self._free.get(rank)
+        if free:
+            target = free.pop(0)
+            publish(rec.data, rec.metadata, transient={"display_id": target}, update=True)
+            self._blank(free, publish)
+        else:
+            if label:
+                self.write("stdout", label + "\n")
+            self._count += 1
+            target = f"{self.run_id}-r{rank}-{self._count}"
+            publish(rec.data, rec.metadata, transient={"display_id": target})
+        self._shown.setdefault(rank, []).append(target)
+        if rec.display_id is not None:
+            self._alias[(rank, rec.display_id)] = target
+
+    def clear(self, rank: int, wait: bool) -> None:
+        if wait:
+            self._clear_pending.add(rank)
+            return
+        publish = _publisher()
+        ids = self._shown.pop(rank, [])
+        if publish is not None:
+            self._blank(ids, publish)
+        self._free[rank] = self._free.get(rank, []) + ids
+
+    def close(self) -> None:
+        """End of the run: a clear that waited for a next display that never came happens now."""
+        for rank in list(self._clear_pending):
+            self.clear(rank, wait=False)
+
+    @staticmethod
+    def _blank(ids, publish) -> None:
+        for target in ids:
+            publish({"text/plain": ""}, {}, transient={"display_id": target}, update=True)
+
+
+def _publisher():
+    getipython = sys.modules.get("IPython.core.getipython")
+    if getipython is None or getipython.get_ipython() is None:
+        return None
+    from IPython.display import publish_display_data
+
+    return publish_display_data
+
+
+class RankLogs:
+    """Every byte each rank writes, kept in ``rankN.log`` (0600) in the run directory."""
+
+    def __init__(self, log_paths: dict[int, str]):
+        self._fds = {r: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r, p in log_paths.items()}
+
+    def on_Output(self, event) -> None:
+        fd = self._fds.get(event.rank)
+        if fd is not None:
+            os.write(fd, event.data)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
 
 class Relay:
-    def __init__(self, sink, *, ranks_output: str = "all", prefix: bool = True, log_paths=None,
-                 max_lines: int = 200_000):
+    """Subscribes to the supervisor's Output / OutputClosed / Message events and writes the cell's output."""
+
+    def __init__(self, sink, *, ranks_output: str, prefix: bool, max_lines: int):
         self.sink = sink
         self.max_lines = max_lines  # per rank shown in the cell; the log keeps everything
-        self._shown_lines: dict[int, int] = {}
-        self._capped: set[int] = set()
         self.ranks_output = ranks_output  # "all" | "0" | "none"
         self.prefix = prefix
-        self.last_line: dict[int, str] = {}
+        self._shown_lines: dict[int, int] = {}
+        self._capped: set[int] = set()
         self._partial: dict[tuple[int, str], bytes] = {}
-        self._capture: dict[int, list[str]] | None = None
-        self._logs = {r: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r, p in (log_paths or {}).items()}
 
-    def feed(self, rank: int, stream: str, data: bytes) -> None:
-        if rank in self._logs:
-            os.write(self._logs[rank], data)
-        key = (rank, stream)
-        buf = self._partial.pop(key, b"") + data
+    def on_Output(self, event) -> None:
+        key = (event.rank, event.stream)
+        buf = self._partial.pop(key, b"") + event.data
         head, sep, tail = buf.rpartition(b"\n")
         if sep:
-            self._emit(rank, stream, head)
+            self._emit(event.rank, event.stream, head)
         if len(tail) > MAX_PARTIAL:  # a "line" that never ends: show it in pieces, keep memory bounded
-            self._emit(rank, stream, tail)
+            self._emit(event.rank, event.stream, tail)
             tail = b""
         if b"\r" in tail:  # a progress bar redrawing in place: only its latest state is worth keeping
             latest = next((seg for seg in reversed(tail.split(b"\r")) if seg), b"")
             tail = b"\r" + latest
-            self.last_line[rank] = latest.decode("utf-8", "replace")  # the dashboard shows it live
         if tail:
             self._partial[key] = tail
 
-    def close(self, rank: int, stream: str) -> None:
-        tail = self._partial.pop((rank, stream), b"")
-        if tail:
-            self._emit(rank, stream, tail)
+    def on_OutputClosed(self, event) -> None:
+        self._flush(event.rank, event.stream)
+
+    def on_Message(self, event) -> None:
+        rec = event.record
+        if not isinstance(rec, (channel.Display, channel.ClearOutput)) or not self._shown(event.rank):
+            return
+        for stream in ("stdout", "stderr"):  # what the rank printed before it displayed comes first
+            self._flush(event.rank, stream)
+        if isinstance(rec, channel.ClearOutput):
+            self.sink.clear(event.rank, rec.wait)
+            return
+        label = f"[rank{event.rank}]: display" if (self.prefix and event.rank != 0) else None
+        self.sink.display(event.rank, rec, label)
 
     def close_all(self) -> None:
         for rank, stream in list(self._partial):
-            self.close(rank, stream)
-        for fd in self._logs.values():
-            os.close(fd)
-        self._logs.clear()
+            self._flush(rank, stream)
+        self.sink.close()
 
-    def start_capture(self) -> None:
-        """Collect every rank's following stderr lines (for stacks dumped at a timeout)."""
-        self._capture = {}
-
-    def captured(self) -> dict[int, str]:
-        got = {r: "\n".join(lines) for r, lines in (self._capture or {}).items()}
-        self._capture = None
-        return got
+    def _flush(self, rank: int, stream: str) -> None:
+        tail = self._partial.pop((rank, stream), b"")
+        if tail:
+            self._emit(rank, stream, tail)
 
     def _shown(self, rank: int) -> bool:
         return self.ranks_output == "all" or (self.ranks_output == "0" and rank == 0)
 
     def _emit(self, rank: int, stream: str, block: bytes) -> None:
-        lines = [_last_segment(ln) for ln in block.decode("utf-8", "replace").split("\n")]
-        self.last_line[rank] = lines[-1]
-        if self._capture is not None and stream == "stderr":
-            self._capture.setdefault(rank, []).extend(lines)
         if not self._shown(rank):
             return
+        lines = [last_segment(ln) for ln in block.decode("utf-8", "replace").split("\n")]
         room = self.max_lines - self._shown_lines.get(rank, 0)
         if len(lines) > room:
             if rank in self._capped:
@@ -104,7 +190,7 @@ class Relay:
         self.sink.write(stream, text)
 
 
-def _last_segment(line: str) -> str:
+def last_segment(line: str) -> str:
     """A line redrawn with carriage returns (progress bars) keeps only what was drawn last."""
     if "\r" not in line:
         return line

@@ -3,6 +3,7 @@
 Order matters and is the point of this module: first cut every tie to the kernel (die with it,
 ignore its SIGINT, own stdout/stderr, never touch its zmq sockets), then make torch safe after a fork
 (thread count before any op), then join the process group, run the job, send the result, leave.
+Every step is a phase (channel.PHASES); however the rank ends, the channel says so.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from . import results
+from . import channel
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library: prctl, setvbuf, fflush
@@ -49,9 +50,10 @@ class RankContext:
     device: object  # torch.device
 
 
-def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, result_fd: int, close_fds) -> None:
+def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, close_fds) -> None:
     """Entry point in a freshly forked child. Never returns."""
     code = 70
+    chan = channel.Writer(chan_fd)
     try:
         # Objects inherited from the kernel are never collected here: the GC skips them (a big
         # notebook heap would slow every collection) and leaves their pages shared with the kernel.
@@ -60,102 +62,109 @@ def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, result_fd: int, 
         for fd in close_fds:
             _close(fd)
         _own_stdio(out_fd, err_fd)
-        code = run_rank(spec, job, result_fd)
+        code = run_rank(spec, lambda: job, chan)
+    except BaseException as e:  # noqa: BLE001 - before run_rank took over: still reported
+        _report(chan, "start", e)
     finally:
         _leave(code)
 
 
-def run_rank(spec: RankSpec, job, result_fd: int) -> int:
-    """Set up torch and the process group, run ``job(ctx)``, send its result. Returns the exit code."""
-    _detach_from_kernel()
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
-    os.environ.update(spec.env)
+def run_rank(spec: RankSpec, load_job, chan: channel.Writer) -> int:
+    """A rank's whole life after its ties to the kernel are cut, phase by phase; every way it can end
+    is sent on the channel (Done, Exit or Error with its phase). Returns the exit code."""
+    phase = "start"
+    try:
+        _detach_from_kernel(chan)
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+        os.environ.update(spec.env)
+        phase = "job"
+        job = load_job()
+        phase = "threads"
+        import torch  # the first thing to touch torch: thread count, before any op (OpenMP fork hazard)
 
-    import torch  # the first thing to touch torch: thread count, before any op (OpenMP fork hazard)
+        torch.set_num_threads(spec.threads)
+        phase = "device"
+        device = _device(spec, torch)
+        phase = "group"
+        _join_group(spec)
+        chan.send(channel.Ready())
+        phase = "cell"
+        result = job(RankContext(spec.rank, spec.rank, spec.world_size, device))
+        phase = "results"
+        chan.send(result)  # before leaving: a peer that left early cannot cost this rank its values
+        phase = "leave"
+        _leave_group(spec)
+        chan.send(channel.Done())
+        return 0
+    except SystemExit as e:  # sys.exit(), exit(), quit(): the rank ends here, as a script would
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        chan.send(channel.Exit(code, _exit_site(e), phase, time.time()))
+        return code
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        _report(chan, phase, e)
+        return 1
 
-    torch.set_num_threads(spec.threads)
-    message, code = _run_job(spec, job, torch, result_fd)
-    _send(result_fd, message)
-    return code
+
+def _device(spec: RankSpec, torch):
+    if spec.accelerator == "cuda":
+        from . import cuda
+
+        return cuda.backend().set_device(spec.device_id)
+    return torch.device("cpu")
 
 
-READY = b"\x01"  # sent on the result pipe once the process group is up: the rank is "running"
-
-
-def _run_job(spec: RankSpec, job, torch, result_fd: int) -> tuple[bytes, int]:
-    """Returns the pickled message for the parent (pickled once: results can be large) and the exit code."""
+def _join_group(spec: RankSpec) -> None:
     import torch.distributed as dist
 
-    try:
-        if spec.accelerator == "cuda":
-            from . import cuda
-
-            device = cuda.backend().set_device(spec.device_id)
-        else:
-            device = torch.device("cpu")
-        dist.init_process_group(
-            spec.backend,
-            store=dist.FileStore(spec.store_path, spec.world_size),
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=datetime.timedelta(seconds=spec.pg_timeout_s),
-        )
-        os.write(result_fd, READY)
-        value = job(RankContext(spec.rank, spec.rank, spec.world_size, device))
-        _leave_group(spec)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code == 0:
-            return results.dumps({"ok": True, "value": None}), 0
-        return results.dumps({"ok": False, "kind": "exit", "code": code, "time": time.time()}), code
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
-        return results.dumps(_error_message(e)), 1
-    try:
-        return results.dumps({"ok": True, "value": value}), 0
-    except Exception as e:  # noqa: BLE001
-        failed = {"ok": False, "kind": "result", "type": results.describe(value),
-                  "message": f"{type(e).__name__}: {e}", "time": time.time()}
-        return results.dumps(failed), 1
+    dist.init_process_group(
+        spec.backend,
+        store=dist.FileStore(spec.store_path, spec.world_size),
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=datetime.timedelta(seconds=spec.pg_timeout_s),
+    )
 
 
 def _leave_group(spec: RankSpec) -> None:
-    """After a successful job. NCCL: finish the GPU's queued work, then tear the communicators down.
-    gloo: a barrier proves every rank is past its last collective; os._exit then frees the rest
-    (destroy_process_group would add ~20 ms of FileStore polling to every run, measured)."""
+    """After the job. On a GPU, finish its queued work first. NCCL: tear the communicators down (they
+    must not die mid-kernel). gloo: a barrier proves every rank is past its last collective; os._exit
+    then frees the rest (destroy_process_group would add ~20 ms of FileStore polling, measured)."""
     import torch.distributed as dist
 
     if spec.accelerator == "cuda":
         from . import cuda
 
         cuda.backend().synchronize()
+    if not dist.is_initialized():
+        return  # the job destroyed the group itself, as torchrun scripts do: nothing to leave
+    if spec.backend == "nccl":
         dist.destroy_process_group()
     else:
         dist.barrier()
 
 
-def _error_message(exc: BaseException) -> dict:
-    tb = exc.__traceback__
+def _user_frames(tb):
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PKG_DIR):
         tb = tb.tb_next  # hide nbddp's own frames: the traceback starts in the user's code
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    return {
-        "ok": False,
-        "kind": "exception",
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": text,
-        "time": time.time(),
-    }
+    return tb
 
 
-def _send(fd: int, payload: bytes) -> None:
-    data = results.frame(payload)
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-    os.close(fd)
+def _report(chan: channel.Writer, phase: str, exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
+    try:
+        chan.send(channel.Error(phase, type(exc).__name__, str(exc), text, time.time()))
+    except OSError:
+        pass  # the kernel is gone
+
+
+def _exit_site(exc: SystemExit) -> str:
+    frames = traceback.extract_tb(_user_frames(exc.__traceback__))
+    frames = [f for f in frames if not f.filename.startswith(_PKG_DIR)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f'File "{f.filename}", line {f.lineno}' + (f": {f.line.strip()}" if f.line else "")
 
 
 # -- ties to the parent ---------------------------------------------------------------------------
@@ -184,7 +193,7 @@ def _own_stdio(out_fd: int, err_fd: int) -> None:
             _close(fd)
 
 
-def _detach_from_kernel() -> None:
+def _detach_from_kernel(chan: channel.Writer) -> None:
     """New Python streams on fd 1/2, and nothing left that could write to the kernel's zmq sockets."""
     kernel_streams = (sys.stdout, sys.stderr)
     sys.stdout = sys.__stdout__ = _stream(1, line_buffering=False)
@@ -195,7 +204,7 @@ def _detach_from_kernel() -> None:
     _line_buffer_c_stdout()
     from . import kernelside
 
-    kernelside.redirect_in_rank(kernel_streams)
+    kernelside.redirect_in_rank(kernel_streams, chan)
 
 
 def _stream(fd: int, line_buffering: bool) -> io.TextIOWrapper:

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 from nbddp import dashboard, devices, nvml
 from nbddp.failure import RankExit
+from nbddp.supervisor import Output, Started
 
 
 class FakeNvml:
@@ -26,19 +27,22 @@ def test_gpu_rows_with_history_and_peaks(monkeypatch, tmp_path):
     fake = FakeNvml()
     monkeypatch.setattr(nvml, "_backend", fake)
     view = dashboard.RunView(widgets=False)
-    relay = SimpleNamespace(last_line={0: "epoch 3 loss 0.1", 1: "epoch 3 loss 0.2"})
-    view.begin(devices.Plan("cuda", "nccl", (0, 1)), SimpleNamespace(path=tmp_path), relay)
+    view.begin(devices.Plan("cuda", "nccl", (0, 1)), SimpleNamespace(path=tmp_path))
     for r in (0, 1):
-        view.started(r, os.getpid())  # a real process to sample; its GPU figures come from the seam
+        view.on_Output(Output(r, "stdout", f"epoch 2\nepoch 3 loss 0.{r + 1}\r".encode()))
+    for r in (0, 1):
+        view.on_Started(Started(r, os.getpid()))  # a real process to sample; its GPU figures come from the seam
     for _ in range(5):
         view.tick()
     live = view.render_html(live=True)
     assert "cuda:0 Fake H100" in live and "cuda:1 Fake H100" in live
     assert "51%" in live  # rank 1's device at the 5th sample
     assert "25.0 GB / 80.0 GB" in live and "301 W" in live and "60 °C" in live
-    assert "▁▂▃▄▅" in live or len([c for c in live if c in "▁▂▃▄▅▆▇█"]) >= 10  # util history sparkline
+    assert "epoch 3 loss 0.2" in live  # rank 1's last line, from its output events
+    # util history, one sparkline per GPU: rank 1's utilisation rose 11, 21, ... 51 % over 5 samples
+    assert live.count("▁▂▃▄▅") == 2, live
     for r in (0, 1):
-        view.exited(r, RankExit(r, 0, {"ok": True, "value": None}, max_rss=3 * 2**30))
+        view.exited(r, RankExit(r, 0, done=True, max_rss=3 * 2**30))
     text = view.render_text()
     assert "cuda:0 Fake H100" in text and "25.0 GB / 80.0 GB peak" in text
     assert "nccl" in text and "finished" in text

@@ -23,6 +23,36 @@ def test_architecture_names_every_module():
     assert not missing, f"docs/architecture.md does not mention {missing}"
 
 
+def test_architecture_names_are_the_codes_names():
+    """Every `module.Name` (and `module.Name.attr`) the document writes in backticks exists in the code."""
+    import importlib
+
+    text = (DOCS / "architecture.md").read_text()
+    modules = {p.stem for p in (ROOT / "nbddp").glob("*.py")}
+    refs = set(re.findall(r"`([a-z_]+)\.([A-Za-z_]+)(?:\.([A-Za-z_]+))?`", text))
+    refs = {r for r in refs if r[0] in modules}
+    # the diagram's names too: every module.Name written there
+    diagram = text[text.index("```"):text.index("```", text.index("```") + 3)]
+    refs |= {(m, n, "") for m, n in re.findall(r"\b([a-z_]+)\.([A-Za-z_]+)\b", diagram) if m in modules}
+    refs = {r for r in refs if r[1] != "py"}  # "magic.py": a file, not a name
+    assert len(refs) >= 20, refs
+    missing = []
+    for mod, name, attr in sorted(refs):
+        obj = importlib.import_module(f"nbddp.{mod}")
+        for part in (name, attr):
+            if part and not hasattr(obj, part):
+                missing.append(".".join(p for p in (mod, name, attr) if p))
+                break
+            obj = getattr(obj, part) if part else obj
+    assert not missing, f"docs/architecture.md names what the code does not have: {missing}"
+    # and every event the supervisor publishes, every record a rank sends, is in the document
+    from nbddp import channel, supervisor
+
+    for cls in (*supervisor.EVENTS, channel.Ready, channel.Display, channel.ClearOutput, channel.Result,
+                channel.Error, channel.Exit, channel.Done):
+        assert cls.__name__ in text, cls
+
+
 MESSAGES = [  # a fragment of every message a user can meet (see the modules raising them)
     "unrecognized arguments", "is not a device spec", "more than once", "need at least one device",
     "cannot be negative", "names no device", "CPU ranks are counted, not indexed", "but this machine has",
@@ -31,8 +61,10 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "cannot launch from inside a rank", "another nbddp launch is still running", "CUDA was initialised in this kernel by",
     "already initialised in this kernel", "also failed (likely a consequence)", "failed the same way", "stopped by nbddp after rank",
     "killed by SIGKILL", "killed by SIGSEGV", "killed by SIGBUS", "killed by SIGABRT", "exited with code",
-    "called sys.exit", "exited (code 0)", "its return value", "--timeout", "was here:", "KeyboardInterrupt",
-    "never defined", "the cell's last expression cannot be pickled",
+    "called sys.exit", "exited (code 0)", "'s return value", "--timeout", "was here:", "KeyboardInterrupt",
+    "never defined", "Out[] stays empty", "failed while joining the process group", "left early",
+    "could not leave the process group", "send model.module.state_dict()", "holds only this rank's shards",
+    "an open file", "send list(...)", "(--max-value-mb)", "unknown option",
 ]
 
 

@@ -126,7 +126,7 @@ def test_unpicklable_result_names_the_variable_and_keeps_the_output(faulty):
         "lock = threading.Lock()\nvalue = 42\n"
     )
     assert res.error["ename"] == "ResultError"
-    assert "--out lock: rank 0's `lock` cannot be pickled (_thread.lock" in res.error_text
+    assert "--out lock: rank 0's `lock`: _thread.lock cannot be pickled: TypeError" in res.error_text
     assert "these arrived: value" in res.error_text
     assert "[rank0]:still shown" in res.stdout
     assert faulty.value("value") == 42
@@ -134,8 +134,9 @@ def test_unpicklable_result_names_the_variable_and_keeps_the_output(faulty):
 
 def test_unpicklable_return_value_of_launch_names_the_type(faulty):
     res = faulty.run("import nbddp, threading\nnbddp.launch(threading.Lock, devices=2)")
-    assert res.error["ename"] == "RankFailure"
-    assert "its return value (_thread.lock) cannot be pickled" in res.error_text
+    assert res.error["ename"] == "ResultError"
+    assert "rank 0's return value: _thread.lock cannot be pickled" in res.error_text
+    assert "rank 1's return value: _thread.lock cannot be pickled" in res.error_text
 
 
 def test_ranks_die_with_the_kernel():

@@ -1,0 +1,287 @@
+"""Supervising ranks from the kernel's main thread: one select loop, and typed events out.
+
+The loop waits on events only: each rank's stdout/stderr pipes, its channel, and its pidfd (readable
+the instant the process exits; where a platform has no pidfds, a "life pipe" the rank holds open,
+which reads EOF when it exits). Its only timeouts are real deadlines (``--timeout``, the stack
+collection that follows it, the SIGTERM -> SIGKILL grace, the dashboard's 1 Hz tick), so no polling
+interval ever lands in the user's wait.
+
+What it sees it publishes on a ``Bus`` as the events below; the relay, the log writer, the dashboard
+and the timeout report subscribe (a method ``on_<Event>``) and never reach into each other.
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import time
+from dataclasses import dataclass, field
+
+from . import channel, failure
+
+GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
+STACK_QUIET_S = 0.3  # after SIGUSR1 at a timeout: stacks are complete once stderr is quiet this long
+STACK_MAX_S = 2.0
+
+
+# -- events -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Started:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Output:
+    rank: int
+    stream: str  # "stdout" | "stderr"
+    data: bytes
+
+
+@dataclass(frozen=True)
+class OutputClosed:
+    rank: int
+    stream: str
+
+
+@dataclass(frozen=True)
+class Message:
+    """A record from the rank's channel (channel.Ready, Display, ClearOutput, Result, Error, Exit, Done)."""
+
+    rank: int
+    record: object
+
+
+@dataclass(frozen=True)
+class Exited:
+    rank: int
+    exit: failure.RankExit
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class StacksRequested:
+    ranks: list
+
+
+EVENTS = (Started, Output, OutputClosed, Message, Exited, Tick, StacksRequested)
+
+
+class Bus:
+    """Delivers each event to the subscribers that have an ``on_<EventName>`` method, in order."""
+
+    def __init__(self, subscribers=()):
+        self._handlers = {cls: [] for cls in EVENTS}
+        for sub in subscribers:
+            self.subscribe(sub)
+
+    def subscribe(self, sub) -> None:
+        for cls in EVENTS:
+            handler = getattr(sub, f"on_{cls.__name__}", None)
+            if handler is not None:
+                self._handlers[cls].append(handler)
+
+    def publish(self, event) -> None:
+        for handler in self._handlers[type(event)]:
+            handler(event)
+
+
+# -- ranks as the kernel sees them -----------------------------------------------------------------
+@dataclass
+class RankProc:
+    rank: int
+    pid: int
+    exit_fd: int  # a pidfd, or the read end of the rank's life pipe
+    fds: dict = field(default_factory=dict)  # fd -> "stdout" | "stderr" | "channel"
+    reader: channel.Reader = field(default_factory=channel.Reader)
+    records: dict = field(default_factory=dict)  # record class -> the last one of that kind
+    exit: failure.RankExit | None = None
+    stop_sent: bool = False
+
+    def fd_of(self, stream: str) -> int | None:
+        return next((fd for fd, s in self.fds.items() if s == stream), None)
+
+
+class Supervisor:
+    def __init__(self, bus: Bus, tick: float | None = None):
+        self.bus = bus
+        self.tick = tick
+        self.procs: list[RankProc] = []
+        self.sel = selectors.DefaultSelector()
+        self.kill_at: float | None = None
+        self.timed_out: list[int] = []
+        self._stacks_until: float | None = None  # collecting stacks after --timeout
+        self._stacks_end = 0.0
+        self._seen = 0
+
+    def add(self, proc: RankProc) -> None:
+        self.procs.append(proc)
+        for fd, kind in proc.fds.items():
+            os.set_blocking(fd, False)  # the kernel's ends only: a drain must never wait
+            self.sel.register(fd, selectors.EVENT_READ, (proc, kind))
+        self.sel.register(proc.exit_fd, selectors.EVENT_READ, (proc, "exit"))
+
+    def announce(self) -> None:
+        """Tell the subscribers about every rank, once all are forked."""
+        for proc in self.procs:
+            self.bus.publish(Started(proc.rank, proc.pid))
+
+    def all_fds(self) -> list[int]:
+        return [fd for p in self.procs for fd in (*p.fds, p.exit_fd)]
+
+    def live(self) -> list[RankProc]:
+        return [p for p in self.procs if p.exit is None]
+
+    def wait(self, deadline: float | None) -> None:
+        next_tick = time.monotonic() + self.tick if self.tick else None
+        while self.live():
+            now = time.monotonic()
+            stacks_at = min(self._stacks_until, self._stacks_end) if self._stacks_until is not None else None
+            wake = [t for t in (deadline, self.kill_at, next_tick, stacks_at) if t is not None]
+            timeout = max(0.0, min(wake) - now) if wake else None
+            for key, _ in self.sel.select(timeout):
+                self._event(*key.data, key.fd)
+            now = time.monotonic()
+            if deadline is not None and now >= deadline and self.live() and not self.timed_out:
+                self._expire(now)
+                deadline = None
+            if self._stacks_until is not None and now >= min(self._stacks_until, self._stacks_end):
+                self._stacks_until = None
+                self.stop_all()
+            if self.kill_at is not None and now >= self.kill_at:
+                self._kill_live()
+            if next_tick is not None and now >= next_tick:
+                self.bus.publish(Tick())
+                next_tick = now + self.tick
+
+    def _event(self, proc: RankProc, kind: str, fd: int) -> None:
+        if (kind == "exit" and proc.exit is not None) or (kind != "exit" and fd not in proc.fds):
+            return  # closed earlier in this same batch of events (the rank's exit drained it)
+        if kind == "exit":
+            self._exited(proc)
+            return
+        data = _read(fd)
+        if data:
+            self._data(proc, kind, data)
+        elif data is not None:
+            self._close_fd(proc, fd)
+
+    def _data(self, proc: RankProc, kind: str, data: bytes) -> None:
+        if kind != "channel":
+            if self._stacks_until is not None and kind == "stderr":
+                self._stacks_until = time.monotonic() + STACK_QUIET_S
+            self.bus.publish(Output(proc.rank, kind, data))
+            return
+        for record in proc.reader.feed(data):
+            if isinstance(record, (channel.Display, channel.ClearOutput)):
+                self._drain_output(proc)  # text the rank wrote before this display comes first
+            proc.records[type(record)] = record
+            self.bus.publish(Message(proc.rank, record))
+
+    def _drain_output(self, proc: RankProc) -> None:
+        for stream in ("stdout", "stderr"):
+            fd = proc.fd_of(stream)
+            while fd is not None and (data := _read(fd)):
+                self.bus.publish(Output(proc.rank, stream, data))
+
+    def _close_fd(self, proc: RankProc, fd: int) -> None:
+        kind = proc.fds.pop(fd)
+        self.sel.unregister(fd)
+        os.close(fd)
+        if kind != "channel":
+            self.bus.publish(OutputClosed(proc.rank, kind))
+
+    def _exited(self, proc: RankProc) -> None:
+        # Everything the rank wrote is in its pipes now; a grandchild may hold them open, so drain
+        # what is there instead of waiting for EOF. The group dies before the reap (pid still reserved).
+        for fd in sorted(proc.fds, key=lambda f: proc.fds[f] != "channel"):  # the channel first
+            while data := _read(fd):
+                self._data(proc, proc.fds[fd], data)
+            self._close_fd(proc, fd)
+        _signal_group(proc.pid, signal.SIGKILL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        self.sel.unregister(proc.exit_fd)
+        os.close(proc.exit_fd)
+        proc.exit_fd = -1
+        self._seen += 1
+        rec = proc.records
+        error = rec.get(channel.Error)
+        left = rec.get(channel.Exit)
+        # "stopped" only if our signal ended it: a rank that reported its own error failed by itself
+        stopped = proc.stop_sent and error is None and left is None and channel.Done not in rec
+        proc.exit = failure.RankExit(
+            proc.rank, os.waitstatus_to_exitcode(status), error=error, left=left, result=rec.get(channel.Result),
+            done=channel.Done in rec, stopped=stopped, order=self._seen, max_rss=usage.ru_maxrss * 1024,
+            seen=time.time(),
+        )
+        self.bus.publish(Exited(proc.rank, proc.exit))
+        if failure.failed(proc.exit) and not proc.stop_sent:
+            self.stop_all()
+
+    def stop_all(self) -> None:
+        """SIGTERM every live rank (and its children); SIGKILL after the grace period."""
+        for p in self.live():
+            if not p.stop_sent:
+                p.stop_sent = True
+                _signal_group(p.pid, signal.SIGTERM)
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + GRACE_S
+
+    def _kill_live(self) -> None:
+        for p in self.live():
+            _signal_group(p.pid, signal.SIGKILL)
+        self.kill_at = None
+
+    def _expire(self, now: float) -> None:
+        """--timeout: ask every live rank for its Python stack (faulthandler on SIGUSR1); the loop goes
+        on collecting stderr until it is quiet, then stops all."""
+        live = self.live()
+        self.timed_out = [p.rank for p in live]
+        self.bus.publish(StacksRequested(self.timed_out))
+        for p in live:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        self._stacks_until = now + STACK_QUIET_S
+        self._stacks_end = now + STACK_MAX_S
+
+    def reap(self) -> None:
+        """After an interrupt or an error in the parent: wait for every rank, escalating to SIGKILL."""
+        while self.live():
+            try:
+                self.wait(None)
+            except KeyboardInterrupt:
+                self._kill_live()
+
+    def close(self) -> None:
+        for p in self.procs:
+            for fd in list(p.fds):
+                self._close_fd(p, fd)
+            if p.exit_fd >= 0:
+                self.sel.unregister(p.exit_fd)
+                os.close(p.exit_fd)
+                p.exit_fd = -1
+        self.sel.close()
+
+
+def _read(fd: int) -> bytes | None:
+    """What the pipe holds now: bytes, b"" at EOF, None when empty for the moment."""
+    try:
+        return os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return None
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
