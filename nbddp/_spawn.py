@@ -7,7 +7,7 @@ from nbddp import channel, results, worker
 
 def main() -> None:
     code = 70
-    chan = channel.Writer(3)
+    chan = channel.Writer(3, worker.marks)
     try:
         with open(sys.argv[1], "rb") as f:
             spec = results.loads(f.read())
@@ -19,7 +19,7 @@ def main() -> None:
 
         code = worker.run_rank(spec, load_job, chan)
     except BaseException as e:  # noqa: BLE001 - reading the spec failed: still reported
-        worker._report(chan, "start", e)
+        worker.report(chan, "start", e)
     finally:
         worker._leave(code)
 

@@ -83,9 +83,14 @@ class CellJob:
             ns = self.namespace
             notebook = results.notebook_objects(ns)  # before the cell: what may travel by reference
         else:
-            ns = {"__name__": "__main__", "__builtins__": builtins}
+            ns = fresh_namespace()
             ns.update({k: cloudpickle.loads(v) for k, v in (self.shipped or {}).items()})
             notebook = None  # spawn: cloudpickle's own class tracking restores the notebook's classes
+        return self.run_in(ns, ctx, notebook)
+
+    def run_in(self, ns: dict, ctx, notebook) -> Result:
+        """Run in ``ns``; ``notebook``: the objects (results.notebook_objects) the kernel has as well,
+        which travel back by reference."""
         if self.filename not in linecache.cache:
             lines = self.source.splitlines(keepends=True)
             linecache.cache[self.filename] = (len(self.source), None, lines, self.filename)
@@ -111,6 +116,10 @@ class CellJob:
             _display_instead(value, item.problem)
             item = None
         return Result(value=item, outs=named(self.outs), gathers=gathers)
+
+
+def fresh_namespace() -> dict:
+    return {"__name__": "__main__", "__builtins__": builtins}
 
 
 NEVER_DEFINED = "never defined"

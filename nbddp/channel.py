@@ -66,6 +66,7 @@ class Result:
     value: Item | None = None
     outs: dict = field(default_factory=dict)  # name -> Item
     gathers: dict = field(default_factory=dict)  # name -> Item
+    assigned: tuple = ()  # names the cell (re)bound on this rank (a pool keeps them the rank's own)
 
 
 @dataclass(frozen=True)
@@ -94,23 +95,58 @@ class Done:
     """The rank finished its job and left the process group: it exits with code 0 next."""
 
 
-HEADER = struct.Struct("<Q")
+@dataclass(frozen=True)
+class Healthy:
+    """Pool: the rank passed the health check (a barrier) after an interrupt or a failed cell."""
 
 
-def encode(record) -> bytes:
+# -- the other direction: what the kernel asks of a pool's ranks, on each rank's command pipe ----------
+@dataclass(frozen=True)
+class RunCell:
+    source: str
+    filename: str
+    outs: tuple
+    gathers: tuple
+    max_value_bytes: int
+    updates: dict  # notebook name -> its current value, pickled once in the kernel
+
+
+@dataclass(frozen=True)
+class Call:
+    job: bytes  # a pickled callable: job(ctx) -> Result
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    pass
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+# length, then the marks: bytes the rank had written to stdout and stderr when it sent the record
+HEADER = struct.Struct("<QQQ")
+
+
+def encode(record, marks: tuple[int, int] = (0, 0)) -> bytes:
     payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(payload)) + payload
+    return HEADER.pack(len(payload), *marks) + payload
 
 
 class Writer:
-    """The rank's end. ``send`` is safe from any thread (a display from a callback thread, say)."""
+    """The rank's end. ``send`` is safe from any thread (a display from a callback thread, say).
+    ``marks()``: how many bytes the rank has written to stdout and stderr so far; each frame carries
+    them, so the kernel can put a record exactly between the text written before and after it."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, marks=None):
         self.fd = fd
+        self.marks = marks or (lambda: (0, 0))
         self._lock = threading.Lock()
 
     def send(self, record) -> None:
-        view = memoryview(encode(record))
+        view = memoryview(encode(record, self.marks()))
         with self._lock:
             while view:
                 view = view[os.write(self.fd, view):]
@@ -130,17 +166,18 @@ class Reader:
         self._need = HEADER.size  # bytes the next parse step waits for: a large frame is parsed once
 
     def feed(self, data: bytes) -> list:
+        """Whole records so far, each as (record, (stdout mark, stderr mark))."""
         self._buf += data
         records = []
         while len(self._buf) >= self._need:
-            (n,) = HEADER.unpack_from(self._buf)
+            n, out, err = HEADER.unpack_from(self._buf)
             if len(self._buf) < HEADER.size + n:
                 self._need = HEADER.size + n
                 break
             payload = bytes(memoryview(self._buf)[HEADER.size : HEADER.size + n])
             del self._buf[: HEADER.size + n]
             self._need = HEADER.size
-            records.append(_load(payload))
+            records.append((_load(payload), (out, err)))
         return records
 
     @property

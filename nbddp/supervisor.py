@@ -90,6 +90,10 @@ class Bus:
             handler(event)
 
 
+# records a rank sends after flushing its streams: its text written before them is shown before them
+ORDERED = (channel.Display, channel.ClearOutput, channel.Result, channel.Error, channel.Exit)
+
+
 # -- ranks as the kernel sees them -----------------------------------------------------------------
 @dataclass
 class RankProc:
@@ -99,6 +103,8 @@ class RankProc:
     fds: dict = field(default_factory=dict)  # fd -> "stdout" | "stderr" | "channel"
     reader: channel.Reader = field(default_factory=channel.Reader)
     records: dict = field(default_factory=dict)  # record class -> the last one of that kind
+    held: dict = field(default_factory=lambda: {"stdout": bytearray(), "stderr": bytearray()})  # read, not yet published
+    published: dict = field(default_factory=lambda: {"stdout": 0, "stderr": 0})  # bytes published per stream
     exit: failure.RankExit | None = None
     stop_sent: bool = False
 
@@ -117,6 +123,7 @@ class Supervisor:
         self._stacks_until: float | None = None  # collecting stacks after --timeout
         self._stacks_end = 0.0
         self._seen = 0
+        self.after_stacks = self.stop_all  # what --timeout does once the stacks are in (a pool interrupts)
 
     def add(self, proc: RankProc) -> None:
         self.procs.append(proc)
@@ -136,12 +143,14 @@ class Supervisor:
     def live(self) -> list[RankProc]:
         return [p for p in self.procs if p.exit is None]
 
-    def wait(self, deadline: float | None) -> None:
+    def wait(self, deadline: float | None, until=None, wake_at: float | None = None) -> None:
+        """Until every rank has exited, or ``until()`` holds (checked after each batch of events and at
+        ``wake_at``). ``deadline``: --timeout (stacks, then ``after_stacks``)."""
         next_tick = time.monotonic() + self.tick if self.tick else None
-        while self.live():
+        while self.live() and not (until and until()):
             now = time.monotonic()
             stacks_at = min(self._stacks_until, self._stacks_end) if self._stacks_until is not None else None
-            wake = [t for t in (deadline, self.kill_at, next_tick, stacks_at) if t is not None]
+            wake = [t for t in (deadline, self.kill_at, next_tick, stacks_at, wake_at) if t is not None]
             timeout = max(0.0, min(wake) - now) if wake else None
             for key, _ in self.sel.select(timeout):
                 self._event(*key.data, key.fd)
@@ -151,7 +160,7 @@ class Supervisor:
                 deadline = None
             if self._stacks_until is not None and now >= min(self._stacks_until, self._stacks_end):
                 self._stacks_until = None
-                self.stop_all()
+                self.after_stacks()
             if self.kill_at is not None and now >= self.kill_at:
                 self._kill_live()
             if next_tick is not None and now >= next_tick:
@@ -171,22 +180,48 @@ class Supervisor:
             self._close_fd(proc, fd)
 
     def _data(self, proc: RankProc, kind: str, data: bytes) -> None:
-        if kind != "channel":
+        """Text is held until the records the rank sent before it are known (each frame carries how much
+        text the rank had written when it was sent), so the two pipes merge in the rank's own order."""
+        if kind == "channel":
+            records = proc.reader.feed(data)
+        else:
             if self._stacks_until is not None and kind == "stderr":
                 self._stacks_until = time.monotonic() + STACK_QUIET_S
-            self.bus.publish(Output(proc.rank, kind, data))
-            return
-        for record in proc.reader.feed(data):
-            if isinstance(record, (channel.Display, channel.ClearOutput)):
-                self._drain_output(proc)  # text the rank wrote before this display comes first
-            proc.records[type(record)] = record
-            self.bus.publish(Message(proc.rank, record))
-
-    def _drain_output(self, proc: RankProc) -> None:
+            proc.held[kind] += data
+            records = self._drain_channel(proc)  # whatever the rank sent before this text is there now
+        while records:
+            for record, marks in records:
+                if isinstance(record, ORDERED):
+                    for stream, mark in zip(("stdout", "stderr"), marks):
+                        self._publish_text(proc, stream, mark)
+                proc.records[type(record)] = record
+                self.bus.publish(Message(proc.rank, record))
+            records = self._drain_channel(proc)
         for stream in ("stdout", "stderr"):
+            self._publish_text(proc, stream, None)
+
+    def _drain_channel(self, proc: RankProc) -> list:
+        fd = proc.fd_of("channel")
+        records = []
+        while fd is not None and (data := _read(fd)):
+            records += proc.reader.feed(data)
+        return records
+
+    def _publish_text(self, proc: RankProc, stream: str, mark: int | None) -> None:
+        """Publish what is held of ``stream``, up to byte ``mark`` of the rank's writes (None: all)."""
+        held = proc.held[stream]
+        if mark is not None:
             fd = proc.fd_of(stream)
-            while fd is not None and (data := _read(fd)):
-                self.bus.publish(Output(proc.rank, stream, data))
+            while fd is not None and proc.published[stream] + len(held) < mark and (data := _read(fd)):
+                held += data  # flushed before the record was sent: it is in the pipe
+            n = max(0, min(len(held), mark - proc.published[stream]))
+        else:
+            n = len(held)
+        if n:
+            chunk = bytes(held[:n])
+            del held[:n]
+            proc.published[stream] += n
+            self.bus.publish(Output(proc.rank, stream, chunk))
 
     def _close_fd(self, proc: RankProc, fd: int) -> None:
         kind = proc.fds.pop(fd)
@@ -198,9 +233,10 @@ class Supervisor:
     def _exited(self, proc: RankProc) -> None:
         # Everything the rank wrote is in its pipes now; a grandchild may hold them open, so drain
         # what is there instead of waiting for EOF. The group dies before the reap (pid still reserved).
-        for fd in sorted(proc.fds, key=lambda f: proc.fds[f] != "channel"):  # the channel first
+        for fd in sorted(proc.fds, key=lambda f: proc.fds[f] == "channel"):  # text first: marks place it
             while data := _read(fd):
                 self._data(proc, proc.fds[fd], data)
+        for fd in list(proc.fds):
             self._close_fd(proc, fd)
         _signal_group(proc.pid, signal.SIGKILL)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -239,16 +275,18 @@ class Supervisor:
     def _expire(self, now: float) -> None:
         """--timeout: ask every live rank for its Python stack (faulthandler on SIGUSR1); the loop goes
         on collecting stderr until it is quiet, then stops all."""
-        live = self.live()
-        self.timed_out = [p.rank for p in live]
+        self.timed_out = [p.rank for p in self.live()]
         self.bus.publish(StacksRequested(self.timed_out))
-        for p in live:
-            try:
-                os.kill(p.pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
+        self.signal_live(signal.SIGUSR1)
         self._stacks_until = now + STACK_QUIET_S
         self._stacks_end = now + STACK_MAX_S
+
+    def signal_live(self, sig: int) -> None:
+        for p in self.live():
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def reap(self) -> None:
         """After an interrupt or an error in the parent: wait for every rank, escalating to SIGKILL."""

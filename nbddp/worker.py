@@ -48,12 +48,13 @@ class RankContext:
     local_rank: int
     world_size: int
     device: object  # torch.device
+    channel: object = None  # the rank's channel.Writer (a pool's ranks answer each command on it)
 
 
 def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, close_fds) -> None:
     """Entry point in a freshly forked child. Never returns."""
     code = 70
-    chan = channel.Writer(chan_fd)
+    chan = channel.Writer(chan_fd, marks)
     try:
         # Objects inherited from the kernel are never collected here: the GC skips them (a big
         # notebook heap would slow every collection) and leaves their pages shared with the kernel.
@@ -64,7 +65,7 @@ def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, cl
         _own_stdio(out_fd, err_fd)
         code = run_rank(spec, lambda: job, chan)
     except BaseException as e:  # noqa: BLE001 - before run_rank took over: still reported
-        _report(chan, "start", e)
+        report(chan, "start", e)
     finally:
         _leave(code)
 
@@ -90,19 +91,21 @@ def run_rank(spec: RankSpec, load_job, chan: channel.Writer) -> int:
         _join_group(spec)
         chan.send(channel.Ready())
         phase = "cell"
-        result = job(RankContext(spec.rank, spec.rank, spec.world_size, device))
+        result = job(RankContext(spec.rank, spec.rank, spec.world_size, device, chan))
         phase = "results"
+        flush_streams()
         chan.send(result)  # before leaving: a peer that left early cannot cost this rank its values
         phase = "leave"
         _leave_group(spec)
         chan.send(channel.Done())
         return 0
     except SystemExit as e:  # sys.exit(), exit(), quit(): the rank ends here, as a script would
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        chan.send(channel.Exit(code, _exit_site(e), phase, time.time()))
+        code = exit_code(e)
+        flush_streams()
+        chan.send(channel.Exit(code, exit_site(e), phase, time.time()))
         return code
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
-        _report(chan, phase, e)
+        report(chan, phase, e)
         return 1
 
 
@@ -150,7 +153,17 @@ def _user_frames(tb):
     return tb
 
 
-def _report(chan: channel.Writer, phase: str, exc: BaseException) -> None:
+def flush_streams() -> None:
+    """Before a record that ends something: the text written before it reaches the pipes first."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or replaced stream
+            pass
+
+
+def report(chan: channel.Writer, phase: str, exc: BaseException) -> None:
+    flush_streams()
     text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
     try:
         chan.send(channel.Error(phase, type(exc).__name__, str(exc), text, time.time()))
@@ -158,7 +171,11 @@ def _report(chan: channel.Writer, phase: str, exc: BaseException) -> None:
         pass  # the kernel is gone
 
 
-def _exit_site(exc: SystemExit) -> str:
+def exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+def exit_site(exc: SystemExit) -> str:
     frames = traceback.extract_tb(_user_frames(exc.__traceback__))
     frames = [f for f in frames if not f.filename.startswith(_PKG_DIR)]
     if not frames:
@@ -207,8 +224,26 @@ def _detach_from_kernel(chan: channel.Writer) -> None:
     kernelside.redirect_in_rank(kernel_streams, chan)
 
 
+class _CountingFileIO(io.FileIO):
+    """fd 1/2 for Python's streams, counting what they wrote: the marks each channel frame carries."""
+
+    written = 0
+
+    def write(self, b):
+        n = super().write(b)
+        self.written += n or 0
+        return n
+
+
+RAW: dict[int, _CountingFileIO] = {}
+
+
+def marks() -> tuple[int, int]:
+    return tuple(RAW[fd].written if fd in RAW else 0 for fd in (1, 2))
+
+
 def _stream(fd: int, line_buffering: bool) -> io.TextIOWrapper:
-    raw = io.FileIO(fd, "w", closefd=False)
+    raw = RAW[fd] = _CountingFileIO(fd, "w", closefd=False)
     return io.TextIOWrapper(io.BufferedWriter(raw, 1 << 16), encoding="utf-8", errors="backslashreplace",
                             line_buffering=line_buffering)
 

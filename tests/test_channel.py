@@ -18,13 +18,18 @@ def test_frames_survive_any_split_and_lengths_whose_bytes_look_like_markers():
         reader = channel.Reader()
         got = []
         for i in range(0, len(stream), step):
-            got += reader.feed(stream[i : i + step])
+            got += [rec for rec, _ in reader.feed(stream[i : i + step])]
         assert got == records and reader.pending == 0
+
+
+def test_each_frame_carries_the_ranks_stdout_and_stderr_marks():
+    frame = channel.encode(channel.Done(), (123, 45))
+    assert channel.Reader().feed(frame) == [(channel.Done(), (123, 45))]
 
 
 def test_a_record_the_kernel_cannot_unpickle_becomes_an_error_record():
     payload = b"\x80\x05not a pickle"
-    got = channel.Reader().feed(channel.HEADER.pack(len(payload)) + payload)
+    got = [rec for rec, _ in channel.Reader().feed(channel.HEADER.pack(len(payload), 0, 0) + payload)]
     assert isinstance(got[0], channel.Error) and "cannot be unpickled in the kernel" in got[0].message
 
 
