@@ -113,6 +113,8 @@ def run(job, config: Config, *, plan: devices.Plan | None = None, sink=None, obs
     if _active:
         raise UsageError("another nbddp launch is still running in this process; wait for it to finish.")
     plan = plan or config.validate()
+    for note in plan.notes:  # e.g. the busy GPUs --devices auto skipped, and why
+        print(note, file=sys.stderr)
     if plan.accelerator == "cuda" and config.start_method == "fork" and (refusal := cuda.backend().refusal()):
         raise refusal
     _active = True
