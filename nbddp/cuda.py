@@ -100,11 +100,14 @@ class Cuda:
         """Why a forked GPU rank could not use CUDA, as the error to raise; None when forking is safe.
 
         Never creates a context and never loads the driver library in the kernel."""
+        w = self.watch
+        if self._torch_initialised() and self.site and self.site.line is None and w.initialised is not None:
+            return _refusal_for(w.initialised, w)  # torch was imported and initialised in one cell: the
+            # watcher knows the module, the lazy-init wrapper (installed after that cell) could not
         if self._torch_initialised():
             site = self.site
             imp = site.code if site and site.code.startswith(("import ", "from ")) else None
             return _refusal(str(site) if site else None, site.module if site else None, imp, torch=True)
-        w = self.watch
         if w.initialised is not None:
             return _refusal_for(w.initialised, w)
         if w.library is None and driverwatch.driver_mapped() is None:
@@ -190,7 +193,8 @@ def _refusal_for(s: driverwatch.Sighting, w: driverwatch.Watcher) -> CudaInitial
     if s.cell.startswith("before"):
         what = "initialised" if w.initialised is not None else "loaded"
         return _refusal(None, None, None, detail=f"The CUDA driver ({w.library}) was {what} {s.cell}.")
-    where = f"{s.cell}: {s.import_line}" if s.import_line else s.cell
+    line = s.import_line or s.code
+    where = f"{s.cell}: {line}" if line else s.cell
     return _refusal(f"{where} ({s.culprit()})", s.module or (s.suspects[0] if len(s.suspects) == 1 else None),
                     s.import_line)
 

@@ -27,6 +27,7 @@ class Sighting:
     cell: str  # "In [4]", or "before %load_ext nbddp"
     module: str | None  # the Python module that loaded it, when known
     import_line: str | None  # the cell's line importing that module's package, when there is one
+    code: str = ""  # the cell's first line, shown when no import line names the culprit
     suspects: tuple[str, ...] = ()  # packages the cell newly imported, when the module is unknown
 
     def culprit(self) -> str:
@@ -36,7 +37,7 @@ class Sighting:
             return f"module {self.suspects[0]}"
         if self.suspects:
             return "one of the modules it imported: " + ", ".join(self.suspects)
-        return "code in it"
+        return "the cell's own code"
 
 
 def driver_mapped(maps: str = "/proc/self/maps") -> str | None:
@@ -160,7 +161,9 @@ class Watcher:
         new = sorted({m.split(".")[0] for m in set(sys.modules) - self._modules_before} - set(sys.builtin_module_names))
         new = [m for m in new if not m.startswith("_") and m not in sys.stdlib_module_names and m != "nbddp"]
         top = module.split(".")[0] if module else (new[0] if len(new) == 1 else None)
-        return Sighting(cell, module, _import_line(source, top) if top else None, () if module else tuple(new[:6]))
+        first = next((ln.strip() for ln in source.splitlines() if ln.strip()), "")
+        return Sighting(cell, module, _import_line(source, top) if top else None, first,
+                        () if module else tuple(new[:6]))
 
     # -- audit hook: runs on every audited event in the process, so it returns at once for most ------
     def audit(self, event: str, args) -> None:
