@@ -134,9 +134,10 @@ def _pick_free(spec, gpus: int, found: gpufree.Survey) -> tuple[list[int], list[
         listing = "\n".join(f"  cuda:{i}  {why or 'free'}" for i, why in found.busy.items())
         asked = "--devices auto found no free GPU" if spec == "auto" else \
             f"--devices {spec} asks for {spec} free GPUs, but {len(free)} of {gpus} are free"
-        fixes = [f"--devices {len(free)} to run on the free ones"] if free else []
-        fixes.append(f"name GPUs to use them even if busy (--devices {','.join(map(str, range(min(want, gpus))))})")
-        raise UsageError(f"{asked}:\n{listing}\nUse " + ", or ".join(fixes) + ", or wait for them to be freed.")
+        fixes = [f"--devices {len(free)} (the free ones)"] if free else []
+        named = _spec(list(range(gpus if spec == "auto" else min(spec, gpus))))
+        fixes.append(f"--devices {named} (GPUs named by index are used even if busy)")
+        raise UsageError(f"{asked}:\n{listing}\nUse " + ", or ".join(fixes) + ", or wait until they are free.")
     ids = free[:want]
     skipped = [i for i in range(gpus) if found.busy[i] and (spec == "auto" or i < ids[-1])]
     if not skipped:
@@ -148,7 +149,10 @@ def _pick_free(spec, gpus: int, found: gpufree.Survey) -> tuple[list[int], list[
 
 
 def _spec(spec) -> str:
-    return ",".join(map(str, spec)) if isinstance(spec, list) else str(spec)
+    """As the user would type it: a one-GPU list needs its comma ("0," is GPU 0; "0" would be a count)."""
+    if not isinstance(spec, list):
+        return str(spec)
+    return ",".join(map(str, spec)) + ("," if len(spec) == 1 else "")
 
 
 def _check_exist(ids: list[int], gpus: int) -> None:
