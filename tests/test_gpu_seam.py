@@ -149,3 +149,23 @@ def test_gpu_options_checked_against_what_nvml_sees(clean_kernel):
     k.ok("nbddp.nvml.use(nbddp.nvml.Nvml()); del guard.built")
     res = k.run("%%ddp --devices 2 --accelerator cuda\npass\n")
     assert "NVML sees no GPU" in res.error_text
+
+
+def test_the_cell_says_which_busy_gpus_auto_skipped(clean_kernel, runs_dir):
+    k = clean_kernel
+    k.ok(FAKE_NVML + """
+class BusyNvml(FakeNvml):
+    def usage(self):
+        return [nbddp.nvml.GpuUse(0, 'Fake H100', 40 * 2**30, 80 * 2**30, ((999001, 40 * 2**30),)),
+                nbddp.nvml.GpuUse(1, 'Fake H100', 2**28, 80 * 2**30, ())]
+nbddp.nvml.use(BusyNvml())
+guard = nbddp.cuda.backend()
+guard.built = lambda: True
+guard.refusal = lambda: nbddp.CudaInitialisedError('stand-in guard: stop before forking')
+""")
+    before = set(runs_dir.iterdir())
+    res = k.run("%%ddp --devices auto\nprint('must not run')\n")
+    assert "--devices auto uses the free GPU cuda:1; skipped:\n  cuda:0  1 other compute process on it (pid 999001" \
+        in res.stderr + res.stdout
+    assert res.error["ename"] == "CudaInitialisedError" and set(runs_dir.iterdir()) == before
+    k.ok("del guard.built, guard.refusal; nbddp.nvml.use(nbddp.nvml.Nvml())")
