@@ -189,10 +189,17 @@ class Watcher:
 _watchers: list[Watcher] = []  # audit hooks cannot be removed: one hook, forwarding to the current watcher
 
 
+def _audit(event: str, args) -> None:
+    try:
+        _watchers[-1].audit(event, args)
+    except Exception:  # an audit hook that raises aborts the audited operation (an import, an open...)
+        pass
+
+
 def _hook_into_audit(watcher: Watcher) -> None:
     if not _watchers:
-        sys.addaudithook(lambda event, args: _watchers[-1].audit(event, args))
         _watchers.append(watcher)
+        sys.addaudithook(_audit)
     else:
         _watchers[-1] = watcher
 
