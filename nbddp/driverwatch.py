@@ -135,6 +135,10 @@ class Watcher:
         self._modules_before = set(sys.modules)
         _hook_into_audit(self)
         if shell is not None:
+            try:
+                shell.events.unregister("pre_run_cell", self.before_cell)  # %reload_ext: registered once
+            except ValueError:
+                pass
             shell.events.register("pre_run_cell", self.before_cell)
 
     def before_cell(self, info=None) -> None:
