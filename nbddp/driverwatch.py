@@ -135,11 +135,15 @@ class Watcher:
         self._modules_before = set(sys.modules)
         _hook_into_audit(self)
         if shell is not None:
-            try:
-                shell.events.unregister("pre_run_cell", self.before_cell)  # %reload_ext: registered once
-            except ValueError:
-                pass
+            self.stop(shell)  # %reload_ext: registered once
             shell.events.register("pre_run_cell", self.before_cell)
+
+    def stop(self, shell) -> None:
+        """Unregister from the shell (the audit hook stays: Python cannot remove one; it costs a check)."""
+        try:
+            shell.events.unregister("pre_run_cell", self.before_cell)
+        except ValueError:
+            pass
 
     def before_cell(self, info=None) -> None:
         self._modules_before = set(sys.modules)
