@@ -1,15 +1,21 @@
-"""The one command that proves nbddp on a multi-GPU machine: python benchmarks/gpu_smoke.py
+"""The one command that proves nbddp on a GPU machine: python benchmarks/gpu_smoke.py
 
-Needs a CUDA build of torch, nvidia-ml-py (pip install 'nbddp[gpu]') and at least 2 GPUs. Checks, each
-in a fresh real kernel:
-  1. the CUDA guard: a cell that calls .cuda() makes %%ddp refuse, naming that cell and line;
-  2. NCCL ranks: one rank per GPU, backend nccl, each on its own device, all_reduce on the GPU;
-  3. the NVML dashboard: the live widget shows a row per GPU with utilisation and memory;
-  4. step time: the same DDP loop as a %%ddp cell and under torchrun, steps/s ratio.
-Prints a PASS/FAIL table; exits non-zero on any FAIL.
+Needs a CUDA build of torch, nvidia-ml-py, ipykernel and jupyter_client (docs/gpu.md: installing them on a
+machine without network). Adapts to the GPUs present; each check runs in a fresh real kernel:
+  - CUDA guard, torch: a cell that calls .cuda() makes %%ddp refuse, naming that cell and line;
+  - CUDA guard, another library: a module that calls cuInit through ctypes on import makes %%ddp refuse,
+    naming the cell, the module and the fix;
+  - NCCL, 1 rank: %%ddp --devices 1, all_reduce on the GPU;
+  - gloo, 2 ranks sharing GPU 0: --accelerator cpu ranks that put their tensors on cuda:0;
+  - NVML dashboard: the live widget shows a row per GPU with utilisation;
+  - free-GPU picking: with another process holding memory on GPU 0, --devices auto skips it and says why;
+  - step time: the same DDP loop as a %%ddp cell and under torchrun, steps/s ratio;
+  - with 2+ GPUs, also NCCL across all of them.
+Prints a PASS/FAIL table; exits 1 on any FAIL. Without a GPU it says so in one line and exits 2.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -18,8 +24,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from kernel import Kernel  # noqa: E402
+NO_GPU_EXIT = 2
 
 LOOP = """import time, torch, torch.distributed as dist
 torch.manual_seed(0)
@@ -39,55 +44,155 @@ torch.cuda.synchronize(); dist.barrier()
 steps_per_s = 200 / (time.perf_counter() - t0)
 """
 
+# A CUDA user that is not torch: loads the driver and initialises it on import (like pycuda.autoinit).
+CUDA_LIBRARY = "import ctypes\n_rc = ctypes.CDLL('libcuda.so.1').cuInit(0)\nassert _rc == 0, _rc\n"
 
-def fresh_kernel() -> Kernel:
-    k = Kernel(env={"NBDDP_RUNS_DIR": tempfile.mkdtemp()})
+
+def gpu_count() -> int:
+    """GPUs NVML sees (never CUDA: this process forks nothing, but keeps to nbddp's rule anyway)."""
+    sys.path.insert(0, str(ROOT))
+    from nbddp import nvml
+
+    return nvml.backend().count()
+
+
+def plan_checks(gpus: int) -> list[tuple[str, object]]:
+    checks = [("CUDA guard: torch", check_guard_torch), ("CUDA guard: other library", check_guard_library),
+              ("NCCL, 1 rank", check_nccl_one), ("gloo, 2 ranks on GPU 0", check_gloo_shared),
+              ("NVML dashboard", lambda: check_dashboard(gpus)), ("free-GPU picking", lambda: check_free(gpus))]
+    if gpus >= 2:
+        checks.append((f"NCCL across {gpus} GPUs", lambda: check_nccl_all(gpus)))
+    checks.append(("step time vs torchrun", lambda: check_step_time(min(gpus, 2))))
+    return checks
+
+
+def fresh_kernel(extra_path: str | None = None):
+    from kernel import Kernel
+
+    env = {"NBDDP_RUNS_DIR": tempfile.mkdtemp()}
+    if extra_path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), extra_path) if p)
+    k = Kernel(env=env)
     k.ok("%load_ext nbddp\nimport torch, nbddp")
     return k
 
 
-def check_guard() -> tuple[bool, str]:
+def check_guard_torch() -> tuple[bool, str]:
     k = fresh_kernel()
     try:
         k.ok("x = torch.zeros(1).cuda()  # initialises CUDA in the kernel")
         res = k.run("%%ddp\nprint('must not run')")
-        ok = bool(res.error) and res.error["ename"] == "CudaInitialisedError" and "torch.zeros(1).cuda()" in res.error_text
-        return ok, res.error_text.splitlines()[0] if res.error else "no error raised"
+        text = res.error_text if res.error else ""
+        ok = bool(res.error) and res.error["ename"] == "CudaInitialisedError" and "torch.zeros(1).cuda()" in text
+        return ok, text.splitlines()[0] if text else "no error raised"
     finally:
         k.shutdown()
 
 
-def check_nccl() -> tuple[bool, str]:
+def check_guard_library() -> tuple[bool, str]:
+    lib = tempfile.mkdtemp()
+    Path(lib, "smoke_cudalib.py").write_text(CUDA_LIBRARY)
+    k = fresh_kernel(lib)
+    try:
+        clean = k.value("nbddp.cuda.backend().refusal() is None")  # nbddp loads no driver to find out
+        k.ok("import smoke_cudalib")
+        res = k.run("%%ddp\nprint('must not run')")
+        text = res.error_text if res.error else ""
+        ok = clean and "import smoke_cudalib (module smoke_cudalib)" in text and "into the %%ddp cell" in text
+        return ok, text.splitlines()[0] if text else "no error raised"
+    finally:
+        k.shutdown()
+
+
+def check_nccl_one() -> tuple[bool, str]:
     k = fresh_kernel()
     try:
-        n = k.value("len(nbddp.environment().gpus)")
+        res = k.ok("%%ddp --devices 1\nimport torch.distributed as dist\nt = torch.ones(1, device=device)\n"
+                   "dist.all_reduce(t)\nprint(dist.get_backend(), device, t.item())\n")
+        ok = "[rank0]:nccl cuda:0 1.0" in res.stdout
+        return ok, "1 nccl rank on cuda:0" if ok else res.stdout[-300:]
+    finally:
+        k.shutdown()
+
+
+def check_gloo_shared() -> tuple[bool, str]:
+    k = fresh_kernel()
+    try:
+        res = k.ok("%%ddp --devices 2 --accelerator cpu\nimport torch.distributed as dist\n"
+                   "t = torch.ones(1, device='cuda:0') * (rank + 1)\ndist.all_reduce(t)\n"
+                   "print(dist.get_backend(), t.device, t.item())\n")
+        rows = re.findall(r"\[rank(\d)\]:gloo cuda:0 3.0", res.stdout)
+        return len(rows) == 2, "2 gloo ranks sharing cuda:0, all_reduce sum 3 on each" if rows else res.stdout[-300:]
+    finally:
+        k.shutdown()
+
+
+def check_nccl_all(n: int) -> tuple[bool, str]:
+    k = fresh_kernel()
+    try:
         res = k.ok("%%ddp --devices -1\nimport torch.distributed as dist\nt = torch.ones(1, device=device) * (rank + 1)\n"
                    "dist.all_reduce(t)\nprint(dist.get_backend(), device, torch.cuda.current_device(), t.item())\n")
         want = n * (n + 1) / 2
         rows = re.findall(r"\[rank(\d+)\]:nccl cuda:(\d+) (\d+) ([\d.]+)", res.stdout)
-        ok = n >= 2 and len(rows) == n and all(r == d == c and float(v) == want for r, d, c, v in rows)
+        ok = len(rows) == n and all(r == d == c and float(v) == want for r, d, c, v in rows)
         return ok, f"{n} GPUs, {len(rows)} nccl ranks, all_reduce sum {want:g} on each"
     finally:
         k.shutdown()
 
 
-def check_dashboard() -> tuple[bool, str]:
+def check_dashboard(gpus: int) -> tuple[bool, str]:
+    n = min(gpus, 2)
     k = fresh_kernel()
     try:
-        res = k.ok("%%ddp --devices 2\nimport time\nx = torch.randn(8192, 8192, device=device)\n"
+        res = k.ok(f"%%ddp --devices {n}\nimport time\nx = torch.randn(8192, 8192, device=device)\n"
                    "t0 = time.time()\nwhile time.time() - t0 < 4:\n    x = x @ x / x.norm()\ntorch.cuda.synchronize()\n")
         states = [c["data"].get("state", {}).get("value", "") for c in res.comms]
         live = [s for s in states if "util history" in s]
-        ok = bool(live) and "cuda:0" in live[-1] and "cuda:1" in live[-1] and re.search(r"\d+%", live[-1]) is not None
-        return ok, "GPU rows with utilisation in the live widget" if ok else "no GPU rows seen"
+        ok = bool(live) and all(f"cuda:{i}" in live[-1] for i in range(n)) and re.search(r"\d+%", live[-1]) is not None
+        return ok, f"{n} GPU row(s) with utilisation in the live widget" if ok else "no GPU rows seen"
     finally:
         k.shutdown()
 
 
-def check_step_time() -> tuple[bool, str]:
+HOLDER = """import sys, torch
+x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda:0')
+print('holding', flush=True)
+sys.stdin.read()
+"""
+
+
+def check_free(gpus: int) -> tuple[bool, str]:
+    """Another process holds memory on GPU 0 (over the threshold, so even where NVML cannot show its pid)."""
+    sys.path.insert(0, str(ROOT))
+    from nbddp import gpufree, nvml
+
+    total = nvml.backend().usage()[0].mem_total or 16 * 2**30
+    size = int(total * (gpufree.BUSY_MEMORY_FRACTION + 0.05))
+    k = fresh_kernel()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(size)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        if holder.stdout.readline().strip() != "holding":
+            return False, "the process meant to hold GPU 0 did not start"
+        auto = k.run("p = nbddp.devices.plan('auto')\nprint(p.device_ids, p.notes)")
+        named = k.ok("q = nbddp.devices.plan('0,')\nprint(q.notes)").stdout
+        if gpus == 1:
+            ok = bool(auto.error) and "found no free GPU" in auto.error_text and "cuda:0" in auto.error_text
+        else:
+            ok = auto.error is None and "(0," not in auto.stdout and "skipped:" in auto.stdout
+        ok = ok and "cuda:0 is busy" in named
+        detail = (auto.error_text if auto.error else auto.stdout).strip().splitlines()
+        return ok, (detail[0] if detail else "") + " | named: " + ("warned" if "is busy" in named else "not warned")
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+        k.shutdown()
+
+
+def check_step_time(n: int) -> tuple[bool, str]:
     k = fresh_kernel()
     try:
-        ours = float(k.ok("%%ddp --devices 2 --ranks-output none\n" + LOOP + "steps_per_s", timeout=600).result)
+        ours = float(k.ok(f"%%ddp --devices {n} --ranks-output none\n" + LOOP + "steps_per_s", timeout=600).result)
     finally:
         k.shutdown()
     script = Path(tempfile.mkdtemp()) / "train.py"
@@ -96,25 +201,35 @@ def check_step_time() -> tuple[bool, str]:
                       "dist.init_process_group('nccl')\n" + LOOP +
                       "if dist.get_rank() == 0:\n    print('STEPS', steps_per_s)\ndist.destroy_process_group()\n")
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)], capture_output=True,
+    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(n), str(script)], capture_output=True,
                          text=True, timeout=600)
     theirs = float(out.stdout.split("STEPS")[1].split()[0])
     ratio = ours / theirs
-    return ratio >= 0.98, f"%%ddp {ours:.1f} steps/s, torchrun {theirs:.1f} steps/s, ratio {ratio:.3f}"
+    return ratio >= 0.98, f"{n} rank(s): %%ddp {ours:.1f} steps/s, torchrun {theirs:.1f} steps/s, ratio {ratio:.3f}"
 
 
 def main() -> int:
-    checks = [("CUDA guard", check_guard), ("NCCL ranks", check_nccl), ("NVML dashboard", check_dashboard),
-              ("step time vs torchrun", check_step_time)]
+    gpus = gpu_count()
+    if gpus == 0:
+        print("gpu_smoke: no GPU here (NVML sees none: no NVIDIA GPU, no driver, or nvidia-ml-py not installed); "
+              "nothing checked.", file=sys.stderr)
+        return NO_GPU_EXIT
+    try:
+        sys.path.insert(0, str(ROOT / "tests"))
+        import kernel  # noqa: F401  (jupyter_client, ipykernel)
+    except ImportError as e:
+        print(f"gpu_smoke: {e.name} is not installed; docs/gpu.md says which wheels to carry.", file=sys.stderr)
+        return NO_GPU_EXIT
     failed = 0
-    print(f"{'check':24} result  detail")
-    for name, fn in checks:
+    print(f"{gpus} GPU(s): {', '.join(__import__('nbddp').nvml.backend().names())}")
+    print(f"{'check':28} result  detail")
+    for name, fn in plan_checks(gpus):
         try:
             ok, detail = fn()
         except Exception as e:  # noqa: BLE001 - report every check
             ok, detail = False, f"{type(e).__name__}: {e}"
         failed += not ok
-        print(f"{name:24} {'PASS' if ok else 'FAIL'}    {detail}", flush=True)
+        print(f"{name:28} {'PASS' if ok else 'FAIL'}    {detail}", flush=True)
     return 1 if failed else 0
 
 

@@ -2,14 +2,18 @@
 
 Device strings follow PyTorch Lightning's table, so users need not learn a new one:
 ``3``/``"3"`` -> three devices 0,1,2; ``"1,3"``/``[1, 3]`` -> devices 1 and 3; ``-1`` -> all;
-``"auto"`` -> all GPUs, or one CPU rank. Duplicates, zero and negatives other than -1 are refused.
+``"auto"`` -> all *free* GPUs, or one CPU rank. Duplicates, zero and negatives other than -1 are refused.
+
+On GPUs a count or ``auto`` picks free GPUs only (gpufree.py decides from NVML: no other compute process,
+compute mode allows a context, memory use under the threshold); ``-1`` and explicit indices are used as
+given. Whatever was skipped, or is busy but used anyway, is said in ``Plan.notes`` (the launcher prints them).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from . import cuda, nvml
+from . import cuda, gpufree, nvml
 from .errors import UsageError
 
 ACCELERATORS = ("auto", "cuda", "cpu")
@@ -21,6 +25,7 @@ class Plan:
     accelerator: str  # "cuda" or "cpu"
     backend: str  # "nccl" or "gloo"
     device_ids: tuple[int | None, ...]  # one per rank: a GPU index, or None for a CPU rank
+    notes: tuple[str, ...] = field(default=(), compare=False)  # for the user: GPUs skipped or busy, and why
 
     @property
     def world_size(self) -> int:
@@ -82,8 +87,9 @@ def plan(devices="auto", accelerator: str = "auto", backend: str = "auto") -> Pl
     gpus = nvml.backend().count()
     if accelerator == "auto":
         accelerator = "cuda" if gpus and cuda.backend().built() else "cpu"
+    notes: list[str] = []
     if accelerator == "cuda":
-        ids = _gpu_ids(spec, gpus)
+        ids, notes = _gpu_ids(spec, gpus)
         backend = "nccl" if backend == "auto" else backend
     else:
         if backend == "nccl":
@@ -93,10 +99,10 @@ def plan(devices="auto", accelerator: str = "auto", backend: str = "auto") -> Pl
             )
         ids = [None] * _cpu_count(spec)
         backend = "gloo"
-    return Plan(accelerator, backend, tuple(ids))
+    return Plan(accelerator, backend, tuple(ids), tuple(notes))
 
 
-def _gpu_ids(spec, gpus: int) -> list[int]:
+def _gpu_ids(spec, gpus: int) -> tuple[list[int], list[str]]:
     if gpus == 0:
         why = "" if cuda.backend().built() else " (and this torch is a CPU build)"
         raise UsageError(
@@ -108,9 +114,48 @@ def _gpu_ids(spec, gpus: int) -> list[int]:
             f"NVML sees {gpus} GPU(s) but this torch ({_torch_version()}) has no CUDA support.\n"
             "Install a CUDA build of torch, or use --accelerator cpu."
         )
-    if spec in ("auto", -1):
-        return list(range(gpus))
-    ids = list(range(spec)) if isinstance(spec, int) else spec
+    if isinstance(spec, list) or spec not in ("auto", -1):
+        _check_exist(spec if isinstance(spec, list) else list(range(spec)), gpus)
+    found = gpufree.survey(gpus)
+    if spec == -1 or isinstance(spec, list):  # asked for by name (or all): used as given, busy or not
+        ids = list(range(gpus)) if spec == -1 else spec
+        notes = [f"nbddp: warning: cuda:{i} is busy: {found.busy[i]}; using it as asked (--devices {_spec(spec)})."
+                 for i in ids if found.busy[i]]
+    else:
+        ids, notes = _pick_free(spec, gpus, found)
+    mig = found.mig_note(ids)
+    return ids, notes + ([mig] if mig else [])
+
+
+def _pick_free(spec, gpus: int, found: gpufree.Survey) -> tuple[list[int], list[str]]:
+    free = found.free()
+    want = len(free) if spec == "auto" else spec
+    if not free or len(free) < want:
+        listing = "\n".join(f"  cuda:{i}  {why or 'free'}" for i, why in found.busy.items())
+        asked = "--devices auto found no free GPU" if spec == "auto" else \
+            f"--devices {spec} asks for {spec} free GPUs, but {len(free)} of {gpus} are free"
+        fixes = [f"--devices {len(free)} (the free ones)"] if free else []
+        named = _spec(list(range(gpus if spec == "auto" else min(spec, gpus))))
+        fixes.append(f"--devices {named} (GPUs named by index are used even if busy)")
+        raise UsageError(f"{asked}:\n{listing}\nUse " + ", or ".join(fixes) + ", or wait until they are free.")
+    ids = free[:want]
+    skipped = [i for i in range(gpus) if found.busy[i] and (spec == "auto" or i < ids[-1])]
+    if not skipped:
+        return ids, []
+    using = ", ".join(f"cuda:{i}" for i in ids)
+    lines = [f"nbddp: --devices {spec} uses the free GPU{'s' if len(ids) > 1 else ''} {using}; skipped:"]
+    lines += [f"  cuda:{i}  {found.busy[i]}" for i in skipped]
+    return ids, ["\n".join(lines)]
+
+
+def _spec(spec) -> str:
+    """As the user would type it: a one-GPU list needs its comma ("0," is GPU 0; "0" would be a count)."""
+    if not isinstance(spec, list):
+        return str(spec)
+    return ",".join(map(str, spec)) + ("," if len(spec) == 1 else "")
+
+
+def _check_exist(ids: list[int], gpus: int) -> None:
     missing = [i for i in ids if i >= gpus]
     if missing:
         names = nvml.backend().names()
@@ -119,7 +164,6 @@ def _gpu_ids(spec, gpus: int) -> list[int]:
             f"--devices asks for GPU {', '.join(map(str, missing))}, but this machine has {gpus}:\n{listing}\n"
             f"Use --devices {gpus} (or -1) for all of them."
         )
-    return ids
 
 
 def _cpu_count(spec) -> int:

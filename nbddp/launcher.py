@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from . import cuda, devices, failure, rendezvous, results
 from .channel import Result
-from .errors import CudaInitialisedError, UsageError
+from .errors import UsageError
 from .relay import CellSink, RankLogs, Relay
 from .supervisor import Bus, RankProc, Supervisor
 from .worker import LIBC, RankSpec, fork_main
@@ -123,8 +123,10 @@ def run(job, config: Config, *, plan: devices.Plan | None = None, sink=None, obs
     if _active:
         raise UsageError("another nbddp launch is still running in this process; wait for it to finish.")
     plan = plan or config.validate()
-    if plan.accelerator == "cuda" and config.start_method == "fork" and cuda.backend().initialised_in_kernel():
-        raise _cuda_initialised()
+    for note in plan.notes:  # e.g. the busy GPUs --devices auto skipped, and why
+        print(note, file=sys.stderr)
+    if plan.accelerator == "cuda" and config.start_method == "fork" and (refusal := cuda.backend().refusal()):
+        raise refusal
     _active = True
     try:
         return _run(job, config, plan, sink, observer, relabel or {})
@@ -218,19 +220,6 @@ def _rank_env(plan, rank, run_id, port, threads, ifname) -> dict:
 
         env.update({k: v for k, v in nccl.rank_env(ifname).items() if k not in os.environ})
     return env
-
-
-def _cuda_initialised() -> CudaInitialisedError:
-    site = getattr(cuda.backend(), "site", None)
-    where = f"CUDA was initialised in this kernel by {site}." if site else (
-        "CUDA is already initialised in this kernel (by a library, or torch.cuda calls that create a context)."
-    )
-    return CudaInitialisedError(
-        f"{where}\nA forked rank cannot use a GPU once the kernel holds a CUDA context, so nothing was launched.\n"
-        "Fix: restart the kernel and move every .cuda()/.to('cuda') into the %%ddp cell "
-        "(build datasets on the CPU in the notebook),\n"
-        "or rerun with --start-method spawn (slower start; the cell's globals are pickled)."
-    )
 
 
 # -- start methods ----------------------------------------------------------------------------------

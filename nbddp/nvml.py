@@ -21,6 +21,22 @@ class GpuSample:
     temp_c: float | None
 
 
+@dataclass(frozen=True)
+class GpuUse:
+    """Who is using a GPU now: what the free-GPU pick (gpufree.py) decides on."""
+
+    index: int
+    name: str
+    mem_used: int | None  # bytes; None where NVML would not say
+    mem_total: int | None
+    processes: tuple[tuple[int, int | None], ...] | None  # compute processes (pid, bytes); None: unknown
+    compute_mode: str = "default"  # "default", "exclusive_process", "exclusive_thread", "prohibited", "unknown"
+    mig: bool = False  # MIG mode on: figures are summed over its MIG instances
+
+
+COMPUTE_MODES = {0: "default", 1: "exclusive_thread", 2: "prohibited", 3: "exclusive_process"}  # nvmlComputeMode_t
+
+
 class Nvml:
     """nvidia-ml-py (``pynvml``), if installed and a driver answers; otherwise no GPUs."""
 
@@ -59,6 +75,48 @@ class Nvml:
         import pynvml
 
         return [_sample(pynvml, i, self._handles[i]) for i in indices]
+
+    def usage(self) -> list[GpuUse]:
+        """Memory, compute processes, compute mode and MIG mode of every visible GPU."""
+        if not self._init():
+            return []
+        import pynvml
+
+        return [_usage(pynvml, i, h) for i, h in enumerate(self._handles)]
+
+
+def _usage(pynvml, index: int, handle) -> GpuUse:
+    mig = _try(lambda: pynvml.nvmlDeviceGetMigMode(handle)[0]) == 1  # (current, pending); 1 = enabled
+    # In MIG mode the parent answers only to privileged callers: ask each MIG instance and sum.
+    parts = _mig_instances(pynvml, handle) if mig else [handle]
+    mems = [_try(lambda h=h: pynvml.nvmlDeviceGetMemoryInfo(h)) for h in parts]
+    procs = [_try(lambda h=h: pynvml.nvmlDeviceGetComputeRunningProcesses(h)) for h in parts]
+    total_mem = _try(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
+    known = parts and all(m is not None for m in mems)
+    return GpuUse(
+        index=index,
+        name=_str(pynvml.nvmlDeviceGetName(handle)),
+        mem_used=sum(int(m.used) for m in mems) if known else None,
+        mem_total=int(total_mem.total) if total_mem is not None else (
+            sum(int(m.total) for m in mems) if known else None),
+        processes=tuple((int(p.pid), _bytes(getattr(p, "usedGpuMemory", None))) for ps in procs for p in ps)
+        if parts and all(ps is not None for ps in procs) else None,
+        compute_mode=COMPUTE_MODES.get(_try(lambda: pynvml.nvmlDeviceGetComputeMode(handle)), "unknown"),
+        mig=mig,
+    )
+
+
+def _mig_instances(pynvml, handle) -> list:
+    found = []
+    for i in range(_try(lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)) or 0):
+        h = _try(lambda i=i: pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i))
+        if h is not None:
+            found.append(h)
+    return found
+
+
+def _bytes(v) -> int | None:
+    return int(v) if isinstance(v, int) and v >= 0 else None  # pynvml gives None when NVML cannot tell
 
 
 def _sample(pynvml, index: int, handle) -> GpuSample:
@@ -108,6 +166,7 @@ def backend():
 
 
 def use(stand_in) -> None:
-    """Replace the NVML backend (tests and exotic platforms). ``stand_in`` has count/names/sample."""
+    """Replace the NVML backend (tests and exotic platforms). ``stand_in`` has count/names/sample, and
+    ``usage`` for free-GPU picking (without it every GPU counts as free)."""
     global _backend
     _backend = stand_in

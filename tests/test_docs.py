@@ -83,3 +83,15 @@ def test_ci_runs_the_readme_commands_verbatim():
                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     assert listed[:2] == [blocks[0], blocks[1]]
     assert "readme_commands" in (ROOT / ".ci" / "run").read_text()
+
+
+GPU_MESSAGES = [  # the guard's and free-GPU picking's messages (nbddp/cuda.py, nbddp/devices.py)
+    "(module gpulib)", "(inside module", "(the cell's own code)", "was initialised before %load_ext nbddp",
+    "found no free GPU", "free GPUs, but", "skipped:", "is busy:", "using it as asked", "is in MIG mode",
+]
+
+
+def test_troubleshooting_covers_the_gpu_messages():
+    text = (DOCS / "troubleshooting.md").read_text()
+    missing = [m for m in GPU_MESSAGES if m not in text]
+    assert not missing, f"docs/troubleshooting.md lacks {missing}"

@@ -44,3 +44,56 @@ def test_no_pynvml_means_no_gpus(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     n = nvml.Nvml()
     assert n.count() == 0 and n.names() == [] and n.sample([0]) == []
+
+
+def _proc(pid, used):
+    return types.SimpleNamespace(pid=pid, usedGpuMemory=used)
+
+
+@pytest.fixture
+def shared_pynvml(fake_pynvml, monkeypatch):
+    """GPU 0: busy in exclusive-process mode; GPU 1: MIG with two instances (the parent answers only to
+    root, as NVML documents); GPU 2: compute mode and process list not supported."""
+    mod = sys.modules["pynvml"]
+    mod.NVMLError = RuntimeError
+    monkeypatch.setattr(mod, "nvmlDeviceGetCount", lambda: 3)
+
+    def need(h, allowed):
+        if h not in allowed:
+            raise RuntimeError("NVML_ERROR_NO_PERMISSION")
+
+    mem = {"handle0": (30, 80), "mig1a": (2, 40), "mig1b": (5, 40), "handle2": (0.5, 16)}
+    mod.nvmlDeviceGetMemoryInfo = lambda h: (need(h, mem), types.SimpleNamespace(
+        used=int(mem[h][0] * 2**30), total=mem[h][1] * 2**30))[1]
+    procs = {"handle0": [_proc(4242, 30 * 2**30)], "mig1a": [], "mig1b": [_proc(777, None)]}
+    mod.nvmlDeviceGetComputeRunningProcesses = lambda h: (need(h, procs), procs[h])[1]
+    modes = {"handle0": 3, "handle1": 0}
+    mod.nvmlDeviceGetComputeMode = lambda h: (need(h, modes), modes[h])[1]
+    mod.nvmlDeviceGetMigMode = lambda h: (1, 1) if h == "handle1" else (0, 0)
+    mod.nvmlDeviceGetMaxMigDeviceCount = lambda h: 7
+    mod.nvmlDeviceGetMigDeviceHandleByIndex = lambda h, i: {0: "mig1a", 1: "mig1b"}[i]  # KeyError: slot empty
+    return mod
+
+
+def test_usage_reads_processes_memory_compute_and_mig_modes(shared_pynvml):
+    g0, g1, g2 = nvml.Nvml().usage()
+    assert g0 == nvml.GpuUse(0, "GPU 0", 30 * 2**30, 80 * 2**30, ((4242, 30 * 2**30),), "exclusive_process", False)
+    assert g1.mig and g1.mem_used == 7 * 2**30 and g1.mem_total == 80 * 2**30  # summed over its MIG instances
+    assert g1.processes == ((777, None),)  # usedGpuMemory unavailable: a gap, not an error
+    assert g1.compute_mode == "default"
+    assert g2.processes is None and g2.compute_mode == "unknown" and g2.mem_used == 2**29
+
+
+def test_usage_through_the_free_gpu_pick(shared_pynvml, monkeypatch):
+    from nbddp import gpufree
+
+    monkeypatch.setattr(nvml, "_backend", nvml.Nvml())
+    found = gpufree.survey(3)
+    assert found.free() == [2]  # unknown processes count as none; 0.5 of 16 GiB is under the threshold
+    assert "pid 4242" in found.busy[0] and "exclusive-process mode" in found.busy[0]
+    assert found.busy[1].startswith("1 other compute process on it (pid 777") and found.mig == (1,)
+
+
+def test_no_pynvml_means_no_usage(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert nvml.Nvml().usage() == []

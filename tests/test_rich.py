@@ -181,14 +181,18 @@ def test_a_failure_in_a_ranks_set_up_is_reported_with_its_phase_and_message(clea
     assert "code 70" not in res.error_text and "never runs" not in res.stdout
 
 
+COUNT_HANDLERS = ("[sum(getattr(getattr(cb, '__self__', None), '__module__', '').startswith('nbddp') "
+                  "for cb in get_ipython().events.callbacks[e]) for e in ('pre_run_cell', 'post_run_cell')]")
+
+
 def test_reload_ext_registers_each_handler_once(clean_kernel):
     k = clean_kernel
+    once = k.value(COUNT_HANDLERS)
+    assert all(n >= 1 for n in once)
     k.ok("%reload_ext nbddp")
     k.ok("%reload_ext nbddp")
-    counts = k.value("[sum(getattr(getattr(cb, '__self__', None), '__module__', '').startswith('nbddp') "
-                     "for cb in get_ipython().events.callbacks[e]) for e in ('pre_run_cell', 'post_run_cell')]")
-    assert counts == [1, 1]
+    assert k.value(COUNT_HANDLERS) == once
     k.ok("%unload_ext nbddp")
-    assert k.value("[sum(getattr(getattr(cb, '__self__', None), '__module__', '').startswith('nbddp') "
-                   "for cb in get_ipython().events.callbacks[e]) for e in ('pre_run_cell', 'post_run_cell')]") == [0, 0]
+    assert k.value(COUNT_HANDLERS) == [0, 0]
     k.ok("%load_ext nbddp")
+    assert k.value(COUNT_HANDLERS) == once
