@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import time
 
-from .channel import Ready
+from .channel import Error, Exit, Ready, Result
 from .monitor import Monitor, mb, sparkline
 from .relay import last_segment
 
@@ -22,8 +22,9 @@ STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32"
 class RunView:
     interval = 1.0
 
-    def __init__(self, widgets: bool):
+    def __init__(self, widgets: bool, lazy: bool = False):
         self.widgets = widgets
+        self.lazy = lazy  # a pool's cell: shown only if it outlives the first tick or fails
         self.handle = None
         self.widget = None
         self.error: BaseException | None = None
@@ -37,18 +38,22 @@ class RunView:
         self.last_line: dict[int, str] = {}
         self._tail: dict[int, bytes] = {}
         self.monitor = Monitor([d for d in plan.device_ids if d is not None])
-        self.state = {r: "starting" for r in range(plan.world_size)}
         self.ended: dict[int, float] = {}
         self.exits: dict[int, object] = {}
-        if self.widgets:
+        self.state = {r: ("running" if self.lazy else "starting") for r in range(plan.world_size)}
+        if self.widgets and not self.lazy:
             self.handle = _Display(self._title("starting"))
 
     def on_Started(self, event) -> None:
         self.monitor.watch(event.rank, event.pid)
 
     def on_Message(self, event) -> None:
-        if isinstance(event.record, Ready) and self.state[event.rank] == "starting":
+        rec = event.record
+        if isinstance(rec, Ready) and self.state[event.rank] == "starting":
             self.state[event.rank] = "running"
+        elif self.lazy and isinstance(rec, (Result, Error, Exit)):  # a pool rank answered this cell
+            self.state[event.rank] = "finished" if isinstance(rec, Result) else "failed"
+            self.ended[event.rank] = time.monotonic() - self.t0
 
     TAIL = 512  # bytes of each rank's output kept to show its last line
 
@@ -87,6 +92,8 @@ class RunView:
         if self.widget is None:
             import ipywidgets
 
+            if self.handle is None:
+                self.handle = _Display(self._title("running"))
             self.widget = ipywidgets.HTML()
             self.handle.update_widget(self.widget)
         self.widget.value = self.render_html(live=True)
@@ -95,6 +102,8 @@ class RunView:
         if self.plan is None:
             return
         self.error = error
+        if self.lazy and self.ticks == 0 and error is None and self._status(False) == "finished":
+            return  # a quick pool cell: its output says it all, and a summary would cost its round trip
         text = self.render_text()
         if self.handle is not None:
             self.handle.update_html(self.render_html(live=False), text)

@@ -15,6 +15,7 @@ def _ipywidgets_installed() -> bool:
     return importlib.util.find_spec("ipywidgets") is not None
 
 
-def view_for_session() -> RunView:
-    """The run's view: the live dashboard in a Jupyter-like session, a text summary elsewhere."""
-    return RunView(widgets=session_kind() in WIDGET_SESSIONS and _ipywidgets_installed())
+def view_for_session(lazy: bool = False) -> RunView:
+    """The run's view: the live dashboard in a Jupyter-like session, a text summary elsewhere.
+    ``lazy`` (a pool's cells): nothing is shown unless the cell runs past the first 1 Hz tick or fails."""
+    return RunView(widgets=session_kind() in WIDGET_SESSIONS and _ipywidgets_installed(), lazy=lazy)

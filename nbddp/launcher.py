@@ -115,6 +115,16 @@ def run(job, config: Config, *, plan: devices.Plan | None = None, sink=None, obs
 
     ``plan``: ``config.validate()``'s result, when the caller already has it."""
     global _active
+    plan = check_launch(config, plan)
+    _active = True
+    try:
+        return _run(job, config, plan, sink, observer, relabel or {})
+    finally:
+        _active = False
+
+
+def check_launch(config: Config, plan: devices.Plan | None = None) -> devices.Plan:
+    """Everything that must hold before a rank is forked (one-shot or pool); returns the plan."""
     if os.environ.get("NBDDP_RANK") is not None:
         raise UsageError(
             "nbddp cannot launch from inside a rank (nested %%ddp / launch).\n"
@@ -127,11 +137,30 @@ def run(job, config: Config, *, plan: devices.Plan | None = None, sink=None, obs
         print(note, file=sys.stderr)
     if plan.accelerator == "cuda" and config.start_method == "fork" and (refusal := cuda.backend().refusal()):
         raise refusal
-    _active = True
-    try:
-        return _run(job, config, plan, sink, observer, relabel or {})
-    finally:
-        _active = False
+    return plan
+
+
+def fork_ranks(sup: Supervisor, starter, job, config: Config, plan: devices.Plan, run_dir) -> None:
+    """One rank per device, registered with the supervisor as soon as it exists."""
+    ifname = rendezvous.loopback_ifname()
+    port = rendezvous.free_port()
+    specs = [
+        RankSpec(
+            rank=rank,
+            world_size=plan.world_size,
+            accelerator=plan.accelerator,
+            backend=plan.backend,
+            device_id=dev,
+            threads=config.threads,
+            store_path=str(run_dir.store),
+            parent_pid=os.getpid(),
+            env=_rank_env(plan, rank, run_dir.run_id, port, config.threads, ifname),
+        )
+        for rank, dev in enumerate(plan.device_ids)
+    ]
+    with _sigint_deferred():  # an interrupt now would lose track of a rank just forked
+        for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
+            sup.add(starter.start(spec, job, sup.all_fds()))
 
 
 def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict) -> Outcome:
@@ -146,25 +175,7 @@ def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict)
     starter = (ForkStarter if config.start_method == "fork" else SpawnStarter)(run_dir)
     error = None
     try:
-        ifname = rendezvous.loopback_ifname()
-        port = rendezvous.free_port()
-        specs = [
-            RankSpec(
-                rank=rank,
-                world_size=plan.world_size,
-                accelerator=plan.accelerator,
-                backend=plan.backend,
-                device_id=dev,
-                threads=config.threads,
-                store_path=str(run_dir.store),
-                parent_pid=os.getpid(),
-                env=_rank_env(plan, rank, run_dir.run_id, port, config.threads, ifname),
-            )
-            for rank, dev in enumerate(plan.device_ids)
-        ]
-        with _sigint_deferred():  # an interrupt now would lose track of a rank just forked
-            for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
-                sup.add(starter.start(spec, job, sup.all_fds()))
+        fork_ranks(sup, starter, job, config, plan, run_dir)
         if observer:  # after the forks: its display costs overlap the ranks' start-up
             observer.begin(plan, run_dir)
         sup.announce()

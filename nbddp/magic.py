@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from IPython.core import magic_arguments
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -9,7 +10,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from . import cell as cellmod
 from . import launcher, results
 from .display import view_for_session
-from .errors import ResultError
+from .errors import ResultError, UsageError
 
 D = launcher.DEFAULTS  # every default below is read from the one Config
 
@@ -21,6 +22,8 @@ class DDPMagics(Magics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.cells: list[str] = []
+        self.pool = None  # %ddp start's Pool, while one runs
+        self.pool_options = ""
         if shell is not None:
             self.unregister_events(shell)  # %reload_ext: one recorder, not two
             shell.events.register("pre_run_cell", self._record)
@@ -103,6 +106,8 @@ class DDPMagics(Magics):
         their rank). Nothing else in the notebook changes.
         """
         args = magic_arguments.parse_argstring(self.ddp, line)
+        if self.pool is not None and self.pool.alive:
+            return self._in_pool(line, args, cell)
         config = launcher.Config(
             devices=args.devices, accelerator=args.accelerator, backend=args.backend,
             start_method=args.start_method, threads=args.threads, timeout=args.timeout,
@@ -110,10 +115,7 @@ class DDPMagics(Magics):
             max_value_mb=args.max_value_mb,
         )
         shell = self.shell
-        source = "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line, as the user sees it
-        number = max(1, shell.execution_count - 1)  # IPython counts the running cell before it runs
-        filename = shell.compile.cache(source, number, raw_code=cell)
-        cellmod.split_last_expression(source, filename)  # a syntax error launches nothing
+        source, filename, number, _ = self._compile(cell)
         plan = config.validate()  # bad options launch nothing (and before spawn pickles anything)
         shipped = None
         if args.start_method == "spawn":
@@ -127,6 +129,78 @@ class DDPMagics(Magics):
         for note in outcome.notes:
             print(f"nbddp: {note}", file=sys.stderr)
         return _deliver(outcome.results(), args.out, args.gather, shell.user_ns)
+
+    def _compile(self, cell):
+        shell = self.shell
+        source = "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line, as the user sees it
+        number = max(1, shell.execution_count - 1)  # IPython counts the running cell before it runs
+        filename = shell.compile.cache(source, number, raw_code=cell)
+        body, last = cellmod.split_last_expression(source, filename)  # a syntax error launches nothing
+        return source, filename, number, cellmod.names_used(body) | (cellmod.names_used(last) if last else set())
+
+    def _in_pool(self, line, args, cell):
+        explicit = {a.dest: getattr(args, a.dest) for a in self.ddp.parser._actions
+                    if any(tok == opt or tok.startswith(opt + "=") for opt in a.option_strings for tok in line.split())}
+        clash = self.pool.conflicts(explicit)
+        if clash:
+            raise UsageError("this cell asks for " + ", ".join(clash) + ", which the running pool cannot change; "
+                             "nothing ran.\nDrop those options, or %ddp restart with them (or %ddp stop to run "
+                             "one-shot cells).")
+        source, filename, number, names = self._compile(cell)
+        per_rank = self.pool.cell(
+            source, filename, outs=args.out, gathers=args.gather, code=names,
+            relabel={filename: f"Cell In[{number}]"}, observer=view_for_session(lazy=True),
+            timeout=args.timeout, ranks_output=args.ranks_output, prefix=not args.no_prefix,
+            max_lines=args.max_lines, max_value_mb=args.max_value_mb,
+        )
+        try:
+            return _deliver(per_rank, args.out, args.gather, self.shell.user_ns)
+        finally:
+            self.pool.synced.accept([*args.out, *args.gather], self.shell.user_ns)
+
+    @line_magic("ddp")
+    def ddp_pool(self, line):
+        """%ddp start [options] | stop | restart [options] | status — ranks that live across cells.
+
+        ``%ddp start`` forks one rank per device from the kernel (everything in the notebook is shared
+        copy-on-write) and joins the process group once; every ``%%ddp`` cell then runs in those ranks,
+        and what a cell defines there is there for the next one. ``start`` takes %%ddp's options
+        (``--devices``, ``--accelerator``, ``--backend``, ``--threads``...). A notebook variable a cell
+        reads that was created or rebound after the start is sent to every rank once. ``restart``
+        re-forks (the way to share new big data copy-on-write); ``stop`` ends the ranks; ``status`` (or
+        ``%ddp`` alone) shows them.
+        """
+        from .pool import Pool
+
+        verb, _, rest = line.strip().partition(" ")
+        verb = verb or "status"
+        if verb in ("stop", "restart") and self.pool is not None:
+            options = self.pool_options
+            self.pool.stop()
+            self.pool = None
+            if verb == "stop":
+                print("nbddp: pool stopped")
+                return
+            rest = rest or options
+        elif verb == "stop":
+            print("nbddp: no pool is running")
+            return
+        if verb in ("start", "restart"):
+            if self.pool is not None and self.pool.alive:
+                raise UsageError("a pool is already running: %ddp restart [options] re-forks it, %ddp stop ends it.")
+            args = magic_arguments.parse_argstring(self.ddp, rest)
+            pool = Pool(self.shell.user_ns, devices=args.devices, accelerator=args.accelerator,
+                        backend=args.backend, start_method=args.start_method, threads=args.threads)
+            t0 = time.monotonic()
+            pool.start()
+            self.pool, self.pool_options = pool, rest
+            print(f"nbddp: pool of {pool.plan.world_size} rank(s) on {pool.plan.accelerator}/{pool.plan.backend} "
+                  f"ready in {time.monotonic() - t0:.2f} s; %%ddp cells now run in it (%ddp stop ends it)")
+            return
+        if verb == "status":
+            print(self.pool.status() if self.pool is not None else "no pool is running (%ddp start [options] starts one)")
+            return
+        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options] or status.")
 
     @line_magic
     def ddp_export(self, line):

@@ -150,7 +150,8 @@ class Supervisor:
         while self.live() and not (until and until()):
             now = time.monotonic()
             stacks_at = min(self._stacks_until, self._stacks_end) if self._stacks_until is not None else None
-            wake = [t for t in (deadline, self.kill_at, next_tick, stacks_at, wake_at) if t is not None]
+            woken = wake_at() if callable(wake_at) else wake_at
+            wake = [t for t in (deadline, self.kill_at, next_tick, stacks_at, woken) if t is not None]
             timeout = max(0.0, min(wake) - now) if wake else None
             for key, _ in self.sel.select(timeout):
                 self._event(*key.data, key.fd)
