@@ -15,7 +15,7 @@ from .session import Environment, environment
 
 __version__ = "0.1.0"
 __all__ = [
-    "launch", "environment", "Environment", "load_ipython_extension",
+    "launch", "Pool", "environment", "Environment", "load_ipython_extension",
     "NbddpError", "UsageError", "RankFailure", "ResultError", "CudaInitialisedError",
 ]
 
@@ -45,6 +45,14 @@ def launch(fn, *args, **options) -> list:
     if problems:
         raise ResultError("\n".join(problems))
     return values
+
+
+def __getattr__(name):
+    if name == "Pool":  # imported on first use: %load_ext stays light
+        from .pool import Pool
+
+        return Pool
+    raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
 
 
 class _Call:

@@ -1,0 +1,198 @@
+"""Issue 12 through a real kernel: ranks that live across cells, and each failure rule on its own."""
+import os
+import re
+import time
+
+import psutil
+import pytest
+
+from kernel import Kernel
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def pool(clean_kernel):
+    """The module kernel with a 2-rank pool; stopped (and checked gone) after the test."""
+    k = clean_kernel
+    k.ok("import torch.distributed as dist")
+    res = k.ok("%ddp start --devices 2")
+    assert "pool of 2 rank(s) on cpu/gloo ready" in res.stdout
+    yield k
+    k.ok("%ddp stop")
+
+
+def pool_pids(k):
+    return [p.pid for p in k.process().children(recursive=True)]
+
+
+def test_state_lives_across_cells_and_the_same_ranks_answer(pool):
+    k = pool
+    pids = pool_pids(k)
+    assert len(pids) == 2
+    k.ok("%%ddp\nmodel = torch.nn.Linear(2, 1)\nwith torch.no_grad():\n    model.weight.fill_(rank)\nsteps = 0\n")
+    res = k.ok("%%ddp --gather w pid\nsteps += 1\nw = model.weight.sum().item()\nimport os\npid = os.getpid()\nsteps")
+    assert k.value("w") == [0.0, 2.0] and res.result == "1"
+    assert sorted(k.value("pid")) == sorted(pids), "the pool's own ranks ran the cell"
+    status = k.ok("%ddp status").stdout
+    assert re.search(r"nbddp pool · 2 ranks · cpu/gloo · \d+ cell\(s\) run", status), status
+    assert re.search(r"^0\s+\d+\s+cpu\s+idle\s+\d+ MB\s+\d+ MB\s+\d+ s$", status, re.M), status
+
+
+def test_a_name_rebound_in_the_notebook_is_sent_once_and_ranks_keep_their_own(pool):
+    k = pool
+    k.ok("big = torch.arange(1_000_000)\nlr = 0.1")
+    first = k.ok("%%ddp --gather seen\nseen = (big.sum().item(), lr)\n")
+    assert re.search(r"nbddp: sent big \(torch.Tensor, [\d.]+ MiB\), lr \(float, \d+ B\) to every rank", first.stderr), first.stderr
+    assert k.value("seen") == [(499999500000, 0.1)] * 2
+    again = k.ok("%%ddp --gather seen\nseen = (big.sum().item(), lr)\n")
+    assert "sent" not in again.stderr, "a value the ranks already have is not sent again"
+    k.ok("lr = 0.01")
+    res = k.ok("%%ddp --gather seen\nseen = lr\n")
+    assert "sent lr (float" in res.stderr and "big" not in res.stderr
+    assert k.value("seen") == [0.01, 0.01]
+    # a name the ranks assigned stays theirs; if the notebook rebinds it too, the cell says which was used
+    k.ok("%%ddp\nlr = lr * (rank + 2)\n")
+    k.ok("%%ddp --gather mine\nmine = lr\n")
+    assert k.value("mine") == [0.02, 0.03]
+    k.ok("lr = 1.0")
+    both = k.ok("%%ddp --gather mine\nmine = lr\n")
+    assert "lr changed both in the notebook and on the ranks: the ranks now use the notebook's value" in both.stderr
+    assert k.value("mine") == [1.0, 1.0]
+
+
+def test_gathered_names_are_not_sent_back_as_changes(pool):
+    k = pool
+    k.ok("%%ddp --gather x\nx = rank\n")
+    res = k.ok("%%ddp --gather y\ny = x\n")
+    assert "sent" not in res.stderr and k.value("y") == [0, 1]
+
+
+def test_rule_an_exception_on_every_rank_fails_the_cell_and_keeps_the_pool(pool):
+    k = pool
+    k.ok("%%ddp\nkept = rank + 40\n")
+    res = k.run("%%ddp\nundefined_name\n")
+    assert res.error and res.error["ename"] == "RankFailure"
+    assert "NameError: name 'undefined_name' is not defined" in res.error_text
+    assert "The pool and its state survived" in res.error_text
+    k.ok("%%ddp --gather kept2\nkept2 = kept\n")
+    assert k.value("kept2") == [40, 41]
+
+
+def test_rule_a_peer_failing_while_others_compute_interrupts_them_and_keeps_the_pool(pool):
+    k = pool
+    k.ok("%%ddp\nkept = rank\n")
+    t0 = time.monotonic()
+    res = k.run("%%ddp\nimport time\nif rank == 1:\n    raise ValueError('bad shard')\n"
+                "while True:\n    time.sleep(0.01)\n", timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert "rank 1 failed: ValueError: bad shard" in res.error_text
+    assert "The pool and its state survived" in res.error_text, res.error_text
+    k.ok("%%ddp --gather kept\npass\n")
+    assert k.value("kept") == [0, 1]
+
+
+def test_rule_a_peer_failing_while_others_wait_in_a_collective_tears_the_pool_down_in_seconds(pool):
+    k = pool
+    pids = pool_pids(k)
+    t0 = time.monotonic()
+    res = k.run("%%ddp\nif rank == 1:\n    raise ValueError('bad shard')\ndist.all_reduce(torch.ones(1))\n", timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert "rank 1 failed: ValueError: bad shard" in res.error_text
+    assert "The pool was torn down" in res.error_text and "%ddp start to begin again" in res.error_text
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+    assert not alive
+    k.ok("%ddp start --devices 2")  # so the fixture's stop has a pool to stop
+
+
+def test_rule_a_rank_that_dies_ends_the_pool_naming_rank_and_cause(pool):
+    k = pool
+    res = k.run("%%ddp\nimport signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                "dist.all_reduce(torch.ones(1))\n", timeout=60)
+    assert "rank 1 failed: killed by SIGKILL" in res.error_text, res.error_text
+    assert "The pool has ended" in res.error_text
+    assert "no pool is running" in k.ok("%ddp status").stdout
+    # without a pool, %%ddp is a one-shot run again
+    assert "[rank0]:one-shot" in k.ok("%%ddp --devices 2\nprint('one-shot')\n").stdout
+    k.ok("%ddp start --devices 2")
+
+
+def test_rule_interrupt_stops_every_ranks_cell_and_the_pool_lives_on(pool):
+    k = pool
+    k.ok("%%ddp\nkept = rank * 3\n")
+    res = k.interrupt_when("%%ddp\nimport time\nprint('up', flush=True)\nwhile True:\n    time.sleep(0.01)\n", "up", 2)
+    assert res.error and res.error["ename"] == "KeyboardInterrupt", res
+    assert "the pool and its state survived" in res.error_text
+    k.ok("%%ddp --gather kept\npass\n")
+    assert k.value("kept") == [0, 3]
+
+
+def test_rule_timeout_shows_stacks_then_frees_the_ranks(pool):
+    k = pool
+    res = k.run("%%ddp --timeout 2\nimport time\ndef wait_here():\n    while True:\n        time.sleep(0.01)\n"
+                "wait_here()\n", timeout=60)
+    assert "--timeout 2s expired" in res.error_text
+    assert "rank 0 was here:" in res.error_text and "wait_here" in res.error_text
+    assert "The pool and its state survived" in res.error_text
+    assert "[rank1]:ok" in k.ok("%%ddp\nprint('ok')\n").stdout
+
+
+def test_a_cell_whose_options_contradict_the_pool_runs_nothing(pool):
+    k = pool
+    res = k.run("%%ddp --devices 3\nprint('ran')\n")
+    assert "--devices 3 (the pool has 2)" in res.error_text and "nothing ran" in res.error_text
+    assert "ran" not in res.stdout
+
+
+def test_rich_outputs_and_out_work_in_the_pool(pool):
+    k = pool
+    k.ok("from dataclasses import dataclass\n@dataclass\nclass M:\n    v: int\n")
+    res = k.ok("%%ddp --out m\nfrom IPython.display import HTML, display\nif rank == 0:\n"
+               "    display(HTML('<b>pool</b>'))\nm = M(rank)\n")
+    assert any(d["data"].get("text/html") == "<b>pool</b>" for d in res.displays)
+    assert k.value("(isinstance(m, M), m.v)") == (True, 0)
+
+
+def test_python_api():
+    k = Kernel(env={})
+    try:
+        res = k.ok("import nbddp, torch, torch.distributed as dist\n"
+                   "def total(x):\n    t = torch.tensor([float(x + dist.get_rank())])\n    dist.all_reduce(t)\n    return t.item()\n"
+                   "with nbddp.Pool(devices=2) as pool:\n    print(pool.run(total, 1), pool.run(total, 10))\n", timeout=120)
+        assert "[3.0, 3.0] [21.0, 21.0]" in res.stdout
+        assert not k.process().children(recursive=True)
+    finally:
+        k.shutdown()
+
+
+def test_kernel_death_ends_the_pool():
+    k = Kernel(env={})
+    try:
+        k.ok("%load_ext nbddp\n%ddp start --devices 2")
+        ranks = k.process().children(recursive=True)
+        assert len(ranks) == 2
+        os.kill(k.pid, 9)
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive
+    finally:
+        k.shutdown()
+
+
+def test_100_start_cell_stop_cycles_leave_the_kernel_flat(clean_kernel):
+    k = clean_kernel
+    k.warm_up()
+    probe = ("import psutil, os\np = psutil.Process()\n"
+             "(p.num_fds(), p.num_threads(), len(os.listdir('/dev/shm')))")
+    for _ in range(3):  # warm: first uses of everything a cycle touches
+        k.ok("%ddp start --devices 2")
+        k.ok("%%ddp\nx = rank\n")
+        k.ok("%ddp stop")
+    before = k.value(probe)
+    rss_before = k.process().memory_info().rss
+    k.ok("for _ in range(100):\n    get_ipython().run_line_magic('ddp', 'start --devices 2')\n"
+         "    get_ipython().run_cell_magic('ddp', '', 'import torch.distributed as dist\\n"
+         "dist.all_reduce(torch.ones(1))\\n')\n    get_ipython().run_line_magic('ddp', 'stop')\n", timeout=200)
+    after = k.value(probe)
+    assert after[0] <= before[0] and after[1] <= before[1] and after[2] == before[2], (before, after)
+    assert k.process().memory_info().rss - rss_before < 50 * 2**20
+    assert not k.process().children(recursive=True)
