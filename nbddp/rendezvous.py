@@ -145,7 +145,8 @@ def loopback_ifname() -> str:
 def torchrun_env(
     *, rank: int, world_size: int, run_id: str, master_port: int, threads: int, ifname: str
 ) -> dict[str, str]:
-    """The environment torchrun gives a rank on a single node (one group, one role)."""
+    """The environment ``torchrun --standalone`` gives a rank (one node, one role): the same keys
+    (tests/test_usergroup.py compares them with a real torchrun's)."""
     return {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -163,6 +164,13 @@ def torchrun_env(
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
+        # torch.distributed.elastic's @record writes a failing rank's error here, as under torchrun
+        "TORCHELASTIC_ERROR_FILE": str(runs_root() / run_id / f"rank{rank}.error.json"),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        # torchrun says True (its agent hosts a TCPStore); here no agent store exists, so code that runs
+        # its own env:// rendezvous must host one (the cell's init_process_group joins nbddp's group anyway)
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "GLOO_SOCKET_IFNAME": ifname,

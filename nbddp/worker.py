@@ -18,7 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from . import results
+from . import results, usergroup  # issue10: usergroup
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library: prctl, setvbuf, fflush
@@ -101,6 +101,7 @@ def _run_job(spec: RankSpec, job, torch, result_fd: int) -> tuple[bytes, int]:
             world_size=spec.world_size,
             timeout=datetime.timedelta(seconds=spec.pg_timeout_s),
         )
+        usergroup.install()  # issue10: the cell's own init_process_group joins this group
         os.write(result_fd, READY)
         value = job(RankContext(spec.rank, spec.rank, spec.world_size, device))
         _leave_group(spec)
@@ -125,6 +126,8 @@ def _leave_group(spec: RankSpec) -> None:
     (destroy_process_group would add ~20 ms of FileStore polling to every run, measured)."""
     import torch.distributed as dist
 
+    if not usergroup.group_alive():  # issue10: the cell destroyed the group itself, as torchrun scripts do
+        return
     if spec.accelerator == "cuda":
         from . import cuda
 

@@ -33,6 +33,7 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "killed by SIGKILL", "killed by SIGSEGV", "killed by SIGBUS", "killed by SIGABRT", "exited with code",
     "called sys.exit", "exited (code 0)", "its return value", "--timeout", "was here:", "KeyboardInterrupt",
     "never defined", "the cell's last expression cannot be pickled",
+    "initialize the default process group twice", "it cannot make a different one",
 ]
 
 
