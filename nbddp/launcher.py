@@ -423,10 +423,7 @@ class Supervisor:
         self.timed_out = [p.rank for p in live]
         self.relay.start_capture()
         for p in live:
-            try:
-                os.kill(p.pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
+            _signal_group(p.pid, signal.SIGUSR1)  # issue10: every process of the rank's group shows its stack
         end = time.monotonic() + STACK_MAX_S
         quiet_until = time.monotonic() + STACK_QUIET_S
         while time.monotonic() < min(end, quiet_until):

@@ -18,7 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from . import results, usergroup  # issue10: usergroup
+from . import kernelside, results, usergroup  # issue10: kernelside, usergroup
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library: prctl, setvbuf, fflush
@@ -101,7 +101,7 @@ def _run_job(spec: RankSpec, job, torch, result_fd: int) -> tuple[bytes, int]:
             world_size=spec.world_size,
             timeout=datetime.timedelta(seconds=spec.pg_timeout_s),
         )
-        usergroup.install()  # issue10: the cell's own init_process_group joins this group
+        kernelside.after_process_group()  # issue10: user's init/destroy, launchers in a rank, guardian
         os.write(result_fd, READY)
         value = job(RankContext(spec.rank, spec.rank, spec.world_size, device))
         _leave_group(spec)

@@ -34,6 +34,7 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "called sys.exit", "exited (code 0)", "its return value", "--timeout", "was here:", "KeyboardInterrupt",
     "never defined", "the cell's last expression cannot be pickled",
     "initialize the default process group twice", "it cannot make a different one",
+    "new process(es) from each rank", "would start a whole torchrun job", "directly",
 ]
 
 
