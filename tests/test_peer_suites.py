@@ -10,8 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(600)
 SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
-PASS_UNDER_TORCHRUN = ["test_script.py", "test_ops.py", "test_sync.py", "test_ddp_comm_hook.py",
-                       "test_distributed_data_loop.py"]
+PASS_UNDER_TORCHRUN = ["test_script.py", "test_ops.py", "test_sync.py"]  # the others: see the table
 
 
 @pytest.mark.parametrize("script", PASS_UNDER_TORCHRUN)
