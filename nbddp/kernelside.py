@@ -13,6 +13,19 @@ import importlib.util
 import sys
 
 
+def after_process_group() -> None:
+    """Once the rank's process group is up, before the cell runs: the user's own distributed code
+    (init/destroy_process_group, launchers) meets what it would under torchrun, and every process the
+    rank starts dies with it."""
+    from . import launchers_in_rank, usergroup
+
+    usergroup.install()
+    import torch.distributed as dist
+
+    launchers_in_rank.install(dist.get_rank(), dist.get_world_size())
+    launchers_in_rank.guard_descendants()
+
+
 def redirect_in_rank(kernel_streams=(), chan=None) -> None:
     """``kernel_streams``: what sys.stdout/sys.stderr were in the kernel at fork time; ``chan``: the
     rank's channel, which carries its rich outputs (display, plots) to the cell."""

@@ -15,7 +15,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-KEEP_RUNS = 20  # run directories (logs) kept; older ones are pruned at each launch
+KEEP_RUNS = 20  # a kernel keeps its own newest 20 run directories (logs); NBDDP_KEEP_RUNS overrides
+KEEP_DAYS = 7.0  # a run of a kernel that is gone is removed once it is this old; NBDDP_KEEP_DAYS overrides
 
 
 @dataclass(frozen=True)
@@ -61,20 +62,60 @@ def new_run_dir() -> RunDir:
 
 
 def _prune(root: Path) -> None:
-    """Keep the newest runs' logs; drop rendezvous files a killed kernel could not remove.
+    """Remove old run directories, never one another live kernel may still point a user at.
 
-    Runs only once the directory holds half again as many runs as it keeps, so a launch rarely pays.
+    - this kernel's runs: its newest ``KEEP_RUNS`` stay, older ones go (each kernel prunes only its own);
+    - runs of a process that is gone: kept ``KEEP_DAYS`` days from their start, then removed;
+      their rendezvous files (which a killed kernel could not remove) are dropped at once;
+    - runs of another live process: never touched.
+
+    Cost per launch: one ``listdir`` and one ``kill(pid, 0)`` per other kernel that has runs here.
     """
-    names = sorted(os.listdir(root))
-    if len(names) < KEEP_RUNS + KEEP_RUNS // 2:
-        return
-    runs = [root / n for n in names]
-    for old in runs[: max(0, len(runs) - (KEEP_RUNS - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
-    for run in runs[-(KEEP_RUNS - 1):]:
-        owner = run.name.split("-")[2] if run.name.count("-") >= 3 else ""
-        if (run / "store").exists() and owner.isdigit() and not _alive(int(owner)):
+    keep = max(1, _env_number("NBDDP_KEEP_RUNS", KEEP_RUNS, int))
+    max_age_s = _env_number("NBDDP_KEEP_DAYS", KEEP_DAYS, float) * 86400
+    now = time.time()
+    mine, alive = [], {}
+    for name in sorted(os.listdir(root)):  # names sort by start time
+        run = root / name
+        owner = _owner(name)
+        if owner is None:
+            continue  # not a run directory of ours: leave it alone
+        if owner == os.getpid():
+            mine.append(run)
+            continue
+        if owner not in alive:
+            alive[owner] = _alive(owner)
+        if alive[owner]:
+            continue
+        if now - _started(run) > max_age_s:
+            shutil.rmtree(run, ignore_errors=True)
+        elif (run / "store").exists():
             RunDir(run.name, run).release_store()
+    for old in mine[: max(0, len(mine) - (keep - 1))]:  # room for the run about to start
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _env_number(name: str, default, kind):
+    try:
+        return kind(os.environ[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def _owner(name: str) -> int | None:
+    """The pid of the kernel that made run ``name`` (``DATE-TIME.NS-PID-HEX``), or None."""
+    parts = name.split("-")
+    return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else None
+
+
+def _started(run: Path) -> float:
+    try:
+        return time.mktime(time.strptime(run.name.split(".")[0], "%Y%m%d-%H%M%S"))
+    except ValueError:
+        try:
+            return run.stat().st_mtime
+        except OSError:
+            return time.time()
 
 
 def _alive(pid: int) -> bool:
@@ -104,7 +145,8 @@ def loopback_ifname() -> str:
 def torchrun_env(
     *, rank: int, world_size: int, run_id: str, master_port: int, threads: int, ifname: str
 ) -> dict[str, str]:
-    """The environment torchrun gives a rank on a single node (one group, one role)."""
+    """The environment ``torchrun --standalone`` gives a rank (one node, one role): the same keys
+    (tests/test_usergroup.py compares them with a real torchrun's)."""
     return {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -122,6 +164,13 @@ def torchrun_env(
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
+        # torch.distributed.elastic's @record writes a failing rank's error here, as under torchrun
+        "TORCHELASTIC_ERROR_FILE": str(runs_root() / run_id / f"rank{rank}.error.json"),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        # torchrun says True (its agent hosts a TCPStore); here no agent store exists, so code that runs
+        # its own env:// rendezvous must host one (the cell's init_process_group joins nbddp's group anyway)
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "GLOO_SOCKET_IFNAME": ifname,

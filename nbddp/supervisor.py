@@ -283,11 +283,9 @@ class Supervisor:
         self._stacks_end = now + STACK_MAX_S
 
     def signal_live(self, sig: int) -> None:
+        """Every live rank and the processes it started (its process group)."""
         for p in self.live():
-            try:
-                os.kill(p.pid, sig)
-            except ProcessLookupError:
-                pass
+            _signal_group(p.pid, sig)
 
     def reap(self) -> None:
         """After an interrupt or an error in the parent: wait for every rank, escalating to SIGKILL."""

@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from . import channel
+from . import channel, kernelside
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library: prctl, setvbuf, fflush
@@ -89,6 +89,7 @@ def run_rank(spec: RankSpec, load_job, chan: channel.Writer) -> int:
         device = _device(spec, torch)
         phase = "group"
         _join_group(spec)
+        kernelside.after_process_group()  # the user's init/destroy_process_group, launchers in a rank, guardian
         chan.send(channel.Ready())
         phase = "cell"
         result = job(RankContext(spec.rank, spec.rank, spec.world_size, device, chan))

@@ -65,6 +65,8 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "never defined", "Out[] stays empty", "failed while joining the process group", "left early",
     "could not leave the process group", "send model.module.state_dict()", "holds only this rank's shards",
     "an open file", "send list(...)", "(--max-value-mb)", "unknown option",
+    "initialize the default process group twice", "it cannot make a different one",
+    "new process(es) from each rank", "would start a whole torchrun job", "directly",
 ]
 
 

@@ -159,8 +159,8 @@ def test_ranks_die_with_the_kernel():
             if m["parent_header"].get("msg_id") == msg:
                 watch(m["msg_type"], m["content"])
         assert len(ranks_up) == 2
-        ranks = k.process().children(recursive=True)
-        assert len(ranks) == 2
+        ranks = k.process().children(recursive=True)  # the ranks and their guardians
+        assert len(k.process().children()) == 2
         os.kill(k.pid, signal.SIGKILL)
         gone, alive = psutil.wait_procs(ranks, timeout=10)
         assert not alive, f"ranks outlived the kernel: {alive}"

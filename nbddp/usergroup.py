@@ -1,0 +1,107 @@
+"""In a rank: the user's own ``init_process_group``/``destroy_process_group`` calls, as under torchrun.
+
+A script written for torchrun creates the default process group itself and often destroys it at the
+end. In a ``%%ddp`` cell nbddp has already made that group, so the script's
+``init_process_group()`` would fail with "trying to initialize the default process group twice!".
+
+``install()`` (called right after nbddp's own ``init_process_group``) makes the user's call *join*
+nbddp's group when it asks for the same group (any ``init_method``, ``backend`` None or the one in use,
+``rank``/``world_size`` -1 or this rank's). A second call by the user fails exactly as under torchrun.
+``destroy_process_group()`` really destroys the group: what follows sees none, as under torchrun, and
+nbddp's teardown then leaves it alone (``group_alive()``). A later ``init_process_group`` builds a
+fresh group on nbddp's FileStore (a new key prefix per generation, so old keys never collide).
+"""
+from __future__ import annotations
+
+import functools
+
+_state: dict = {}
+
+
+def install() -> None:
+    """Call once in a rank, right after nbddp's own ``init_process_group``."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if _state:
+        return
+    _state.update(
+        store=c10d._get_default_store(),  # also keeps the FileStore (and its file) alive after a destroy
+        backend=str(dist.get_backend()),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        generation=0,
+        joined=False,
+        original=c10d.init_process_group,
+    )
+    patched = functools.wraps(c10d.init_process_group)(_init_process_group)
+    dist.init_process_group = c10d.init_process_group = patched
+
+
+def group_alive() -> bool:
+    """Whether a default process group exists (nbddp's, or one the user re-made after destroying it)."""
+    import torch.distributed as dist
+
+    return dist.is_initialized()
+
+
+def _init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
+                        group_name="", pg_options=None, device_id=None, **kwargs):
+    import torch.distributed as dist
+
+    s = _state
+    _check_same_group(backend, world_size, rank)
+    if dist.is_initialized():
+        if s["joined"]:  # the user's own second call: fail as torchrun would
+            return s["original"](backend, init_method, timeout, world_size, rank, store, group_name,
+                                 pg_options, device_id, **kwargs)
+        s["joined"] = True
+        if timeout is not None:
+            _set_timeout(timeout)
+        return None
+    # the user destroyed the group and makes a new one: same ranks, nbddp's store, a fresh key prefix
+    from torch.distributed import PrefixStore
+
+    s["generation"] += 1
+    s["joined"] = True
+    if store is None:
+        store = PrefixStore(f"nbddp-user-group-{s['generation']}", s["store"])
+    args = dict(backend=backend or s["backend"], store=store, rank=s["rank"], world_size=s["world_size"],
+                pg_options=pg_options, device_id=device_id, **kwargs)
+    if timeout is not None:
+        args["timeout"] = timeout
+    return s["original"](**args)
+
+
+def _check_same_group(backend, world_size, rank) -> None:
+    s = _state
+    problems = []
+    if backend not in (None, "undefined") and s["backend"] not in _backends(str(backend)):
+        problems.append(f"backend={backend!r}, but this cell's ranks use {s['backend']!r}")
+    if world_size not in (-1, None) and int(world_size) != s["world_size"]:
+        problems.append(f"world_size={world_size}, but the cell runs {s['world_size']} ranks")
+    if rank not in (-1, None) and int(rank) != s["rank"]:
+        problems.append(f"rank={rank}, but this is rank {s['rank']}")
+    if problems:
+        flag = f"--backend {backend}" if "backend" in problems[0] else f"--devices {world_size}"
+        raise ValueError(
+            f"rank {s['rank']}: init_process_group({'; '.join(problems)}).\n"
+            "In a %%ddp cell nbddp has already created the process group, and the cell's own "
+            "init_process_group joins it; it cannot make a different one.\n"
+            f"Fix: start the cell with `%%ddp {flag}`, or pass rank/world_size from the environment "
+            "(int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])), as under torchrun."
+        )
+
+
+def _backends(spec: str) -> set[str]:
+    """"gloo" → {"gloo"}; "cpu:gloo,cuda:nccl" → {"gloo", "nccl"}."""
+    return {part.split(":")[-1].strip().lower() for part in spec.split(",")}
+
+
+def _set_timeout(timeout) -> None:
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._set_pg_timeout(timeout)
+    except Exception:  # an older torch, or a backend without per-group timeouts: keep nbddp's
+        pass

@@ -1,0 +1,116 @@
+"""Scripts that manage their own process group run unchanged in a cell (issue 10, point 1).
+
+Real kernel, real forks, real torchrun; the tutorial script is pytorch/examples' own (tests/peers)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+PEERS = Path(__file__).resolve().parent / "peers"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+EDITS = [  # what a user changes to run the GPU tutorial on CPU: cuda -> cpu, nccl -> gloo; nothing else
+    ('    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n', ""),
+    ('init_process_group(backend="nccl")', 'init_process_group(backend="gloo")'),
+    ("self.model = model.to(self.gpu_id)", 'self.model = model.to("cpu")'),
+    ("DDP(self.model, device_ids=[self.gpu_id])", "DDP(self.model)"),
+    ("source = source.to(self.gpu_id)", 'source = source.to("cpu")'),
+    ("targets = targets.to(self.gpu_id)", 'targets = targets.to("cpu")'),
+]
+
+
+def _cpu_tutorial(tmp_path: Path) -> Path:
+    text = (PEERS / "multigpu_torchrun.py").read_text()
+    for old, new in EDITS:
+        assert old in text, f"pytorch/examples changed: {old!r} is gone"
+        text = text.replace(old, new)
+    (tmp_path / "datautils.py").write_text((PEERS / "datautils.py").read_text())
+    script = tmp_path / "multigpu_torchrun.py"
+    script.write_text(text)
+    return script
+
+
+def _tutorial_lines(text: str) -> list[str]:
+    import re
+
+    return sorted(re.sub(r"^\[rank\d\]:", "", ln) for ln in text.splitlines() if "Epoch" in ln)
+
+
+def test_pytorch_examples_torchrun_tutorial_runs_unchanged_in_a_cell(clean_kernel, tmp_path):
+    script = _cpu_tutorial(tmp_path)
+    (tmp_path / "torchrun").mkdir()
+    run = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", script, "2", "1"],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path / "torchrun")
+    assert run.returncode == 0, run.stderr[-3000:]
+    (tmp_path / "cell").mkdir()
+    res = clean_kernel.ok(
+        "%%ddp --devices 2\n"
+        f"import os, sys\nos.chdir({str(tmp_path / 'cell')!r})\nsys.path.insert(0, {str(tmp_path)!r})\n"
+        "sys.argv = ['multigpu_torchrun.py', '2', '1']\n"
+        + script.read_text()  # pasted as is: its own init_process_group, and destroy_process_group at the end
+        + "\nimport torch.distributed as dist\nprint('group after the script:', dist.is_initialized())\n",
+        timeout=180,
+    )
+    assert _tutorial_lines(res.stdout) == _tutorial_lines(run.stdout), (res.stdout, run.stdout)
+    assert "[GPU1] Epoch 1 | Batchsize: 32 | Steps: 32" in _tutorial_lines(res.stdout)
+    assert "[rank0]:group after the script: False" in res.stdout.splitlines()
+    assert (tmp_path / "cell" / "snapshot.pt").exists()
+
+
+def test_destroy_then_reinit_and_out_values_survive(clean_kernel):
+    res = clean_kernel.ok(
+        "%%ddp --devices 2 --out first second\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method='env://', rank=int(os.environ['RANK']),\n"
+        "                        world_size=int(os.environ['WORLD_SIZE']))\n"
+        "t = torch.tensor([rank + 1.0]); dist.all_reduce(t); first = t.item()\n"
+        "dist.destroy_process_group()\n"
+        "print('after destroy', dist.is_initialized())\n"
+        "try:\n    dist.get_rank()\nexcept ValueError as e:\n    print('no group:', 'not been initialized' in str(e))\n"
+        "dist.init_process_group()\n"
+        "t = torch.tensor([10.0 * (rank + 1)]); dist.all_reduce(t); second = t.item()\n"
+        "dist.destroy_process_group()\n"
+        "rank\n",
+        timeout=120,
+    )
+    for r in (0, 1):
+        assert f"[rank{r}]:after destroy False" in res.stdout and f"[rank{r}]:no group: True" in res.stdout
+    assert clean_kernel.value("(first, second)") == (3.0, 30.0)
+
+
+def test_a_second_init_fails_as_under_torchrun_and_a_different_group_says_what_to_write(clean_kernel):
+    twice = clean_kernel.run("%%ddp --devices 2\nimport torch.distributed as dist\n"
+                             "dist.init_process_group()\ndist.init_process_group()\n", timeout=120)
+    assert "initialize the default process group twice" in twice.error_text
+    other = clean_kernel.run("%%ddp --devices 2\nimport torch.distributed as dist\n"
+                             "dist.init_process_group('gloo', world_size=4, rank=rank)\n", timeout=120)
+    text = other.error_text
+    assert "world_size=4, but the cell runs 2 ranks" in text and "%%ddp --devices 4" in text
+    assert "line 3" in text  # the user's line, not nbddp's
+
+
+ENV_DUMP = "import json, os\nprint(json.dumps(sorted(os.environ)))\n"
+
+
+def test_the_torchrun_environment_and_record_match_torchrun(clean_kernel, tmp_path, runs_dir):
+    dump = tmp_path / "dump.py"
+    dump.write_text("import os\nif os.environ['RANK'] == '0':\n    " + ENV_DUMP.replace("\n", "\n    "))
+    base = set(os.environ)
+    run = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", dump],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    torchrun_keys = set(json.loads(run.stdout.strip().splitlines()[-1])) - base - {"COLUMNS", "LINES"}  # terminal size
+    res = clean_kernel.ok("%%ddp --devices 2 --ranks-output 0 --no-prefix\n" + ENV_DUMP, timeout=120)
+    cell_keys = set(json.loads(res.stdout.strip()))
+    assert torchrun_keys - cell_keys == set(), "keys torchrun sets that a %%ddp rank lacks"
+
+    failed = clean_kernel.run(
+        "%%ddp --devices 2\nfrom torch.distributed.elastic.multiprocessing.errors import record\n"
+        "@record\ndef main():\n    raise ValueError(f'recorded on {rank}')\nmain()\n", timeout=120)
+    assert "ValueError: recorded on" in failed.error_text
+    error_files = sorted(runs_dir.glob("*/rank*.error.json"))
+    assert error_files, "@record wrote no error file"
+    assert "recorded on" in json.loads(error_files[-1].read_text())["message"]["message"]
