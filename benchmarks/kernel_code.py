@@ -250,3 +250,57 @@ for gb in (0, 0.5, 2, 4, 8):
     del big
 bench("memory", res)
 '''
+
+POOL = r"""
+import ipyparallel as ipp, io, contextlib
+cluster = ipp.Cluster(n=2, log_level=40)
+rc = cluster.start_and_connect_sync()
+rc.wait_for_engines(2, timeout=120)
+view = rc[:]
+view.activate()  # %%px
+store = os.path.join(tempfile.mkdtemp(), "store")
+view.scatter("engine_rank", [0, 1], flatten=True, block=True)
+view.execute(f"import torch, torch.distributed as dist\ntorch.set_num_threads(1)\n"
+             f"dist.init_process_group('gloo', init_method='file://{store}', rank=engine_rank, world_size=2)",
+             block=True)
+CELL = "t = torch.ones(1)\ndist.all_reduce(t)\n"
+def px_cell():
+    t0 = time.perf_counter()
+    get_ipython().run_cell_magic("px", "--block", CELL)
+    return time.perf_counter() - t0
+def pool_cell():
+    t0 = time.perf_counter()
+    get_ipython().run_cell_magic("ddp", "", CELL + ";")
+    return time.perf_counter() - t0
+get_ipython().run_line_magic("ddp", "start --devices 2")
+for _ in range(5):
+    px_cell(); pool_cell()
+px, pool = [], []
+for _ in range({runs}):
+    px.append(px_cell()); pool.append(pool_cell())
+one_shot = []
+get_ipython().run_line_magic("ddp", "stop")
+for _ in range(5):
+    one_shot.append(nbddp_round_trip())
+view.execute("dist.destroy_process_group()", block=True)
+rc.shutdown(hub=True) if hasattr(rc, "shutdown") else None
+cluster.stop_cluster_sync()
+bench("pool", {"ipyparallel": statistics.median(px), "pool": statistics.median(pool),
+               "one_shot": statistics.median(one_shot), "px_all": px, "pool_all": pool})
+
+# memory: a 1 GiB tensor built before the start; a 100 MiB tensor made after it, read by five cells
+BIG = torch.ones(2**28)  # 1 GiB of float32
+get_ipython().run_line_magic("ddp", "start --devices 2")
+get_ipython().run_cell_magic("ddp", "", "s = BIG[rank::2].sum().item()\n;")
+from nbddp import magic as _m
+pool_obj = [m for m in get_ipython().magics_manager.registry.values() if isinstance(m, _m.DDPMagics)][0].pool
+uss = [psutil.Process(p.pid).memory_full_info().uss for p in pool_obj.sup.procs]
+LATE = torch.ones(25 * 2**20)  # 100 MiB, after the start
+notes = io.StringIO()
+with contextlib.redirect_stderr(notes):
+    for _ in range(5):
+        get_ipython().run_cell_magic("ddp", "", "s = LATE.sum().item()\n;")
+get_ipython().run_line_magic("ddp", "stop")
+bench("pool_memory", {"dataset": BIG.numel() * 4, "rank_uss": uss, "late_bytes": LATE.numel() * 4,
+                      "sent_notes": notes.getvalue().count("sent LATE")})
+"""

@@ -68,6 +68,8 @@ def run(quick: bool) -> dict:
                      f"TRAIN_BODY_SRC = {kc.TRAIN_BODY!r}\n" + kc.TRAINING, kc.RELAY_SLOWDOWN, kc.DASHBOARD_COST):
             results.update(measures(k.ok(code, timeout=600)))
             print("done:", list(results)[-1], flush=True)
+        results.update(measures(k.ok(kc.POOL.replace("{runs}", str(3 * runs)), timeout=600)))
+        print("done: pool", flush=True)
         results["relay"] = relay(k, 20_000 if quick else 100_000)
         print("done: relay", flush=True)
     finally:
@@ -122,6 +124,27 @@ def report(r: dict) -> str:
         f"| the same cell without the display | {fmt_s(png['without'])} |",
         "",
         f"Target: the PNG adds < 50 ms — it adds {extra * 1000:.0f} ms, {verdict(extra < 0.05)}.",
+        "",
+    ]
+    pl, pm = r["pool"], r["pool_memory"]
+    pratio = pl["pool"] / pl["ipyparallel"]
+    lines += [
+        "## 1c. A pool (`%ddp start`): a trivial cell with one all_reduce on 2 live ranks",
+        "",
+        "| what answers the cell | median |",
+        "|---|---|",
+        f"| ipyparallel `%%px --block`, 2 engines joined to a gloo group | {pl['ipyparallel'] * 1000:.2f} ms |",
+        f"| nbddp pool `%%ddp` | {pl['pool'] * 1000:.2f} ms |",
+        f"| nbddp one-shot `%%ddp` (fork per cell), same run | {fmt_s(pl['one_shot'])} |",
+        "",
+        f"Target pool ≤ 1.0× ipyparallel, interleaved in one kernel: {pratio:.2f}× — {verdict(pratio <= 1.0)}.",
+        "",
+        f"Memory: with a {pm['dataset'] / 2**30:.0f} GiB tensor built before `%ddp start`, each rank's private memory "
+        f"(USS) after reading its half: {', '.join(f'{u / 2**20:.0f} MiB' for u in pm['rank_uss'])} "
+        f"({max(pm['rank_uss']) / pm['dataset']:.1%} of it; target < 5%: "
+        f"{verdict(max(pm['rank_uss']) / pm['dataset'] < 0.05)}). A {pm['late_bytes'] / 2**20:.0f} MiB tensor made after "
+        f"the start and read by five cells was sent {pm['sent_notes']} time(s) (target: once — "
+        f"{verdict(pm['sent_notes'] == 1)}).",
         "",
     ]
     s = r["sharing"]

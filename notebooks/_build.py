@@ -71,23 +71,16 @@ NOTEBOOKS = {
            "`%load_ext`, also keeps the fork itself cheap when the kernel holds many GB of tensors."),
     ],
     "03-metrics-and-results.ipynb": [
-        md("# Metrics and results\n\nRanks are a real process group, so metric libraries sync across them. Results "
-           "come back three ways: `--out NAME` (rank 0's variables), the last expression (rank 0's value, "
-           "as `Out[n]`), and `nbddp.launch` (every rank's return value)."),
-        code("%load_ext nbddp\nimport nbddp, torch"),
-        code("%%ddp --devices 2 --out mean\n"
-             "import torchmetrics\n"
-             "metric = torchmetrics.MeanMetric()\n"
-             "metric.update(torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([6.0, 7.0, 9.0]))\n"
-             "mean = metric.compute()   # synced across ranks: the mean of all five values\n"
-             "print(f'rank {rank} sees {mean.item():.1f}')"),
-        code("# NBVAL_CHECK_OUTPUT\nmean"),
-        code("def shard_sum(n):\n"
-             "    import torch.distributed as dist\n"
-             "    part = torch.arange(n)[dist.get_rank()::dist.get_world_size()].sum()\n"
-             "    return int(part)\n\n"
-             "parts = nbddp.launch(shard_sum, 1000, devices=2)\nparts"),
-        code("# NBVAL_CHECK_OUTPUT\nsum(parts) == sum(range(1000))"),
+        md("# Metrics, results and plots\n\nRanks are a real process group, so metric libraries sync across them. Results come back four ways: `--out NAME` (rank 0's variables), `--gather NAME` (a list of every rank's), the last expression (rank 0's value, as `Out[n]`), and `nbddp.launch` (every rank's return value). A plot drawn on a rank appears in the cell, as in any notebook cell."),
+        code('%load_ext nbddp\nimport nbddp, torch'),
+        code("%%ddp --devices 2 --out mean\nimport torchmetrics\nmetric = torchmetrics.MeanMetric()\nmetric.update(torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([6.0, 7.0, 9.0]))\nmean = metric.compute()   # synced across ranks: the mean of all five values\nprint(f'rank {rank} sees {mean.item():.1f}')"),
+        code('# NBVAL_CHECK_OUTPUT\nmean'),
+        code("%%ddp --devices 2 --gather losses\ntorch.manual_seed(rank)\nlosses = [1.0 / (step + 1) + 0.05 * torch.rand(1).item() for step in range(20)]   # each rank's own curve\nprint(f'rank {rank}: final loss {losses[-1]:.3f}')"),
+        code('# NBVAL_CHECK_OUTPUT\nlen(losses), [len(l) for l in losses]   # one list per rank, in rank order'),
+        code("import matplotlib.pyplot as plt\nplt.rcParams['figure.figsize'] = (5, 3)"),
+        code("%%ddp --devices 2 --ranks-output 0\nimport torch.distributed as dist\ncurve = torch.tensor([1.0 / (step + 1) for step in range(20)])\ndist.all_reduce(curve)                       # a collective, then a plot on rank 0\nif rank == 0:\n    plt.plot((curve / world_size).tolist(), label='mean loss over ranks')\n    plt.xlabel('step'); plt.legend(); plt.show()"),
+        code('def shard_sum(n):\n    import torch.distributed as dist\n    part = torch.arange(n)[dist.get_rank()::dist.get_world_size()].sum()\n    return int(part)\n\nparts = nbddp.launch(shard_sum, 1000, devices=2)\nparts'),
+        code('# NBVAL_CHECK_OUTPUT\nsum(parts) == sum(range(1000))'),
     ],
     "04-lightning-and-accelerate.ipynb": [
         md("# Bringing Lightning and Accelerate code\n\nnbddp sets the torchrun environment and the process group "
@@ -234,6 +227,23 @@ NOTEBOOKS = {
              "loaded_loss"),
         code("assert abs(Out[max(Out)] - notebook_loss) < 1e-5, (Out[max(Out)], notebook_loss)\n"
              "import shutil; shutil.rmtree(ckpt)\nprint('checkpoint round trip matches the notebook')"),
+    ],
+    "08-pool.ipynb": [
+        md("# A pool: ranks that live across cells\n\n`%ddp start` forks one rank per device from the kernel once: the notebook's data is shared copy-on-write, and the process group is set up once. Every `%%ddp` cell then runs in those same ranks, so a model, its optimizer and anything else a cell builds stay there for the next cell. Train, look, change something in the notebook, go on. `%ddp stop` ends the ranks."),
+        code('%load_ext nbddp\nimport torch\nimport matplotlib.pyplot as plt\ntorch.manual_seed(0)\nX = torch.randn(4096, 16)\nY = X @ torch.randn(16, 1) + 0.1 * torch.randn(4096, 1)   # shared copy-on-write'),
+        code('%ddp start --devices 2'),
+        md('Build the model once; it lives in the ranks.'),
+        code('%%ddp\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))\nlr = 0.05\nopt = torch.optim.SGD(model.parameters(), lr=lr)\nlosses = []\n\ndef epoch():\n    for i in range(0, 2048, 64):\n        xb, yb = X[rank::world_size][i:i + 64], Y[rank::world_size][i:i + 64]\n        opt.zero_grad()\n        loss = torch.nn.functional.mse_loss(model(xb), yb)\n        loss.backward(); opt.step()\n        losses.append(loss.item())'),
+        md("Two epochs, then bring every rank's losses back with `--gather` and plot them in the notebook."),
+        code("%%ddp --gather losses\nepoch(); epoch()\nprint(f'{len(losses)} steps, last loss {losses[-1]:.3f}')"),
+        code("for r, curve in enumerate(losses):\n    plt.plot(curve, label=f'rank {r}')\nplt.yscale('log'); plt.xlabel('step'); plt.legend(); plt.show()"),
+        code('# NBVAL_CHECK_OUTPUT\nlen(losses), [len(c) for c in losses]'),
+        md("Change the learning rate in the notebook. The next cell that reads `new_lr` gets the notebook's value (nbddp says what it sent), and training goes on in the same ranks, with the same model and optimizer."),
+        code('new_lr = 0.01'),
+        code('%%ddp --gather losses\nfor group in opt.param_groups:\n    group[\'lr\'] = new_lr\nepoch()\nprint(f\'{len(losses)} steps, lr {opt.param_groups[0]["lr"]}\')'),
+        code('# NBVAL_CHECK_OUTPUT\n[len(c) for c in losses], losses[0][-1] < losses[0][0]'),
+        code('%ddp status'),
+        code('%ddp stop'),
     ],
 }
 

@@ -196,3 +196,37 @@ def test_100_start_cell_stop_cycles_leave_the_kernel_flat(clean_kernel):
     assert after[0] <= before[0] and after[1] <= before[1] and after[2] == before[2], (before, after)
     assert k.process().memory_info().rss - rss_before < 50 * 2**20
     assert not k.process().children(recursive=True)
+
+
+def test_a_pool_session_exports_to_one_torchrun_script(tmp_path):
+    """The cells of a pool session, in order, become one script: state carries from cell to cell there too."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    k = Kernel(env={})
+    try:
+        k.ok("%load_ext nbddp\nimport torch")
+        k.ok("%ddp start --devices 2")
+        shown = k.ok("%%ddp\nimport torch.distributed as dist\nw = torch.ones(1) * (rank + 1)\n"
+                     "dist.all_reduce(w)\nprint('w', w.item())\n").stdout
+        k.ok("lr = 0.5")
+        shown += k.ok("%%ddp\nw = w * lr\nprint('w', w.item())\n").stdout
+        k.ok("%ddp stop")
+        script = tmp_path / "train.py"
+        k.ok(f"%ddp_export {script}")
+    finally:
+        k.shutdown()
+    text = script.read_text()
+    assert "ddp start" not in text.replace("# ", "") or "pass  #" in text
+    logs = tmp_path / "logs"
+    run = subprocess.run([Path(sys.executable).parent / "torchrun", "--standalone", "--nproc-per-node", "2",
+                          "--redirects", "1", "--log-dir", logs, script], capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = "".join(p.read_text() for p in sorted(logs.rglob("stdout.log")))
+
+    def lines(t):
+        return sorted(re.sub(r"^\[rank\d+\]:", "", ln) for ln in t.splitlines() if ln.strip())
+
+    assert lines(printed) == lines(shown) == ["w 1.5", "w 1.5", "w 3.0", "w 3.0"], (printed, shown)
