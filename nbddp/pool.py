@@ -159,6 +159,8 @@ class Pool:
         self.rank_assigned -= set(updates)
         for line in said:
             print(f"nbddp: {line}", file=sys.stderr)
+        if said:
+            sys.stderr.flush()  # before the ranks' output, where it belongs
         cmd = channel.RunCell(source, filename, tuple(outs), tuple(gathers), config.max_value_bytes, updates)
         per_rank = self.execute(cmd, label=source.strip().splitlines()[0] if source.strip() else "",
                                 config=config, relabel=relabel, observer=observer)
