@@ -65,6 +65,9 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "never defined", "Out[] stays empty", "failed while joining the process group", "left early",
     "could not leave the process group", "send model.module.state_dict()", "holds only this rank's shards",
     "an open file", "send list(...)", "(--max-value-mb)", "unknown option",
+    "The pool and its state survived", "The pool was torn down", "The pool has ended",
+    "which the running pool cannot change", "a pool is already running", "the pool is not running",
+    "changed in the notebook since %ddp start", "a pool forks its ranks", "the pool and its state survived",
     "initialize the default process group twice", "it cannot make a different one",
     "new process(es) from each rank", "would start a whole torchrun job", "directly",
 ]
