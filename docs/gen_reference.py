@@ -17,7 +17,7 @@ def render() -> str:
     lines = [ln[8:] if ln.startswith(" " * 8) else ln for ln in doc.strip("\n").splitlines()]
     export_doc = " ".join(DDPMagics.ddp_export.__doc__.split())
     pool_doc = DDPMagics.ddp_pool.__doc__.strip("\n").splitlines()
-    pool = [pool_doc[0].strip(), ""] + [ln[8:] if ln.startswith(" " * 8) else ln for ln in pool_doc[1:]]
+    pool = [pool_doc[0].strip()] + [ln[8:] if ln.startswith(" " * 8) else ln for ln in pool_doc[1:]]
     return (HEADER + "\n".join(lines).rstrip() + "\n```\n\n## `%ddp`: a pool of ranks\n\n```text\n"
             + "\n".join(pool).rstrip() + "\n```\n\n## `%ddp_export`\n\n" + export_doc + "\n")
 
