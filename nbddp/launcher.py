@@ -43,6 +43,7 @@ class Config:
     prefix: bool = True
     max_lines: int = 200_000
     max_value_mb: float = results.DEFAULT_MAX_VALUE_MB
+    seed: int | None = None  # None: fresh entropy per rank and run, as under torchrun
 
     @classmethod
     def from_options(cls, options: dict) -> "Config":
@@ -65,6 +66,8 @@ class Config:
             raise UsageError(f"--timeout {self.timeout!r}: need a number of seconds > 0.")
         if not isinstance(self.max_lines, int) or self.max_lines < 0:
             raise UsageError(f"--max-lines {self.max_lines!r}: need a whole number >= 0.")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise UsageError(f"--seed {self.seed!r}: need a whole number >= 0.")
         if not isinstance(self.max_value_mb, (int, float)) or not self.max_value_mb > 0:
             raise UsageError(f"--max-value-mb {self.max_value_mb!r}: need a size in MiB > 0.")
         if self.ranks_output not in ("all", "0", "none"):
@@ -152,6 +155,7 @@ def fork_ranks(sup: Supervisor, starter, job, config: Config, plan: devices.Plan
             backend=plan.backend,
             device_id=dev,
             threads=config.threads,
+            seed=config.seed,
             store_path=str(run_dir.store),
             parent_pid=os.getpid(),
             env=_rank_env(plan, rank, run_dir.run_id, port, config.threads, ifname),

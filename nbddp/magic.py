@@ -75,6 +75,12 @@ class DDPMagics(Magics):
         "the cell and the globals it uses are pickled (for a kernel that already initialised CUDA).",
     )
     @magic_arguments.argument(
+        "--seed", type=int, default=D.seed, metavar="N",
+        help="Reproducible randomness: rank r's torch, random and numpy generators are seeded from N and r "
+        "(Lightning's seed_everything, per rank). Default: fresh entropy per rank and run, as under torchrun; "
+        "the notebook's own generators are never touched.",
+    )
+    @magic_arguments.argument(
         "--threads", type=int, default=D.threads,
         help="Intra-op threads per rank (torch.set_num_threads). Default 1: after the kernel has used "
         "OpenMP, a forked rank with more threads can hang on its first parallel op.",
@@ -112,7 +118,7 @@ class DDPMagics(Magics):
             devices=args.devices, accelerator=args.accelerator, backend=args.backend,
             start_method=args.start_method, threads=args.threads, timeout=args.timeout,
             ranks_output=args.ranks_output, prefix=not args.no_prefix, max_lines=args.max_lines,
-            max_value_mb=args.max_value_mb,
+            max_value_mb=args.max_value_mb, seed=args.seed,
         )
         shell = self.shell
         source, filename, number, _ = self._compile(cell)
@@ -190,7 +196,8 @@ class DDPMagics(Magics):
                 raise UsageError("a pool is already running: %ddp restart [options] re-forks it, %ddp stop ends it.")
             args = magic_arguments.parse_argstring(self.ddp, rest)
             pool = Pool(self.shell.user_ns, devices=args.devices, accelerator=args.accelerator,
-                        backend=args.backend, start_method=args.start_method, threads=args.threads)
+                        backend=args.backend, start_method=args.start_method, threads=args.threads,
+                        seed=args.seed)
             t0 = time.monotonic()
             pool.start()
             self.pool, self.pool_options = pool, rest

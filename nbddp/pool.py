@@ -32,7 +32,7 @@ from .supervisor import Bus, Started, Supervisor
 PEER_GRACE_S = 1.0  # after a rank failed a cell: how long the others may go on before being interrupted
 HEALTH_S = 3.0  # interrupted ranks must answer, and pass a barrier, within this
 BIG_UPDATE = 16 * 2**20  # a sent value this large earns the hint that %ddp restart shares it instead
-POOL_OPTIONS = ("devices", "accelerator", "backend", "start_method", "threads")  # fixed for the pool's life
+POOL_OPTIONS = ("devices", "accelerator", "backend", "start_method", "threads", "seed")  # fixed for the pool's life
 
 
 class Pool:

@@ -135,9 +135,8 @@ class Relay:
         if len(tail) > MAX_PARTIAL:  # a "line" that never ends: show it in pieces, keep memory bounded
             self._emit(event.rank, event.stream, tail)
             tail = b""
-        if b"\r" in tail:  # a progress bar redrawing in place: only its latest state is worth keeping
-            latest = next((seg for seg in reversed(tail.split(b"\r")) if seg), b"")
-            tail = b"\r" + latest
+        if b"\r" in tail:  # a line redrawn in place (tqdm, print(..., end="\\r")): keep its latest state,
+            tail = b"\r" + latest_redraw(tail)  # wherever the carriage returns sit
         if tail:
             self._partial[key] = tail
 
@@ -188,6 +187,13 @@ class Relay:
         else:
             text = "\n".join(lines) + "\n"
         self.sink.write(stream, text)
+
+
+def latest_redraw(tail: bytes) -> bytes:
+    """The last non-empty state of a line redrawn with carriage returns, with the \\r that ended it."""
+    end = len(tail.rstrip(b"\r"))
+    start = tail.rfind(b"\r", 0, end) + 1
+    return tail[start:]
 
 
 def last_segment(line: str) -> str:

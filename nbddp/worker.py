@@ -37,6 +37,7 @@ class RankSpec:
     store_path: str
     parent_pid: int
     env: dict = field(default_factory=dict)
+    seed: int | None = None
     pg_timeout_s: float = 1800.0
 
 
@@ -85,6 +86,7 @@ def run_rank(spec: RankSpec, load_job, chan: channel.Writer) -> int:
         import torch  # the first thing to touch torch: thread count, before any op (OpenMP fork hazard)
 
         torch.set_num_threads(spec.threads)
+        seed_generators(spec.rank, spec.seed)
         phase = "device"
         device = _device(spec, torch)
         phase = "group"
@@ -108,6 +110,26 @@ def run_rank(spec: RankSpec, load_job, chan: channel.Writer) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         report(chan, phase, e)
         return 1
+
+
+def seed_generators(rank: int, seed: int | None) -> None:
+    """torch, random and numpy start fresh in every rank, as in torchrun's fresh processes (a fork would
+    inherit the kernel's state: the same numbers on every rank and every rerun). With ``seed``, rank r's
+    generators are seeded from (seed, r): reruns reproduce, ranks still differ."""
+    import hashlib
+    import random
+
+    import torch
+
+    if seed is None:
+        value = int.from_bytes(os.urandom(8), "little")
+    else:
+        value = int.from_bytes(hashlib.sha256(f"nbddp:{seed}:{rank}".encode()).digest()[:8], "little")
+    torch.manual_seed(value)
+    random.seed(value)
+    numpy = sys.modules.get("numpy")  # never imported for this: a rank without numpy needs no seed
+    if numpy is not None:
+        numpy.random.seed(value % 2**32)
 
 
 def _device(spec: RankSpec, torch):
