@@ -304,3 +304,34 @@ get_ipython().run_line_magic("ddp", "stop")
 bench("pool_memory", {"dataset": BIG.numel() * 4, "rank_uss": uss, "late_bytes": LATE.numel() * 4,
                       "sent_notes": notes.getvalue().count("sent LATE")})
 """
+
+FSDP_BODY = r'''import torch.distributed as dist, gc
+from torch.distributed.fsdp import fully_shard
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+def held(model, opt):
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    params = sum(local(p).nbytes for p in model.parameters())
+    grads = sum(local(p.grad).nbytes for p in model.parameters() if p.grad is not None)
+    state = sum(local(v).nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+    return params + grads + state
+def train(model):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 1024)
+    for _ in range(3):
+        opt.zero_grad(); model(x).pow(2).mean().backward(); opt.step()
+    return held(model, opt)
+ddp_bytes = train(torch.nn.parallel.DistributedDataParallel(build()))
+gc.collect()
+m = build()
+for layer in m:
+    fully_shard(layer)
+fully_shard(m)
+mem = {"ddp": ddp_bytes, "fsdp2": train(m), "world_size": world_size}
+'''
+
+FSDP_MEMORY = (
+    "get_ipython().run_cell_magic('ddp', '--devices 2 --gather mem', " + repr(FSDP_BODY) + ")\n"
+    "bench('fsdp_memory', mem)\n"
+)

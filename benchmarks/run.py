@@ -58,8 +58,16 @@ def relay(k: Kernel, lines_per_rank: int) -> dict:
             "anchor_lines_per_s": res2.stdout.count("\n") / anchor}
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, only: str | None = None) -> dict:
     runs = 3 if quick else 7
+    if only:  # one section again, the others kept from the last full run
+        results = json.loads((HERE / "results.json").read_text())
+        k = new_kernel()
+        try:
+            results.update(measures(k.ok(getattr(kc, only.upper()).replace("{runs}", str(runs)), timeout=600)))
+        finally:
+            k.shutdown()
+        return results
     results = {}
     k = new_kernel()
     try:
@@ -68,6 +76,7 @@ def run(quick: bool) -> dict:
                      f"TRAIN_BODY_SRC = {kc.TRAIN_BODY!r}\n" + kc.TRAINING, kc.RELAY_SLOWDOWN, kc.DASHBOARD_COST):
             results.update(measures(k.ok(code, timeout=600)))
             print("done:", list(results)[-1], flush=True)
+        results.update(measures(k.ok(kc.FSDP_MEMORY, timeout=600)))
         results.update(measures(k.ok(kc.POOL.replace("{runs}", str(3 * runs)), timeout=600)))
         print("done: pool", flush=True)
         results["relay"] = relay(k, 20_000 if quick else 100_000)
@@ -203,6 +212,21 @@ def report(r: dict) -> str:
         f"Target < 2× raw: {ratio:.2f}× — {verdict(ratio < 2)}.",
         "",
     ]
+    if "fsdp_memory" in r:
+        fm = r["fsdp_memory"]
+        lines += [
+            "## 4b. Per-rank memory of the same model under DDP and FSDP2 (4 × Linear(1024, 1024), Adam, 2 ranks)",
+            "",
+            "Parameters + gradients + Adam state each rank holds, measured from the tensors themselves after 3 steps:",
+            "",
+            "| rank | DDP | FSDP2 | FSDP2 / DDP |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| {i} | {m['ddp'] / 2**20:.1f} MiB | {m['fsdp2'] / 2**20:.1f} MiB | {m['fsdp2'] / m['ddp']:.3f} |"
+                  for i, m in enumerate(fm)]
+        worst = max(m["fsdp2"] / m["ddp"] for m in fm)
+        lines += ["", f"Expected ~1/world_size = {1 / fm[0]['world_size']:.3f} for the sharded part: "
+                  f"{verdict(abs(worst - 1 / fm[0]['world_size']) < 0.02)}.", ""]
     tr = r["training"]
     tratio = tr["nbddp %%ddp"] / tr["torchrun"]
     lines += [
@@ -270,9 +294,10 @@ def plot(r: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--only", help="run one section (e.g. fsdp_memory), keep the rest of results.json")
     args = parser.parse_args()
     t0 = time.monotonic()
-    r = run(args.quick)
+    r = run(args.quick, args.only)
     r = json.loads(json.dumps(r))  # int keys become strings, as in the saved JSON
     (HERE / "results.json").write_text(json.dumps(r, indent=1))
     text = report(r) + f"\nThe whole suite took {time.monotonic() - t0:.0f} s.\n"

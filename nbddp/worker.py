@@ -86,7 +86,7 @@ def run_rank(spec: RankSpec, load_job, chan: channel.Writer) -> int:
         import torch  # the first thing to touch torch: thread count, before any op (OpenMP fork hazard)
 
         torch.set_num_threads(spec.threads)
-        seed_generators(spec.rank, spec.seed)
+        seed_generators(spec.rank, spec.seed, spec.accelerator)
         phase = "device"
         device = _device(spec, torch)
         phase = "group"
@@ -112,11 +112,12 @@ def run_rank(spec: RankSpec, load_job, chan: channel.Writer) -> int:
         return 1
 
 
-def seed_generators(rank: int, seed: int | None) -> None:
+def seed_generators(rank: int, seed: int | None, accelerator: str = "cpu") -> None:
     """torch, random and numpy start fresh in every rank, as in torchrun's fresh processes (a fork would
     inherit the kernel's state: the same numbers on every rank and every rerun). With ``seed``, rank r's
-    generators are seeded from (seed, r): reruns reproduce, ranks still differ."""
-    import hashlib
+    generators are seeded from (seed, r): reruns reproduce, ranks still differ. Only generators the
+    kernel already has are reseeded (one imported later seeds itself from the OS), and through their
+    cheapest calls: torch.manual_seed and importing numpy.random each cost milliseconds per rank."""
     import random
 
     import torch
@@ -124,12 +125,16 @@ def seed_generators(rank: int, seed: int | None) -> None:
     if seed is None:
         value = int.from_bytes(os.urandom(8), "little")
     else:
+        import hashlib
+
         value = int.from_bytes(hashlib.sha256(f"nbddp:{seed}:{rank}".encode()).digest()[:8], "little")
-    torch.manual_seed(value)
+    torch.default_generator.manual_seed(value)
+    if accelerator == "cuda":
+        torch.cuda.manual_seed_all(value)  # queued until CUDA initialises in the rank
     random.seed(value)
-    numpy = sys.modules.get("numpy")  # never imported for this: a rank without numpy needs no seed
-    if numpy is not None:
-        numpy.random.seed(value % 2**32)
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed(value % 2**32)
 
 
 def _device(spec: RankSpec, torch):
