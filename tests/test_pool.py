@@ -230,3 +230,15 @@ def test_a_pool_session_exports_to_one_torchrun_script(tmp_path):
         return sorted(re.sub(r"^\[rank\d+\]:", "", ln) for ln in t.splitlines() if ln.strip())
 
     assert lines(printed) == lines(shown) == ["w 1.5", "w 1.5", "w 3.0", "w 3.0"], (printed, shown)
+
+
+def test_restart_reforks_and_shares_new_notebook_data_copy_on_write(pool):
+    k = pool
+    old = set(pool_pids(k))
+    k.ok("late = torch.ones(10)")
+    res = k.ok("%ddp restart")
+    assert "pool of 2 rank(s)" in res.stdout
+    assert not (set(pool_pids(k)) & old), "new ranks"
+    quiet = k.ok("%%ddp --gather s\ns = late.sum().item()\n")
+    assert "sent" not in quiet.stderr, "forked after `late` existed: shared, not sent"
+    assert k.value("s") == [10.0, 10.0]
