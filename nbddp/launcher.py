@@ -112,7 +112,7 @@ class Outcome:
 _active = False  # one launch at a time per process
 
 
-def run(job, config: Config, *, plan: devices.Plan | None = None, sink=None, observer=None,
+def run(job, config: Config, *, plan: devices.Plan | None = None, observer=None,
         relabel: dict | None = None) -> Outcome:
     """Run ``job(ctx)`` on every rank; return each rank's value or raise a RankFailure.
 
@@ -121,7 +121,7 @@ def run(job, config: Config, *, plan: devices.Plan | None = None, sink=None, obs
     plan = check_launch(config, plan)
     _active = True
     try:
-        return _run(job, config, plan, sink, observer, relabel or {})
+        return _run(job, config, plan, observer, relabel or {})
     finally:
         _active = False
 
@@ -167,9 +167,9 @@ def fork_ranks(sup: Supervisor, starter, job, config: Config, plan: devices.Plan
             sup.add(starter.start(spec, job, sup.all_fds()))
 
 
-def _run(job, config: Config, plan: devices.Plan, sink, observer, relabel: dict) -> Outcome:
+def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Outcome:
     run_dir = rendezvous.new_run_dir()
-    relay = Relay(sink or CellSink(run_dir.run_id), ranks_output=config.ranks_output, prefix=config.prefix,
+    relay = Relay(CellSink(run_dir.run_id), ranks_output=config.ranks_output, prefix=config.prefix,
                   max_lines=config.max_lines)
     logs = RankLogs({r: str(run_dir.log(r)) for r in range(plan.world_size)})
     stacks = failure.StackCapture()

@@ -176,38 +176,40 @@ class DDPMagics(Magics):
         re-forks (the way to share new big data copy-on-write); ``stop`` ends the ranks; ``status`` (or
         ``%ddp`` alone) shows them.
         """
-        from .pool import Pool
+        from .pool import NO_POOL, Pool
 
         verb, _, rest = line.strip().partition(" ")
         verb = verb or "status"
-        if verb in ("stop", "restart") and self.pool is not None:
-            options = self.pool_options
-            self.pool.stop()
-            self.pool = None
-            if verb == "stop":
-                print("nbddp: pool stopped")
-                return
-            rest = rest or options
-        elif verb == "stop":
-            print("nbddp: no pool is running")
+        if verb == "status":
+            print(self.pool.status() if self.pool is not None else NO_POOL)
+            return
+        if verb == "stop":
+            print("nbddp: pool stopped" if self._stop_pool() else "nbddp: no pool is running")
             return
         if verb in ("start", "restart"):
-            if self.pool is not None and self.pool.alive:
+            if verb == "start" and self.pool is not None and self.pool.alive:
                 raise UsageError("a pool is already running: %ddp restart [options] re-forks it, %ddp stop ends it.")
+            rest = rest or (self.pool_options if verb == "restart" else "")
             args = magic_arguments.parse_argstring(self.ddp, rest)
             pool = Pool(self.shell.user_ns, devices=args.devices, accelerator=args.accelerator,
                         backend=args.backend, start_method=args.start_method, threads=args.threads,
                         seed=args.seed)
+            pool.config.validate()  # bad options launch nothing, and the running pool stays
+            self._stop_pool()
             t0 = time.monotonic()
             pool.start()
             self.pool, self.pool_options = pool, rest
             print(f"nbddp: pool of {pool.plan.world_size} rank(s) on {pool.plan.accelerator}/{pool.plan.backend} "
                   f"ready in {time.monotonic() - t0:.2f} s; %%ddp cells now run in it (%ddp stop ends it)")
             return
-        if verb == "status":
-            print(self.pool.status() if self.pool is not None else "no pool is running (%ddp start [options] starts one)")
-            return
         raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options] or status.")
+
+    def _stop_pool(self) -> bool:
+        if self.pool is None:
+            return False
+        self.pool.stop()
+        self.pool = None
+        return True
 
     @line_magic
     def ddp_export(self, line):

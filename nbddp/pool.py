@@ -31,7 +31,9 @@ from .supervisor import Bus, Started, Supervisor
 
 PEER_GRACE_S = 1.0  # after a rank failed a cell: how long the others may go on before being interrupted
 HEALTH_S = 3.0  # interrupted ranks must answer, and pass a barrier, within this
+START_S = 600.0  # the ranks of a new pool must all be in the process group by then
 BIG_UPDATE = 16 * 2**20  # a sent value this large earns the hint that %ddp restart shares it instead
+NO_POOL = "no pool is running (%ddp start [options] starts one)"
 POOL_OPTIONS = ("devices", "accelerator", "backend", "start_method", "threads", "seed")  # fixed for the pool's life
 
 
@@ -55,6 +57,7 @@ class Pool:
         self.logs = RankLogs({r: str(self.run_dir.log(r)) for r in range(self.plan.world_size)})
         self.sup = Supervisor(Bus([self.logs, self]))
         self.sup.after_stacks = self._interrupt
+        self._ready: set[int] = set()
         self._reset_cell()
         pipes = {r: os.pipe() for r in range(self.plan.world_size)}
         self._cmd = {r: w for r, (_, w) in pipes.items()}
@@ -72,8 +75,9 @@ class Pool:
         self.synced = Synced(self.namespace or {})
         self.rank_assigned: set[str] = set()
         self.sup.announce()
+        end = time.monotonic() + START_S
         try:
-            self._wait(lambda: len(self._ready) == self.plan.world_size, time.monotonic() + 600)
+            self._wait(lambda: len(self._ready) == self.plan.world_size or time.monotonic() >= end, None, end)
         except BaseException:
             self._teardown()
             raise
@@ -81,7 +85,7 @@ class Pool:
             exits = [p.exit for p in self.sup.procs if p.exit is not None]
             self._teardown()
             raise failure.rank_failed(exits, {}, str(self.run_dir.path)) if failure.root_cause(exits) else \
-                RankFailure("the pool's ranks did not come up within 600 s; nothing is left running.",
+                RankFailure(f"the pool's ranks did not come up within {START_S:g} s; nothing is left running.",
                             rank=None, cause="start")
         return self
 
@@ -135,7 +139,6 @@ class Pool:
                 self._first_error = time.monotonic()
 
     def _reset_cell(self) -> None:
-        self._ready = getattr(self, "_ready", set())
         self._healthy: set[int] = set()
         self._replies: dict[int, object] = {}
         self._first_error: float | None = None
@@ -299,12 +302,11 @@ class Pool:
     # -- what %ddp status shows ------------------------------------------------------------------------
     def status(self) -> str:
         if not self.alive:
-            return "no pool is running (%ddp start [options] starts one)"
+            return NO_POOL
         import psutil
 
         from .monitor import mb
 
-        busy = self.sup is not None and len(self._replies) < self.plan.world_size and self.cells_run > 0
         rows = [["rank", "pid", "device", "state", "RSS", "USS (private)", "uptime"]]
         for p in self.sup.procs:
             try:
@@ -314,7 +316,7 @@ class Pool:
                 rss = uss = "-"
             dev = self.plan.device_ids[p.rank]
             rows.append([str(p.rank), str(p.pid), f"cuda:{dev}" if dev is not None else "cpu",
-                         "busy" if busy and p.rank not in self._replies else "idle", rss, uss,
+                         "idle", rss, uss,  # status runs between cells: the kernel runs one cell at a time
                          f"{time.time() - self.started_at:.0f} s"])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"nbddp pool · {self.plan.world_size} ranks · {self.plan.accelerator}/{self.plan.backend} · "

@@ -42,7 +42,7 @@ class CellSink:
         if publish is None:
             text = rec.data.get("text/plain")
             if text:
-                self.write("stdout", (label or "") + text + "\n")
+                self.write("stdout", (label + "\n" if label else "") + text + "\n")
             return
         if rec.update:
             target = self._alias.get((rank, rec.display_id))

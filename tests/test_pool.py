@@ -218,7 +218,7 @@ def test_a_pool_session_exports_to_one_torchrun_script(tmp_path):
     finally:
         k.shutdown()
     text = script.read_text()
-    assert "ddp start" not in text.replace("# ", "") or "pass  #" in text
+    assert "ddp start" not in text and "ddp stop" not in text, "the pool's own line magics are the notebook's only"
     logs = tmp_path / "logs"
     run = subprocess.run([Path(sys.executable).parent / "torchrun", "--standalone", "--nproc-per-node", "2",
                           "--redirects", "1", "--log-dir", logs, script], capture_output=True, text=True,
@@ -235,6 +235,8 @@ def test_a_pool_session_exports_to_one_torchrun_script(tmp_path):
 def test_restart_reforks_and_shares_new_notebook_data_copy_on_write(pool):
     k = pool
     old = set(pool_pids(k))
+    bad = k.run("%ddp restart --devices banana")
+    assert "is not a device spec" in bad.error_text and set(pool_pids(k)) == old, "bad options keep the pool"
     k.ok("late = torch.ones(10)")
     res = k.ok("%ddp restart")
     assert "pool of 2 rank(s)" in res.stdout
