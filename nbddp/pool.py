@@ -183,6 +183,8 @@ class Pool:
         self.sup.tick = getattr(observer, "interval", None)
         self.sup.timed_out = []
         self._reset_cell()
+        for p in self.sup.procs:  # what a rank said in earlier cells must not explain how this one ends
+            p.records.clear()
         if observer:
             observer.begin(self.plan, self.run_dir)
             for p in self.sup.procs:

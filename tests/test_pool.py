@@ -107,9 +107,10 @@ def test_rule_a_peer_failing_while_others_wait_in_a_collective_tears_the_pool_do
 
 def test_rule_a_rank_that_dies_ends_the_pool_naming_rank_and_cause(pool):
     k = pool
+    assert "NameError" in k.run("%%ddp\nundefined_name\n").error_text  # an earlier cell's error is not the cause
     res = k.run("%%ddp\nimport signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
                 "dist.all_reduce(torch.ones(1))\n", timeout=60)
-    assert "rank 1 failed: killed by SIGKILL" in res.error_text, res.error_text
+    assert "rank 1 failed: killed by SIGKILL" in res.error_text and "NameError" not in res.error_text, res.error_text
     assert "The pool has ended" in res.error_text
     assert "no pool is running" in k.ok("%ddp status").stdout
     # without a pool, %%ddp is a one-shot run again
