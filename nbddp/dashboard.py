@@ -12,7 +12,7 @@ import html
 import time
 
 from .channel import Error, Exit, Ready, Result
-from .monitor import Monitor, mb, sparkline
+from .monitor import Monitor, duration, mb, sparkline
 from .relay import last_segment
 
 STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
@@ -36,6 +36,7 @@ class RunView:
         self.plan, self.run_dir = plan, run_dir
         self.t0 = time.monotonic()
         self.last_line: dict[int, str] = {}
+        self._wrote = False  # the ranks wrote text this run (the relay put it on the kernel's streams)
         self._tail: dict[int, bytes] = {}
         self.monitor = Monitor([d for d in plan.device_ids if d is not None])
         self.ended: dict[int, float] = {}
@@ -59,6 +60,7 @@ class RunView:
 
     def on_Output(self, event) -> None:
         """The rank's last line, as a progress bar would show it (a carriage return redraws it)."""
+        self._wrote = True
         tail = (self._tail.get(event.rank, b"") + event.data)[-self.TAIL:]
         self._tail[event.rank] = tail
         lines = [ln for ln in tail.decode("utf-8", "replace").split("\n") if ln.strip()]
@@ -103,7 +105,10 @@ class RunView:
             return
         self.error = error
         if self.lazy and self.ticks == 0 and error is None and self._status(False) == "finished":
-            return  # a quick pool cell: its output says it all, and a summary would cost its round trip
+            if self.widgets:  # a quick pool cell: one line, sent the cheap way (its round trip is ~1 ms)
+                line = f"nbddp pool · {self.plan.world_size} ranks · {duration(self._elapsed())} · ok"
+                _publish_line(line, flush=self._wrote)
+            return
         text = self.render_text()
         if self.handle is not None:
             self.handle.update_html(self.render_html(live=False), text)
@@ -221,6 +226,27 @@ def _exit_text(exit) -> str:
     if exit.code < 0:
         return signal.Signals(-exit.code).name
     return str(exit.code)
+
+
+def _publish_line(line: str, flush: bool) -> None:
+    """A one-line static summary, straight onto the kernel's iopub socket: IPython's display machinery
+    costs ~0.8 ms a call, this ~0.15 ms (measured). The cell's text goes first when there is any."""
+    import sys
+
+    from IPython.display import publish_display_data
+
+    data = {"text/plain": line, "text/html": f"<div style='color:#888;font-size:smaller'>{html.escape(line)}</div>"}
+    getipython = sys.modules.get("IPython.core.getipython")
+    pub = getattr(getipython.get_ipython(), "display_pub", None) if getipython else None
+    session, socket = getattr(pub, "session", None), getattr(pub, "pub_socket", None)
+    if session is None or socket is None:
+        publish_display_data(data)
+        return
+    if flush:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    session.send(socket, "display_data", {"data": data, "metadata": {}, "transient": {}},
+                 parent=pub.parent_header, ident=pub.topic)
 
 
 def _strip_tags(text: str) -> str:

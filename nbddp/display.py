@@ -1,4 +1,4 @@
-"""Choosing the run's view: a live widget dashboard in a Jupyter-like kernel, text elsewhere."""
+"""Choosing the views: a live widget dashboard in a Jupyter-like kernel, text elsewhere; a pool's own view."""
 from __future__ import annotations
 
 import functools
@@ -19,3 +19,10 @@ def view_for_session(lazy: bool = False) -> RunView:
     """The run's view: the live dashboard in a Jupyter-like session, a text summary elsewhere.
     ``lazy`` (a pool's cells): nothing is shown unless the cell runs past the first 1 Hz tick or fails."""
     return RunView(widgets=session_kind() in WIDGET_SESSIONS and _ipywidgets_installed(), lazy=lazy)
+
+
+def view_for_pool(plan, run_dir):
+    """A pool's own dashboard (poolview.py): shown and kept live in a Jupyter-like session."""
+    from .poolview import PoolView
+
+    return PoolView(plan, run_dir, shown=session_kind() in WIDGET_SESSIONS)

@@ -186,7 +186,10 @@ class DDPMagics(Magics):
         verb, _, rest = line.strip().partition(" ")
         verb = verb or "status"
         if verb == "status":
-            print(self.pool.status() if self.pool is not None else NO_POOL)
+            if self.pool is not None and self.pool.alive and self.pool.view.shown:
+                self.pool.view.show()  # the pool's live dashboard, once more (the same output id)
+            else:
+                print(self.pool.status() if self.pool is not None else NO_POOL)
             return
         if verb == "stop":
             print("nbddp: pool stopped" if self._stop_pool() else "nbddp: no pool is running")

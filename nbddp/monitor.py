@@ -49,6 +49,9 @@ class Monitor:
         self._pids[rank] = pid  # psutil handles are made at the first sample: a short run never pays
         self.ranks[rank] = RankSample()
 
+    def pid(self, rank: int) -> int | None:
+        return self._pids.get(rank)
+
     def forget(self, rank: int) -> None:
         self._procs.pop(rank, None)
         self._pids.pop(rank, None)
@@ -94,3 +97,7 @@ def mb(n: int | None) -> str:
     if n is None:
         return "-"
     return f"{n / 2**30:.1f} GB" if n >= 10 * 2**30 else f"{n / 2**20:.0f} MB"
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.1f} s"

@@ -27,6 +27,7 @@ from . import channel, failure, launcher, rendezvous
 from .errors import RankFailure, UsageError
 from .poolrank import INTERRUPT, PoolServer
 from .relay import CellSink, RankLogs, Relay
+from .display import view_for_pool
 from .supervisor import Bus, Started, Supervisor
 
 PEER_GRACE_S = 1.0  # after a rank failed a cell: how long the others may go on before being interrupted
@@ -44,8 +45,7 @@ class Pool:
         self.config = launcher.Config.from_options(options)
         self.namespace = namespace
         self.sup: Supervisor | None = None
-        self.cells_run = 0
-        self.last_cell = ""
+        self.view = None  # its dashboard (poolview.PoolView), from start() on
 
     # -- life --------------------------------------------------------------------------------------
     def start(self) -> "Pool":
@@ -55,7 +55,8 @@ class Pool:
         self.plan = launcher.check_launch(self.config)
         self.run_dir = rendezvous.new_run_dir()
         self.logs = RankLogs({r: str(self.run_dir.log(r)) for r in range(self.plan.world_size)})
-        self.sup = Supervisor(Bus([self.logs, self]))
+        self.view = view_for_pool(self.plan, self.run_dir)
+        self.sup = Supervisor(Bus([self.logs, self, self.view]))
         self.sup.after_stacks = self._interrupt
         self._ready: set[int] = set()
         self._reset_cell()
@@ -87,6 +88,7 @@ class Pool:
             raise failure.rank_failed(exits, {}, str(self.run_dir.path)) if failure.root_cause(exits) else \
                 RankFailure(f"the pool's ranks did not come up within {START_S:g} s; nothing is left running.",
                             rank=None, cause="start")
+        self.view.show()
         return self
 
     @property
@@ -102,7 +104,7 @@ class Pool:
             self._command(channel.Stop())
             self.sup.wait(None, until=lambda: time.monotonic() >= end, wake_at=end)
         finally:
-            self._teardown()
+            self._teardown("stopped")
 
     def __enter__(self) -> "Pool":
         return self.start()
@@ -110,9 +112,11 @@ class Pool:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _teardown(self) -> None:
+    def _teardown(self, why: str = "ended: torn down") -> None:
         if self.sup is None:
             return
+        dead = [p.rank for p in self.sup.procs if p.exit is not None]
+        self.view.finish(why if why == "stopped" or not dead else f"ended: rank {dead[0]} exited")
         sup, self.sup = self.sup, None
         sup.stop_all()
         sup.reap()
@@ -165,7 +169,8 @@ class Pool:
         if said:
             sys.stderr.flush()  # before the ranks' output, where it belongs
         cmd = channel.RunCell(source, filename, tuple(outs), tuple(gathers), config.max_value_bytes, updates)
-        per_rank = self.execute(cmd, label=source.strip().splitlines()[0] if source.strip() else "",
+        label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
+        per_rank = self.execute(cmd, label=label,
                                 config=config, relabel=relabel, observer=observer)
         for res in per_rank:
             self.rank_assigned |= set(res.assigned)
@@ -176,11 +181,11 @@ class Pool:
             raise UsageError("the pool is not running: %ddp start (or Pool.start()) first.")
         config = config or self.config
         relabel = relabel or {}
-        relay = Relay(CellSink(f"{self.run_dir.run_id}-{self.cells_run}"), ranks_output=config.ranks_output,
+        relay = Relay(CellSink(f"{self.run_dir.run_id}-{len(self.view.cells)}"), ranks_output=config.ranks_output,
                       prefix=config.prefix, max_lines=config.max_lines)
         stacks = failure.StackCapture()
-        self.sup.bus = Bus([self.logs, self, relay, stacks, *([observer] if observer else [])])
-        self.sup.tick = getattr(observer, "interval", None)
+        self.sup.bus = Bus([self.logs, self, self.view, relay, stacks, *([observer] if observer else [])])
+        self.sup.tick = self.view.interval
         self.sup.timed_out = []
         self._reset_cell()
         for p in self.sup.procs:  # what a rank said in earlier cells must not explain how this one ends
@@ -189,8 +194,7 @@ class Pool:
             observer.begin(self.plan, self.run_dir)
             for p in self.sup.procs:
                 observer.on_Started(Started(p.rank, p.pid))
-        self.cells_run += 1
-        self.last_cell = label[:80]
+        self.view.cell_began(label[:80])
         error = None
         try:
             self._command(cmd)
@@ -212,7 +216,15 @@ class Pool:
             relay.close_all()
             if observer:
                 observer.finish(error)
-        return self._conclude(stacks, config, relabel)
+            if error is not None:
+                self.view.cell_ended("interrupted" if isinstance(error, KeyboardInterrupt) else "failed")
+        try:
+            per_rank = self._conclude(stacks, config, relabel)
+        except BaseException:
+            self.view.cell_ended("failed")
+            raise
+        self.view.cell_ended("ok")
+        return per_rank
 
     def _conclude(self, stacks, config, relabel) -> list:
         log_dir = str(self.run_dir.path)
@@ -305,27 +317,8 @@ class Pool:
     def status(self) -> str:
         if not self.alive:
             return NO_POOL
-        import psutil
-
-        from .monitor import mb
-
-        rows = [["rank", "pid", "device", "state", "RSS", "USS (private)", "uptime"]]
-        for p in self.sup.procs:
-            try:
-                info = psutil.Process(p.pid).memory_full_info()
-                rss, uss = mb(info.rss), mb(info.uss)
-            except (psutil.Error, OSError):
-                rss = uss = "-"
-            dev = self.plan.device_ids[p.rank]
-            rows.append([str(p.rank), str(p.pid), f"cuda:{dev}" if dev is not None else "cpu",
-                         "idle", rss, uss,  # status runs between cells: the kernel runs one cell at a time
-                         f"{time.time() - self.started_at:.0f} s"])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [f"nbddp pool · {self.plan.world_size} ranks · {self.plan.accelerator}/{self.plan.backend} · "
-                 f"{self.cells_run} cell(s) run" + (f" · last: {self.last_cell}" if self.last_cell else "")]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.append(f"logs: {self.run_dir.path}")
-        return "\n".join(lines)
+        self.view.sample(uss=True)
+        return self.view.render_text()
 
     def conflicts(self, explicit: dict) -> list[str]:
         """Options a %%ddp cell gave that the running pool cannot honour."""

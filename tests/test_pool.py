@@ -34,9 +34,9 @@ def test_state_lives_across_cells_and_the_same_ranks_answer(pool):
     res = k.ok("%%ddp --gather w pid\nsteps += 1\nw = model.weight.sum().item()\nimport os\npid = os.getpid()\nsteps")
     assert k.value("w") == [0.0, 2.0] and res.result == "1"
     assert sorted(k.value("pid")) == sorted(pids), "the pool's own ranks ran the cell"
-    status = k.ok("%ddp status").stdout
-    assert re.search(r"nbddp pool · 2 ranks · cpu/gloo · \d+ cell\(s\) run", status), status
-    assert re.search(r"^0\s+\d+\s+cpu\s+idle\s+\d+ MB\s+\d+ MB\s+\d+ s$", status, re.M), status
+    status = k.ok("%ddp status").displays[-1]["data"]["text/plain"]  # the pool's dashboard, once more
+    assert re.search(r"nbddp pool · 2 ranks · cpu/gloo · idle · up .* · 2 cell\(s\) run", status), status
+    assert re.search(r"^0\s+\d+\s+cpu\s+idle\s+\d+ MB\s+\d+ MB\s+\S+ \d+ MB–\d+ MB$", status, re.M), status
 
 
 def test_a_name_rebound_in_the_notebook_is_sent_once_and_ranks_keep_their_own(pool):

@@ -1,0 +1,75 @@
+"""Issue 12 point 4 through a real kernel: the pool's own dashboard, live over the pool's life."""
+import queue
+import re
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def pool_display(res) -> str:
+    ids = [d.get("transient", {}).get("display_id", "") for d in res.displays]
+    ours = [i for i in ids if i.startswith("nbddp-pool-")]
+    assert ours, f"no pool dashboard among {ids}"
+    return ours[-1]
+
+
+def wait_update(k, display_id: str, predicate, timeout: float = 20, on_text=None) -> str:
+    """Read the kernel's iopub until an update of ``display_id`` satisfies ``predicate`` (any cell's)."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        try:
+            msg = k.kc.get_iopub_msg(timeout=0.2)
+        except queue.Empty:
+            continue
+        content = msg["content"]
+        if msg["msg_type"] in ("display_data", "update_display_data") and \
+                content.get("transient", {}).get("display_id") == display_id:
+            text = content["data"]["text/plain"]
+            seen.append(text)
+            if predicate(text):
+                return text
+    raise AssertionError(f"no update of {display_id} matched within {timeout} s; last: {seen[-1:]}")
+
+
+def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(clean_kernel):
+    k = clean_kernel
+    start = k.ok("%ddp start --devices 2")
+    did = pool_display(start)
+    first = [d for d in start.displays if d["transient"]["display_id"] == did][0]["data"]
+    assert "<table>" in first["text/html"] and "idle" in first["text/plain"] and "0 cell(s) run" in first["text/plain"]
+    try:
+        # a long cell: the dashboard shows every rank busy with it, while it runs
+        busy = []
+        long_cell = k.execute("%%ddp\nimport time\nbig = torch.ones(64 * 2**20 // 4)  # 64 MiB per rank\n"
+                              "time.sleep(2.5)\n")
+
+        def watch(kind, content):
+            if kind == "update_display_data" and content["transient"]["display_id"] == did:
+                busy.append(content["data"]["text/plain"])
+
+        k.collect(long_cell, timeout=60, on_message=watch)
+        assert any("busy: Cell In[" in t for t in busy), busy
+        # between cells, on the kernel's own loop: the cell is listed, the ranks idle, their memory grew
+        after = wait_update(k, did, lambda t: "1 cell(s) run" in t and "busy" not in t)
+        assert "Cell In[" in after and " · ok" in after
+        life = [line for line in after.splitlines() if line.startswith(("0 ", "1 "))]
+        assert len(life) == 2 and all("MB–" in line for line in life), after
+        top = [int(line.rsplit("–", 1)[1].split()[0]) for line in life]
+        assert all(t >= 64 for t in top), f"the 64 MiB each rank allocated shows in its history: {after}"
+        # a quick cell adds a line too; a failed one says so
+        quick = k.ok("%%ddp\nprint(rank)\n")  # its static summary: one line, after the ranks' output
+        line = quick.displays[-1]["data"]["text/plain"]
+        assert re.fullmatch(r"nbddp pool · 2 ranks · [\d.]+ ms · ok", line), quick.displays
+        assert quick.stdout == "[rank0]:0\n[rank1]:1\n"
+        k.run("%%ddp\nraise ValueError('boom')\n")
+        after = wait_update(k, did, lambda t: "3 cell(s) run" in t)
+        assert after.count(" · ok") == 2 and " · failed" in after, after
+        # %ddp status shows the same live output again
+        assert pool_display(k.ok("%ddp status")) == did
+    finally:
+        stop = k.ok("%ddp stop")
+    final = [d["data"]["text/plain"] for d in stop.displays if d.get("transient", {}).get("display_id") == did]
+    assert final and "· stopped ·" in final[-1], stop.displays
