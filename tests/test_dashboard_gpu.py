@@ -47,3 +47,27 @@ def test_gpu_rows_with_history_and_peaks(monkeypatch, tmp_path):
     assert "cuda:0 Fake H100" in text and "25.0 GB / 80.0 GB peak" in text
     assert "nccl" in text and "finished" in text
     assert "3072 MB" in text  # peak RSS from wait4
+
+
+def test_the_pool_view_keeps_gpu_and_memory_history_over_the_pools_life(monkeypatch, tmp_path):
+    from nbddp import poolview
+
+    fake = FakeNvml()
+    monkeypatch.setattr(nvml, "_backend", fake)
+    view = poolview.PoolView(devices.Plan("cuda", "nccl", (0, 1)), SimpleNamespace(path=tmp_path), shown=False)
+    for r in (0, 1):
+        view.on_Started(Started(r, os.getpid()))
+    view.cell_began("Cell In[4]")
+    assert "busy: Cell In[4]" in view.render_text()
+    for _ in range(poolview.SERIES_MAX + 8):  # past the bound: every other point goes, the whole life stays
+        view.sample()
+    view.cell_ended("ok")
+    text = view.render_text()
+    assert "idle" in text and "busy" not in text and "Cell In[4] · " in text and " · ok" in text
+    assert len(view.gpu_util[0].values) <= poolview.SERIES_MAX
+    assert view.gpu_util[1].values[0] == 11.0, "the first sample is still there"
+    gpu = [line for line in text.splitlines() if line.startswith("cuda:1")][0]
+    assert len(gpu.split()[1]) <= poolview.SPARK_WIDTH and gpu.split()[1].endswith("█")  # utilisation rose
+    assert "21.0 GB–" in gpu  # memory over the pool's life, with its range from the first sample on
+    for r in (0, 1):
+        assert f"cuda:{r}" in [line.split()[2] for line in text.splitlines() if line.startswith(f"{r} ")]
