@@ -51,17 +51,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+POOL_CELLS = [
+    "%load_ext nbddp",
+    "%ddp start --devices 2",
+    "%%ddp\nimport time\nfor step in range(4):\n    print(f'rank {rank} step {step}', flush=True)\n    time.sleep(0.8)\n",
+]
+
+
 @pytest.fixture
 def lab(tmp_path):
+    yield from _lab(tmp_path, [SETUP_CELL, DDP_CELL])
+
+
+@pytest.fixture
+def pool_lab(tmp_path):
+    yield from _lab(tmp_path, POOL_CELLS)
+
+
+def _lab(tmp_path, cells):
     if not os.path.exists(CHROMIUM):
         if os.environ.get("NBDDP_REQUIRE_BROWSER"):
             pytest.fail(f"{CHROMIUM} is missing but NBDDP_REQUIRE_BROWSER is set (apt-get install chromium)")
         pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium); CI runs this test")
     nb = {
-        "cells": [
-            {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": SETUP_CELL},
-            {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": DDP_CELL},
-        ],
+        "cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": c}
+                  for c in cells],
         "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
         "nbformat": 4, "nbformat_minor": 5,
     }
@@ -99,19 +113,47 @@ def lab(tmp_path):
         shutil.rmtree(tmp_path / "rt", ignore_errors=True)
 
 
+def _open(pw, url):
+    browser = pw.chromium.launch(
+        executable_path=CHROMIUM,
+        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+              "--disable-sync", "--no-first-run"],
+    )
+    page = browser.new_page(viewport={"width": 1280, "height": 720})
+    page.goto(url)
+    page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+    return browser, page
+
+
+def test_the_pool_dashboard_in_jupyterlab_follows_later_cells(pool_lab):
+    """The pool's output sits in the %ddp start cell; JupyterLab must update it from later cells and
+    between cells (display-id updates), which only a real front end can show."""
+    from playwright.sync_api import expect, sync_playwright  # noqa: I001
+
+    with sync_playwright() as pw:
+        browser, page = _open(pw, pool_lab)
+        try:
+            expect(page.get_by_text("Python 3 (ipykernel) | Idle")).to_be_visible(timeout=60_000)
+            page.locator(".jp-Notebook .jp-Cell").first.click()
+            page.keyboard.press("Shift+Enter")  # %load_ext nbddp
+            expect(page.locator(".jp-InputPrompt", has_text="[1]:")).to_have_count(1, timeout=60_000)
+            page.keyboard.press("Shift+Enter")  # %ddp start
+            wait_for_text(page, ["nbddp pool · 2 ranks", "0 cell(s) run"])
+            page.keyboard.press("Shift+Enter")  # a 3 s pool cell
+            busy = wait_for_text(page, ["busy: Cell In[3]"])  # the start cell's output, during the later cell
+            assert re.search(r"0\s+\d+\s+cpu\s+busy", busy), busy
+            done = wait_for_text(page, ["1 cell(s) run", "Cell In[3] ·", "· ok"])  # after it, between cells
+            assert "busy" not in done and re.search(r"1\s+\d+\s+cpu\s+idle", done), done
+        finally:
+            browser.close()
+
+
 def test_dashboard_in_jupyterlab(lab):
     from playwright.sync_api import expect, sync_playwright  # noqa: I001
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run"],
-        )
+        browser, page = _open(pw, lab)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 720})
-            page.goto(lab)
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
             expect(page.get_by_text("Python 3 (ipykernel) | Idle")).to_be_visible(timeout=60_000)
             page.locator(".jp-Notebook .jp-Cell").first.click()
             page.keyboard.press("Shift+Enter")  # %load_ext nbddp
