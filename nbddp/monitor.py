@@ -44,6 +44,7 @@ class Monitor:
         self.gpus: dict[int, GpuHistory] = {i: GpuHistory() for i in gpu_indices}
         self._procs: dict[int, psutil.Process] = {}
         self._pids: dict[int, int] = {}
+        self.lost: set[int] = set()  # ranks whose process was gone at a sample
 
     def watch(self, rank: int, pid: int) -> None:
         self._pids[rank] = pid  # psutil handles are made at the first sample: a short run never pays
@@ -67,12 +68,15 @@ class Monitor:
         for rank, proc in list(self._procs.items()):
             s = self.ranks[rank]
             try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    raise psutil.ZombieProcess(proc.pid)
                 s.cpu_percent = proc.cpu_percent(None)
                 s.rss = proc.memory_info().rss
                 if uss:
                     s.uss = proc.memory_full_info().uss
-            except psutil.Error:
+            except psutil.Error:  # exited (a zombie until the kernel reaps it)
                 self._procs.pop(rank, None)
+                self.lost.add(rank)
                 continue
             s.peak_rss, s.peak_uss = max(s.peak_rss, s.rss), max(s.peak_uss, s.uss)
         if self.gpu_indices:

@@ -131,6 +131,8 @@ class PoolView:
         uss = self._samples % USS_EVERY == 0 if uss is None else uss
         self._samples += 1
         self.monitor.sample(uss=uss)
+        for r in self.monitor.lost:  # died between cells: the pool learns how at its next cell
+            self.state[r] = "dead"
         for r, s in self.monitor.ranks.items():
             if self.state.get(r) != "dead":
                 self.rss[r].add(s.rss)

@@ -63,7 +63,7 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         quick = k.ok("%%ddp\nprint(rank)\n")  # its static summary: one line, after the ranks' output
         line = quick.displays[-1]["data"]["text/plain"]
         assert re.fullmatch(r"nbddp pool · 2 ranks · [\d.]+ ms · ok", line), quick.displays
-        assert quick.stdout == "[rank0]:0\n[rank1]:1\n"
+        assert sorted(quick.stdout.splitlines()) == ["[rank0]:0", "[rank1]:1"]
         k.run("%%ddp\nraise ValueError('boom')\n")
         after = wait_update(k, did, lambda t: "3 cell(s) run" in t)
         assert after.count(" · ok") == 2 and " · failed" in after, after
@@ -73,3 +73,18 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         stop = k.ok("%ddp stop")
     final = [d["data"]["text/plain"] for d in stop.displays if d.get("transient", {}).get("display_id") == did]
     assert final and "· stopped ·" in final[-1], stop.displays
+
+
+def test_a_rank_that_dies_between_cells_shows_on_the_dashboard_before_the_next_cell(clean_kernel):
+    import os
+    import signal
+
+    k = clean_kernel
+    did = pool_display(k.ok("%ddp start --devices 2"))
+    try:
+        victim = sorted(p.pid for p in k.process().children())[1]
+        os.kill(victim, signal.SIGKILL)
+        text = wait_update(k, did, lambda t: re.search(rf"^\d\s+{victim}\s+cpu\s+dead", t, re.M) is not None)
+        assert re.search(r"^\d\s+\d+\s+cpu\s+idle", text, re.M), "the other rank is still idle"
+    finally:
+        k.ok("%ddp stop")
