@@ -60,7 +60,9 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         top = [int(line.rsplit("–", 1)[1].split()[0]) for line in life]
         assert all(t >= 64 for t in top), f"the 64 MiB each rank allocated shows in its history: {after}"
         # a quick cell adds a line too; a failed one says so
-        quick = k.ok("%%ddp\nprint(rank)\n")  # its static summary: one line, after the ranks' output
+        kinds = []
+        quick = k.collect(k.execute("%%ddp\nprint(rank)\n"), on_message=lambda kind, _: kinds.append(kind))
+        assert [m for m in kinds if m in ("stream", "display_data")][-1] == "display_data", kinds  # summary last
         line = quick.displays[-1]["data"]["text/plain"]
         assert re.fullmatch(r"nbddp pool · 2 ranks · [\d.]+ ms · ok", line), quick.displays
         assert sorted(quick.stdout.splitlines()) == ["[rank0]:0", "[rank1]:1"]
