@@ -16,7 +16,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from . import cuda, devices, failure, rendezvous, results
+from . import cuda, devices, failure, rendezvous, results, tracebacks
 from .channel import Result
 from .errors import UsageError
 from .relay import CellSink, RankLogs, Relay
@@ -121,7 +121,7 @@ def run(job, config: Config, *, plan: devices.Plan | None = None, observer=None,
     plan = check_launch(config, plan)
     _active = True
     try:
-        return _run(job, config, plan, observer, relabel or {})
+        return _run(job, config, plan, observer, tracebacks.cell_labels() if relabel is None else relabel)
     finally:
         _active = False
 
@@ -172,12 +172,13 @@ def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Ou
     relay = Relay(CellSink(run_dir.run_id), ranks_output=config.ranks_output, prefix=config.prefix,
                   max_lines=config.max_lines)
     logs = RankLogs({r: str(run_dir.log(r)) for r in range(plan.world_size)})
-    stacks = failure.StackCapture()
-    bus = Bus([logs, relay, stacks, *([observer] if observer else [])])
+    stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once, trimmed
+    bus = Bus([logs, stacks, *([observer] if observer else [])])
     start = time.monotonic()
     sup = Supervisor(bus, tick=getattr(observer, "interval", None))
     starter = (ForkStarter if config.start_method == "fork" else SpawnStarter)(run_dir)
     error = None
+    running = []  # at an interrupt: the ranks still running the cell
     try:
         fork_ranks(sup, starter, job, config, plan, run_dir)
         if observer:  # after the forks: its display costs overlap the ranks' start-up
@@ -185,6 +186,10 @@ def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Ou
         sup.announce()
         deadline = None if config.timeout is None else start + config.timeout
         sup.wait(deadline)
+    except KeyboardInterrupt as e:  # Jupyter's interrupt: where was each rank? (its stack, then stop)
+        error = e
+        running = sup.request_stacks()
+        sup.reap()  # a second interrupt kills at once
     except BaseException as e:
         error = e
         sup.stop_all()
@@ -198,6 +203,10 @@ def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Ou
         starter.cleanup()
         if observer:
             observer.finish(error)
+    if isinstance(error, KeyboardInterrupt):
+        states = {r: failure.was_at(tracebacks.main_thread(dump), relabel, "was not in the cell's code (starting up, "
+                                    "or in nbddp's own frames)") for r, dump in stacks.stacks().items()}
+        raise failure.interrupted(running, states, str(run_dir.path), "nbddp stopped every rank") from None
     exits = [p.exit for p in sup.procs]
     if sup.timed_out:
         raise failure.timed_out(config.timeout, sup.timed_out, stacks.stacks(), relabel, str(run_dir.path))
