@@ -167,7 +167,7 @@ def fork_ranks(sup: Supervisor, starter, job, config: Config, plan: devices.Plan
             sup.add(starter.start(spec, job, sup.all_fds()))
 
 
-def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Outcome:
+def _run(job, config: Config, plan: devices.Plan, observer, relabel) -> Outcome:
     run_dir = rendezvous.new_run_dir()
     relay = Relay(CellSink(run_dir.run_id), ranks_output=config.ranks_output, prefix=config.prefix,
                   max_lines=config.max_lines)
@@ -178,23 +178,25 @@ def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Ou
     sup = Supervisor(bus, tick=getattr(observer, "interval", None))
     starter = (ForkStarter if config.start_method == "fork" else SpawnStarter)(run_dir)
     error = None
+    announced = False
     running = []  # at an interrupt: the ranks still running the cell
     try:
         fork_ranks(sup, starter, job, config, plan, run_dir)
         if observer:  # after the forks: its display costs overlap the ranks' start-up
             observer.begin(plan, run_dir)
         sup.announce()
+        announced = True
         deadline = None if config.timeout is None else start + config.timeout
         sup.wait(deadline)
-    except KeyboardInterrupt as e:  # Jupyter's interrupt: where was each rank? (its stack, then stop)
-        error = e
-        running = sup.request_stacks()
-        sup.reap()  # a second interrupt kills at once
     except BaseException as e:
         error = e
-        sup.stop_all()
-        sup.reap()
-        raise
+        if isinstance(e, KeyboardInterrupt) and announced:
+            running = sup.request_stacks()  # Jupyter's interrupt: where was each rank? its stack, then stop
+        else:
+            sup.stop_all()
+        sup.reap()  # a second interrupt kills at once
+        if not isinstance(e, KeyboardInterrupt):
+            raise
     finally:
         sup.close()
         relay.close_all()
@@ -206,7 +208,8 @@ def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Ou
     if isinstance(error, KeyboardInterrupt):
         states = {r: failure.was_at(tracebacks.main_thread(dump), relabel, "was not in the cell's code (starting up, "
                                     "or in nbddp's own frames)") for r, dump in stacks.stacks().items()}
-        raise failure.interrupted(running, states, str(run_dir.path), "nbddp stopped every rank") from None
+        fate = "nbddp stopped every rank" if announced else "nbddp stopped every rank as it started"
+        raise failure.interrupted(running, states, str(run_dir.path), fate) from None
     exits = [p.exit for p in sup.procs]
     if sup.timed_out:
         raise failure.timed_out(config.timeout, sup.timed_out, stacks.stacks(), relabel, str(run_dir.path))
