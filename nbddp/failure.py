@@ -194,10 +194,14 @@ def _stack_lines(dump: str, relabel, rank: int, log_dir: str) -> list[str]:
         return ["  (no stack: the rank did not answer)"]
     log = os.path.join(log_dir, f"rank{rank}.log")
     frames = tracebacks.user_stack(dump, relabel)
-    if not frames:
-        return [f"  (not in the cell's code: only nbddp's frames, or a coroutine waiting in its event loop; "
-                f"every thread's whole stack is in {log})"]
-    return frames + [f"  (most recent call first; every thread's whole stack is in {log})"]
+    if frames:
+        return frames + [f"  (most recent call first; every thread's whole stack is in {log})"]
+    if tracebacks.awaiting(tracebacks.main_thread(dump)):
+        return [f"  (waiting in an `await` of the cell: {AWAITING}; every thread's whole stack is in {log})"]
+    return [f"  (not in the cell's code: only nbddp's frames; every thread's whole stack is in {log})"]
+
+
+AWAITING = "a coroutine's frames are not on the stack while it waits"
 
 
 def interrupted(running: list[int], states: dict[int, str], log_dir: str, fate: str) -> KeyboardInterrupt:
@@ -213,4 +217,6 @@ def interrupted(running: list[int], states: dict[int, str], log_dir: str, fate: 
 def was_at(frames: list, relabel, otherwise: str) -> str:
     """``frames``: a rank's stack, most recent first (tracebacks.main_thread, traceback_frames)."""
     at = tracebacks.where(frames, relabel)
-    return f"was at {at}" if at else otherwise
+    if at:
+        return f"was at {at}"
+    return f"was waiting in an `await` of the cell ({AWAITING})" if tracebacks.awaiting(frames) else otherwise

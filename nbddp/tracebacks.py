@@ -157,6 +157,12 @@ def where(frames: list, labels: Mapping) -> str | None:
     return _place(frame, labels, ", in ") + (": " + source[0].strip() if source else "")
 
 
+def awaiting(frames: list) -> bool:
+    """The stack of a cell with top-level ``await`` waiting in its event loop: the cell's coroutine is
+    not on the stack while it waits, so no frame of it can be shown."""
+    return any(ours(f) and name == "run_async" for f, _, name in frames)
+
+
 def main_thread(dump: str) -> list:
     """The frames of the rank's main thread (the one in worker.run_rank; the signal that asked for the
     dump may have landed on another thread), most recent first."""

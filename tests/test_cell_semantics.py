@@ -152,3 +152,9 @@ def test_timeout_shows_each_stack_once_trimmed_to_the_users_frames(ddp):
                          rf"  \(most recent call first; every thread's whole stack is in .*rank{r}.log\)", text), text
     assert "nbddp/" not in text and "threading.py" not in text and "ipykernel" not in text, text
     assert "Thread 0x" not in res.stderr and "stuck_here" not in res.stderr, "the stacks are shown once"
+
+
+def test_a_timeout_while_a_cell_awaits_says_so(clean_kernel):
+    res = clean_kernel.run("%%ddp --devices 2 --timeout 2\nimport asyncio\nawait asyncio.sleep(60)\n", timeout=60)
+    text = res.error_text
+    assert text.count("(waiting in an `await` of the cell: a coroutine's frames are not on the stack while it waits;") == 2
