@@ -1,5 +1,5 @@
 """How ranks ended, from what their channels said and how their processes exited, as one message a user
-can act on; and the timeout report (stacks captured from the ranks' stderr)."""
+can act on; the timeout report (stacks captured from the ranks' stderr) and the interrupt message."""
 from __future__ import annotations
 
 import os
@@ -189,6 +189,9 @@ def timed_out(timeout: float, live: list[int], stacks: dict[int, str], relabel, 
     return RankFailure("\n".join(lines), rank=live[0] if live else None, cause="timeout", stacks=stacks)
 
 
+AWAITING = "a coroutine's frames are not on the stack while it waits"
+
+
 def _stack_lines(dump: str, relabel, rank: int, log_dir: str) -> list[str]:
     if not dump.strip():
         return ["  (no stack: the rank did not answer)"]
@@ -199,9 +202,6 @@ def _stack_lines(dump: str, relabel, rank: int, log_dir: str) -> list[str]:
     if tracebacks.awaiting(tracebacks.main_thread(dump)):
         return [f"  (waiting in an `await` of the cell: {AWAITING}; every thread's whole stack is in {log})"]
     return [f"  (not in the cell's code: only nbddp's frames; every thread's whole stack is in {log})"]
-
-
-AWAITING = "a coroutine's frames are not on the stack while it waits"
 
 
 def interrupted(running: list[int], states: dict[int, str], log_dir: str, fate: str) -> KeyboardInterrupt:

@@ -249,10 +249,11 @@ class Pool:
         states = {}
         for r in running:
             rec = self._replies.get(r)
-            if isinstance(rec, channel.Error):
-                frames = tracebacks.traceback_frames(rec.traceback)
-                states[r] = failure.was_at(frames, relabel, "stopped (not in the cell's code, or waiting in an `await`)") \
-                    if rec.type == "KeyboardInterrupt" else f"failed: {rec.type}: {rec.message}"
+            if isinstance(rec, channel.Error) and rec.type == "KeyboardInterrupt":
+                states[r] = failure.was_at(tracebacks.traceback_frames(rec.traceback), relabel,
+                                           "stopped (not in the cell's code, or waiting in an `await`)")
+            elif isinstance(rec, channel.Error):
+                states[r] = f"failed: {rec.type}: {rec.message}"
             elif rec is None:
                 states[r] = "did not stop its cell (stuck in native code or in a collective)"
             else:

@@ -83,9 +83,12 @@ def user_frames(frames: list) -> list:
 
 
 def user_traceback(exc: BaseException) -> str:
-    te = traceback.TracebackException.from_exception(exc)
-    te.stack = traceback.StackSummary.from_list(user_frames(list(te.stack)))
-    return "".join(te.format())
+    try:
+        te = traceback.TracebackException.from_exception(exc)
+        te.stack = traceback.StackSummary.from_list(user_frames(list(te.stack)))
+        return "".join(te.format())
+    except Exception:  # noqa: BLE001 - an odd exception still reaches the kernel, untrimmed
+        return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
 def innermost_user_frame(exc: BaseException):

@@ -157,4 +157,5 @@ def test_timeout_shows_each_stack_once_trimmed_to_the_users_frames(ddp):
 def test_a_timeout_while_a_cell_awaits_says_so(clean_kernel):
     res = clean_kernel.run("%%ddp --devices 2 --timeout 2\nimport asyncio\nawait asyncio.sleep(60)\n", timeout=60)
     text = res.error_text
-    assert text.count("(waiting in an `await` of the cell: a coroutine's frames are not on the stack while it waits;") == 2
+    assert text.count("(waiting in an `await` of the cell: a coroutine's frames are not on the stack while it "
+                      "waits;") == 2, text
