@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import inspect
 import linecache
 import re
 import sys
@@ -10,7 +11,7 @@ import types
 
 import cloudpickle
 
-from . import results
+from . import results, tracebacks
 from .channel import Result
 from .errors import UsageError
 
@@ -18,16 +19,43 @@ from .errors import UsageError
 _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_oh", "_ih", "_dh"}
 _IPYTHON_HISTORY = re.compile(r"_i{1,3}$|_i\d+$|_\d+$")  # _i, _ii, _iii, _iN, _N: IPython's history
 
-def split_last_expression(source: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
-    """Compile a cell into its body and, if it ends in an expression, that expression (IPython's rule)."""
+# top-level `await` compiles, as in a notebook cell (IPython's autoawait); a cell without one compiles
+# to the same code as before, and only one that has one is run in an event loop (run_async)
+TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+
+
+def split_last_expression(source: str, filename: str, labels=None) -> tuple[types.CodeType, types.CodeType | None]:
+    """Compile a cell into its body and, if it ends in an expression, that expression (IPython's rule).
+    ``labels``: the kernel's cell labels, for a syntax error shown as IPython shows it."""
     try:
         tree = ast.parse(source, filename, "exec")
+        last = None  # a trailing ';' keeps the expression in the body and silences its value, as in IPython
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not source.rstrip().endswith(";"):
+            last = compile(ast.Expression(tree.body.pop().value), filename, "eval", flags=TOP_LEVEL_AWAIT)
+        return compile(tree, filename, "exec", flags=TOP_LEVEL_AWAIT), last
     except SyntaxError as e:
-        raise UsageError(f"the cell does not compile, so nothing was launched:\n{e.__class__.__name__}: {e}") from None
-    last = None  # a trailing ';' keeps the expression in the body and silences its value, as in IPython
-    if tree.body and isinstance(tree.body[-1], ast.Expr) and not source.rstrip().endswith(";"):
-        last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
-    return compile(tree, filename, "exec"), last
+        raise UsageError("the cell does not compile, so nothing was launched:\n"
+                         + tracebacks.syntax_error(e, labels or {})) from None
+
+
+def is_async(code: types.CodeType | None) -> bool:
+    """Compiled from a cell with a top-level ``await`` (IPython's test, async_helpers._should_be_async)."""
+    return code is not None and bool(code.co_flags & inspect.CO_COROUTINE)
+
+
+def run_async(body: types.CodeType, last: types.CodeType | None, ns: dict):
+    """A cell with top-level ``await``: body and last expression awaited in one fresh event loop (a
+    forked rank must never touch the kernel's running loop), closed when the cell ends."""
+    import asyncio
+
+    async def cell():
+        done = eval(body, ns)
+        if inspect.iscoroutine(done):
+            await done
+        value = eval(last, ns) if last is not None else None
+        return await value if is_async(last) else value
+
+    return asyncio.run(cell())
 
 
 def names_used(code: types.CodeType) -> set[str]:
@@ -98,8 +126,11 @@ class CellJob:
         ns.update(exit=sys.exit, quit=sys.exit)  # as in a script: ends this rank's cell
         body, last = split_last_expression(self.source, self.filename)  # compiled per rank: code objects
         # do not need to travel for spawn, and a compile is ~0.1 ms
-        exec(body, ns)
-        value = eval(last, ns) if last is not None else None
+        if is_async(body) or is_async(last):
+            value = run_async(body, last, ns)
+        else:
+            exec(body, ns)
+            value = eval(last, ns) if last is not None else None
         _show_figures()
 
         def pack(obj):

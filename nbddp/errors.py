@@ -10,9 +10,7 @@ class NbddpError(RuntimeError):
     """Base of nbddp's errors. ``str(err)`` is the whole message, fix included."""
 
     def _render_traceback_(self) -> list[str]:
-        head = f"\x1b[0;31m{type(self).__name__}\x1b[0m: "
-        lines = str(self).splitlines() or [""]
-        return [head + lines[0], *lines[1:]]
+        return _render(type(self).__name__, str(self))
 
 
 class UsageError(NbddpError):
@@ -35,3 +33,16 @@ class RankFailure(NbddpError):
 
 class ResultError(NbddpError):
     """The run finished but a value could not be brought back to the notebook."""
+
+
+def _render(name: str, message: str) -> list[str]:
+    lines = message.splitlines() or [""]
+    return [f"\x1b[0;31m{name}\x1b[0m: " + lines[0], *lines[1:]]
+
+
+def interrupt(message: str) -> KeyboardInterrupt:
+    """A KeyboardInterrupt (its type, ename and every ``except KeyboardInterrupt`` unchanged) that IPython
+    shows as ``message`` (which ranks ran, where each was) instead of a traceback through nbddp's wait loop."""
+    exc = KeyboardInterrupt(message)
+    exc._render_traceback_ = lambda: _render("KeyboardInterrupt", message)
+    return exc

@@ -1,10 +1,12 @@
 """How ranks ended, from what their channels said and how their processes exited, as one message a user
-can act on; and the timeout report (stacks captured from the ranks' stderr)."""
+can act on; the timeout report (stacks captured from the ranks' stderr) and the interrupt message."""
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass
 
+from . import errors, tracebacks
 from .channel import PHASES, Error, Exit, Result
 from .errors import RankFailure
 
@@ -111,13 +113,13 @@ def root_cause(exits: list[RankExit]) -> RankExit | None:
     return first
 
 
-def rank_failed(exits: list[RankExit], relabel: dict[str, str], log_dir: str) -> RankFailure:
+def rank_failed(exits: list[RankExit], relabel, log_dir: str) -> RankFailure:
     first = root_cause(exits)
     assert first is not None
-    lines = [relabel_text(first.headline(), relabel)]
+    lines = [tracebacks.relabel(first.headline(), relabel)]
     tb = first.error.traceback if first.error is not None else ""
     if tb:
-        lines += ["", relabel_text(tb.rstrip(), relabel)]
+        lines += ["", tracebacks.relabel(tb.rstrip(), relabel)]
     lines.append("")
     for e in sorted(exits, key=lambda e: e.rank):
         if e is first:
@@ -132,13 +134,13 @@ def rank_failed(exits: list[RankExit], relabel: dict[str, str], log_dir: str) ->
     return RankFailure("\n".join(lines), rank=first.rank, cause=first.describe())
 
 
-def notes(exits: list[RankExit], relabel: dict[str, str]) -> list[str]:
+def notes(exits: list[RankExit], relabel) -> list[str]:
     """For a run that succeeded: what still deserves a word (a rank that left early)."""
     out = []
     went_on = any(e.done or e.only_leaving for e in exits)  # exit() on every rank is how a script may end: nothing to say
     for e in exits:
         if e.left_early and went_on:
-            out.append(relabel_text(e.headline(), relabel))
+            out.append(tracebacks.relabel(e.headline(), relabel))
         elif e.only_leaving:
             out.append(f"rank {e.rank} finished the cell, then could not leave the process group "
                        f"(a peer had left early): {e.describe()}")
@@ -146,10 +148,13 @@ def notes(exits: list[RankExit], relabel: dict[str, str]) -> list[str]:
 
 
 class StackCapture:
-    """Subscribes to the supervisor's events: from a StacksRequested on, keeps each rank's stderr
-    (faulthandler writes the stacks there)."""
+    """Subscribes to the supervisor's events: from a StacksRequested on, each such rank's stderr is
+    faulthandler's dump of its stacks. It is kept here for the report (trimmed to the user's frames
+    there) and not passed on to ``shown`` (the relay), so the cell shows the stacks once; the log writer
+    subscribes on its own and keeps every byte. Every other event goes to ``shown`` unchanged."""
 
-    def __init__(self):
+    def __init__(self, shown=None):
+        self.shown = shown
         self._bytes: dict[int, bytearray] | None = None
 
     def on_StacksRequested(self, event) -> None:
@@ -158,6 +163,14 @@ class StackCapture:
     def on_Output(self, event) -> None:
         if self._bytes is not None and event.stream == "stderr" and event.rank in self._bytes:
             self._bytes[event.rank] += event.data
+        elif self.shown is not None:
+            self.shown.on_Output(event)
+
+    def __getattr__(self, name):  # the relay's other events (OutputClosed, Message, ...), as they come
+        shown = self.__dict__.get("shown")
+        if name.startswith("on_") and shown is not None:
+            return getattr(shown, name)
+        raise AttributeError(name)
 
     def stacks(self) -> dict[int, str]:
         return {r: b.decode("utf-8", "replace") for r, b in (self._bytes or {}).items()}
@@ -166,8 +179,7 @@ class StackCapture:
 def timed_out(timeout: float, live: list[int], stacks: dict[int, str], relabel, log_dir: str) -> RankFailure:
     lines = [f"--timeout {timeout:g}s expired with rank(s) {', '.join(map(str, live))} still running; all ranks stopped."]
     for r in live:
-        stack = stacks.get(r, "").strip()
-        lines += ["", f"rank {r} was here:", relabel_text(stack, relabel) if stack else "  (no stack: the rank did not answer)"]
+        lines += ["", f"rank {r} was here:", *_stack_lines(stacks.get(r, ""), relabel, r, log_dir)]
     lines += [
         "",
         "A rank waiting in a collective (all_reduce, barrier) usually means another rank skipped it or took",
@@ -177,7 +189,34 @@ def timed_out(timeout: float, live: list[int], stacks: dict[int, str], relabel, 
     return RankFailure("\n".join(lines), rank=live[0] if live else None, cause="timeout", stacks=stacks)
 
 
-def relabel_text(text: str, relabel: dict[str, str]) -> str:
-    for filename, label in relabel.items():
-        text = text.replace(f'File "{filename}", line', f"{label}, line")
-    return text
+AWAITING = "a coroutine's frames are not on the stack while it waits"
+
+
+def _stack_lines(dump: str, relabel, rank: int, log_dir: str) -> list[str]:
+    if not dump.strip():
+        return ["  (no stack: the rank did not answer)"]
+    log = os.path.join(log_dir, f"rank{rank}.log")
+    frames = tracebacks.user_stack(dump, relabel)
+    if frames:
+        return frames + [f"  (most recent call first; every thread's whole stack is in {log})"]
+    if tracebacks.awaiting(tracebacks.main_thread(dump)):
+        return [f"  (waiting in an `await` of the cell: {AWAITING}; every thread's whole stack is in {log})"]
+    return [f"  (not in the cell's code: only nbddp's frames; every thread's whole stack is in {log})"]
+
+
+def interrupted(running: list[int], states: dict[int, str], log_dir: str, fate: str) -> KeyboardInterrupt:
+    """What the notebook shows after an interrupt while ranks ran: which ranks were running and where
+    each was in the user's code (``states``: "was at Cell In[4], line 2, in f: ..."), instead of a
+    traceback through nbddp's wait loop. Still a KeyboardInterrupt."""
+    head = f"interrupted while rank(s) {', '.join(map(str, running))} ran the cell" if running else "interrupted"
+    lines = [f"{head}; {fate}."] + [f"rank {r} {states[r]}" for r in running if r in states]
+    lines.append(f"Every rank's full output: {log_dir}")
+    return errors.interrupt("\n".join(lines))
+
+
+def was_at(frames: list, relabel, otherwise: str) -> str:
+    """``frames``: a rank's stack, most recent first (tracebacks.main_thread, traceback_frames)."""
+    at = tracebacks.where(frames, relabel)
+    if at:
+        return f"was at {at}"
+    return f"was waiting in an `await` of the cell ({AWAITING})" if tracebacks.awaiting(frames) else otherwise

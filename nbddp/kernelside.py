@@ -31,6 +31,7 @@ def redirect_in_rank(kernel_streams=(), chan=None) -> None:
     rank's channel, which carries its rich outputs (display, plots) to the cell."""
     _redirect_outstreams(kernel_streams)
     _rank_display(chan)
+    _rank_pager()
     _dummy_comms()
     _console_tqdm()
     _not_interactive()
@@ -84,6 +85,22 @@ def _rank_display(chan) -> None:
 
     shell.display_pub.publish = publish
     shell.display_pub.clear_output = clear_output
+
+
+def _rank_pager() -> None:
+    """``obj?``, ``obj??``, ``%pinfo``, ``%pdoc``...: IPython pages their text, and ipykernel's pager
+    sends it as a payload of the execute_reply, which a rank never sends. The text goes to the rank's
+    stdout instead, so it appears in the cell (rank-prefixed, like any output)."""
+    getipython = sys.modules.get("IPython.core.getipython")
+    shell = getipython.get_ipython() if getipython else None
+    if shell is None:
+        return
+
+    def show_in_pager(self, data, start=0, screen_lines=0, **kwargs):
+        text = data.get("text/plain", "") if isinstance(data, dict) else str(data)
+        print("\n".join(text.splitlines()[start:]))
+
+    shell.set_hook("show_in_pager", show_in_pager, priority=0)  # before ipykernel's payload pager (99)
 
 
 def _dummy_comms() -> None:

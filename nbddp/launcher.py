@@ -16,7 +16,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from . import cuda, devices, failure, openmp, rendezvous, results
+from . import cuda, devices, failure, openmp, rendezvous, results, tracebacks
 from .channel import Result
 from .errors import UsageError
 from .relay import CellSink, RankLogs, Relay
@@ -121,7 +121,7 @@ def run(job, config: Config, *, plan: devices.Plan | None = None, observer=None,
     plan = check_launch(config, plan)
     _active = True
     try:
-        return _run(job, config, plan, observer, relabel or {})
+        return _run(job, config, plan, observer, tracebacks.cell_labels() if relabel is None else relabel)
     finally:
         _active = False
 
@@ -189,29 +189,36 @@ def fork_ranks(sup: Supervisor, starter, job, config: Config, plan: devices.Plan
                 break  # an interrupt is raised on leaving; the supervisor then finds the deadline passed
 
 
-def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Outcome:
+def _run(job, config: Config, plan: devices.Plan, observer, relabel) -> Outcome:
     run_dir = rendezvous.new_run_dir()
     relay = Relay(CellSink(run_dir.run_id), ranks_output=config.ranks_output, prefix=config.prefix,
                   max_lines=config.max_lines)
     logs = RankLogs({r: str(run_dir.log(r)) for r in range(plan.world_size)})
-    stacks = failure.StackCapture()
-    bus = Bus([logs, relay, stacks, *([observer] if observer else [])])
+    stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once, trimmed
+    bus = Bus([logs, stacks, *([observer] if observer else [])])
     start = time.monotonic()
     sup = Supervisor(bus, tick=getattr(observer, "interval", None))
     starter = (ForkStarter if config.start_method == "fork" else SpawnStarter)(run_dir)
     error = None
+    announced = False
+    running = []  # at an interrupt: the ranks still running the cell
     try:
         deadline = None if config.timeout is None else start + config.timeout
         fork_ranks(sup, starter, job, config, plan, run_dir, deadline)
         if observer:  # after the forks: its display costs overlap the ranks' start-up
             observer.begin(plan, run_dir)
         sup.announce()
+        announced = True
         sup.wait(deadline)
     except BaseException as e:
         error = e
-        sup.stop_all()
-        sup.reap()
-        raise
+        if isinstance(e, KeyboardInterrupt) and announced:
+            running = sup.request_stacks()  # Jupyter's interrupt: where was each rank? its stack, then stop
+        else:
+            sup.stop_all()
+        sup.reap()  # a second interrupt kills at once
+        if not isinstance(e, KeyboardInterrupt):
+            raise
     finally:
         sup.close()
         relay.close_all()
@@ -220,6 +227,11 @@ def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Ou
         starter.cleanup()
         if observer:
             observer.finish(error)
+    if isinstance(error, KeyboardInterrupt):
+        states = {r: failure.was_at(tracebacks.main_thread(dump), relabel, "was not in the cell's code (starting up, "
+                                    "or in nbddp's own frames)") for r, dump in stacks.stacks().items()}
+        fate = "nbddp stopped every rank" if announced else "nbddp stopped every rank as it started"
+        raise failure.interrupted(running, states, str(run_dir.path), fate) from None
     exits = [p.exit for p in sup.procs]
     if sup.timed_out:
         raise failure.timed_out(config.timeout, sup.timed_out, stacks.stacks(), relabel, str(run_dir.path))

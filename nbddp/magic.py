@@ -8,7 +8,7 @@ from IPython.core import magic_arguments
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from . import cell as cellmod
-from . import launcher, results
+from . import launcher, results, tracebacks
 from .display import view_for_session
 from .errors import ResultError, UsageError
 
@@ -126,7 +126,7 @@ class DDPMagics(Magics):
             max_value_mb=args.max_value_mb, seed=args.seed,
         )
         shell = self.shell
-        source, filename, number, _ = self._compile(cell)
+        source, filename, _ = self._compile(cell)
         plan = config.validate()  # bad options launch nothing (and before spawn pickles anything)
         shipped = None
         if args.start_method == "spawn":
@@ -136,7 +136,7 @@ class DDPMagics(Magics):
             namespace=shell.user_ns if args.start_method == "fork" else None, shipped=shipped,
         )
         observer = view_for_session()
-        outcome = launcher.run(job, config, plan=plan, observer=observer, relabel={filename: f"Cell In[{number}]"})
+        outcome = launcher.run(job, config, plan=plan, observer=observer, relabel=tracebacks.cell_labels(shell))
         for note in outcome.notes:
             print(f"nbddp: {note}", file=sys.stderr)
         return _deliver(outcome.results(), args.out, args.gather, shell.user_ns)
@@ -146,8 +146,9 @@ class DDPMagics(Magics):
         source = "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line, as the user sees it
         number = max(1, shell.execution_count - 1)  # IPython counts the running cell before it runs
         filename = shell.compile.cache(source, number, raw_code=cell)
-        body, last = cellmod.split_last_expression(source, filename)  # a syntax error launches nothing
-        return source, filename, number, cellmod.names_used(body) | (cellmod.names_used(last) if last else set())
+        # a syntax error launches nothing, and shows as IPython shows it (Cell In[n], the line, the caret)
+        body, last = cellmod.split_last_expression(source, filename, tracebacks.cell_labels(shell))
+        return source, filename, cellmod.names_used(body) | (cellmod.names_used(last) if last else set())
 
     def _in_pool(self, line, args, cell):
         explicit = {a.dest: getattr(args, a.dest) for a in self.ddp.parser._actions
@@ -157,10 +158,10 @@ class DDPMagics(Magics):
             raise UsageError("this cell asks for " + ", ".join(clash) + ", which the running pool cannot change; "
                              "nothing ran.\nDrop those options, or %ddp restart with them (or %ddp stop to run "
                              "one-shot cells).")
-        source, filename, number, names = self._compile(cell)
+        source, filename, names = self._compile(cell)
         per_rank = self.pool.cell(
             source, filename, outs=args.out, gathers=args.gather, code=names,
-            relabel={filename: f"Cell In[{number}]"}, observer=view_for_session(lazy=True),
+            relabel=tracebacks.cell_labels(self.shell), observer=view_for_session(lazy=True),
             timeout=args.timeout, ranks_output=args.ranks_output, prefix=not args.no_prefix,
             max_lines=args.max_lines, max_value_mb=args.max_value_mb,
         )

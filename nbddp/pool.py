@@ -23,7 +23,7 @@ import weakref
 
 import cloudpickle
 
-from . import channel, failure, launcher, rendezvous
+from . import channel, failure, launcher, rendezvous, tracebacks
 from .errors import RankFailure, UsageError
 from .poolrank import INTERRUPT, PoolServer
 from .relay import CellSink, RankLogs, Relay
@@ -180,11 +180,11 @@ class Pool:
         if not self.alive:
             raise UsageError("the pool is not running: %ddp start (or Pool.start()) first.")
         config = config or self.config
-        relabel = relabel or {}
+        relabel = tracebacks.cell_labels() if relabel is None else relabel
         relay = Relay(CellSink(f"{self.run_dir.run_id}-{len(self.view.cells)}"), ranks_output=config.ranks_output,
                       prefix=config.prefix, max_lines=config.max_lines)
-        stacks = failure.StackCapture()
-        self.sup.bus = Bus([self.logs, self, self.view, relay, stacks, *([observer] if observer else [])])
+        stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once, trimmed
+        self.sup.bus = Bus([self.logs, self, self.view, stacks, *([observer] if observer else [])])
         self.sup.tick = self.view.interval
         self.sup.timed_out = []
         self._reset_cell()
@@ -196,22 +196,31 @@ class Pool:
                 observer.on_Started(Started(p.rank, p.pid))
         self.view.cell_began(label[:80])
         error = None
+        running = []
         try:
             self._command(cmd)
             deadline = None if config.timeout is None else time.monotonic() + config.timeout
             try:
                 self._wait(self._cell_over, deadline)
             except KeyboardInterrupt:
+                running = [r for r in range(self.plan.world_size) if r not in self._replies]
                 self._interrupt()
                 self._wait(self._cell_over, None)  # a second interrupt tears the pool down
                 raise
         except BaseException as e:
             error = e
-            if isinstance(e, KeyboardInterrupt) and self._recover():
-                raise KeyboardInterrupt("interrupted: every rank stopped its cell; the pool and its state survived") \
-                    from None
-            self._teardown()
-            raise
+            if not isinstance(e, KeyboardInterrupt):
+                self._teardown()
+                raise
+            survived = self._recover()
+            states = self._interrupted_states(running, relabel)
+            if not survived:
+                self._teardown()
+            raise failure.interrupted(
+                running, states, str(self.run_dir.path),
+                "every rank stopped its cell; the pool and its state survived" if survived else
+                "the pool was torn down (a rank did not stop its cell), and its ranks' state with it: "
+                "%ddp start to begin again") from None
         finally:
             relay.close_all()
             if observer:
@@ -246,6 +255,22 @@ class Pool:
             err = failure.rank_failed(exits, relabel, log_dir)
             raise RankFailure(str(err) + "\n" + self._fate(survived), rank=err.rank, cause=err.cause)
         return [e.result or channel.Result() for e in exits]
+
+    def _interrupted_states(self, running: list[int], relabel) -> dict[int, str]:
+        """Where each interrupted rank was: its KeyboardInterrupt's traceback (user frames only)."""
+        states = {}
+        for r in running:
+            rec = self._replies.get(r)
+            if isinstance(rec, channel.Error) and rec.type == "KeyboardInterrupt":
+                states[r] = failure.was_at(tracebacks.traceback_frames(rec.traceback), relabel,
+                                           "stopped (not in the cell's code, or waiting in an `await`)")
+            elif isinstance(rec, channel.Error):
+                states[r] = f"failed: {rec.type}: {rec.message}"
+            elif rec is None:
+                states[r] = "did not stop its cell (stuck in native code or in a collective)"
+            else:
+                states[r] = "finished its cell as the interrupt came"
+        return states
 
     def _cell_exit(self, rank: int) -> failure.RankExit:
         rec = self._replies.get(rank)

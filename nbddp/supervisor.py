@@ -276,13 +276,19 @@ class Supervisor:
         self.kill_at = None
 
     def _expire(self, now: float) -> None:
-        """--timeout: ask every live rank for its Python stack (faulthandler on SIGUSR1); the loop goes
-        on collecting stderr until it is quiet, then stops all."""
-        self.timed_out = [p.rank for p in self.live()]
-        self.bus.publish(StacksRequested(self.timed_out))
+        """--timeout: every live rank's stack, then ``after_stacks``."""
+        self.timed_out = self.request_stacks()
+
+    def request_stacks(self) -> list[int]:
+        """Ask every live rank for its Python stack (faulthandler on SIGUSR1, to its stderr); the loop goes
+        on collecting stderr until it is quiet, then calls ``after_stacks`` (stop all). Returns the ranks."""
+        ranks = [p.rank for p in self.live()]
+        self.bus.publish(StacksRequested(ranks))
         self.signal_live(signal.SIGUSR1)
+        now = time.monotonic()
         self._stacks_until = now + STACK_QUIET_S
         self._stacks_end = now + STACK_MAX_S
+        return ranks
 
     def signal_live(self, sig: int) -> None:
         """Every live rank and the processes it started (its process group)."""

@@ -16,14 +16,12 @@ import os
 import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 
-from . import channel, kernelside
+from . import channel, kernelside, tracebacks
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library: prctl, setvbuf, fflush
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass(frozen=True)
@@ -188,12 +186,6 @@ def _leave_group(spec: RankSpec) -> None:
         dist.barrier()
 
 
-def _user_frames(tb):
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PKG_DIR):
-        tb = tb.tb_next  # hide nbddp's own frames: the traceback starts in the user's code
-    return tb
-
-
 def flush_streams() -> None:
     """Before a record that ends something: the text written before it reaches the pipes first."""
     for stream in (sys.stdout, sys.stderr):
@@ -205,7 +197,7 @@ def flush_streams() -> None:
 
 def report(chan: channel.Writer, phase: str, exc: BaseException) -> None:
     flush_streams()
-    text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
+    text = tracebacks.user_traceback(exc)  # from the user's code on: not nbddp's frames, nor asyncio's
     try:
         chan.send(channel.Error(phase, type(exc).__name__, str(exc), text, time.time()))
     except OSError:
@@ -217,11 +209,9 @@ def exit_code(exc: SystemExit) -> int:
 
 
 def exit_site(exc: SystemExit) -> str:
-    frames = traceback.extract_tb(_user_frames(exc.__traceback__))
-    frames = [f for f in frames if not f.filename.startswith(_PKG_DIR)]
-    if not frames:
+    f = tracebacks.innermost_user_frame(exc)
+    if f is None:
         return ""
-    f = frames[-1]
     return f'File "{f.filename}", line {f.lineno}' + (f": {f.line.strip()}" if f.line else "")
 
 

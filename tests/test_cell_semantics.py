@@ -1,4 +1,7 @@
-"""Parts of issue 11 through a real kernel: a line redrawn with \\r, randomness as under torchrun."""
+"""Issue 11 through a real kernel: a %%ddp cell behaves like a notebook cell (a line redrawn with \\r,
+randomness as under torchrun, top-level await, help, magics, tracebacks a user can read)."""
+import re
+
 import pytest
 
 from nbddp.relay import latest_redraw
@@ -59,3 +62,121 @@ def test_load_ext_imports_torch_once_so_ranks_import_nothing(runs_dir):
     finally:
         k.shutdown()
 
+
+# -- a %%ddp cell behaves like a notebook cell: await, help, magics, readable tracebacks ------------------
+@pytest.fixture(params=["one-shot", "pool"])
+def ddp(request, clean_kernel):
+    """(kernel, the %%ddp line): a one-shot cell on 2 ranks, or a cell in a 2-rank pool (stopped after)."""
+    k = clean_kernel
+    if request.param == "one-shot":
+        yield k, "%%ddp --devices 2"
+        return
+    k.ok("%ddp start --devices 2")
+    try:
+        yield k, "%%ddp"
+    finally:
+        k.ok("%ddp stop")
+
+
+def test_top_level_await_runs_in_every_rank(ddp):
+    k, head = ddp
+    res = k.ok(head + " --gather x\nimport asyncio\nasync def twice(v):\n    await asyncio.sleep(0.01)\n"
+               "    return 2 * v\nawait asyncio.sleep(0.01)\nx = await twice(rank)\nawait twice(x + 1)\n")
+    assert k.value("x") == [0, 2] and res.result == "2"  # rank 0's last expression, awaited
+
+
+def test_an_error_after_an_await_points_into_the_cell_without_asyncio_frames(ddp):
+    k, head = ddp
+    res = k.run(head + "\nimport asyncio\nawait asyncio.sleep(0)\n1 / 0\n", timeout=30)
+    text = res.error_text
+    assert re.search(r"Cell In\[\d+\], line 4, in <module>\n    1 / 0", text), text
+    assert "asyncio" not in text and "nbddp/" not in text, text
+
+
+def test_help_appears_in_the_cell_from_every_rank(ddp):
+    k, head = ddp
+
+    def plain(code):
+        return re.sub(r"\x1b\[[0-9;]*m", "", k.ok(code).stdout)  # IPython colours its help
+
+    define = "\ndef helper(a, b=2):\n    'Adds things up.'\n    return a + b\n"
+    out = plain(head + define + "helper?\n")
+    for r in (0, 1):
+        assert f"[rank{r}]:Signature: helper(a, b=2)" in out and f"[rank{r}]:Docstring: Adds things up." in out, out
+    source = plain(head + " --ranks-output 0" + define + "helper??\n")
+    assert "[rank0]:    return a + b" in source and "rank1" not in source, source
+    assert "[rank0]:Docstring: Adds things up." in plain(head + define + "%pinfo helper\n")
+
+
+def test_line_magics_and_shell_commands_still_work_in_ranks(ddp):
+    k, head = ddp
+    res = k.ok(head + "\n%time t = rank + 1\n%timeit -n1 -r1 u = t\n!echo shell says hi\nprint('t', t)\n")
+    for r in (0, 1):
+        assert f"[rank{r}]:Wall time:" in res.stdout and f"[rank{r}]:shell says hi" in res.stdout
+        assert re.search(rf"\[rank{r}\]:.* per loop \(mean ± std. dev. of 1 run, 1 loop each\)", res.stdout)
+        assert f"[rank{r}]:t {r + 1}" in res.stdout
+
+
+def test_frames_in_earlier_cells_are_labelled_as_ipython_does(ddp):
+    k, head = ddp
+    n = k.value("len(In)")  # In[0] is empty: the next cell is In[n]
+    k.ok("def scale(v):\n    return v / 0\n")
+    text = k.run(head + "\nscale(rank)\n", timeout=30).error_text
+    assert f"Cell In[{n}], line 2, in scale\n    return v / 0" in text, text
+    assert "ipykernel_" not in text, text
+
+
+def test_a_syntax_error_shows_the_line_and_the_caret_and_launches_nothing(ddp):
+    k, head = ddp
+    res = k.run(head + "\nx = 1\nx = (1,\nprint('never')\n")
+    assert res.error["ename"] == "UsageError" and "never" not in res.stdout
+    assert re.search(r"does not compile, so nothing was launched:\n  Cell In\[\d+\], line 3\n    x = \(1,\n"
+                     r"        \^\nSyntaxError: '\(' was never closed", res.error_text), res.error_text
+
+
+def test_an_interrupt_says_where_each_rank_was_without_nbddp_frames(ddp):
+    k, head = ddp
+    res = k.interrupt_when(head + "\nimport time\ndef wait_here():\n    time.sleep(60)\n"
+                           "print('up', flush=True)\nwait_here()\n", "up", 2)
+    assert res.error["ename"] == "KeyboardInterrupt", res
+    text = res.error_text
+    assert "interrupted while rank(s) 0, 1 ran the cell" in text, text
+    for r in (0, 1):
+        assert re.search(rf"rank {r} was at Cell In\[\d+\], line 4, in wait_here: time.sleep\(60\)", text), text
+    assert "nbddp/" not in text and "selectors" not in text, text
+    assert k.ok(head + "\nprint('next')\n").stdout.count("next") == 2
+
+
+def test_a_ranks_own_keyboard_interrupt_shows_only_the_users_frames(clean_kernel):
+    """In a pool, the kernel's interrupt reaches a rank's cell as SIGUSR2 (poolrank's handler raises it)."""
+    k = clean_kernel
+    k.ok("%ddp start --devices 2")
+    try:
+        res = k.run("%%ddp\nimport signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGUSR2)\n", timeout=30)
+        text = res.error_text
+        assert "rank 1 failed: KeyboardInterrupt" in text, text
+        assert re.search(r"Cell In\[\d+\], line 4, in <module>\n    os.kill\(.*\)\nKeyboardInterrupt", text), text
+        assert "nbddp/" not in text, text
+    finally:
+        k.ok("%ddp stop")
+
+
+def test_timeout_shows_each_stack_once_trimmed_to_the_users_frames(ddp):
+    k, head = ddp
+    res = k.run(head + " --timeout 2\nimport time\ndef stuck_here():\n    while True:\n        time.sleep(0.05)\n"
+                "stuck_here()\n", timeout=60)
+    text = res.error_text
+    assert "--timeout 2s expired" in text
+    for r in (0, 1):
+        assert re.search(rf"rank {r} was here:\n  Cell In\[\d+\], line 5 in stuck_here\n    time.sleep\(0.05\)\n"
+                         rf"  Cell In\[\d+\], line 6 in <module>\n    stuck_here\(\)\n"
+                         rf"  \(most recent call first; every thread's whole stack is in .*rank{r}.log\)", text), text
+    assert "nbddp/" not in text and "threading.py" not in text and "ipykernel" not in text, text
+    assert "Thread 0x" not in res.stderr and "stuck_here" not in res.stderr, "the stacks are shown once"
+
+
+def test_a_timeout_while_a_cell_awaits_says_so(clean_kernel):
+    res = clean_kernel.run("%%ddp --devices 2 --timeout 2\nimport asyncio\nawait asyncio.sleep(60)\n", timeout=60)
+    text = res.error_text
+    assert text.count("(waiting in an `await` of the cell: a coroutine's frames are not on the stack while it "
+                      "waits;") == 2, text

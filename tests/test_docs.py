@@ -71,6 +71,8 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "initialize the default process group twice", "it cannot make a different one",
     "new process(es) from each rank", "would start a whole torchrun job", "directly",
     "cannot release its worker threads", "CPU ranks on", "they take turns on the cores",
+    "interrupted while rank(s)", "nbddp stopped every rank", "was at Cell In[", "did not stop its cell",
+    "not in the cell's code", "every thread's whole stack is in", "SyntaxError: ", "waiting in an `await`",
 ]
 
 

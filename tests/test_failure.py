@@ -52,3 +52,44 @@ def test_setup_failures_name_their_phase():
     e = RankExit(1, 1, error=Error("group", "RuntimeError", "injected", "", 1.0))
     assert str(rank_failed([e], {}, "/logs")).startswith(
         "rank 1 failed while joining the process group: RuntimeError: injected")
+
+
+# -- a rank's stack as the user reads it (tracebacks.py; the kernel tests see it for real) ---------------
+def dump(pkg: str, cell: str) -> str:
+    """faulthandler's text for a forked rank whose SIGUSR1 landed on nbddp's flusher thread."""
+    import threading
+
+    return "\n".join([
+        "Current thread 0x00007f01 (most recent call first):",
+        f'  File "{pkg}/worker.py", line 290 in flush_forever',
+        f'  File "{threading.__file__}", line 982 in run',
+        "",
+        "Thread 0x00007f02 (most recent call first):",
+        '  File "/site-packages/torch/distributed/distributed_c10d.py", line 4000 in barrier',
+        f'  File "{pkg}/usergroup.py", line 50 in wrapper',
+        f'  File "{cell}", line 7 in <module>',
+        f'  File "{pkg}/cell.py", line 102 in run_in',
+        f'  File "{pkg}/worker.py", line 97 in run_rank',
+        f'  File "{pkg}/magic.py", line 134 in ddp',
+        '  File "/tmp/ipykernel_1/163012694.py", line 1 in <module>',
+        '  File "/site-packages/ipykernel/kernelapp.py", line 768 in start',
+        '  File "<frozen runpy>", line 198 in _run_module_as_main',
+    ])
+
+
+def test_a_ranks_stack_keeps_only_the_users_frames_of_the_threads_that_have_some():
+    import os
+
+    import nbddp
+    from nbddp import tracebacks
+
+    pkg = os.path.dirname(nbddp.__file__)
+    labels = {"/tmp/ipykernel_1/42.py": "Cell In[5]", "/tmp/ipykernel_1/163012694.py": "Cell In[6]"}
+    text = dump(pkg, "/tmp/ipykernel_1/42.py")
+    assert tracebacks.user_stack(text, labels) == [
+        '  File "/site-packages/torch/distributed/distributed_c10d.py", line 4000 in barrier',
+        "  Cell In[5], line 7 in <module>",
+    ]
+    assert tracebacks.where(tracebacks.main_thread(text), labels) == "Cell In[5], line 7, in <module>"
+    assert tracebacks.where(tracebacks.main_thread(text.replace("42.py", "43.py")), labels) == (
+        'File "/site-packages/torch/distributed/distributed_c10d.py", line 4000, in barrier')  # no cell: innermost

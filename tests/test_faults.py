@@ -117,6 +117,7 @@ def test_an_interrupt_while_ranks_are_being_forked_orphans_none(faulty):
         timeout=30,
     )
     assert res.error["ename"] == "KeyboardInterrupt"
+    assert "interrupted; nbddp stopped every rank as it started." in res.error_text, res.error_text
     assert res.seconds < 15
 
 
