@@ -121,15 +121,17 @@ def rank_failed(exits: list[RankExit], relabel, log_dir: str) -> RankFailure:
     if tb:
         lines += ["", tracebacks.relabel(tb.rstrip(), relabel)]
     lines.append("")
+    said: dict[str, list[int]] = {}  # what the others did -> which ranks (one line each, however many ranks)
     for e in sorted(exits, key=lambda e: e.rank):
         if e is first:
             continue
         if e.stopped:
-            lines.append(f"rank {e.rank}: stopped by nbddp after rank {first.rank} failed")
+            said.setdefault(f": stopped by nbddp after rank {first.rank} failed", []).append(e.rank)
         elif failed(e) and e.describe() == first.describe():
-            lines.append(f"rank {e.rank} failed the same way")
+            said.setdefault(" failed the same way", []).append(e.rank)
         elif failed(e) or e.only_leaving:
-            lines.append(f"rank {e.rank} also failed (likely a consequence): {e.describe()}")
+            said.setdefault(f" also failed (likely a consequence): {e.describe()}", []).append(e.rank)
+    lines += [f"{_ranks(ranks)}{what}" for what, ranks in said.items()]
     lines.append(f"Every rank's full output: {log_dir}")
     return RankFailure("\n".join(lines), rank=first.rank, cause=first.describe())
 
@@ -177,9 +179,15 @@ class StackCapture:
 
 
 def timed_out(timeout: float, live: list[int], stacks: dict[int, str], relabel, log_dir: str) -> RankFailure:
-    lines = [f"--timeout {timeout:g}s expired with rank(s) {', '.join(map(str, live))} still running; all ranks stopped."]
+    lines = [f"--timeout {timeout:g}s expired with {_ranks(live)} still running; all ranks stopped."]
+    places: dict[tuple, list[int]] = {}  # ranks stuck at the same place are shown once
     for r in live:
-        lines += ["", f"rank {r} was here:", *_stack_lines(stacks.get(r, ""), relabel, r, log_dir)]
+        shown = _stack_lines(stacks.get(r, ""), relabel, r, log_dir)
+        places.setdefault(tuple(shown[:-1]) + (shown[-1].replace(f"rank{r}.log", "rankN.log"),), []).append(r)
+    for shown, ranks in places.items():
+        was = "was" if len(ranks) == 1 else "were"
+        last = shown[-1] if len(ranks) > 1 else shown[-1].replace("rankN.log", f"rank{ranks[0]}.log")
+        lines += ["", f"{_ranks(ranks)} {was} here:", *shown[:-1], last]
     lines += [
         "",
         "A rank waiting in a collective (all_reduce, barrier) usually means another rank skipped it or took",
@@ -208,10 +216,35 @@ def interrupted(running: list[int], states: dict[int, str], log_dir: str, fate: 
     """What the notebook shows after an interrupt while ranks ran: which ranks were running and where
     each was in the user's code (``states``: "was at Cell In[4], line 2, in f: ..."), instead of a
     traceback through nbddp's wait loop. Still a KeyboardInterrupt."""
-    head = f"interrupted while rank(s) {', '.join(map(str, running))} ran the cell" if running else "interrupted"
-    lines = [f"{head}; {fate}."] + [f"rank {r} {states[r]}" for r in running if r in states]
+    head = f"interrupted while rank(s) {_ranks(running, word=False)} ran the cell" if running else "interrupted"
+    where: dict[str, list[int]] = {}
+    for r in running:
+        if r in states:
+            where.setdefault(states[r], []).append(r)
+    lines = [f"{head}; {fate}."] + [f"{_ranks(ranks)} {_plural(state) if len(ranks) > 1 else state}"
+                                    for state, ranks in where.items()]
     lines.append(f"Every rank's full output: {log_dir}")
     return errors.interrupt("\n".join(lines))
+
+
+def _plural(state: str) -> str:
+    return "were " + state[4:] if state.startswith("was ") else state
+
+
+def _ranks(ranks, word: bool = True) -> str:
+    """``rank 3`` / ``ranks 0-15, 17, 20-63``: consecutive ranks as ranges, so 600 ranks fit one line."""
+    ranks = sorted(ranks)
+    spans, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        spans += [str(r) for r in ranks[i:j + 1]] if j <= i + 1 else [f"{ranks[i]}–{ranks[j]}"]
+        i = j + 1
+    text = ", ".join(spans)
+    if not word:
+        return text
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def was_at(frames: list, relabel, otherwise: str) -> str:

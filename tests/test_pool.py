@@ -133,7 +133,7 @@ def test_rule_timeout_shows_stacks_then_frees_the_ranks(pool):
     res = k.run("%%ddp --timeout 2\nimport time\ndef wait_here():\n    while True:\n        time.sleep(0.01)\n"
                 "wait_here()\n", timeout=60)
     assert "--timeout 2s expired" in res.error_text
-    assert "rank 0 was here:" in res.error_text and "wait_here" in res.error_text
+    assert "ranks 0, 1 were here:" in res.error_text and "wait_here" in res.error_text
     assert "The pool and its state survived" in res.error_text
     assert "[rank1]:ok" in k.ok("%%ddp\nprint('ok')\n").stdout
 
