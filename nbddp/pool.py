@@ -26,7 +26,7 @@ import cloudpickle
 from . import channel, failure, launcher, rendezvous
 from .errors import RankFailure, UsageError
 from .poolrank import INTERRUPT, PoolServer
-from .relay import CellSink, RankLogs, Relay
+from .relay import RankLogs
 from .supervisor import Bus, Started, Supervisor
 
 PEER_GRACE_S = 1.0  # after a rank failed a cell: how long the others may go on before being interrupted
@@ -176,8 +176,7 @@ class Pool:
             raise UsageError("the pool is not running: %ddp start (or Pool.start()) first.")
         config = config or self.config
         relabel = relabel or {}
-        relay = Relay(CellSink(f"{self.run_dir.run_id}-{self.cells_run}"), ranks_output=config.ranks_output,
-                      prefix=config.prefix, max_lines=config.max_lines)
+        relay = launcher.new_relay(config, f"{self.run_dir.run_id}-{self.cells_run}")
         stacks = failure.StackCapture()
         self.sup.bus = Bus([self.logs, self, relay, stacks, *([observer] if observer else [])])
         self.sup.tick = getattr(observer, "interval", None)

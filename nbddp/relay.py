@@ -30,8 +30,13 @@ class CellSink:
         self._alias: dict[tuple[int, str], str] = {}  # (rank, the rank's display id) -> ours
         self._count = 0
 
+    _last = "stdout"  # the stream written last
+
     def write(self, stream: str, text: str) -> None:
-        (sys.stderr if stream == "stderr" else sys.stdout).write(text)
+        if stream != self._last:  # the kernel's streams flush on their own schedules: keep the order
+            _std(self._last).flush()
+            self._last = stream
+        _std(stream).write(text)
 
     def flush(self) -> None:
         for s in (sys.stdout, sys.stderr):
@@ -88,6 +93,10 @@ class CellSink:
             publish({"text/plain": ""}, {}, transient={"display_id": target}, update=True)
 
 
+def _std(stream: str):
+    return sys.stderr if stream == "stderr" else sys.stdout
+
+
 def _publisher():
     getipython = sys.modules.get("IPython.core.getipython")
     if getipython is None or getipython.get_ipython() is None:
@@ -115,28 +124,53 @@ class RankLogs:
 
 
 class Relay:
-    """Subscribes to the supervisor's Output / OutputClosed / Message events and writes the cell's output."""
+    """Subscribes to the supervisor's Output / OutputClosed / Message events and writes the cell's output.
 
-    def __init__(self, sink, *, ranks_output: str, prefix: bool, max_lines: int):
+    Per rank and cell it shows at most ``max_lines`` lines and ``max_output_mb`` MiB (counted in
+    characters), and of each line its first ``max_line_chars``; a note says where the rest is (the rank's log keeps every
+    byte). A line that never ends costs bounded memory: past the cap it is shown cut, and the rest of
+    it is dropped as it arrives."""
+
+    def __init__(self, sink, *, ranks_output: str, prefix: bool, max_lines: int, max_line_chars: int,
+                 max_output_mb: float):
         self.sink = sink
         self.max_lines = max_lines  # per rank shown in the cell; the log keeps everything
+        self.max_line_chars = max_line_chars
+        self.max_output_mb = max_output_mb
+        self.max_output_bytes = int(max_output_mb * 2**20)  # counted in characters of the rank's own text
         self.ranks_output = ranks_output  # "all" | "0" | "none"
         self.prefix = prefix
         self._shown_lines: dict[int, int] = {}
+        self._shown_chars: dict[int, int] = {}
         self._capped: set[int] = set()
         self._partial: dict[tuple[int, str], bytes] = {}
+        self._cutting: set[tuple[int, str]] = set()  # a line shown cut: the rest of it is dropped
+        # an unfinished line this long (bytes) holds more than max_line_chars characters (UTF-8: <= 4 bytes each)
+        self._partial_limit = min(MAX_PARTIAL, 4 * max_line_chars + 4)
 
     def on_Output(self, event) -> None:
-        key = (event.rank, event.stream)
-        buf = self._partial.pop(key, b"") + event.data
+        rank, stream, data = event.rank, event.stream, event.data
+        other = (rank, "stderr" if stream == "stdout" else "stdout")
+        if other in self._partial:  # the rank wrote the other stream's unfinished line first
+            self._flush(*other, redraw_cleared=True)
+        key = (rank, stream)
+        if key in self._cutting:
+            end = data.find(b"\n")
+            if end < 0:
+                return
+            self._cutting.discard(key)
+            data = data[end + 1:]
+        buf = self._partial.pop(key, b"") + data
         head, sep, tail = buf.rpartition(b"\n")
         if sep:
-            self._emit(event.rank, event.stream, head)
-        if len(tail) > MAX_PARTIAL:  # a "line" that never ends: show it in pieces, keep memory bounded
-            self._emit(event.rank, event.stream, tail)
-            tail = b""
+            self._emit(rank, stream, head)
         if b"\r" in tail:  # a line redrawn in place (tqdm, print(..., end="\\r")): keep its latest state,
             tail = b"\r" + latest_redraw(tail)  # wherever the carriage returns sit
+        if len(tail) > self._partial_limit:  # a line that never ends: shown cut, the rest dropped
+            self._emit(rank, stream, tail)
+            if self._partial_limit < MAX_PARTIAL:
+                self._cutting.add(key)
+            tail = b""  # (with a --max-line-chars beyond MAX_PARTIAL it is shown in pieces)
         if tail:
             self._partial[key] = tail
 
@@ -160,8 +194,10 @@ class Relay:
             self._flush(rank, stream)
         self.sink.close()
 
-    def _flush(self, rank: int, stream: str) -> None:
+    def _flush(self, rank: int, stream: str, redraw_cleared: bool = False) -> None:
         tail = self._partial.pop((rank, stream), b"")
+        if redraw_cleared and tail.startswith(b"\r") and not tail.strip():
+            return  # a redrawn line left blank (tqdm.write clears its bar to print): nothing to show
         if tail:
             self._emit(rank, stream, tail)
 
@@ -169,24 +205,39 @@ class Relay:
         return self.ranks_output == "all" or (self.ranks_output == "0" and rank == 0)
 
     def _emit(self, rank: int, stream: str, block: bytes) -> None:
-        if not self._shown(rank):
+        if not self._shown(rank) or rank in self._capped:
             return
-        lines = [last_segment(ln) for ln in block.decode("utf-8", "replace").split("\n")]
+        decoded = block.decode("utf-8", "replace")
+        lines = decoded.split("\n")
+        if "\r" in decoded:
+            lines = [last_segment(ln) for ln in lines]
+        cap = self.max_line_chars
+        if len(block) > cap and max(map(len, lines)) > cap:  # (bytes >= characters)
+            note = (f" ... [line cut at {cap} characters (--max-line-chars): all of it is in rank{rank}.log "
+                    "in the run directory]")
+            lines = [ln if len(ln) <= cap else ln[:cap] + note for ln in lines]
+        tag = f"[rank{rank}]:" if self.prefix else ""
         room = self.max_lines - self._shown_lines.get(rank, 0)
-        if len(lines) > room:
-            if rank in self._capped:
-                return
-            self._capped.add(rank)
-            lines = lines[: max(room, 0)] + [
-                f"... more output than --max-lines {self.max_lines}: the rest is only in the log "
-                f"(rank{rank}.log in the run directory)"]
-        self._shown_lines[rank] = self._shown_lines.get(rank, 0) + len(lines)
-        if self.prefix:
-            tag = f"[rank{rank}]:"
+        text = tag + f"\n{tag}".join(lines) + "\n" if len(lines) <= room else None
+        chars = len(text) - len(tag) * len(lines) if text is not None else 0  # the rank's own text
+        if text is None or chars > self.max_output_bytes - self._shown_chars.get(rank, 0):
+            lines = self._fit(rank, lines, room)
             text = tag + f"\n{tag}".join(lines) + "\n"
-        else:
-            text = "\n".join(lines) + "\n"
+            chars = len(text) - len(tag) * len(lines)
+        self._shown_lines[rank] = self._shown_lines.get(rank, 0) + len(lines)
+        self._shown_chars[rank] = self._shown_chars.get(rank, 0) + chars
         self.sink.write(stream, text)
+
+    def _fit(self, rank: int, lines: list[str], room: int) -> list[str]:
+        """The lines that fit under both caps, then the note that says the rest is in the log."""
+        room_chars = self.max_output_bytes - self._shown_chars.get(rank, 0)
+        n = 0
+        while n < len(lines) and n < room and (room_chars := room_chars - len(lines[n]) - 1) >= 0:
+            n += 1
+        self._capped.add(rank)
+        limit = f"--max-lines {self.max_lines}" if n >= room else f"--max-output-mb {self.max_output_mb:g}"
+        return lines[:n] + [f"... more output than {limit}: the rest is only in the log "
+                            f"(rank{rank}.log in the run directory)"]
 
 
 def latest_redraw(tail: bytes) -> bytes:

@@ -48,8 +48,8 @@ def test_architecture_names_are_the_codes_names():
     # and every event the supervisor publishes, every record a rank sends, is in the document
     from nbddp import channel, supervisor
 
-    for cls in (*supervisor.EVENTS, channel.Ready, channel.Display, channel.ClearOutput, channel.Result,
-                channel.Error, channel.Exit, channel.Done):
+    for cls in (*supervisor.EVENTS, channel.Ready, channel.Mark, channel.Display, channel.ClearOutput,
+                channel.Result, channel.Error, channel.Exit, channel.Done):
         assert cls.__name__ in text, cls
 
 
@@ -70,6 +70,7 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "changed in the notebook since %ddp start", "a pool forks its ranks", "the pool and its state survived",
     "initialize the default process group twice", "it cannot make a different one",
     "new process(es) from each rank", "would start a whole torchrun job", "directly",
+    "more output than --max-lines", "more output than --max-output-mb", "line cut at", "need a size in MiB >= 0",
 ]
 
 
