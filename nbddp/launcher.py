@@ -16,7 +16,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from . import cuda, devices, failure, rendezvous, results
+from . import cuda, devices, failure, openmp, rendezvous, results
 from .channel import Result
 from .errors import UsageError
 from .relay import CellSink, RankLogs, Relay
@@ -142,15 +142,35 @@ def check_launch(config: Config, plan: devices.Plan | None = None) -> devices.Pl
     if _active:
         raise UsageError("another nbddp launch is still running in this process; wait for it to finish.")
     plan = plan or config.validate()
-    for note in plan.notes:  # e.g. the busy GPUs --devices auto skipped, and why
+    for note in [*plan.notes, *_oversubscribed(plan, config.threads)]:  # e.g. busy GPUs --devices auto skipped
         print(note, file=sys.stderr)
     if plan.accelerator == "cuda" and config.start_method == "fork" and (refusal := cuda.backend().refusal()):
         raise refusal
+    if config.start_method == "fork":
+        openmp.release_threads(config.threads)  # last: nothing runs a parallel op between this and the forks
     return plan
 
 
-def fork_ranks(sup: Supervisor, starter, job, config: Config, plan: devices.Plan, run_dir) -> None:
-    """One rank per device, registered with the supervisor as soon as it exists."""
+_warned_oversubscribed: set = set()
+
+
+def _oversubscribed(plan: devices.Plan, threads: int) -> list[str]:
+    """Many more CPU ranks than cores: said once per kernel and world size (it runs, slowly)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    want = plan.world_size * threads
+    if plan.accelerator != "cpu" or want <= cores or (plan.world_size, threads) in _warned_oversubscribed:
+        return []
+    _warned_oversubscribed.add((plan.world_size, threads))
+    per = f" x {threads} threads" if threads > 1 else ""
+    return [f"nbddp: {plan.world_size} CPU ranks{per} on {cores} cores: they take turns on the cores and every "
+            f"collective waits for the slowest, so steps run far slower than on {max(1, cores // threads)} rank(s). "
+            "Fine for trying code at this world size; interrupt and --timeout still stop every rank."]
+
+
+def fork_ranks(sup: Supervisor, starter, job, config: Config, plan: devices.Plan, run_dir,
+               deadline: float | None = None) -> None:
+    """One rank per device, registered with the supervisor as soon as it exists. Past ``deadline``
+    (--timeout) no more are forked: hundreds of CPU ranks on a few cores can take minutes to fork."""
     ifname = rendezvous.loopback_ifname()
     port = rendezvous.free_port()
     specs = [
@@ -168,9 +188,11 @@ def fork_ranks(sup: Supervisor, starter, job, config: Config, plan: devices.Plan
         )
         for rank, dev in enumerate(plan.device_ids)
     ]
-    with _sigint_deferred():  # an interrupt now would lose track of a rank just forked
+    with _sigint_deferred() as interrupted:  # a rank forked is registered before an interrupt is raised
         for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
             sup.add(starter.start(spec, job, sup.all_fds()))
+            if interrupted or (deadline is not None and time.monotonic() >= deadline):
+                break  # an interrupt is raised on leaving; the supervisor then finds the deadline passed
 
 
 def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Outcome:
@@ -184,11 +206,11 @@ def _run(job, config: Config, plan: devices.Plan, observer, relabel: dict) -> Ou
     starter = (ForkStarter if config.start_method == "fork" else SpawnStarter)(run_dir)
     error = None
     try:
-        fork_ranks(sup, starter, job, config, plan, run_dir)
+        deadline = None if config.timeout is None else start + config.timeout
+        fork_ranks(sup, starter, job, config, plan, run_dir, deadline)
         if observer:  # after the forks: its display costs overlap the ranks' start-up
             observer.begin(plan, run_dir)
         sup.announce()
-        deadline = None if config.timeout is None else start + config.timeout
         sup.wait(deadline)
     except BaseException as e:
         error = e
@@ -219,18 +241,19 @@ def new_relay(config: Config, run_id: str) -> Relay:
 
 @contextlib.contextmanager
 def _sigint_deferred():
-    """Hold an interrupt back while ranks are forked and registered, then raise it.
+    """Hold an interrupt back while a rank is forked and registered; yields the (truthy once
+    interrupted) list of interrupts noted, and raises at the end if the body did not.
 
     A signal mask would not do: Jupyter's SIGINT goes to the whole process, and any of the kernel's
     other threads takes it; so the handler itself is swapped for one that only takes note.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     noted = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
     previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
     try:
-        yield
+        yield noted
     finally:
         signal.signal(signal.SIGINT, previous)
         if noted:

@@ -120,6 +120,11 @@ class DDPMagics(Magics):
         result; ``--out`` names come back from rank 0, ``--gather`` names from every rank. A rank's
         ``display()``, ``plt.show()`` and rich outputs appear in the cell (other ranks' labelled with
         their rank). Nothing else in the notebook changes.
+
+        Ranks start from fresh random state, different per rank and run, as under torchrun (``--seed N``
+        reproduces). ``%load_ext nbddp`` imported torch once in the kernel, so ranks start in milliseconds.
+        ``--threads N > 1`` is safe after the notebook ran torch ops (the kernel's idle OpenMP threads are
+        released before the fork). ``%ddp start`` keeps ranks alive across cells (``%ddp?``).
         """
         args = magic_arguments.parse_argstring(self.ddp, line)
         if self.pool is not None and self.pool.alive:

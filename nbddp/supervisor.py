@@ -251,8 +251,10 @@ class Supervisor:
         rec = proc.records
         error = rec.get(channel.Error)
         left = rec.get(channel.Exit)
-        # "stopped" only if our signal ended it: a rank that reported its own error failed by itself
-        stopped = proc.stop_sent and error is None and left is None and channel.Done not in rec
+        # "stopped" only if our signal ended it: a rank that reported its own error failed by itself.
+        # A rank still starting when --timeout asked for stacks dies of that SIGUSR1: stopped, too.
+        stopped = ((proc.stop_sent or proc.rank in self.timed_out) and error is None and left is None
+                   and channel.Done not in rec)
         proc.exit = failure.RankExit(
             proc.rank, os.waitstatus_to_exitcode(status), error=error, left=left, result=rec.get(channel.Result),
             done=channel.Done in rec, stopped=stopped, order=self._seen, max_rss=usage.ru_maxrss * 1024,

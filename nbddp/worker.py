@@ -52,6 +52,19 @@ class RankContext:
     channel: object = None  # the rank's channel.Writer (a pool's ranks answer each command on it)
 
 
+# What every rank imports: imported once in the kernel by %load_ext (``warm_start``), so a fork shares
+# them and no rank pays seconds of ``import torch`` per cell. None of them touches CUDA.
+RANK_IMPORTS = ("torch", "torch.distributed", "torch.multiprocessing", "nbddp.usergroup", "nbddp.launchers_in_rank")
+
+
+def warm_start() -> None:
+    """Import what ranks need, in the kernel (no CUDA call: ``import torch`` never initialises it)."""
+    import importlib
+
+    for name in RANK_IMPORTS:
+        importlib.import_module(name)
+
+
 def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, close_fds) -> None:
     """Entry point in a freshly forked child. Never returns."""
     code = 70

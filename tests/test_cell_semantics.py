@@ -37,3 +37,25 @@ def test_seed_reproduces_every_ranks_numbers_and_ranks_still_differ(clean_kernel
     k.ok(cell.format(2, 2))
     s1, s2 = k.value("s1"), k.value("s2")
     assert s1 == s2 and s1[0] != s1[1]
+
+
+def test_load_ext_imports_torch_once_so_ranks_import_nothing(runs_dir):
+    """Warm start: a notebook that never imported torch pays for it once, at %load_ext, not per rank per cell."""
+    from kernel import Kernel
+
+    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
+    try:
+        k.ok("import sys")
+        assert k.value("'torch' in sys.modules") is False
+        k.ok("%load_ext nbddp")
+        assert k.value("'torch.distributed' in sys.modules") is True
+        assert k.value("sys.modules['torch'].cuda.is_initialized()") is False, "never touches CUDA"
+        k.ok("kernel_modules = set(sys.modules)")
+        res = k.ok("%%ddp --devices 2 --gather imported\nimport sys\n"
+                   "imported = sorted(m for m in sys.modules if m not in kernel_modules)\n")
+        imported = k.value("imported")
+        assert imported == [[], []], f"ranks imported {[len(i) for i in imported]} modules: {imported[0][:10]}"
+        assert not res.stderr
+    finally:
+        k.shutdown()
+

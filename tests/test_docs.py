@@ -70,6 +70,7 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "changed in the notebook since %ddp start", "a pool forks its ranks", "the pool and its state survived",
     "initialize the default process group twice", "it cannot make a different one",
     "new process(es) from each rank", "would start a whole torchrun job", "directly",
+    "cannot release its worker threads", "CPU ranks on", "they take turns on the cores",
     "more output than --max-lines", "more output than --max-output-mb", "line cut at", "need a size in MiB >= 0",
 ]
 
