@@ -10,10 +10,38 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from . import channel
 
 MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
+
+# Keeping a rank's stdout and stderr in order costs, at each switch of stream, a channel.Mark in the rank
+# and a flush of the kernel's other stream (which waits for ipykernel's IO thread). Both are budgeted:
+# ORDER_BURST switches in exact order, then ORDER_RATE a second; past that, the two streams interleave
+# in ipykernel's 0.2 s batches, as a plain cell's do.
+ORDER_BURST = 500
+ORDER_RATE = 100.0
+
+
+class Budget:
+    """A token bucket: ``take()`` is True for ``burst`` calls, then ``rate`` a second (checked lazily:
+    the clock is read only once the tokens are spent)."""
+
+    def __init__(self, burst: int = ORDER_BURST, rate: float = ORDER_RATE):
+        self.burst, self.rate = burst, rate
+        self.tokens = float(burst)
+        self.since = time.monotonic()
+
+    def take(self) -> bool:
+        if self.tokens < 1:
+            now = time.monotonic()
+            self.tokens = min(float(self.burst), self.tokens + (now - self.since) * self.rate)
+            self.since = now
+            if self.tokens < 1:
+                return False
+        self.tokens -= 1
+        return True
 
 
 class CellSink:
@@ -29,25 +57,24 @@ class CellSink:
         self._clear_pending: set[int] = set()  # clear_output(wait=True): clear at the next display
         self._alias: dict[tuple[int, str], str] = {}  # (rank, the rank's display id) -> ours
         self._count = 0
+        self._last: dict[int | None, str] = {}  # rank -> the stream its text went to last
+        self._order_budget = Budget()  # ipykernel's flush waits for its IO thread: ~0.6 ms here
 
-    _last = "stdout"  # the stream written last
-
-    def write(self, stream: str, text: str) -> None:
-        if stream != self._last:  # the kernel's streams flush on their own schedules: keep the order
-            _std(self._last).flush()
-            self._last = stream
+    def write(self, stream: str, text: str, rank: int | None = None) -> None:
+        """The kernel's stdout and stderr each send on their own schedule (ipykernel: 0.2 s after a
+        write): when a rank's text changes stream, the other stream's is sent first, within the budget."""
+        last = self._last.get(rank, stream)
+        if last != stream and self._order_budget.take():
+            _std(last).flush()
+        self._last[rank] = stream
         _std(stream).write(text)
-
-    def flush(self) -> None:
-        for s in (sys.stdout, sys.stderr):
-            s.flush()
 
     def display(self, rank: int, rec, label: str | None) -> None:
         publish = _publisher()
         if publish is None:
             text = rec.data.get("text/plain")
             if text:
-                self.write("stdout", (label + "\n" if label else "") + text + "\n")
+                self.write("stdout", (label + "\n" if label else "") + text + "\n", rank)
             return
         if rec.update:
             target = self._alias.get((rank, rec.display_id))
@@ -64,7 +91,7 @@ class CellSink:
             self._blank(free, publish)
         else:
             if label:
-                self.write("stdout", label + "\n")
+                self.write("stdout", label + "\n", rank)
             self._count += 1
             target = f"{self.run_id}-r{rank}-{self._count}"
             publish(rec.data, rec.metadata, transient={"display_id": target})
@@ -226,7 +253,7 @@ class Relay:
             chars = len(text) - len(tag) * len(lines)
         self._shown_lines[rank] = self._shown_lines.get(rank, 0) + len(lines)
         self._shown_chars[rank] = self._shown_chars.get(rank, 0) + chars
-        self.sink.write(stream, text)
+        self.sink.write(stream, text, rank)
 
     def _fit(self, rank: int, lines: list[str], room: int) -> list[str]:
         """The lines that fit under both caps, then the note that says the rest is in the log."""

@@ -284,13 +284,16 @@ class _StreamOrder:
     """stdout and stderr in the order the rank's Python code wrote them. stdout is block-buffered, so
     before stderr is written, what stdout holds goes out first; and when the writes switch from one
     stream to the other, a ``channel.Mark`` goes first: the kernel reads the two pipes in whatever
-    order they become readable, and the mark tells it which text came before. A rank that writes one
-    stream only never sends one. Processes the rank forks (DataLoader workers) send none: their
+    order they become readable, and the mark tells it which text came before (within relay.Budget). A
+    rank that writes one stream only never sends one. Processes the rank forks (DataLoader workers) send none: their
     counts are not the rank's."""
 
     def __init__(self, chan: channel.Writer, stdout: io.TextIOWrapper):
+        from .relay import Budget
+
         self.chan, self.stdout = chan, stdout
         self.last = None  # the raw stream written last
+        self.budget = Budget()  # past it, no Marks: the streams interleave as the pipes deliver them
 
     def install(self) -> None:
         RAW[1].order = RAW[2].order = self
@@ -306,7 +309,7 @@ class _StreamOrder:
             except Exception:  # a write from inside a stdout write (a signal handler, a finaliser)
                 pass
         if self.last is not raw:
-            if self.last is not None:
+            if self.last is not None and self.budget.take():
                 try:
                     self.chan.mark()
                 except OSError:  # the kernel is gone: the text still goes to the pipe, or fails there

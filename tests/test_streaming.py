@@ -177,7 +177,7 @@ def test_a_line_that_never_ends_keeps_the_relays_memory_bounded():
         def __init__(self):
             self.written = []
 
-        def write(self, stream, text):
+        def write(self, stream, text, rank=None):
             self.written.append(text)
 
         def close(self):
@@ -329,3 +329,14 @@ def test_line_and_output_caps_in_a_pool(pool):
     out = by_rank(pool.ok("%%ddp --max-line-chars 10\nprint('a' * 20)\nprint('b' * 10)\n").stdout)
     cut = CUT.replace("10000", "10")
     assert out[0] == ["a" * 10 + " " + cut.format(r=0), "b" * 10] and out[1][0].startswith("a" * 10 + " ... [line cut")
+
+
+def test_the_order_budget_allows_a_burst_then_a_rate():
+    from nbddp.relay import Budget
+
+    b = Budget(burst=3, rate=1000.0)
+    assert [b.take() for _ in range(3)] == [True] * 3
+    b.since -= 0.0005  # half a token's worth of time since the last refill
+    assert not b.take()
+    b.since -= 0.01  # ten tokens' worth: refilled up to the burst only
+    assert [b.take() for _ in range(4)] == [True, True, True, False]
