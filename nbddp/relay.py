@@ -154,9 +154,10 @@ class Relay:
     """Subscribes to the supervisor's Output / OutputClosed / Message events and writes the cell's output.
 
     Per rank and cell it shows at most ``max_lines`` lines and ``max_output_mb`` MiB (counted in
-    characters), and of each line its first ``max_line_chars``; a note says where the rest is (the rank's log keeps every
-    byte). A line that never ends costs bounded memory: past the cap it is shown cut, and the rest of
-    it is dropped as it arrives."""
+    characters), and of each line its first ``max_line_chars``; a note says where the rest is (the
+    rank's log keeps every byte). A line that never ends costs bounded memory: past the cap it is
+    shown cut, and the rest of it is dropped as it arrives. A rank's unfinished line on one stream is
+    ended when its other stream's text arrives (the supervisor publishes them in the rank's order)."""
 
     def __init__(self, sink, *, ranks_output: str, prefix: bool, max_lines: int, max_line_chars: int,
                  max_output_mb: float):

@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from . import channel, kernelside
+from .relay import Budget
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library: prctl, setvbuf, fflush
@@ -284,13 +285,11 @@ class _StreamOrder:
     """stdout and stderr in the order the rank's Python code wrote them. stdout is block-buffered, so
     before stderr is written, what stdout holds goes out first; and when the writes switch from one
     stream to the other, a ``channel.Mark`` goes first: the kernel reads the two pipes in whatever
-    order they become readable, and the mark tells it which text came before (within relay.Budget). A
-    rank that writes one stream only never sends one. Processes the rank forks (DataLoader workers) send none: their
-    counts are not the rank's."""
+    order they become readable, and the mark tells it which text came before (within a Budget). A
+    rank that writes one stream only never sends one. Processes the rank forks (DataLoader workers)
+    send none: their counts are not the rank's."""
 
     def __init__(self, chan: channel.Writer, stdout: io.TextIOWrapper):
-        from .relay import Budget
-
         self.chan, self.stdout = chan, stdout
         self.last = None  # the raw stream written last
         self.budget = Budget()  # past it, no Marks: the streams interleave as the pipes deliver them
