@@ -25,7 +25,8 @@ def launch(fn, *args, **options) -> list:
 
     ``options`` are ``%%ddp``'s, by keyword, with the same defaults (one source: ``launcher.Config``):
     ``devices``, ``accelerator``, ``backend``, ``start_method``, ``threads``, ``timeout``,
-    ``ranks_output``, ``prefix``, ``max_lines``, ``max_value_mb``.
+    ``ranks_output``, ``prefix``, ``max_lines``, ``max_line_chars``, ``max_output_mb``, ``max_value_mb``,
+    ``seed``.
     Each rank sees the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, ...) and an initialised
     ``torch.distributed`` group. Output is relayed as ``[rankN]:`` lines. On failure raises
     :class:`RankFailure` naming the rank and cause, after every rank has been stopped and reaped; a

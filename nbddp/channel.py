@@ -30,6 +30,13 @@ PHASES = {
 
 
 @dataclass(frozen=True)
+class Mark:
+    """The rank's Python code switched from writing one stream to the other: the frame's marks (no
+    payload) let the kernel show the two streams in the order the rank wrote them. Sent only on a
+    switch, so a rank that writes one stream never sends one; it reaches no subscriber."""
+
+
+@dataclass(frozen=True)
 class Ready:
     """The process group is up: the rank is running the job."""
 
@@ -130,6 +137,9 @@ class Stop:
 HEADER = struct.Struct("<QQQ")
 
 
+_MARK = pickle.dumps(Mark(), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def encode(record, marks: tuple[int, int] = (0, 0)) -> bytes:
     payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
     return HEADER.pack(len(payload), *marks) + payload
@@ -146,7 +156,14 @@ class Writer:
         self._lock = threading.Lock()
 
     def send(self, record) -> None:
-        view = memoryview(encode(record, self.marks()))
+        self._write(encode(record, self.marks()))
+
+    def mark(self) -> None:
+        """A ``Mark``: the one record sent per stream switch, so its pickle is made once."""
+        self._write(HEADER.pack(len(_MARK), *self.marks()) + _MARK)
+
+    def _write(self, frame: bytes) -> None:
+        view = memoryview(frame)
         with self._lock:
             while view:
                 view = view[os.write(self.fd, view):]

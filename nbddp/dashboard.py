@@ -37,7 +37,7 @@ class RunView:
         self.t0 = time.monotonic()
         self.last_line: dict[int, str] = {}
         self._wrote = False  # the ranks wrote text this run (the relay put it on the kernel's streams)
-        self._tail: dict[int, bytes] = {}
+        self._tail: dict[tuple[int, str], bytes] = {}  # per rank and stream: a bar on stderr, prints on stdout
         self.monitor = Monitor([d for d in plan.device_ids if d is not None])
         self.ended: dict[int, float] = {}
         self.exits: dict[int, object] = {}
@@ -61,8 +61,9 @@ class RunView:
     def on_Output(self, event) -> None:
         """The rank's last line, as a progress bar would show it (a carriage return redraws it)."""
         self._wrote = True
-        tail = (self._tail.get(event.rank, b"") + event.data)[-self.TAIL:]
-        self._tail[event.rank] = tail
+        key = (event.rank, event.stream)
+        tail = (self._tail.get(key, b"") + event.data)[-self.TAIL:]
+        self._tail[key] = tail
         lines = [ln for ln in tail.decode("utf-8", "replace").split("\n") if ln.strip()]
         if lines:
             self.last_line[event.rank] = last_segment(lines[-1])

@@ -110,28 +110,76 @@ def _dummy_comms() -> None:
 
 
 def _console_tqdm() -> None:
-    """``tqdm.auto`` draws a text bar in a rank (a widget bar would need the kernel's sockets)."""
+    """tqdm draws text bars in a rank, on its stderr (a widget bar would need the kernel's sockets; its
+    updates never reach the cell). ``tqdm.auto`` picks ``tqdm.std``; and ``tqdm.notebook``'s widget
+    class, even as a name the notebook bound before the cell (``from tqdm.auto import tqdm``), draws
+    as ``tqdm.std`` does. Whatever of tqdm the rank imports later gets the same treatment."""
+    std = sys.modules.get("tqdm.std")
+    if std is not None:
+        _fresh_tqdm_state(std)
+    notebook = sys.modules.get("tqdm.notebook")
+    if notebook is not None:
+        _text_bars(notebook)
     auto = sys.modules.get("tqdm.autonotebook")
-    if auto is not None:
-        from tqdm import std
-
+    if auto is not None:  # (it imported tqdm.std)
         for mod in (auto, sys.modules.get("tqdm.auto")):
             if mod is not None:
                 mod.tqdm, mod.trange = std.tqdm, std.trange
-        return
-    sys.meta_path.insert(0, _ConsoleAutonotebook())
+    if auto is None or notebook is None:
+        sys.meta_path.insert(0, _ConsoleTqdm({"tqdm.autonotebook", "tqdm.notebook"} - set(sys.modules)))
 
 
-class _ConsoleAutonotebook(importlib.abc.MetaPathFinder):
-    """Imports ``tqdm.autonotebook`` as if no kernel were present (it then picks tqdm.std)."""
+NOTEBOOK_ONLY = ("display",)  # tqdm.notebook's own keywords, which tqdm.std refuses
+
+
+def _text_bars(notebook) -> None:
+    """``tqdm.notebook.tqdm`` and its subclasses (``tqdm.auto.tqdm``) behave as ``tqdm.std.tqdm``: the
+    class's own methods go (status_printer, display, __init__, ...), so tqdm.std's are found instead."""
+    cls = notebook.tqdm_notebook
+    for name in [n for n in vars(cls) if not n.startswith("__") or n in ("__init__", "__iter__")]:
+        delattr(cls, name)
+
+    def __init__(self, *args, **kwargs):
+        for key in NOTEBOOK_ONLY:
+            kwargs.pop(key, None)
+        super(cls, self).__init__(*args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+def _fresh_tqdm_state(std) -> None:
+    """Bars the kernel made are not the rank's: its own start at the top line, and its lock is its own
+    (the kernel's holds a semaphore shared with every fork, which a rank killed mid-draw would leave
+    taken, and a thread lock another kernel thread may have held at the fork)."""
+    std.tqdm._instances.clear()
+    lock = std.TqdmDefaultWriteLock
+    lock.th_lock = std.TRLock()
+    if "mp_lock" in vars(lock):
+        del lock.mp_lock  # made again, the rank's own, when a bar needs it
+    pending = [std.tqdm]
+    while pending:
+        cls = pending.pop()
+        pending += cls.__subclasses__()
+        if "_lock" in vars(cls):
+            del cls._lock
+
+
+class _ConsoleTqdm(importlib.abc.MetaPathFinder):
+    """tqdm imported in the rank: ``tqdm.autonotebook`` as if no kernel were present (it then picks
+    tqdm.std), ``tqdm.notebook`` with text bars."""
+
+    def __init__(self, names: set):
+        self.names = names
 
     def find_spec(self, name, path, target=None):
-        if name != "tqdm.autonotebook":
+        if name not in self.names:
             return None
-        sys.meta_path.remove(self)
+        self.names.discard(name)
+        if not self.names:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None:
-            spec.loader = _HideKernel(spec.loader)
+            spec.loader = (_HideKernel if name == "tqdm.autonotebook" else _TextBarsLoader)(spec.loader)
         return spec
 
 
@@ -149,6 +197,12 @@ class _HideKernel(importlib.abc.Loader):
         finally:
             if hidden is not None:
                 sys.modules["ipykernel.zmqshell"] = hidden
+
+
+class _TextBarsLoader(_HideKernel):
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _text_bars(module)
 
 
 def _not_interactive() -> None:

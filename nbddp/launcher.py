@@ -42,6 +42,8 @@ class Config:
     ranks_output: str = "all"
     prefix: bool = True
     max_lines: int = 200_000
+    max_line_chars: int = 10_000
+    max_output_mb: float = 20.0
     max_value_mb: float = results.DEFAULT_MAX_VALUE_MB
     seed: int | None = None  # None: fresh entropy per rank and run, as under torchrun
 
@@ -66,6 +68,10 @@ class Config:
             raise UsageError(f"--timeout {self.timeout!r}: need a number of seconds > 0.")
         if not isinstance(self.max_lines, int) or self.max_lines < 0:
             raise UsageError(f"--max-lines {self.max_lines!r}: need a whole number >= 0.")
+        if not isinstance(self.max_line_chars, int) or self.max_line_chars < 1:
+            raise UsageError(f"--max-line-chars {self.max_line_chars!r}: need a whole number >= 1.")
+        if not isinstance(self.max_output_mb, (int, float)) or not self.max_output_mb >= 0:
+            raise UsageError(f"--max-output-mb {self.max_output_mb!r}: need a size in MiB >= 0.")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise UsageError(f"--seed {self.seed!r}: need a whole number >= 0.")
         if not isinstance(self.max_value_mb, (int, float)) or not self.max_value_mb > 0:
@@ -191,8 +197,7 @@ def fork_ranks(sup: Supervisor, starter, job, config: Config, plan: devices.Plan
 
 def _run(job, config: Config, plan: devices.Plan, observer, relabel) -> Outcome:
     run_dir = rendezvous.new_run_dir()
-    relay = Relay(CellSink(run_dir.run_id), ranks_output=config.ranks_output, prefix=config.prefix,
-                  max_lines=config.max_lines)
+    relay = new_relay(config, run_dir.run_id)
     logs = RankLogs({r: str(run_dir.log(r)) for r in range(plan.world_size)})
     stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once, trimmed
     bus = Bus([logs, stacks, *([observer] if observer else [])])
@@ -238,6 +243,12 @@ def _run(job, config: Config, plan: devices.Plan, observer, relabel) -> Outcome:
     if failure.root_cause(exits):
         raise failure.rank_failed(exits, relabel, str(run_dir.path))
     return Outcome(exits, str(run_dir.path), time.monotonic() - start, failure.notes(exits, relabel))
+
+
+def new_relay(config: Config, run_id: str) -> Relay:
+    """The cell's relay (one-shot or a pool's cell), with the config's output options."""
+    return Relay(CellSink(run_id), ranks_output=config.ranks_output, prefix=config.prefix, max_lines=config.max_lines,
+                 max_line_chars=config.max_line_chars, max_output_mb=config.max_output_mb)
 
 
 @contextlib.contextmanager

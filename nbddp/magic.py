@@ -98,6 +98,16 @@ class DDPMagics(Magics):
         help=f"Lines per rank shown in the cell (default {D.max_lines}); the rest stays in the rank's log file.",
     )
     @magic_arguments.argument(
+        "--max-line-chars", type=int, default=D.max_line_chars, metavar="N",
+        help=f"Characters of one line shown in the cell (default {D.max_line_chars}); a longer line is cut, "
+        "with a note; the whole line stays in the rank's log file.",
+    )
+    @magic_arguments.argument(
+        "--max-output-mb", type=float, default=D.max_output_mb, metavar="MB",
+        help=f"Text per rank shown in the cell, in MiB (default {D.max_output_mb:g}); the rest stays in the "
+        "rank's log file.",
+    )
+    @magic_arguments.argument(
         "--no-prefix", action="store_true",
         help="Do not prefix lines with [rankN]: (handy with --ranks-output 0).",
     )
@@ -123,7 +133,8 @@ class DDPMagics(Magics):
             devices=args.devices, accelerator=args.accelerator, backend=args.backend,
             start_method=args.start_method, threads=args.threads, timeout=args.timeout,
             ranks_output=args.ranks_output, prefix=not args.no_prefix, max_lines=args.max_lines,
-            max_value_mb=args.max_value_mb, seed=args.seed,
+            max_line_chars=args.max_line_chars, max_output_mb=args.max_output_mb, max_value_mb=args.max_value_mb,
+            seed=args.seed,
         )
         shell = self.shell
         source, filename, _ = self._compile(cell)
@@ -163,7 +174,8 @@ class DDPMagics(Magics):
             source, filename, outs=args.out, gathers=args.gather, code=names,
             relabel=tracebacks.cell_labels(self.shell), observer=view_for_session(lazy=True),
             timeout=args.timeout, ranks_output=args.ranks_output, prefix=not args.no_prefix,
-            max_lines=args.max_lines, max_value_mb=args.max_value_mb,
+            max_lines=args.max_lines, max_line_chars=args.max_line_chars, max_output_mb=args.max_output_mb,
+            max_value_mb=args.max_value_mb,
         )
         try:
             return _deliver(per_rank, args.out, args.gather, self.shell.user_ns)

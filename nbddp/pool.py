@@ -26,8 +26,8 @@ import cloudpickle
 from . import channel, failure, launcher, rendezvous, tracebacks
 from .errors import RankFailure, UsageError
 from .poolrank import INTERRUPT, PoolServer
-from .relay import CellSink, RankLogs, Relay
 from .display import view_for_pool
+from .relay import RankLogs
 from .supervisor import Bus, Started, Supervisor
 
 PEER_GRACE_S = 1.0  # after a rank failed a cell: how long the others may go on before being interrupted
@@ -181,8 +181,7 @@ class Pool:
             raise UsageError("the pool is not running: %ddp start (or Pool.start()) first.")
         config = config or self.config
         relabel = tracebacks.cell_labels() if relabel is None else relabel
-        relay = Relay(CellSink(f"{self.run_dir.run_id}-{len(self.view.cells)}"), ranks_output=config.ranks_output,
-                      prefix=config.prefix, max_lines=config.max_lines)
+        relay = launcher.new_relay(config, f"{self.run_dir.run_id}-{len(self.view.cells)}")
         stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once, trimmed
         self.sup.bus = Bus([self.logs, self, self.view, stacks, *([observer] if observer else [])])
         self.sup.tick = self.view.interval

@@ -10,10 +10,38 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from . import channel
 
 MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
+
+# Keeping a rank's stdout and stderr in order costs, at each switch of stream, a channel.Mark in the rank
+# and a flush of the kernel's other stream (which waits for ipykernel's IO thread). Both are budgeted:
+# ORDER_BURST switches in exact order, then ORDER_RATE a second; past that, the two streams interleave
+# in ipykernel's 0.2 s batches, as a plain cell's do.
+ORDER_BURST = 500
+ORDER_RATE = 100.0
+
+
+class Budget:
+    """A token bucket: ``take()`` is True for ``burst`` calls, then ``rate`` a second (checked lazily:
+    the clock is read only once the tokens are spent)."""
+
+    def __init__(self, burst: int = ORDER_BURST, rate: float = ORDER_RATE):
+        self.burst, self.rate = burst, rate
+        self.tokens = float(burst)
+        self.since = time.monotonic()
+
+    def take(self) -> bool:
+        if self.tokens < 1:
+            now = time.monotonic()
+            self.tokens = min(float(self.burst), self.tokens + (now - self.since) * self.rate)
+            self.since = now
+            if self.tokens < 1:
+                return False
+        self.tokens -= 1
+        return True
 
 
 class CellSink:
@@ -29,20 +57,24 @@ class CellSink:
         self._clear_pending: set[int] = set()  # clear_output(wait=True): clear at the next display
         self._alias: dict[tuple[int, str], str] = {}  # (rank, the rank's display id) -> ours
         self._count = 0
+        self._last: dict[int | None, str] = {}  # rank -> the stream its text went to last
+        self._order_budget = Budget()  # ipykernel's flush waits for its IO thread: ~0.6 ms here
 
-    def write(self, stream: str, text: str) -> None:
-        (sys.stderr if stream == "stderr" else sys.stdout).write(text)
-
-    def flush(self) -> None:
-        for s in (sys.stdout, sys.stderr):
-            s.flush()
+    def write(self, stream: str, text: str, rank: int | None = None) -> None:
+        """The kernel's stdout and stderr each send on their own schedule (ipykernel: 0.2 s after a
+        write): when a rank's text changes stream, the other stream's is sent first, within the budget."""
+        last = self._last.get(rank, stream)
+        if last != stream and self._order_budget.take():
+            _std(last).flush()
+        self._last[rank] = stream
+        _std(stream).write(text)
 
     def display(self, rank: int, rec, label: str | None) -> None:
         publish = _publisher()
         if publish is None:
             text = rec.data.get("text/plain")
             if text:
-                self.write("stdout", (label + "\n" if label else "") + text + "\n")
+                self.write("stdout", (label + "\n" if label else "") + text + "\n", rank)
             return
         if rec.update:
             target = self._alias.get((rank, rec.display_id))
@@ -59,7 +91,7 @@ class CellSink:
             self._blank(free, publish)
         else:
             if label:
-                self.write("stdout", label + "\n")
+                self.write("stdout", label + "\n", rank)
             self._count += 1
             target = f"{self.run_id}-r{rank}-{self._count}"
             publish(rec.data, rec.metadata, transient={"display_id": target})
@@ -86,6 +118,10 @@ class CellSink:
     def _blank(ids, publish) -> None:
         for target in ids:
             publish({"text/plain": ""}, {}, transient={"display_id": target}, update=True)
+
+
+def _std(stream: str):
+    return sys.stderr if stream == "stderr" else sys.stdout
 
 
 def _publisher():
@@ -115,28 +151,54 @@ class RankLogs:
 
 
 class Relay:
-    """Subscribes to the supervisor's Output / OutputClosed / Message events and writes the cell's output."""
+    """Subscribes to the supervisor's Output / OutputClosed / Message events and writes the cell's output.
 
-    def __init__(self, sink, *, ranks_output: str, prefix: bool, max_lines: int):
+    Per rank and cell it shows at most ``max_lines`` lines and ``max_output_mb`` MiB (counted in
+    characters), and of each line its first ``max_line_chars``; a note says where the rest is (the
+    rank's log keeps every byte). A line that never ends costs bounded memory: past the cap it is
+    shown cut, and the rest of it is dropped as it arrives. A rank's unfinished line on one stream is
+    ended when its other stream's text arrives (the supervisor publishes them in the rank's order)."""
+
+    def __init__(self, sink, *, ranks_output: str, prefix: bool, max_lines: int, max_line_chars: int,
+                 max_output_mb: float):
         self.sink = sink
         self.max_lines = max_lines  # per rank shown in the cell; the log keeps everything
+        self.max_line_chars = max_line_chars
+        self.max_output_mb = max_output_mb
+        self.max_output_bytes = int(max_output_mb * 2**20)  # counted in characters of the rank's own text
         self.ranks_output = ranks_output  # "all" | "0" | "none"
         self.prefix = prefix
         self._shown_lines: dict[int, int] = {}
+        self._shown_chars: dict[int, int] = {}
         self._capped: set[int] = set()
         self._partial: dict[tuple[int, str], bytes] = {}
+        self._cutting: set[tuple[int, str]] = set()  # a line shown cut: the rest of it is dropped
+        # an unfinished line this long (bytes) holds more than max_line_chars characters (UTF-8: <= 4 bytes each)
+        self._partial_limit = min(MAX_PARTIAL, 4 * max_line_chars + 4)
 
     def on_Output(self, event) -> None:
-        key = (event.rank, event.stream)
-        buf = self._partial.pop(key, b"") + event.data
+        rank, stream, data = event.rank, event.stream, event.data
+        other = (rank, "stderr" if stream == "stdout" else "stdout")
+        if other in self._partial:  # the rank wrote the other stream's unfinished line first
+            self._flush(*other, redraw_cleared=True)
+        key = (rank, stream)
+        if key in self._cutting:
+            end = data.find(b"\n")
+            if end < 0:
+                return
+            self._cutting.discard(key)
+            data = data[end + 1:]
+        buf = self._partial.pop(key, b"") + data
         head, sep, tail = buf.rpartition(b"\n")
         if sep:
-            self._emit(event.rank, event.stream, head)
-        if len(tail) > MAX_PARTIAL:  # a "line" that never ends: show it in pieces, keep memory bounded
-            self._emit(event.rank, event.stream, tail)
-            tail = b""
+            self._emit(rank, stream, head)
         if b"\r" in tail:  # a line redrawn in place (tqdm, print(..., end="\\r")): keep its latest state,
             tail = b"\r" + latest_redraw(tail)  # wherever the carriage returns sit
+        if len(tail) > self._partial_limit:  # a line that never ends: shown cut, the rest dropped
+            self._emit(rank, stream, tail)
+            if self._partial_limit < MAX_PARTIAL:
+                self._cutting.add(key)
+            tail = b""  # (with a --max-line-chars beyond MAX_PARTIAL it is shown in pieces)
         if tail:
             self._partial[key] = tail
 
@@ -160,8 +222,10 @@ class Relay:
             self._flush(rank, stream)
         self.sink.close()
 
-    def _flush(self, rank: int, stream: str) -> None:
+    def _flush(self, rank: int, stream: str, redraw_cleared: bool = False) -> None:
         tail = self._partial.pop((rank, stream), b"")
+        if redraw_cleared and tail.startswith(b"\r") and not tail.strip():
+            return  # a redrawn line left blank (tqdm.write clears its bar to print): nothing to show
         if tail:
             self._emit(rank, stream, tail)
 
@@ -169,24 +233,39 @@ class Relay:
         return self.ranks_output == "all" or (self.ranks_output == "0" and rank == 0)
 
     def _emit(self, rank: int, stream: str, block: bytes) -> None:
-        if not self._shown(rank):
+        if not self._shown(rank) or rank in self._capped:
             return
-        lines = [last_segment(ln) for ln in block.decode("utf-8", "replace").split("\n")]
+        decoded = block.decode("utf-8", "replace")
+        lines = decoded.split("\n")
+        if "\r" in decoded:
+            lines = [last_segment(ln) for ln in lines]
+        cap = self.max_line_chars
+        if len(block) > cap and max(map(len, lines)) > cap:  # (bytes >= characters)
+            note = (f" ... [line cut at {cap} characters (--max-line-chars): all of it is in rank{rank}.log "
+                    "in the run directory]")
+            lines = [ln if len(ln) <= cap else ln[:cap] + note for ln in lines]
+        tag = f"[rank{rank}]:" if self.prefix else ""
         room = self.max_lines - self._shown_lines.get(rank, 0)
-        if len(lines) > room:
-            if rank in self._capped:
-                return
-            self._capped.add(rank)
-            lines = lines[: max(room, 0)] + [
-                f"... more output than --max-lines {self.max_lines}: the rest is only in the log "
-                f"(rank{rank}.log in the run directory)"]
-        self._shown_lines[rank] = self._shown_lines.get(rank, 0) + len(lines)
-        if self.prefix:
-            tag = f"[rank{rank}]:"
+        text = tag + f"\n{tag}".join(lines) + "\n" if len(lines) <= room else None
+        chars = len(text) - len(tag) * len(lines) if text is not None else 0  # the rank's own text
+        if text is None or chars > self.max_output_bytes - self._shown_chars.get(rank, 0):
+            lines = self._fit(rank, lines, room)
             text = tag + f"\n{tag}".join(lines) + "\n"
-        else:
-            text = "\n".join(lines) + "\n"
-        self.sink.write(stream, text)
+            chars = len(text) - len(tag) * len(lines)
+        self._shown_lines[rank] = self._shown_lines.get(rank, 0) + len(lines)
+        self._shown_chars[rank] = self._shown_chars.get(rank, 0) + chars
+        self.sink.write(stream, text, rank)
+
+    def _fit(self, rank: int, lines: list[str], room: int) -> list[str]:
+        """The lines that fit under both caps, then the note that says the rest is in the log."""
+        room_chars = self.max_output_bytes - self._shown_chars.get(rank, 0)
+        n = 0
+        while n < len(lines) and n < room and (room_chars := room_chars - len(lines[n]) - 1) >= 0:
+            n += 1
+        self._capped.add(rank)
+        limit = f"--max-lines {self.max_lines}" if n >= room else f"--max-output-mb {self.max_output_mb:g}"
+        return lines[:n] + [f"... more output than {limit}: the rest is only in the log "
+                            f"(rank{rank}.log in the run directory)"]
 
 
 def latest_redraw(tail: bytes) -> bytes:

@@ -91,7 +91,8 @@ class Bus:
 
 
 # records a rank sends after flushing its streams: its text written before them is shown before them
-ORDERED = (channel.Display, channel.ClearOutput, channel.Result, channel.Error, channel.Exit)
+# (a Mark is sent when the rank's writes switch between stdout and stderr, and does nothing else)
+ORDERED = (channel.Mark, channel.Display, channel.ClearOutput, channel.Result, channel.Error, channel.Exit)
 
 
 # -- ranks as the kernel sees them -----------------------------------------------------------------
@@ -195,6 +196,8 @@ class Supervisor:
                 if isinstance(record, ORDERED):
                     for stream, mark in zip(("stdout", "stderr"), marks):
                         self._publish_text(proc, stream, mark)
+                if type(record) is channel.Mark:  # only orders the text: nobody subscribes to it
+                    continue
                 proc.records[type(record)] = record
                 self.bus.publish(Message(proc.rank, record))
             records = self._drain_channel(proc)

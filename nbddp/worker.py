@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import channel, kernelside, tracebacks
+from .relay import Budget
 
 PR_SET_PDEATHSIG = 1
 LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library: prctl, setvbuf, fflush
@@ -246,6 +247,7 @@ def _detach_from_kernel(chan: channel.Writer) -> None:
     kernel_streams = (sys.stdout, sys.stderr)
     sys.stdout = sys.__stdout__ = _stream(1, line_buffering=False)
     sys.stderr = sys.__stderr__ = _stream(2, line_buffering=True)
+    _StreamOrder(chan, sys.stdout).install()
     sys.stdin = sys.__stdin__ = open(os.devnull)  # noqa: SIM115
     _start_flusher()
     os.register_at_fork(after_in_child=_start_flusher)  # DataLoader workers forked by the rank
@@ -259,11 +261,49 @@ class _CountingFileIO(io.FileIO):
     """fd 1/2 for Python's streams, counting what they wrote: the marks each channel frame carries."""
 
     written = 0
+    order = None  # the rank's _StreamOrder: told before each write
 
     def write(self, b):
+        if self.order is not None:
+            self.order.before(self)
         n = super().write(b)
         self.written += n or 0
         return n
+
+
+class _StreamOrder:
+    """stdout and stderr in the order the rank's Python code wrote them. stdout is block-buffered, so
+    before stderr is written, what stdout holds goes out first; and when the writes switch from one
+    stream to the other, a ``channel.Mark`` goes first: the kernel reads the two pipes in whatever
+    order they become readable, and the mark tells it which text came before (within a Budget). A
+    rank that writes one stream only never sends one. Processes the rank forks (DataLoader workers)
+    send none: their counts are not the rank's."""
+
+    def __init__(self, chan: channel.Writer, stdout: io.TextIOWrapper):
+        self.chan, self.stdout = chan, stdout
+        self.last = None  # the raw stream written last
+        self.budget = Budget()  # past it, no Marks: the streams interleave as the pipes deliver them
+
+    def install(self) -> None:
+        RAW[1].order = RAW[2].order = self
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        RAW[1].order = RAW[2].order = None
+
+    def before(self, raw: _CountingFileIO) -> None:
+        if raw is RAW[2]:
+            try:
+                self.stdout.flush()  # print("a"); print("b", file=sys.stderr): "a" first
+            except Exception:  # a write from inside a stdout write (a signal handler, a finaliser)
+                pass
+        if self.last is not raw:
+            if self.last is not None and self.budget.take():
+                try:
+                    self.chan.mark()
+                except OSError:  # the kernel is gone: the text still goes to the pipe, or fails there
+                    pass
+            self.last = raw
 
 
 RAW: dict[int, _CountingFileIO] = {}

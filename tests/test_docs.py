@@ -48,8 +48,8 @@ def test_architecture_names_are_the_codes_names():
     # and every event the supervisor publishes, every record a rank sends, is in the document
     from nbddp import channel, supervisor
 
-    for cls in (*supervisor.EVENTS, channel.Ready, channel.Display, channel.ClearOutput, channel.Result,
-                channel.Error, channel.Exit, channel.Done):
+    for cls in (*supervisor.EVENTS, channel.Ready, channel.Mark, channel.Display, channel.ClearOutput,
+                channel.Result, channel.Error, channel.Exit, channel.Done):
         assert cls.__name__ in text, cls
 
 
@@ -73,6 +73,7 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "cannot release its worker threads", "CPU ranks on", "they take turns on the cores",
     "interrupted while rank(s)", "nbddp stopped every rank", "was at Cell In[", "did not stop its cell",
     "not in the cell's code", "every thread's whole stack is in", "SyntaxError: ", "waiting in an `await`",
+    "more output than --max-lines", "more output than --max-output-mb", "line cut at", "need a size in MiB >= 0",
 ]
 
 
