@@ -200,7 +200,7 @@ class DDPMagics(Magics):
         verb = verb or "status"
         if verb == "status":
             if self.pool is not None and self.pool.alive and self.pool.view.shown:
-                self.pool.view.show()  # the pool's live dashboard, once more (the same output id)
+                self.pool.show()  # the pool's live dashboard, once more (the same output id)
             else:
                 print(self.pool.status() if self.pool is not None else NO_POOL)
             return
@@ -221,7 +221,9 @@ class DDPMagics(Magics):
             pool.start()
             self.pool, self.pool_options = pool, rest
             print(f"nbddp: pool of {pool.plan.world_size} rank(s) on {pool.plan.accelerator}/{pool.plan.backend} "
-                  f"ready in {time.monotonic() - t0:.2f} s; %%ddp cells now run in it (%ddp stop ends it)")
+                  f"ready in {time.monotonic() - t0:.2f} s; %%ddp cells now run in it (%ddp stop ends it)", flush=True)
+            if pool.view.shown:
+                pool.show()  # its dashboard, below that line, live for the pool's life
             return
         raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options] or status.")
 

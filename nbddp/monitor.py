@@ -50,9 +50,6 @@ class Monitor:
         self._pids[rank] = pid  # psutil handles are made at the first sample: a short run never pays
         self.ranks[rank] = RankSample()
 
-    def pid(self, rank: int) -> int | None:
-        return self._pids.get(rank)
-
     def forget(self, rank: int) -> None:
         self._procs.pop(rank, None)
         self._pids.pop(rank, None)

@@ -88,8 +88,11 @@ class Pool:
             raise failure.rank_failed(exits, {}, str(self.run_dir.path)) if failure.root_cause(exits) else \
                 RankFailure(f"the pool's ranks did not come up within {START_S:g} s; nothing is left running.",
                             rank=None, cause="start")
-        self.view.show()
         return self
+
+    def show(self) -> None:
+        """Display the pool's dashboard here (``%ddp start`` and ``%ddp status`` do): one live output."""
+        self.view.show()
 
     @property
     def alive(self) -> bool:

@@ -66,6 +66,7 @@ class PoolView:
         self.gpu_util = {i: LifeSeries() for i in self.monitor.gpus}
         self.gpu_mem = {i: LifeSeries() for i in self.monitor.gpus}
         self.state = {r: "idle" for r in range(plan.world_size)}
+        self.pids: dict[int, int] = {}
         self.cells: list[tuple[str, float, str]] = []  # (label, seconds, outcome)
         self.running: str | None = None
         self.cell_t0 = 0.0
@@ -76,6 +77,7 @@ class PoolView:
 
     # -- the pool's calls ---------------------------------------------------------------------------
     def watch(self, rank: int, pid: int) -> None:
+        self.pids[rank] = pid
         self.monitor.watch(rank, pid)
 
     def show(self) -> None:
@@ -105,6 +107,8 @@ class PoolView:
         if self.ended is not None:
             return
         self.ended = why
+        if why == "stopped":  # asked to: each rank left the group and exited
+            self.state = {r: "stopped" for r in self.state}
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -193,7 +197,7 @@ class PoolView:
                 state = f"busy: {self.running} {time.monotonic() - self.cell_t0:.0f} s"
             life = self.rss[r]
             span = f" {mb(min(life.values))}–{mb(max(life.values))}" if life.values else ""
-            rows.append([str(r), str(self.monitor.pid(r) or "-"), f"cuda:{dev}" if dev is not None else "cpu",
+            rows.append([str(r), str(self.pids.get(r, "-")), f"cuda:{dev}" if dev is not None else "cpu",
                          state, mb(s.rss) if s else "-", mb(s.uss) if s and s.uss else "-", life.spark() + span])
         return rows
 
