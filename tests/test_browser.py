@@ -33,11 +33,12 @@ DDP_CELL = (
 
 
 def wait_for_text(page, needles, timeout_s=60) -> str:
-    """The first output area's text once it contains every needle (the widget re-renders in place)."""
+    """The first cell output's text (all its outputs) once it contains every needle (the dashboard
+    re-renders in place)."""
     deadline = time.monotonic() + timeout_s
     text = ""
     while time.monotonic() < deadline:
-        texts = page.locator(".jp-OutputArea-output").all_inner_texts()
+        texts = [t for t in page.locator(".jp-OutputArea").all_inner_texts() if t.strip()]
         text = texts[0] if texts else ""
         if all(n in text for n in needles):
             return text
@@ -125,6 +126,14 @@ def _open(pw, url):
     return browser, page
 
 
+def _run_first_cell(page, expect) -> None:
+    """Once the kernel is idle: run the first cell (it loads nbddp) and wait until it has run."""
+    expect(page.get_by_text("Python 3 (ipykernel) | Idle")).to_be_visible(timeout=60_000)
+    page.locator(".jp-Notebook .jp-Cell").first.click()
+    page.keyboard.press("Shift+Enter")
+    expect(page.locator(".jp-InputPrompt", has_text="[1]:")).to_have_count(1, timeout=60_000)
+
+
 def test_the_pool_dashboard_in_jupyterlab_follows_later_cells(pool_lab):
     """The pool's output sits in the %ddp start cell; JupyterLab must update it from later cells and
     between cells (display-id updates), which only a real front end can show."""
@@ -133,10 +142,7 @@ def test_the_pool_dashboard_in_jupyterlab_follows_later_cells(pool_lab):
     with sync_playwright() as pw:
         browser, page = _open(pw, pool_lab)
         try:
-            expect(page.get_by_text("Python 3 (ipykernel) | Idle")).to_be_visible(timeout=60_000)
-            page.locator(".jp-Notebook .jp-Cell").first.click()
-            page.keyboard.press("Shift+Enter")  # %load_ext nbddp
-            expect(page.locator(".jp-InputPrompt", has_text="[1]:")).to_have_count(1, timeout=60_000)
+            _run_first_cell(page, expect)  # %load_ext nbddp
             page.keyboard.press("Shift+Enter")  # %ddp start
             wait_for_text(page, ["nbddp pool · 2 ranks", "0 cell(s) run"])
             page.keyboard.press("Shift+Enter")  # a 3 s pool cell
@@ -154,10 +160,7 @@ def test_dashboard_in_jupyterlab(lab):
     with sync_playwright() as pw:
         browser, page = _open(pw, lab)
         try:
-            expect(page.get_by_text("Python 3 (ipykernel) | Idle")).to_be_visible(timeout=60_000)
-            page.locator(".jp-Notebook .jp-Cell").first.click()
-            page.keyboard.press("Shift+Enter")  # %load_ext nbddp
-            expect(page.locator(".jp-InputPrompt", has_text="[1]:")).to_have_count(1, timeout=30_000)
+            _run_first_cell(page, expect)  # %load_ext nbddp
             page.keyboard.press("Shift+Enter")  # the %%ddp cell
             live = wait_for_text(page, ["USS (private)", "rank 0 step", "rank 1 step"])  # last lines
             assert re.search(r"0\s+cpu\s+running", live) and re.search(r"1\s+cpu\s+running", live), live
