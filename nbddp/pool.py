@@ -184,7 +184,7 @@ class Pool:
             raise UsageError("the pool is not running: %ddp start (or Pool.start()) first.")
         config = config or self.config
         relabel = tracebacks.cell_labels() if relabel is None else relabel
-        relay = launcher.new_relay(config, f"{self.run_dir.run_id}-{len(self.view.cells)}")
+        relay = launcher.new_relay(config, f"{self.run_dir.run_id}-{self.view.cells_run}")
         stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once, trimmed
         self.sup.bus = Bus([self.logs, self, self.view, stacks, *([observer] if observer else [])])
         self.sup.tick = self.view.interval

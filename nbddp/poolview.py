@@ -11,6 +11,7 @@ every ``REFRESH_S`` (memory sampled, the output updated only when what it shows 
 """
 from __future__ import annotations
 
+import collections
 import html
 import time
 import uuid
@@ -67,7 +68,8 @@ class PoolView:
         self.gpu_mem = {i: LifeSeries() for i in self.monitor.gpus}
         self.state = {r: "idle" for r in range(plan.world_size)}
         self.pids: dict[int, int] = {}
-        self.cells: list[tuple[str, float, str]] = []  # (label, seconds, outcome)
+        self.cells: collections.deque = collections.deque(maxlen=CELLS_SHOWN)  # (label, seconds, outcome)
+        self.cells_run = 0
         self.running: str | None = None
         self.cell_t0 = 0.0
         self.ended: str | None = None
@@ -97,6 +99,7 @@ class PoolView:
 
     def cell_ended(self, outcome: str) -> None:
         self.cells.append((self.running or "", time.monotonic() - self.cell_t0, outcome))
+        self.cells_run += 1
         self.running = None
         for r, s in self.state.items():
             if s == "busy":
@@ -185,7 +188,7 @@ class PoolView:
         p = self.plan
         state = self.ended or (f"running {self.running}" if self.running else "idle")
         return (f"nbddp pool · {p.world_size} ranks · {p.accelerator}/{p.backend} · {state} · up {uptime} · "
-                f"{len(self.cells)} cell(s) run")
+                f"{self.cells_run} cell(s) run")
 
     def rows(self) -> list[list[str]]:
         rows = [["rank", "pid", "device", "state", "RSS", "USS (private)", "RSS over the pool's life"]]
@@ -212,7 +215,7 @@ class PoolView:
         return rows
 
     def cell_rows(self) -> list[str]:
-        return [f"{label} · {duration(sec)} · {outcome}" for label, sec, outcome in self.cells[-CELLS_SHOWN:]]
+        return [f"{label} · {duration(sec)} · {outcome}" for label, sec, outcome in self.cells]
 
     def render_text(self) -> str:
         lines = [self.title()]
