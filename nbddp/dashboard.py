@@ -9,11 +9,13 @@ notebook shows what happened where widgets do not render (GitHub, nbviewer).
 from __future__ import annotations
 
 import html
+import sys
 import time
 
 from .channel import Error, Exit, Ready, Result
 from .monitor import Monitor, duration, mb, sparkline
 from .relay import last_segment
+from .session import running_shell
 
 STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
                  "stopped": "#ef6c00"}
@@ -232,15 +234,12 @@ def _exit_text(exit) -> str:
 def _publish_line(line: str, flush: bool) -> None:
     """A one-line static summary, straight onto the kernel's iopub socket: IPython's display machinery
     costs ~0.8 ms a call, this ~0.15 ms (measured). The cell's text goes first when there is any."""
-    import sys
-
-    from IPython.display import publish_display_data
-
     data = {"text/plain": line, "text/html": f"<div style='color:#888;font-size:smaller'>{html.escape(line)}</div>"}
-    getipython = sys.modules.get("IPython.core.getipython")
-    pub = getattr(getipython.get_ipython(), "display_pub", None) if getipython else None
+    pub = getattr(running_shell(), "display_pub", None)
     session, socket = getattr(pub, "session", None), getattr(pub, "pub_socket", None)
-    if session is None or socket is None:
+    if session is None or socket is None:  # not ipykernel's publisher: the ordinary way
+        from IPython.display import publish_display_data
+
         publish_display_data(data)
         return
     if flush:

@@ -12,6 +12,8 @@ import importlib.abc
 import importlib.util
 import sys
 
+from .session import running_shell
+
 
 def after_process_group() -> None:
     """Once the rank's process group is up, before the cell runs: the user's own distributed code
@@ -62,8 +64,7 @@ def _rank_display(chan) -> None:
     """``display(obj)``, ``plt.show()``, rich reprs: their MIME bundles go to the cell through the
     rank's channel instead of the kernel's zmq sockets. Text written before a display is flushed first,
     so the cell shows both in the order the rank produced them."""
-    getipython = sys.modules.get("IPython.core.getipython")
-    shell = getipython.get_ipython() if getipython else None
+    shell = running_shell()
     if shell is None or chan is None:
         return
     from .channel import ClearOutput, Display
@@ -91,8 +92,7 @@ def _rank_pager() -> None:
     """``obj?``, ``obj??``, ``%pinfo``, ``%pdoc``...: IPython pages their text, and ipykernel's pager
     sends it as a payload of the execute_reply, which a rank never sends. The text goes to the rank's
     stdout instead, so it appears in the cell (rank-prefixed, like any output)."""
-    getipython = sys.modules.get("IPython.core.getipython")
-    shell = getipython.get_ipython() if getipython else None
+    shell = running_shell()
     if shell is None:
         return
 

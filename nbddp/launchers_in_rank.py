@@ -20,6 +20,8 @@ import os
 import shlex
 import sys
 
+from .session import running_shell
+
 _state: dict = {}
 
 
@@ -208,8 +210,7 @@ def _patch_subprocess() -> None:
 
 def _patch_ipython_shell() -> None:
     """``!torchrun ...`` in a cell goes through the shell's system(), which does not use subprocess."""
-    getipython = sys.modules.get("IPython.core.getipython")
-    shell = getipython.get_ipython() if getipython else None
+    shell = running_shell()
     if shell is None:
         return
     for name in ("system", "system_piped", "system_raw", "getoutput"):

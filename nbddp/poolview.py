@@ -63,7 +63,6 @@ class PoolView:
         self.monitor = Monitor([d for d in plan.device_ids if d is not None])
         self.started = time.time()
         self.rss = {r: LifeSeries() for r in range(plan.world_size)}
-        self.uss = {r: LifeSeries() for r in range(plan.world_size)}
         self.gpu_util = {i: LifeSeries() for i in self.monitor.gpus}
         self.gpu_mem = {i: LifeSeries() for i in self.monitor.gpus}
         self.state = {r: "idle" for r in range(plan.world_size)}
@@ -143,8 +142,6 @@ class PoolView:
         for r, s in self.monitor.ranks.items():
             if self.state.get(r) != "dead":
                 self.rss[r].add(s.rss)
-                if uss:
-                    self.uss[r].add(s.uss)
         for i, h in self.monitor.gpus.items():
             if h.last is not None:
                 self.gpu_util[i].add(h.last.util_percent or 0.0)

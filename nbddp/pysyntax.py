@@ -117,9 +117,7 @@ def _line_magic(name: str, line: str, needs: set[str]) -> str:
     if name in HELP:
         return _notebook_only(f"{line}?  (help)")
     if name == "time":
-        needs.add("time")
-        t = f"_nbddp_t{next(_timers)}"
-        return f"{t} = _nbddp_clock()  # %time\n{to_python(line)[0]}\n_nbddp_timed({t})"
+        return _timed(to_python(line)[0], "%time", needs)
     if name == "timeit":
         return f"{to_python(line)[0]}  # %timeit: run once here; time it in the notebook"
     if name == "env":
@@ -131,13 +129,18 @@ def _line_magic(name: str, line: str, needs: set[str]) -> str:
     return _notebook_only(f"%{name} {line}".rstrip())
 
 
+def _timed(code: str, magic: str, needs: set[str]) -> str:
+    """``%time`` / ``%%time`` in a script: the code between a clock reading and a printed duration."""
+    needs.add("time")
+    t = f"_nbddp_t{next(_timers)}"
+    return f"{t} = _nbddp_clock()  # {magic}\n{code}\n_nbddp_timed({t})"
+
+
 def _cell_magic(name: str, line: str, body: str, needs: set[str]) -> str:
     code, more = to_python(body)
     needs |= more
     if name == "time":
-        needs.add("time")
-        t = f"_nbddp_t{next(_timers)}"
-        return f"{t} = _nbddp_clock()  # %%time\n{code}\n_nbddp_timed({t})"
+        return _timed(code, "%%time", needs)
     if name == "timeit":
         return f"# %%timeit {line}: run once here; time it in the notebook\n{code}"
     if name == "capture":

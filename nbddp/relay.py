@@ -13,6 +13,7 @@ import sys
 import time
 
 from . import channel
+from .session import running_shell
 
 MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
 
@@ -125,8 +126,7 @@ def _std(stream: str):
 
 
 def _publisher():
-    getipython = sys.modules.get("IPython.core.getipython")
-    if getipython is None or getipython.get_ipython() is None:
+    if running_shell() is None:
         return None
     from IPython.display import publish_display_data
 

@@ -39,7 +39,7 @@ class Environment:
 
 def session_kind(env=os.environ, modules=sys.modules, shell=None) -> str:
     if shell is None:
-        shell = _shell()
+        shell = running_shell()
     if "google.colab" in modules:
         return "colab"
     if any(k.startswith("KAGGLE_") for k in env):
@@ -54,7 +54,8 @@ def session_kind(env=os.environ, modules=sys.modules, shell=None) -> str:
     return "script"
 
 
-def _shell():
+def running_shell():
+    """The running IPython shell, or None; never imports IPython (a script, a spawned rank)."""
     getipython = sys.modules.get("IPython.core.getipython")
     return getipython.get_ipython() if getipython else None
 

@@ -51,10 +51,9 @@ class CellLabels(Mapping):
 def cell_labels(shell=None) -> Mapping:
     """The labels of the running IPython session's cells (empty outside IPython)."""
     if shell is None:
-        import sys
+        from .session import running_shell
 
-        getipython = sys.modules.get("IPython.core.getipython")
-        shell = getipython.get_ipython() if getipython else None
+        shell = running_shell()
     return CellLabels(getattr(shell, "compile", None))
 
 
