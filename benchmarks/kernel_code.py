@@ -252,7 +252,88 @@ bench("memory", res)
 '''
 
 POOL = r"""
-import ipyparallel as ipp, io, contextlib
+import ipyparallel as ipp, io, contextlib, select
+
+# the floor: 2 ranks forked once from this kernel, in a gloo group, each waiting on a command pipe; a cell is
+# one byte to each rank, one all_reduce, one byte back from each. Nothing of nbddp in it.
+FLOOR_GO, FLOOR_QUIT = b"g", b"q"
+
+def _floor_rank(rank, store_path, cmd_r, reply_w):
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        store = dist.FileStore(store_path, 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        os.write(reply_w, b"r")  # ready
+        while os.read(cmd_r, 1) == FLOOR_GO:  # FLOOR_QUIT, or EOF if the kernel is gone: leave
+            t = torch.ones(1)  # the same work as the pool's and %%px's cell
+            dist.all_reduce(t)
+            os.write(reply_w, b"d")
+        dist.destroy_process_group()
+        code = 0
+    except BaseException as e:
+        os.write(2, f"floor rank {rank}: {e!r}\n".encode())
+    finally:
+        os._exit(code)
+
+def _floor_read(fds, timeout=60):
+    for fd in fds:
+        if not select.select([fd], [], [], timeout)[0]:
+            raise TimeoutError("a floor rank did not answer")
+        if not os.read(fd, 1):
+            raise RuntimeError("a floor rank died")
+
+def floor_start():
+    d = tempfile.mkdtemp()
+    pids, cmd, reply = [], [], []
+    for rank in range(2):
+        c_r, c_w = os.pipe()
+        r_r, r_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            for fd in cmd + reply + [c_w, r_r]:  # the kernel's ends, and the other rank's
+                os.close(fd)
+            _floor_rank(rank, os.path.join(d, "store"), c_r, r_w)
+        os.close(c_r); os.close(r_w)
+        pids.append(pid); cmd.append(c_w); reply.append(r_r)
+    try:
+        _floor_read(reply, timeout=120)
+    except BaseException:
+        floor_stop((d, pids, cmd, reply))
+        raise
+    return d, pids, cmd, reply
+
+def floor_cell():
+    t0 = time.perf_counter()
+    for fd in FLOOR[2]:
+        os.write(fd, FLOOR_GO)
+    _floor_read(FLOOR[3])
+    return time.perf_counter() - t0
+
+def floor_stop(floor):
+    d, pids, cmd, reply = floor
+    for fd in cmd:
+        try:
+            os.write(fd, FLOOR_QUIT)
+        except OSError:
+            pass
+    codes = []
+    for pid in pids:
+        deadline = time.monotonic() + 30
+        while (got := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if got[0] == 0:
+            os.kill(pid, 9)
+            got = os.waitpid(pid, 0)
+        codes.append(os.waitstatus_to_exitcode(got[1]))
+    for fd in cmd + reply:
+        os.close(fd)
+    shutil.rmtree(d, ignore_errors=True)
+    if codes != [0, 0]:
+        raise RuntimeError(f"floor ranks exited with {codes}")
+
+FLOOR = floor_start()  # forked first, before ipyparallel and the pool: the floor's ranks hold none of their fds
 cluster = ipp.Cluster(n=2, log_level=40)
 rc = cluster.start_and_connect_sync()
 rc.wait_for_engines(2, timeout=120)
@@ -274,10 +355,11 @@ def pool_cell():
     return time.perf_counter() - t0
 get_ipython().run_line_magic("ddp", "start --devices 2")
 for _ in range(5):
-    px_cell(); pool_cell()
-px, pool = [], []
+    px_cell(); pool_cell(); floor_cell()
+px, pool, floor = [], [], []
 for _ in range({runs}):
-    px.append(px_cell()); pool.append(pool_cell())
+    px.append(px_cell()); pool.append(pool_cell()); floor.append(floor_cell())
+floor_stop(FLOOR)
 one_shot = []
 get_ipython().run_line_magic("ddp", "stop")
 for _ in range(5):
@@ -286,7 +368,8 @@ view.execute("dist.destroy_process_group()", block=True)
 rc.shutdown(hub=True) if hasattr(rc, "shutdown") else None
 cluster.stop_cluster_sync()
 bench("pool", {"ipyparallel": statistics.median(px), "pool": statistics.median(pool),
-               "one_shot": statistics.median(one_shot), "px_all": px, "pool_all": pool})
+               "floor": statistics.median(floor), "one_shot": statistics.median(one_shot),
+               "px_all": px, "pool_all": pool, "floor_all": floor})
 
 # memory: a 1 GiB tensor built before the start; a 100 MiB tensor made after it, read by five cells
 BIG = torch.ones(2**28)  # 1 GiB of float32
