@@ -51,7 +51,7 @@ CUDA_LIBRARY = "import ctypes\n_rc = ctypes.CDLL('libcuda.so.1').cuInit(0)\nasse
 def gpu_count() -> int:
     """GPUs NVML sees (never CUDA: this process forks nothing, but keeps to nbddp's rule anyway)."""
     sys.path.insert(0, str(ROOT))
-    from nbddp import nvml
+    from nbddp.hw import nvml
 
     return nvml.backend().count()
 
@@ -94,7 +94,7 @@ def check_guard_library() -> tuple[bool, str]:
     Path(lib, "smoke_cudalib.py").write_text(CUDA_LIBRARY)
     k = fresh_kernel(lib)
     try:
-        clean = k.value("nbddp.cuda.backend().refusal() is None")  # nbddp loads no driver to find out
+        clean = k.value("nbddp.hw.cuda.backend().refusal() is None")  # nbddp loads no driver to find out
         k.ok("import smoke_cudalib")
         res = k.run("%%ddp\nprint('must not run')")
         text = res.error_text if res.error else ""
@@ -164,7 +164,7 @@ sys.stdin.read()
 def check_free(gpus: int) -> tuple[bool, str]:
     """Another process holds memory on GPU 0 (over the threshold, so even where NVML cannot show its pid)."""
     sys.path.insert(0, str(ROOT))
-    from nbddp import gpufree, nvml
+    from nbddp.hw import gpufree, nvml
 
     total = nvml.backend().usage()[0].mem_total or 16 * 2**30
     size = int(total * (gpufree.BUSY_MEMORY_FRACTION + 0.05))
@@ -174,8 +174,8 @@ def check_free(gpus: int) -> tuple[bool, str]:
     try:
         if holder.stdout.readline().strip() != "holding":
             return False, "the process meant to hold GPU 0 did not start"
-        auto = k.run("p = nbddp.devices.plan('auto')\nprint(p.device_ids, p.notes)")
-        named = k.ok("q = nbddp.devices.plan('0,')\nprint(q.notes)").stdout
+        auto = k.run("p = nbddp.kernel.devices.plan('auto')\nprint(p.device_ids, p.notes)")
+        named = k.ok("q = nbddp.kernel.devices.plan('0,')\nprint(q.notes)").stdout
         if gpus == 1:
             ok = bool(auto.error) and "found no free GPU" in auto.error_text and "cuda:0" in auto.error_text
         else:

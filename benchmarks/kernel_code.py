@@ -224,7 +224,7 @@ bench("slowdown", {"shown": summary(shown), "hidden": summary(hidden)})
 '''
 
 DASHBOARD_COST = r'''
-import nbddp.dashboard as D
+import nbddp.views.dashboard as D
 ticks = []
 _tick = D.RunView.tick
 def timed_tick(self):
@@ -375,9 +375,9 @@ bench("pool", {"ipyparallel": statistics.median(px), "pool": statistics.median(p
 BIG = torch.ones(2**28)  # 1 GiB of float32
 get_ipython().run_line_magic("ddp", "start --devices 2")
 get_ipython().run_cell_magic("ddp", "", "s = BIG[rank::2].sum().item()\n;")
-from nbddp import magic as _m
+from nbddp.kernel import magic as _m
 pool_obj = [m for m in get_ipython().magics_manager.registry.values() if isinstance(m, _m.DDPMagics)][0].pool
-uss = [psutil.Process(p.pid).memory_full_info().uss for p in pool_obj.sup.procs]
+uss = [psutil.Process(p.pid).memory_full_info().uss for p in pool_obj.gang.sup.procs]
 LATE = torch.ones(25 * 2**20)  # 100 MiB, after the start
 notes = io.StringIO()
 with contextlib.redirect_stderr(notes):

@@ -11,7 +11,7 @@ current), so it says exactly what `%%ddp?` says in a notebook.
 
 
 def render() -> str:
-    from nbddp.magic import DDPMagics
+    from nbddp.kernel.magic import DDPMagics
 
     doc = DDPMagics.ddp.__doc__
     lines = [ln[8:] if ln.startswith(" " * 8) else ln for ln in doc.strip("\n").splitlines()]

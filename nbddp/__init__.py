@@ -11,65 +11,53 @@ from __future__ import annotations
 import os
 
 from .errors import CudaInitialisedError, NbddpError, RankFailure, ResultError, UsageError
-from .session import Environment, environment
+from .ipy.session import Environment, environment
+
 
 __version__ = "0.1.0"
+
+
 __all__ = [
     "launch", "Pool", "environment", "Environment", "load_ipython_extension",
     "NbddpError", "UsageError", "RankFailure", "ResultError", "CudaInitialisedError",
 ]
 
 
-def launch(fn, *args, **options) -> list:
+def launch(fn, *args, **opts) -> list:
     """Run ``fn(*args)`` on every rank of a fresh process group; return each rank's return value.
 
-    ``options`` are ``%%ddp``'s, by keyword, with the same defaults (one source: ``launcher.Config``):
-    ``devices``, ``accelerator``, ``backend``, ``start_method``, ``threads``, ``timeout``,
-    ``ranks_output``, ``prefix``, ``max_lines``, ``max_line_chars``, ``max_output_mb``, ``max_value_mb``,
-    ``seed``.
+    ``opts`` are ``%%ddp``'s options by keyword, with the same defaults and checks (one table:
+    ``nbddp.kernel.options.OPTIONS``): ``devices``, ``accelerator``, ``backend``, ``start_method``,
+    ``threads``, ``seed``, ``timeout``, ``ranks_output``, ``prefix``, ``max_lines``, ``max_line_chars``,
+    ``max_output_mb``, ``max_value_mb``.
     Each rank sees the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, ...) and an initialised
     ``torch.distributed`` group. Output is relayed as ``[rankN]:`` lines. On failure raises
     :class:`RankFailure` naming the rank and cause, after every rank has been stopped and reaped; a
     return value that cannot come back raises :class:`ResultError` naming the rank.
     """
-    from . import launcher, results
-    from .display import view_for_session
+    from .kernel import engine, options
+    from .rank.jobs import CallJob
+    from .views.display import view_for_session
+    from .wire.messages import Call
 
-    config = launcher.Config.from_options(options)
-    outcome = launcher.run(_Call(fn, args, config.max_value_bytes), config, observer=view_for_session())
-    values, problems = [], []
-    for rank, res in enumerate(outcome.results()):
-        item = res.value
-        if item is not None and item.problem:
-            problems.append(f"rank {rank}'s return value: {item.problem}")
-        values.append(results.loads(item.blob) if item is not None and item.blob is not None else None)
-    if problems:
-        raise ResultError("\n".join(problems))
-    return values
+    config = options.config(opts)
+    job = CallJob(fn, args, options.max_value_bytes(config))
+    outcome = engine.one_shot(Call(job), config, observer=view_for_session(), label=getattr(fn, "__name__", "call"))
+    return engine.returned(outcome.results())
 
 
 def __getattr__(name):
     if name == "Pool":  # imported on first use: %load_ext stays light
-        from .pool import Pool
+        from .kernel.pool import Pool
 
         return Pool
     raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
 
 
-class _Call:
-    def __init__(self, fn, args, max_value_bytes: int):
-        self.fn, self.args, self.max_value_bytes = fn, args, max_value_bytes
-
-    def __call__(self, ctx):
-        from . import results
-        from .channel import Result
-
-        return Result(value=results.pack(self.fn(*self.args), max_bytes=self.max_value_bytes))
-
-
 def load_ipython_extension(ipython) -> None:
-    from . import cuda, worker
-    from .magic import DDPMagics
+    from .hw import cuda
+    from .kernel.magic import DDPMagics
+    from .rank import worker
 
     # Large tensors allocated from now on use transparent huge pages: a fork then copies far fewer
     # page-table entries (8 GB resident: ~390 ms -> ~30 ms per rank, measured). Read at allocation.
@@ -81,8 +69,8 @@ def load_ipython_extension(ipython) -> None:
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext`` / ``%reload_ext``: take back every event handler load registered."""
-    from . import cuda
-    from .magic import DDPMagics
+    from .hw import cuda
+    from .kernel.magic import DDPMagics
 
     cuda.backend().uninstall(ipython)
     DDPMagics.unregister_events(ipython)

@@ -19,7 +19,7 @@ def main(argv=None) -> int:
 
         return demo()
     if args.command == "export":
-        from .export import export_notebook
+        from .export.script import export_notebook
 
         out = export_notebook(args.notebook, args.output)
         print(f"wrote {out}: its first lines give the torchrun command")

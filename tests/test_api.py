@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from nbddp import session
+from nbddp.ipy import session
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from nbddp.relay import latest_redraw
+from nbddp.views.relay import latest_redraw
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,9 +2,11 @@
 import os
 from types import SimpleNamespace
 
-from nbddp import dashboard, devices, nvml
-from nbddp.failure import RankExit
-from nbddp.supervisor import Output, Started
+from nbddp.views import dashboard
+from nbddp.kernel import devices
+from nbddp.hw import nvml
+from nbddp.kernel.failure import RankExit
+from nbddp.kernel.supervisor import Output, Started
 
 
 class FakeNvml:
@@ -50,7 +52,7 @@ def test_gpu_rows_with_history_and_peaks(monkeypatch, tmp_path):
 
 
 def test_the_pool_view_keeps_gpu_and_memory_history_over_the_pools_life(monkeypatch, tmp_path):
-    from nbddp import poolview
+    from nbddp.views import poolview
 
     fake = FakeNvml()
     monkeypatch.setattr(nvml, "_backend", fake)

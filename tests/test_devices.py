@@ -1,7 +1,9 @@
 """Device strings (Lightning's table) and plans, with NVML and CUDA replaced at their seams."""
 import pytest
 
-from nbddp import cuda, devices, nvml
+from nbddp.hw import cuda
+from nbddp.kernel import devices
+from nbddp.hw import nvml
 from nbddp.errors import UsageError
 
 
@@ -204,7 +206,7 @@ def test_mig_gpus_are_judged_by_their_instances_and_said(shared):
 
 
 def test_memory_threshold_is_one_fact(shared, monkeypatch):
-    from nbddp import gpufree
+    from nbddp.hw import gpufree
 
     shared(use(0, used=8), use(1, used=8.5))  # 10% of 80 GiB is 8 GiB
     assert devices.plan("auto").device_ids == (0,)

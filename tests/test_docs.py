@@ -16,10 +16,21 @@ def test_reference_is_generated_from_the_magic():
     assert (DOCS / "reference.md").read_text() == gen.render(), "run: python docs/gen_reference.py"
 
 
-def test_architecture_names_every_module():
+def _modules() -> dict[str, str]:
+    """Every module of the package: its short name (unique) -> its dotted name."""
+    found = {}
+    for path in sorted((ROOT / "nbddp").rglob("*.py")):
+        dotted = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if path.stem != "__init__":
+            assert path.stem not in found, f"two modules named {path.stem}: the docs could not tell them apart"
+            found[path.stem] = dotted
+    return found
+
+
+def test_architecture_names_every_module_and_subpackage():
     text = (DOCS / "architecture.md").read_text()
-    modules = sorted(p.name for p in (ROOT / "nbddp").glob("*.py"))
-    missing = [m for m in modules if f"nbddp/{m}" not in text]
+    paths = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "nbddp").rglob("*.py"))
+    missing = [p for p in paths if p not in text and not (p.endswith("__init__.py") and p[:-11] in text)]
     assert not missing, f"docs/architecture.md does not mention {missing}"
 
 
@@ -28,29 +39,56 @@ def test_architecture_names_are_the_codes_names():
     import importlib
 
     text = (DOCS / "architecture.md").read_text()
-    modules = {p.stem for p in (ROOT / "nbddp").glob("*.py")}
+    modules = _modules()
     refs = set(re.findall(r"`([a-z_]+)\.([A-Za-z_]+)(?:\.([A-Za-z_]+))?`", text))
     refs = {r for r in refs if r[0] in modules}
     # the diagram's names too: every module.Name written there
     diagram = text[text.index("```"):text.index("```", text.index("```") + 3)]
     refs |= {(m, n, "") for m, n in re.findall(r"\b([a-z_]+)\.([A-Za-z_]+)\b", diagram) if m in modules}
     refs = {r for r in refs if r[1] != "py"}  # "magic.py": a file, not a name
-    assert len(refs) >= 20, refs
+    assert len(refs) >= 30, refs
     missing = []
     for mod, name, attr in sorted(refs):
-        obj = importlib.import_module(f"nbddp.{mod}")
+        obj = importlib.import_module(modules[mod])
         for part in (name, attr):
             if part and not hasattr(obj, part):
                 missing.append(".".join(p for p in (mod, name, attr) if p))
                 break
             obj = getattr(obj, part) if part else obj
     assert not missing, f"docs/architecture.md names what the code does not have: {missing}"
-    # and every event the supervisor publishes, every record a rank sends, is in the document
-    from nbddp import channel, supervisor
+    # every event the supervisor publishes, every record a rank sends, every command a pool's kernel sends
+    from nbddp.kernel import supervisor
+    from nbddp.wire import messages
 
-    for cls in (*supervisor.EVENTS, channel.Ready, channel.Mark, channel.Display, channel.ClearOutput,
-                channel.Result, channel.Error, channel.Exit, channel.Done):
+    for cls in supervisor.EVENTS:
         assert cls.__name__ in text, cls
+    messages_part = text[text.index("## Messages"):text.index("## Options")]
+    for cls in (*messages.RANK_SENDS, *messages.KERNEL_SENDS):
+        assert f"`{cls.__name__}`" in messages_part, cls
+
+
+def test_rank_and_view_code_import_only_the_wire_ipython_helpers_and_hardware_seams():
+    """The layout says where code runs: rank and view modules (and the wire, helpers and seams) never
+    import the kernel side; the wire imports nothing of nbddp but itself and errors."""
+    import ast
+
+    allowed = {"rank": {"rank", "wire", "ipy", "hw", "errors"}, "views": {"views", "wire", "ipy", "hw", "errors"},
+               "wire": {"wire", "errors"}, "ipy": {"ipy", "hw", "errors"}, "hw": {"hw", "errors"}}
+    bad = []
+    for side, ok in allowed.items():
+        for path in (ROOT / "nbddp" / side).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("nbddp")):
+                    parts = (node.module or "").split(".")
+                    if node.level == 1:
+                        target = side
+                    elif node.level == 2:
+                        target = parts[0] if node.module else None
+                    else:
+                        target = parts[1] if len(parts) > 1 else None
+                    names = [a.name for a in node.names] if target is None else [target]
+                    bad += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n not in ok]
+    assert not bad, bad
 
 
 MESSAGES = [  # a fragment of every message a user can meet (see the modules raising them)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nbddp.export import export_cells
-from nbddp.pysyntax import to_python
+from nbddp.export.script import export_cells
+from nbddp.export.pysyntax import to_python
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """Choosing the root cause among ranks that ended badly (the kernel tests make these for real; here
 the orderings that a loaded machine produces only sometimes are pinned down)."""
-from nbddp.channel import Error, Exit, Result
-from nbddp.failure import RankExit, notes, rank_failed, root_cause
+from nbddp.wire.messages import Error, Exit, Result
+from nbddp.kernel.failure import RankExit, notes, rank_failed, root_cause
 
 
 def lost(time: float, phase: str = "cell") -> Error:
@@ -81,7 +81,7 @@ def test_a_ranks_stack_keeps_only_the_users_frames_of_the_threads_that_have_some
     import os
 
     import nbddp
-    from nbddp import tracebacks
+    from nbddp.ipy import tracebacks
 
     pkg = os.path.dirname(nbddp.__file__)
     labels = {"/tmp/ipykernel_1/42.py": "Cell In[5]", "/tmp/ipykernel_1/163012694.py": "Cell In[6]"}
@@ -97,8 +97,8 @@ def test_a_ranks_stack_keeps_only_the_users_frames_of_the_threads_that_have_some
 
 def test_many_ranks_that_say_the_same_are_said_once():
     """600 ranks stuck or failing alike: one line (ranges of ranks), not 600 stacks or lines."""
-    from nbddp.failure import RankExit, _ranks, interrupted, rank_failed, timed_out
-    from nbddp.channel import Error
+    from nbddp.kernel.failure import RankExit, _ranks, interrupted, rank_failed, timed_out
+    from nbddp.wire.messages import Error
 
     assert _ranks([3]) == "rank 3" and _ranks([0, 1]) == "ranks 0, 1"
     assert _ranks([*range(17), *range(18, 600)]) == "ranks 0–16, 18–599"

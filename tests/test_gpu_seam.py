@@ -8,12 +8,12 @@ from standin_driver import build
 pytestmark = pytest.mark.timeout(180)
 
 FAKE_NVML = """
-import nbddp, nbddp.cuda, nbddp.nvml
+import nbddp, nbddp.hw.cuda, nbddp.hw.nvml
 class FakeNvml:
     def count(self): return 2
     def names(self): return ['Fake H100', 'Fake H100']
     def sample(self, indices): return []
-nbddp.nvml.use(FakeNvml())
+nbddp.hw.nvml.use(FakeNvml())
 """
 
 
@@ -31,11 +31,11 @@ def fresh(standin, runs_dir):
     def start(*, device_file=True, before_load=""):
         k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir), **standin.env(device_file=device_file)})
         kernels.append(k)
-        k.ok(f"import nbddp.driverwatch\nnbddp.driverwatch.Watcher.device_prefixes = "
+        k.ok(f"import nbddp.hw.driverwatch\nnbddp.hw.driverwatch.Watcher.device_prefixes = "
              f"({str(standin.devdir / 'nvidia')!r},)  # where the stand-in's device file is")
         if before_load:
             k.ok(before_load)
-        k.ok("%load_ext nbddp\n" + FAKE_NVML + "guard = nbddp.cuda.backend()\nguard.built = lambda: True\n")
+        k.ok("%load_ext nbddp\n" + FAKE_NVML + "guard = nbddp.hw.cuda.backend()\nguard.built = lambda: True\n")
         return k
 
     yield start
@@ -83,11 +83,11 @@ def test_guard_names_a_library_that_loads_the_driver_from_native_code(fresh, run
 
 def test_a_loaded_driver_is_fine_until_a_cell_initialises_it(fresh, runs_dir):
     k = fresh()
-    assert k.value("nbddp.driverwatch.driver_mapped() is None")
+    assert k.value("nbddp.hw.driverwatch.driver_mapped() is None")
     assert k.value("guard.refusal() is None")  # no driver here, and nbddp did not load one to find out
-    assert k.value("nbddp.driverwatch.driver_mapped() is None")
+    assert k.value("nbddp.hw.driverwatch.driver_mapped() is None")
     k.ok("import gpulib_lazy  # loads the driver, initialises nothing\n")
-    assert k.value("nbddp.driverwatch.driver_mapped() is not None")
+    assert k.value("nbddp.hw.driverwatch.driver_mapped() is not None")
     assert k.value("guard.refusal() is None")  # the throwaway child could initialise it: forking is safe
     assert k.value("gpulib_lazy.initialised()") is False  # the probe ran in the child, not in the kernel
     k.ok("y = 2\ngpulib_lazy.init()\n")
@@ -142,11 +142,11 @@ def test_cpu_ranks_are_never_guarded(fresh):
 
 def test_gpu_options_checked_against_what_nvml_sees(clean_kernel):
     k = clean_kernel
-    k.ok(FAKE_NVML + "guard = nbddp.cuda.backend()\nguard.built = lambda: True\n")
+    k.ok(FAKE_NVML + "guard = nbddp.hw.cuda.backend()\nguard.built = lambda: True\n")
     res = k.run("%%ddp --devices 0,3\npass\n")
     assert res.error["ename"] == "UsageError"
     assert "GPU 3" in res.error_text and "cuda:1  Fake H100" in res.error_text
-    k.ok("nbddp.nvml.use(nbddp.nvml.Nvml()); del guard.built")
+    k.ok("nbddp.hw.nvml.use(nbddp.hw.nvml.Nvml()); del guard.built")
     res = k.run("%%ddp --devices 2 --accelerator cuda\npass\n")
     assert "NVML sees no GPU" in res.error_text
 
@@ -156,10 +156,10 @@ def test_the_cell_says_which_busy_gpus_auto_skipped(clean_kernel, runs_dir):
     k.ok(FAKE_NVML + """
 class BusyNvml(FakeNvml):
     def usage(self):
-        return [nbddp.nvml.GpuUse(0, 'Fake H100', 40 * 2**30, 80 * 2**30, ((999001, 40 * 2**30),)),
-                nbddp.nvml.GpuUse(1, 'Fake H100', 2**28, 80 * 2**30, ())]
-nbddp.nvml.use(BusyNvml())
-guard = nbddp.cuda.backend()
+        return [nbddp.hw.nvml.GpuUse(0, 'Fake H100', 40 * 2**30, 80 * 2**30, ((999001, 40 * 2**30),)),
+                nbddp.hw.nvml.GpuUse(1, 'Fake H100', 2**28, 80 * 2**30, ())]
+nbddp.hw.nvml.use(BusyNvml())
+guard = nbddp.hw.cuda.backend()
 guard.built = lambda: True
 guard.refusal = lambda: nbddp.CudaInitialisedError('stand-in guard: stop before forking')
 """)
@@ -168,4 +168,4 @@ guard.refusal = lambda: nbddp.CudaInitialisedError('stand-in guard: stop before 
     assert "--devices auto uses the free GPU cuda:1; skipped:\n  cuda:0  1 other compute process on it (pid 999001" \
         in res.stderr + res.stdout
     assert res.error["ename"] == "CudaInitialisedError" and set(runs_dir.iterdir()) == before
-    k.ok("del guard.built, guard.refusal; nbddp.nvml.use(nbddp.nvml.Nvml())")
+    k.ok("del guard.built, guard.refusal; nbddp.hw.nvml.use(nbddp.hw.nvml.Nvml())")

@@ -63,11 +63,11 @@ def test_a_second_launch_while_one_runs_is_refused(clean_kernel, tmp_path):
     flag = tmp_path / "refused"
     k = clean_kernel
     k.ok(
-        "import threading, nbddp, time, nbddp.launcher as L\n"
+        "import threading, nbddp, time, nbddp.kernel.checks as L\n"
         "second = []\n"
         "def try_second():\n"
         "    deadline = time.monotonic() + 30\n"
-        "    while not L._active and time.monotonic() < deadline:\n"
+        "    while not L.launching() and time.monotonic() < deadline:\n"
         "        time.sleep(0.01)\n"
         "    try:\n"
         "        nbddp.launch(print, devices=1)\n"

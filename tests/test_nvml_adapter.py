@@ -1,10 +1,10 @@
-"""The real NVML adapter (nbddp.nvml.Nvml) against a pynvml stand-in with nvidia-ml-py's documented API."""
+"""The real NVML adapter (nbddp.hw.nvml.Nvml) against a pynvml stand-in with nvidia-ml-py's documented API."""
 import sys
 import types
 
 import pytest
 
-from nbddp import nvml
+from nbddp.hw import nvml
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_usage_reads_processes_memory_compute_and_mig_modes(shared_pynvml):
 
 
 def test_usage_through_the_free_gpu_pick(shared_pynvml, monkeypatch):
-    from nbddp import gpufree
+    from nbddp.hw import gpufree
 
     monkeypatch.setattr(nvml, "_backend", nvml.Nvml())
     found = gpufree.survey(3)

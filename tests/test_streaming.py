@@ -170,8 +170,8 @@ def test_output_per_rank_is_capped_in_bytes_too(clean_kernel):
 
 def test_a_line_that_never_ends_keeps_the_relays_memory_bounded():
     """Through the relay itself: 64 MB of one line, 64 KiB at a time, hold at most a cap's worth."""
-    from nbddp.relay import MAX_PARTIAL, Relay
-    from nbddp.supervisor import Output, OutputClosed
+    from nbddp.views.relay import MAX_PARTIAL, Relay
+    from nbddp.kernel.supervisor import Output, OutputClosed
 
     class Sink:
         def __init__(self):
@@ -333,7 +333,7 @@ def test_line_and_output_caps_in_a_pool(pool):
 
 
 def test_the_order_budget_allows_a_burst_then_a_rate():
-    from nbddp.relay import Budget
+    from nbddp.wire.budget import Budget
 
     b = Budget(burst=3, rate=1000.0)
     assert [b.take() for _ in range(3)] == [True] * 3

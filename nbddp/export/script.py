@@ -1,0 +1,226 @@
+"""From notebook to cluster: write the %%ddp cells (and the plain cells they need) as a torchrun script.
+
+nbddp does not grow a cluster engine. The exported script initialises the process group from the
+environment torchrun sets (``--standalone`` on one machine, ``--nnodes N --rdzv-backend c10d`` or SLURM
+``srun`` across machines) and runs each %%ddp body with ``rank``, ``local_rank``, ``world_size`` and
+``device`` defined as in the notebook.
+"""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from .pysyntax import TIME_HELPERS, is_help, to_python
+
+HEADER = '''#!/usr/bin/env python
+"""Exported by nbddp from {source}.
+
+Run on one machine:   torchrun --standalone --nproc-per-node {nproc} {script}
+Across machines:      torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:29500 {script}
+"""
+import os
+
+import torch
+import torch.distributed as dist
+'''
+
+RANDOM_STATE = '''
+
+def _nbddp_notebook_cells_begin(seed):
+    """The notebook ran its plain cells once, in the kernel: every rank saw one copy of what they built.
+    Here every process runs them, so every process starts them from the same random state, and only
+    rank 0 prints (the notebook showed their output once)."""
+    import random
+    import sys
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    if os.environ.get("RANK", "0") != "0":
+        sys.stdout = open(os.devnull, "w")
+
+
+def _nbddp_notebook_cells_end():
+    """Back to this process's own random numbers and output, as under plain torchrun."""
+    import random
+    import sys
+    random.seed()
+    torch.seed()
+    try:
+        import numpy
+        numpy.random.seed()
+    except ImportError:
+        pass
+    if sys.stdout is not sys.__stdout__:
+        sys.stdout.close()
+        sys.stdout = sys.__stdout__
+
+
+def _nbddp_show(value):
+    """What the notebook showed as Out[n] (IPython's pretty form), printed once."""
+    if value is None or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        from IPython.lib.pretty import pretty
+    except ImportError:
+        pretty = repr
+    print(pretty(value))
+'''
+
+SETUP = '''
+
+def _nbddp_process_group():
+    """What %%ddp did before running the cell: the process group and this rank's device."""
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), local_rank, dist.get_world_size(), device
+
+
+rank, local_rank, world_size, device = _nbddp_process_group()
+'''
+
+FOOTER = '''
+if dist.is_initialized():  # a cell may have destroyed the group itself, as torchrun scripts do
+    dist.barrier()  # every rank is past its last collective before the group is torn down
+    dist.destroy_process_group()
+'''
+
+IMPORTS = {"subprocess": "import subprocess", "io": "import contextlib\nimport io"}
+SEED = 1234  # the notebook cells' shared random state; a cell that seeds itself still wins
+
+
+def is_ddp(cell: str) -> bool:
+    return cell.lstrip().startswith("%%ddp") and not is_help(cell)
+
+
+def _skipped(cell: str) -> bool:
+    """Cells the script has nothing to do for: help (``x?``, ``%%ddp?``) and the export itself."""
+    return is_help(cell) or cell.lstrip().startswith(("%ddp_export", "%%ddp_export"))
+
+
+def _split_magic(cell: str) -> tuple[str, str]:
+    first, _, body = cell.lstrip().partition("\n")
+    return first[len("%%ddp"):].strip(), body
+
+
+def _names(code: str) -> tuple[set[str], set[str]]:
+    """(defined, used) global names of a code block; changing a name's contents (``X[0] = 1``,
+    ``model.w = w``) counts as defining it."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set(), set()
+    defined, used = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (defined if isinstance(node.ctx, (ast.Store, ast.Del)) else used).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                defined.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            base = node.value
+            while isinstance(base, (ast.Subscript, ast.Attribute)):
+                base = base.value
+            if isinstance(base, ast.Name):
+                defined.add(base.id)
+    return defined, used
+
+
+def export_cells(cells: list[str], source: str = "a notebook", script: str = "train.py") -> str:
+    """The script for these cells (in execution order)."""
+    cells = ["" if _skipped(c) else c for c in cells]
+    ddp_positions = [i for i, c in enumerate(cells) if is_ddp(c)]
+    if not ddp_positions:
+        raise ValueError(f"{source} has no %%ddp cell to export")
+    needs: set[str] = set()
+    python = {}
+    for i, c in enumerate(cells[: ddp_positions[-1] + 1]):
+        code, more = to_python(_split_magic(c)[1] if is_ddp(c) else c)
+        python[i] = code
+        needs |= more
+    needed: set[str] = set()
+    keep: set[int] = set(ddp_positions)
+    for i in range(ddp_positions[-1], -1, -1):  # walk back: keep the plain cells the %%ddp cells need
+        defined, used = _names(python[i])
+        if i in keep or defined & needed:
+            keep.add(i)
+            needed |= used
+    nproc = 2
+    parts = []
+    setup_done = False
+    in_notebook_cells = False
+    for i in sorted(keep):
+        if not is_ddp(cells[i]):
+            if not in_notebook_cells:
+                parts.append(f"\n_nbddp_notebook_cells_begin({SEED + i})\n")
+                in_notebook_cells = True
+            parts.append(f"\n# --- notebook cell {i + 1} (runs on every process) ---\n{_with_result(python[i])}\n")
+            continue
+        if in_notebook_cells:
+            parts.append("\n_nbddp_notebook_cells_end()\n")
+            in_notebook_cells = False
+        options, _ = _split_magic(cells[i])
+        nproc = _devices(options) or nproc
+        if not setup_done:
+            parts.append(SETUP)
+            setup_done = True
+        parts.append(f"\n# --- %%ddp cell {i + 1} ({options or 'no options'}) ---\n{_with_result(python[i])}\n")
+    helpers = "".join(f"{IMPORTS[n]}\n" for n in sorted(needs) if n in IMPORTS)
+    helpers += RANDOM_STATE + (TIME_HELPERS if "time" in needs else "")
+    return HEADER.format(source=source, nproc=nproc, script=script) + helpers + "".join(parts) + FOOTER
+
+
+def _devices(line: str) -> int | None:
+    """How many processes the cell asked for (``--devices``, however written), read by the magic's own
+    parser; None for auto, -1 or a line this nbddp no longer takes."""
+    from ..errors import UsageError
+    from ..kernel import devices, options
+
+    try:
+        asked = devices.parse_devices(options.parse(line).get("devices", "auto"))
+    except UsageError:
+        return None
+    if isinstance(asked, list):
+        return len(asked)
+    return asked if isinstance(asked, int) and asked > 0 else None
+
+
+def _with_result(body: str) -> str:
+    """The cell's last expression is shown once, as the notebook showed it as Out[n] (nothing for None)."""
+    try:
+        tree = ast.parse(body)
+    except SyntaxError:
+        return body.rstrip()
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr) or body.rstrip().endswith(";"):
+        return body.rstrip()
+    last = tree.body[-1]
+    if isinstance(last.value, ast.Call) and getattr(last.value.func, "id", "").startswith(("print", "_nbddp_")):
+        return body.rstrip()  # print(...) shows its own output; Out[n] would be None, which IPython hides
+    lines = body.splitlines()
+    head = "\n".join(lines[: last.lineno - 1])
+    expr = "\n".join(lines[last.lineno - 1: last.end_lineno])
+    return f"{head}\n_nbddp_show({expr.strip()})".lstrip("\n")
+
+
+def notebook_cells(path: str | Path) -> list[str]:
+    nb = json.loads(Path(path).read_text())
+    return ["".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+            for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def export_notebook(path: str | Path, out: str | Path) -> Path:
+    out = Path(out)
+    out.write_text(export_cells(notebook_cells(path), source=Path(path).name, script=out.name))
+    return out

@@ -1,0 +1,55 @@
+"""A cell's code as IPython compiles it, on both sides: split into body and last expression (top-level
+``await`` allowed), the names it reads, and which notebook names are IPython's own."""
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import types
+
+
+from . import tracebacks
+from ..errors import UsageError
+
+# IPython's own names in the user namespace: never shipped, never needed by a rank
+_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_oh", "_ih", "_dh"}
+
+
+_IPYTHON_HISTORY = re.compile(r"_i{1,3}$|_i\d+$|_\d+$")  # _i, _ii, _iii, _iN, _N: IPython's history
+
+
+def notebook_name(name: str) -> bool:
+    """A name the user's code bound, not one of IPython's own (never sent, never needed by a rank)."""
+    return name not in _IPYTHON_NAMES and not _IPYTHON_HISTORY.match(name)
+
+
+# top-level `await` compiles, as in a notebook cell (IPython's autoawait); a cell without one compiles
+# to the same code as before, and only one that has one is run in an event loop (run_async)
+TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+
+
+def split_last_expression(source: str, filename: str, labels=None) -> tuple[types.CodeType, types.CodeType | None]:
+    """Compile a cell into its body and, if it ends in an expression, that expression (IPython's rule).
+    ``labels``: the kernel's cell labels, for a syntax error shown as IPython shows it."""
+    try:
+        tree = ast.parse(source, filename, "exec")
+        last = None  # a trailing ';' keeps the expression in the body and silences its value, as in IPython
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not source.rstrip().endswith(";"):
+            last = compile(ast.Expression(tree.body.pop().value), filename, "eval", flags=TOP_LEVEL_AWAIT)
+        return compile(tree, filename, "exec", flags=TOP_LEVEL_AWAIT), last
+    except SyntaxError as e:
+        raise UsageError("the cell does not compile, so nothing was launched:\n"
+                         + tracebacks.syntax_error(e, labels or {})) from None
+
+
+def is_async(code: types.CodeType | None) -> bool:
+    """Compiled from a cell with a top-level ``await`` (IPython's test, async_helpers._should_be_async)."""
+    return code is not None and bool(code.co_flags & inspect.CO_COROUTINE)
+
+
+def names_used(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= names_used(const)
+    return names

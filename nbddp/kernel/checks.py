@@ -1,0 +1,78 @@
+"""What must hold before ranks are forked (one-shot cell, pool, Python API), checked before anything
+changes: bad options, a launch from inside a rank or during another launch, the CUDA guard."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+from ..errors import UsageError
+from ..hw import cuda, openmp
+from . import devices, options
+
+_launching = False  # one launch at a time per process
+
+
+def launching() -> bool:
+    return _launching
+
+
+@contextlib.contextmanager
+def one_at_a_time():
+    """While ranks of a one-shot cell run, or a pool starts: a second launch is refused."""
+    global _launching
+    _launching = True
+    try:
+        yield
+    finally:
+        _launching = False
+
+
+def plan_for(config) -> devices.Plan:
+    """Every option checked, then the devices planned: bad input launches nothing."""
+    options.check(config)
+    return devices.plan(config.devices, config.accelerator, config.backend)
+
+
+def preflight(config, plan: devices.Plan | None = None, *, pool: bool = False) -> devices.Plan:
+    """Everything that can refuse a launch, with nothing changed yet; returns the plan (its notes said)."""
+    if os.environ.get("NBDDP_RANK") is not None:
+        raise UsageError(
+            "nbddp cannot launch from inside a rank (nested %%ddp / launch).\n"
+            "The cell already runs on every rank: call the code directly."
+        )
+    if _launching:
+        raise UsageError("another nbddp launch is still running in this process; wait for it to finish.")
+    if pool and config.start_method != "fork":
+        raise UsageError("--start-method spawn: a pool forks its ranks from the kernel (that is how they share "
+                         "the notebook's data); spawn works for one-shot %%ddp cells only.\nNothing ran: drop "
+                         "--start-method from %ddp start, or %ddp stop and run the cell one-shot with it.")
+    plan = plan or plan_for(config)
+    for note in [*plan.notes, *_oversubscribed(plan, config.threads)]:  # busy GPUs auto skipped, many CPU ranks
+        print(note, file=sys.stderr)
+    if plan.accelerator == "cuda" and config.start_method == "fork" and (refusal := cuda.backend().refusal()):
+        raise refusal
+    return plan
+
+
+def before_fork(config) -> None:
+    """Just before the first fork: the kernel's idle OpenMP threads released (nothing runs a parallel op
+    between this and the forks)."""
+    if config.start_method == "fork":
+        openmp.release_threads(config.threads)
+
+
+_warned_oversubscribed: set = set()
+
+
+def _oversubscribed(plan: devices.Plan, threads: int) -> list[str]:
+    """Many more CPU ranks than cores: said once per kernel and world size (it runs, slowly)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    want = plan.world_size * threads
+    if plan.accelerator != "cpu" or want <= cores or (plan.world_size, threads) in _warned_oversubscribed:
+        return []
+    _warned_oversubscribed.add((plan.world_size, threads))
+    per = f" x {threads} threads" if threads > 1 else ""
+    return [f"nbddp: {plan.world_size} CPU ranks{per} on {cores} cores: they take turns on the cores and every "
+            f"collective waits for the slowest, so steps run far slower than on {max(1, cores // threads)} rank(s). "
+            "Fine for trying code at this world size; interrupt and --timeout still stop every rank."]

@@ -1,0 +1,266 @@
+"""How ranks ended, from what their channels said and how their processes exited, as one message a user
+can act on; the timeout report (stacks captured from the ranks' stderr) and the interrupt message."""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from .. import errors
+from ..ipy import tracebacks
+from ..wire.messages import PHASES, Done, Error, Exit, Result
+from ..errors import RankFailure
+
+# what gloo and NCCL raise in a collective when another rank died or left
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "NCCL communicator was aborted", "remote process exited or there was a network error")
+
+SIGNAL_HINTS = {
+    signal.SIGKILL: "killed outright: most often the kernel's out-of-memory killer (see `dmesg`), "
+    "or a `kill -9`. Use fewer ranks, smaller batches, or free memory in the notebook.",
+    signal.SIGSEGV: "a crash in native code (a C/C++ extension or a driver). faulthandler's Python "
+    "stack for the crash is in the rank's output above.",
+    signal.SIGBUS: "often /dev/shm too small for DataLoader workers: use num_workers=0, or a larger "
+    "/dev/shm (docker --shm-size).",
+    signal.SIGABRT: "aborted by native code (an assertion, or an NCCL/CUDA error).",
+    signal.SIGTERM: "terminated by another process.",
+}
+
+
+@dataclass
+class RankExit:
+    """A rank's end: its exit status and the channel records that tell how it got there."""
+
+    rank: int
+    code: int | None  # as os.waitstatus_to_exitcode: negative = killed by that signal
+    error: Error | None = None
+    left: Exit | None = None  # the rank's own sys.exit()/exit()
+    result: Result | None = None
+    done: bool = False  # finished the job and left the group
+    stopped: bool = False  # nbddp stopped it because another rank failed / interrupt / timeout
+    order: int = 0  # order in which the parent saw it end
+    max_rss: int = 0  # peak resident set size in bytes, from wait4
+    seen: float = float("inf")  # time.time() when the parent saw it end
+
+    @property
+    def ok(self) -> bool:
+        """Ended as a script may: the job finished, or the rank's own code exited with 0."""
+        return self.code == 0 and (self.done or (self.left is not None and self.left.code == 0))
+
+    @property
+    def left_early(self) -> bool:
+        return self.ok and not self.done
+
+    @property
+    def only_leaving(self) -> bool:
+        """The job finished and its results were sent; only leaving the group failed (a peer left first)."""
+        return self.error is not None and self.error.phase == "leave" and self.result is not None
+
+    @property
+    def when(self) -> float:
+        """When it failed: the rank's own timestamp, else (a signal, a silent exit) when the parent saw it."""
+        for rec in (self.error, self.left):
+            if rec is not None:
+                return rec.time
+        return self.seen
+
+    @property
+    def peer_lost(self) -> bool:
+        """A collective that failed because a peer went away: a consequence, never the cause."""
+        return self.error is not None and any(p in self.error.message for p in PEER_LOST)
+
+    @property
+    def phase(self) -> str | None:
+        rec = self.error or self.left
+        return rec.phase if rec is not None else None
+
+    def describe(self) -> str:
+        if self.error is not None:
+            return f"{self.error.type}: {self.error.message}"
+        if self.left is not None:
+            at = f" at {self.left.where}" if self.left.where else ""
+            return f"called sys.exit({self.left.code}){at}"
+        if self.code is not None and self.code < 0:
+            sig = signal.Signals(-self.code)
+            return f"killed by {sig.name}: {SIGNAL_HINTS.get(sig, '')}".rstrip(": ")
+        if self.code == 0:
+            return "exited (code 0) before the cell finished: os._exit() or a native exit inside the cell"
+        return f"exited with code {self.code} before the cell finished"
+
+    def headline(self) -> str:
+        phase = self.phase
+        where = f" while {PHASES[phase]}" if phase and phase != "cell" else ""
+        if self.left_early:
+            return f"rank {self.rank} left early: it {self.describe()} while the other ranks went on"
+        return f"rank {self.rank} failed{where}: {self.describe()}"
+
+
+def exit_record(rank: int, records: dict, *, code: int | None, stopped: bool, **more) -> RankExit:
+    """A rank's exit record, from the last record of each kind it sent (``records``: class -> record)
+    and its exit code (a pool's rank that answered a cell: 0 for a Result, 1 for an Error). ``stopped``:
+    nbddp ended it (a signal, or its interrupt); it counts only if the rank did not end on its own first
+    (an interrupt's own KeyboardInterrupt aside)."""
+    error, left, done = records.get(Error), records.get(Exit), Done in records
+    ours = stopped and left is None and not done and (error is None or error.type == "KeyboardInterrupt")
+    return RankExit(rank, code, error=error, left=left, result=records.get(Result), done=done, stopped=ours, **more)
+
+
+def failed(e: RankExit) -> bool:
+    """Counts against the run: not ok, not stopped by nbddp, and more than a peer's early leave."""
+    return not e.ok and not e.stopped and not e.only_leaving
+
+
+def root_cause(exits: list[RankExit]) -> RankExit | None:
+    """The failure that came first, errors that only say "my peer went away" last: a rank killed by
+    SIGSEGV is seen by the parent after its peer's collective already raised "Connection closed".
+    If the best a run has is such an error and a rank left early, the early leave is the cause."""
+    bad = [e for e in exits if failed(e)]
+    if not bad:
+        return None
+    first = min(bad, key=lambda e: (e.peer_lost, e.when, e.order))
+    early = [e for e in exits if e.left_early]
+    if first.peer_lost and early:
+        return min(early, key=lambda e: e.when)
+    return first
+
+
+def rank_failed(exits: list[RankExit], relabel, log_dir: str) -> RankFailure:
+    first = root_cause(exits)
+    assert first is not None
+    lines = [tracebacks.relabel(first.headline(), relabel)]
+    tb = first.error.traceback if first.error is not None else ""
+    if tb:
+        lines += ["", tracebacks.relabel(tb.rstrip(), relabel)]
+    lines.append("")
+    said: dict[str, list[int]] = {}  # what the others did -> which ranks (one line each, however many ranks)
+    for e in sorted(exits, key=lambda e: e.rank):
+        if e is first:
+            continue
+        if e.stopped:
+            said.setdefault(f": stopped by nbddp after rank {first.rank} failed", []).append(e.rank)
+        elif failed(e) and e.describe() == first.describe():
+            said.setdefault(" failed the same way", []).append(e.rank)
+        elif failed(e) or e.only_leaving:
+            said.setdefault(f" also failed (likely a consequence): {e.describe()}", []).append(e.rank)
+    lines += [f"{_ranks(ranks)}{what}" for what, ranks in said.items()]
+    lines.append(f"Every rank's full output: {log_dir}")
+    return RankFailure("\n".join(lines), rank=first.rank, cause=first.describe())
+
+
+def notes(exits: list[RankExit], relabel) -> list[str]:
+    """For a run that succeeded: what still deserves a word (a rank that left early)."""
+    out = []
+    went_on = any(e.done or e.only_leaving for e in exits)  # exit() on every rank is how a script may end: nothing to say
+    for e in exits:
+        if e.left_early and went_on:
+            out.append(tracebacks.relabel(e.headline(), relabel))
+        elif e.only_leaving:
+            out.append(f"rank {e.rank} finished the cell, then could not leave the process group "
+                       f"(a peer had left early): {e.describe()}")
+    return out
+
+
+class StackCapture:
+    """Subscribes to the supervisor's events: from a StacksRequested on, each such rank's stderr is
+    faulthandler's dump of its stacks. It is kept here for the report (trimmed to the user's frames
+    there) and not passed on to ``shown`` (the relay), so the cell shows the stacks once; the log writer
+    subscribes on its own and keeps every byte. Every other event goes to ``shown`` unchanged."""
+
+    def __init__(self, shown=None):
+        self.shown = shown
+        self._bytes: dict[int, bytearray] | None = None
+
+    def on_StacksRequested(self, event) -> None:
+        self._bytes = {r: bytearray() for r in event.ranks}
+
+    def on_Output(self, event) -> None:
+        if self._bytes is not None and event.stream == "stderr" and event.rank in self._bytes:
+            self._bytes[event.rank] += event.data
+        elif self.shown is not None:
+            self.shown.on_Output(event)
+
+    def __getattr__(self, name):  # the relay's other events (OutputClosed, Message, ...), as they come
+        shown = self.__dict__.get("shown")
+        if name.startswith("on_") and shown is not None:
+            return getattr(shown, name)
+        raise AttributeError(name)
+
+    def stacks(self) -> dict[int, str]:
+        return {r: b.decode("utf-8", "replace") for r, b in (self._bytes or {}).items()}
+
+
+def timed_out(timeout: float, live: list[int], stacks: dict[int, str], relabel, log_dir: str) -> RankFailure:
+    lines = [f"--timeout {timeout:g}s expired with {_ranks(live)} still running; all ranks stopped."]
+    places: dict[tuple, list[int]] = {}  # ranks stuck at the same place are shown once
+    for r in live:
+        shown = _stack_lines(stacks.get(r, ""), relabel, r, log_dir)
+        places.setdefault(tuple(shown[:-1]) + (shown[-1].replace(f"rank{r}.log", "rankN.log"),), []).append(r)
+    for shown, ranks in places.items():
+        was = "was" if len(ranks) == 1 else "were"
+        last = shown[-1] if len(ranks) > 1 else shown[-1].replace("rankN.log", f"rank{ranks[0]}.log")
+        lines += ["", f"{_ranks(ranks)} {was} here:", *shown[:-1], last]
+    lines += [
+        "",
+        "A rank waiting in a collective (all_reduce, barrier) usually means another rank skipped it or took",
+        "another branch. Raise --timeout if the work is just slow.",
+        f"Every rank's full output: {log_dir}",
+    ]
+    return RankFailure("\n".join(lines), rank=live[0] if live else None, cause="timeout", stacks=stacks)
+
+
+AWAITING = "a coroutine's frames are not on the stack while it waits"
+
+
+def _stack_lines(dump: str, relabel, rank: int, log_dir: str) -> list[str]:
+    if not dump.strip():
+        return ["  (no stack: the rank did not answer)"]
+    log = os.path.join(log_dir, f"rank{rank}.log")
+    frames = tracebacks.user_stack(dump, relabel)
+    if frames:
+        return frames + [f"  (most recent call first; every thread's whole stack is in {log})"]
+    if tracebacks.awaiting(tracebacks.main_thread(dump)):
+        return [f"  (waiting in an `await` of the cell: {AWAITING}; every thread's whole stack is in {log})"]
+    return [f"  (not in the cell's code: only nbddp's frames; every thread's whole stack is in {log})"]
+
+
+def interrupted(running: list[int], states: dict[int, str], log_dir: str, fate: str) -> KeyboardInterrupt:
+    """What the notebook shows after an interrupt while ranks ran: which ranks were running and where
+    each was in the user's code (``states``: "was at Cell In[4], line 2, in f: ..."), instead of a
+    traceback through nbddp's wait loop. Still a KeyboardInterrupt."""
+    head = f"interrupted while rank(s) {_ranks(running, word=False)} ran the cell" if running else "interrupted"
+    where: dict[str, list[int]] = {}
+    for r in running:
+        if r in states:
+            where.setdefault(states[r], []).append(r)
+    lines = [f"{head}; {fate}."] + [f"{_ranks(ranks)} {_plural(state) if len(ranks) > 1 else state}"
+                                    for state, ranks in where.items()]
+    lines.append(f"Every rank's full output: {log_dir}")
+    return errors.interrupt("\n".join(lines))
+
+
+def _plural(state: str) -> str:
+    return "were " + state[4:] if state.startswith("was ") else state
+
+
+def _ranks(ranks, word: bool = True) -> str:
+    """``rank 3`` / ``ranks 0-15, 17, 20-63``: consecutive ranks as ranges, so 600 ranks fit one line."""
+    ranks = sorted(ranks)
+    spans, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        spans += [str(r) for r in ranks[i:j + 1]] if j <= i + 1 else [f"{ranks[i]}–{ranks[j]}"]
+        i = j + 1
+    text = ", ".join(spans)
+    if not word:
+        return text
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def was_at(frames: list, relabel, otherwise: str) -> str:
+    """``frames``: a rank's stack, most recent first (tracebacks.main_thread, traceback_frames)."""
+    at = tracebacks.where(frames, relabel)
+    if at:
+        return f"was at {at}"
+    return f"was waiting in an `await` of the cell ({AWAITING})" if tracebacks.awaiting(frames) else otherwise

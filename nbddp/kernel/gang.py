@@ -1,0 +1,109 @@
+"""A gang: the ranks started from the kernel with one job, supervised until they are gone.
+
+A one-shot cell and a pool both have one; what differs is named here and nowhere else:
+- a one-shot cell's gang is started *for* the cell (its ranks see the notebook as it is now, in-place
+  changes included), gets the cell with the fork and ends with it (``persistent=False``);
+- a pool's gang (``persistent=True``) gets a command pipe per rank, lives across cells, and keeps a
+  dashboard (its ``view``) subscribed for its whole life.
+Its run directory (0700), rank logs (0600), supervisor and command pipes live and die together.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from ..wire import framing, messages
+from . import checks, rendezvous, starters
+from .logs import RankLogs
+from .supervisor import Bus, Supervisor
+
+STOP_S = 5.0  # a pool's ranks leave the group and exit within this after Stop, or are killed
+
+
+class Gang:
+    def __init__(self, config, plan, *, persistent: bool, view_for=None):
+        self.config, self.plan, self.persistent = config, plan, persistent
+        self.world_size = plan.world_size
+        self.run_dir = rendezvous.new_run_dir()
+        self.logs = RankLogs({r: str(self.run_dir.log(r)) for r in range(plan.world_size)})
+        # a pool's dashboard (poolview.PoolView, from view_for(plan, run_dir)): subscribed for the gang's life
+        self.view = view_for(plan, self.run_dir) if view_for else None
+        self.sup: Supervisor | None = Supervisor(Bus(self.lifelong()))
+        self.ready: set[int] = set()
+        self.started = False
+        self._cmd: dict[int, int] = {}
+        self._starter = None
+
+    def lifelong(self) -> list:
+        """The subscribers every cell's bus starts with."""
+        return [self.logs, self, *([self.view] if self.view is not None else [])]
+
+    def on_Message(self, event) -> None:
+        if isinstance(event.record, messages.Ready):
+            self.ready.add(event.rank)
+
+    # -- life ----------------------------------------------------------------------------------------
+    def start(self, job_for, deadline: float | None = None) -> None:
+        """One rank per planned device, running ``job_for(command pipes)`` (the pipes: a pool's only).
+        Past ``deadline`` no more are forked."""
+        pipes = {r: os.pipe() for r in range(self.world_size)} if self.persistent else {}
+        self._cmd = {r: w for r, (_, w) in pipes.items()}
+        self._starter = (starters.ForkStarter if self.config.start_method == "fork"
+                         else starters.SpawnStarter)(self.run_dir)
+        self.started = True
+        try:
+            checks.before_fork(self.config)
+            starters.fork_ranks(self.sup, self._starter, job_for(pipes), self.config, self.plan, self.run_dir,
+                                deadline)
+        finally:
+            for read, _ in pipes.values():
+                os.close(read)
+
+    @property
+    def alive(self) -> bool:
+        return self.sup is not None and len(self.sup.live()) == self.world_size
+
+    def command(self, cmd) -> None:
+        """One framed command on every live rank's pipe (a pool's)."""
+        frame = framing.encode(cmd)
+        for fd in self._cmd.values():
+            view = memoryview(frame)
+            try:
+                while view:
+                    view = view[os.write(fd, view):]
+            except BrokenPipeError:
+                pass  # that rank is gone; the supervisor reports how
+
+    def stop(self) -> None:
+        """A pool's end: every rank leaves the group and exits; SIGTERM/SIGKILL whoever does not in STOP_S."""
+        if self.sup is None:
+            return
+        end = time.monotonic() + STOP_S
+        try:
+            self.command(messages.Stop())
+            self.sup.bus = Bus(self.lifelong())
+            self.sup.wait(None, until=lambda: time.monotonic() >= end, wake_at=end)
+        finally:
+            self.close("stopped")
+
+    def close(self, why: str = "ended: torn down") -> None:
+        """Stop whatever still runs, reap it, and release everything the gang holds (once)."""
+        if self.sup is None:
+            return
+        if self.view is not None:
+            dead = [p.rank for p in self.sup.procs if p.exit is not None]
+            self.view.finish(why if why == "stopped" or not dead else f"ended: rank {dead[0]} exited")
+        sup, self.sup = self.sup, None
+        sup.stop_all()
+        sup.reap()
+        sup.close()
+        for fd in self._cmd.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._cmd = {}
+        self.logs.close()
+        self.run_dir.release_store()
+        if self._starter is not None:
+            self._starter.cleanup()

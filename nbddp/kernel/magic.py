@@ -1,0 +1,225 @@
+"""The magics: ``%%ddp`` (a cell on every rank), ``%ddp`` (a pool: start, stop, restart, status) and
+``%ddp_export``. Their options come from options.OPTIONS, so ``%%ddp?`` is the reference; each cell
+goes to the one cell engine (engine.py), one-shot or in the pool."""
+from __future__ import annotations
+
+import sys
+import time
+
+from IPython.core import magic_arguments
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from ..errors import ResultError, UsageError
+from ..ipy import cellcode, tracebacks
+from ..rank import jobs
+from ..views.display import view_for_session
+from ..wire import messages, values
+from . import checks, engine, options, sending
+
+
+def option_groups(func):
+    """``%%ddp``'s argument groups, declared from options.OPTIONS (magic_arguments builds ``%%ddp?``)."""
+    specs = list(options.argument_specs())
+    for i in range(len(specs) - 1, -1, -1):  # decorators apply from the bottom up
+        title, flags, kw = specs[i]
+        func = magic_arguments.argument(*flags, **kw)(func)
+        if i == 0 or specs[i - 1][0] != title:
+            func = magic_arguments.argument_group(title)(func)
+    return magic_arguments.magic_arguments()(func)
+
+
+@magics_class
+class DDPMagics(Magics):
+    _handlers: list = []  # (shell, handler) registered by every instance: %unload_ext takes them back
+
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        self.cells: list[str] = []
+        self.pool = None  # %ddp start's Pool, while one runs
+        self.pool_options = ""
+        if shell is not None:
+            self.unregister_events(shell)  # %reload_ext: one recorder, not two
+            shell.events.register("pre_run_cell", self._record)
+            DDPMagics._handlers.append((shell, self._record))
+
+    def _record(self, info) -> None:
+        self.cells.append(info.raw_cell)
+
+    @classmethod
+    def unregister_events(cls, shell) -> None:
+        for owner, handler in [h for h in cls._handlers if h[0] is shell]:
+            try:
+                shell.events.unregister("pre_run_cell", handler)
+            except ValueError:
+                pass
+            cls._handlers.remove((owner, handler))
+
+    @option_groups
+    @cell_magic
+    def ddp(self, line, cell):
+        """Run this cell on every rank of a torch.distributed job forked from the kernel.
+
+        The cell sees the notebook's globals plus ``rank``, ``local_rank``, ``world_size`` and
+        ``device``; the process group is initialised. Rank 0's last expression becomes the cell's
+        result; ``--out`` names come back from rank 0, ``--gather`` names from every rank. A rank's
+        ``display()``, ``plt.show()`` and rich outputs appear in the cell (other ranks' labelled with
+        their rank). Nothing else in the notebook changes.
+
+        Ranks start from fresh random state, different per rank and run, as under torchrun (``--seed N``
+        reproduces). ``%load_ext nbddp`` imported torch once in the kernel, so ranks start in milliseconds.
+        ``--threads N > 1`` is safe after the notebook ran torch ops (the kernel's idle OpenMP threads are
+        released before the fork). ``%ddp start`` keeps ranks alive across cells (``%ddp?``).
+        """
+        explicit = options.parse(line)  # bad input is refused here: nothing runs, nothing changes
+        given, names = options.split(explicit)
+        outs, gathers = names.get("out", []), names.get("gather", [])
+        if self.pool is not None and self.pool.alive:
+            return self._in_pool(given, outs, gathers, cell)
+        config = options.config(given)
+        shell = self.shell
+        source, filename, _ = self._compile(cell)
+        plan = checks.plan_for(config)  # before spawn pickles anything
+        fork = config.start_method == "fork"
+        # fork: the ranks share the notebook as it is now; spawn: the globals the cell reads travel with it
+        updates = {} if fork else sending.ship_globals(source, filename, shell.user_ns)
+        cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates)
+        relabel = tracebacks.cell_labels(shell)
+        outcome = engine.one_shot(cmd, config, plan=plan, namespace=shell.user_ns, observer=view_for_session(),
+                                  relabel=relabel, label=relabel.get(filename, ""))
+        for note in outcome.notes:
+            print(f"nbddp: {note}", file=sys.stderr)
+        return _deliver(outcome.results(), outs, gathers, shell.user_ns)
+
+    def _compile(self, cell):
+        shell = self.shell
+        source = "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line, as the user sees it
+        number = max(1, shell.execution_count - 1)  # IPython counts the running cell before it runs
+        filename = shell.compile.cache(source, number, raw_code=cell)
+        # a syntax error launches nothing, and shows as IPython shows it (Cell In[n], the line, the caret)
+        body, last = cellcode.split_last_expression(source, filename, tracebacks.cell_labels(shell))
+        return source, filename, cellcode.names_used(body) | (cellcode.names_used(last) if last else set())
+
+    def _in_pool(self, given: dict, outs, gathers, cell):
+        clash = self.pool.conflicts(given)
+        if clash:
+            raise UsageError("this cell asks for " + ", ".join(clash) + ", which the running pool cannot change; "
+                             "nothing ran.\nDrop those options, or %ddp restart with them (or %ddp stop to run "
+                             "one-shot cells).")
+        per_cell = {k: v for k, v in given.items() if k not in options.POOL_FIXED}
+        source, filename, names = self._compile(cell)
+        per_rank = self.pool.cell(source, filename, outs=outs, gathers=gathers, code=names,
+                                  relabel=tracebacks.cell_labels(self.shell), observer=view_for_session(lazy=True),
+                                  **per_cell)
+        try:
+            return _deliver(per_rank, outs, gathers, self.shell.user_ns)
+        finally:
+            self.pool.synced.accept([*outs, *gathers], self.shell.user_ns)
+
+    @line_magic("ddp")
+    def ddp_pool(self, line):
+        """%ddp start [options] | stop | restart [options] | status — ranks that live across cells.
+
+        ``%ddp start`` forks one rank per device from the kernel (everything in the notebook is shared
+        copy-on-write) and joins the process group once; every ``%%ddp`` cell then runs in those ranks,
+        and what a cell defines there is there for the next one. ``start`` takes %%ddp's options (see
+        ``%%ddp?``): the "Ranks" group holds for the pool's life, the per-cell ones become its cells'
+        defaults (a cell's own win); ``--out``/``--gather`` belong on a cell. A notebook variable a cell
+        reads that was created or rebound after the start is sent to every rank once. ``restart``
+        re-forks (the way to share new big data copy-on-write; bad options leave the running pool as it
+        is); ``stop`` ends the ranks; ``status`` (or ``%ddp`` alone) shows them.
+        """
+        from .pool import NO_POOL, Pool
+
+        verb, _, rest = line.strip().partition(" ")
+        verb = verb or "status"
+        if verb == "status":
+            if self.pool is not None and self.pool.alive and self.pool.view.shown:
+                self.pool.show()  # the pool's live dashboard, once more (the same output id)
+            else:
+                print(self.pool.status() if self.pool is not None else NO_POOL)
+            return
+        if verb == "stop":
+            print("nbddp: pool stopped" if self._stop_pool() else "nbddp: no pool is running")
+            return
+        if verb in ("start", "restart"):
+            if verb == "start" and self.pool is not None and self.pool.alive:
+                raise UsageError("a pool is already running: %ddp restart [options] re-forks it, %ddp stop ends it.")
+            rest = rest or (self.pool_options if verb == "restart" else "")
+            given, names = options.split(options.parse(rest))
+            if names:
+                raise UsageError(f"%ddp {verb}: --out and --gather bring values back from one %%ddp cell; give "
+                                 "them on that cell.\nNothing ran" + (", and the running pool is as it was."
+                                                                       if self.pool is not None else "."))
+            pool = Pool(self.shell.user_ns, **given)
+            plan = pool.check()  # bad options, spawn, the CUDA guard: refused while the running pool stays
+            self._stop_pool()
+            t0 = time.monotonic()
+            pool.start(plan)
+            self.pool, self.pool_options = pool, rest
+            print(f"nbddp: pool of {pool.plan.world_size} rank(s) on {pool.plan.accelerator}/{pool.plan.backend} "
+                  f"ready in {time.monotonic() - t0:.2f} s; %%ddp cells now run in it (%ddp stop ends it)", flush=True)
+            if pool.view.shown:
+                pool.show()  # its dashboard, below that line, live for the pool's life
+            return
+        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options] or status.")
+
+    def _stop_pool(self) -> bool:
+        if self.pool is None:
+            return False
+        self.pool.stop()
+        self.pool = None
+        return True
+
+    @line_magic
+    def ddp_export(self, line):
+        """%ddp_export train.py: write this session's %%ddp cells (and the cells they need) for torchrun."""
+        from ..export.script import export_cells
+
+        path = line.strip() or "train.py"
+        # cells as typed ("%%ddp ...", not run_cell_magic(...)); front ends that run cells without
+        # storing history (nbval, some IDEs) still reach pre_run_cell, which nbddp records from %load_ext on
+        raw = self.shell.history_manager.input_hist_raw[1:] or self.cells
+        history = [c for c in raw if not c.lstrip().startswith("%ddp_export")]
+        with open(path, "w") as f:
+            f.write(export_cells(history, source="this notebook session", script=path))
+        print(f"wrote {path}: its first lines give the torchrun command")
+
+
+def _deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict):
+    """--out names from rank 0, --gather names from every rank, into the notebook; every name that can
+    arrive does, then one ResultError names each that could not (rank, name, why)."""
+    problems = []
+    arrived = []
+
+    def load(rank: int, name: str, item):
+        flag = "--out" if name in outs else "--gather"
+        if item is None or item.problem == jobs.NEVER_DEFINED:
+            problems.append(f"{flag} {name}: rank {rank} never defined `{name}`.")
+            return None, False
+        if item.problem:
+            problems.append(f"{flag} {name}: rank {rank}'s `{name}`: {item.problem}.")
+            return None, False
+        try:
+            return values.loads(item.blob), True
+        except Exception as e:  # noqa: BLE001 - a value the kernel cannot rebuild is named, not raised
+            problems.append(f"{name}: rank {rank}'s value cannot be unpickled in the kernel: {type(e).__name__}: {e}.")
+            return None, False
+
+    first = per_rank[0]
+    for name in outs:
+        value, ok = load(0, name, first.outs.get(name))
+        if ok:
+            user_ns[name] = value
+            arrived.append(name)
+    for name in gathers:
+        loaded = [load(r, name, res.gathers.get(name)) for r, res in enumerate(per_rank)]
+        if all(ok for _, ok in loaded):
+            user_ns[name] = [v for v, _ in loaded]
+            arrived.append(name)
+    if problems:
+        problems.append(
+            "The cell ran on every rank; " + (f"these arrived: {', '.join(arrived)}." if arrived else "nothing arrived.")
+            + "\nSend plain data instead (tensors, numbers, dicts, a state_dict), or leave the name out."
+        )
+        raise ResultError("\n".join(problems))
+    return values.loads(first.value.blob) if first.value is not None else None

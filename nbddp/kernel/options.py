@@ -1,0 +1,209 @@
+"""Every option of a run, once: name, flags, default, choices, scope, help text and check.
+
+The magics' argument groups (``%%ddp?``), what ``%ddp start`` accepts, ``Config`` and its validation,
+the pool's clash check, ``nbddp.launch``'s keywords and docs/reference.md all derive from ``OPTIONS``.
+Scopes: ``launch`` options are fixed when ranks start (for a pool, its whole life); ``cell`` options
+hold for one cell (given at ``%ddp start`` they become the pool's defaults for its cells); ``names``
+options (``--out``, ``--gather``) belong to one ``%%ddp`` cell only.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..wire import values
+
+LAUNCH, CELL, NAMES = "launch", "cell", "names"
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # the keyword (nbddp.launch, Pool) and the Config field
+    flags: tuple  # as the magic takes it
+    default: object
+    help: str
+    scope: str = CELL
+    group: str = "output"
+    type: object = str
+    choices: tuple = ()
+    metavar: str | None = None
+    need: str = ""  # what a good value is, as the refusal says it ("a whole number >= 1")
+    ok: object = None  # value -> bool, for values the type and choices do not already settle
+
+    @property
+    def flag(self) -> str:
+        return self.flags[-1]
+
+    def check(self, value) -> str | None:
+        """Why ``value`` cannot be used, naming the option and what would do; None if it can."""
+        if self.choices and value not in self.choices:
+            return f"{self.flag} {value!r}: choose {', '.join(map(str, self.choices))}."
+        if self.ok is not None and not _holds(self.ok, value):
+            return f"{self.flag} {value!r}: need {self.need}."
+        return None
+
+
+def _holds(test, value) -> bool:
+    try:
+        return bool(test(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _whole(low):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _size(positive):
+    return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 if positive else v >= 0)
+
+
+GROUPS = {
+    "ranks": "Ranks (fixed when the ranks start: for a pool, its whole life)",
+    "values": "Values back into the notebook (one %%ddp cell)",
+    "output": "Output, limits and time (per cell; at %ddp start: the pool's defaults)",
+}
+
+OPTIONS = (
+    Option("devices", ("-d", "--devices"), "auto", scope=LAUNCH, group="ranks",
+           help="Ranks to start, Lightning-style: a count (4), GPU indices (0,2), -1 for all, or auto "
+           "(all free GPUs; one CPU rank). Default: auto."),
+    Option("accelerator", ("--accelerator",), "auto", scope=LAUNCH, group="ranks", choices=("auto", "cuda", "cpu"),
+           help="auto: cuda when NVML sees a GPU, else cpu."),
+    Option("backend", ("--backend",), "auto", scope=LAUNCH, group="ranks", choices=("auto", "nccl", "gloo"),
+           help="torch.distributed backend. auto: nccl on GPU, gloo on CPU."),
+    Option("start_method", ("--start-method",), "fork", scope=LAUNCH, group="ranks", choices=("fork", "spawn"),
+           help="fork (default): ranks share the notebook's data copy-on-write. spawn (one-shot cells only): "
+           "fresh interpreters; the cell and the globals it uses are pickled (for a kernel that already "
+           "initialised CUDA)."),
+    Option("threads", ("--threads",), 1, scope=LAUNCH, group="ranks", type=int, metavar="N", need="a whole number >= 1",
+           ok=_whole(1), help="Intra-op threads per rank (torch.set_num_threads). Default 1; more is safe after "
+           "the notebook ran torch ops (the kernel's idle OpenMP threads are released before the fork)."),
+    Option("seed", ("--seed",), None, scope=LAUNCH, group="ranks", type=int, metavar="N", need="a whole number >= 0",
+           ok=lambda v: v is None or _whole(0)(v),
+           help="Reproducible randomness: rank r's torch, random and numpy generators are seeded from N and r. "
+           "Default: fresh entropy per rank and run, as under torchrun; the notebook's own are never touched."),
+    Option("out", ("-o", "--out"), (), scope=NAMES, group="values", metavar="NAME",
+           help="Variables to bring back from rank 0 into the notebook (tensors arrive on the CPU; classes the "
+           "notebook defined stay the notebook's own)."),
+    Option("gather", ("-g", "--gather"), (), scope=NAMES, group="values", metavar="NAME",
+           help="Variables to bring back from every rank: NAME becomes a list of each rank's value, in rank order."),
+    Option("max_value_mb", ("--max-value-mb",), float(values.DEFAULT_MAX_VALUE_MB), group="values", type=float,
+           metavar="MB", need="a size in MiB > 0", ok=_size(True),
+           help=f"Largest value (pickled) one rank may send back per name (default {values.DEFAULT_MAX_VALUE_MB} "
+           "MiB); a larger one fails with its size, the other names still arrive."),
+    Option("timeout", ("--timeout",), None, type=float, metavar="SECONDS", need="a number of seconds > 0",
+           ok=lambda v: v is None or _size(True)(v),
+           help="Wall-clock limit for the cell. At expiry every live rank's Python stack is shown; one-shot "
+           "ranks stop, a pool's ranks are interrupted (the pool lives on if they come back)."),
+    Option("ranks_output", ("--ranks-output",), "all", choices=("all", "0", "none"),
+           help="Whose output (text and displays) the cell shows; every rank's text is kept in the run's logs."),
+    Option("prefix", ("--no-prefix",), True, type=bool,
+           help="Do not prefix lines with [rankN]: (handy with --ranks-output 0)."),
+    Option("max_lines", ("--max-lines",), 200_000, type=int, metavar="N", need="a whole number >= 0", ok=_whole(0),
+           help="Lines per rank shown in the cell (default 200000); the rest stays in the rank's log file."),
+    Option("max_line_chars", ("--max-line-chars",), 10_000, type=int, metavar="N", need="a whole number >= 1",
+           ok=_whole(1), help="Characters of one line shown in the cell (default 10000); a longer line is cut, "
+           "with a note; the whole line stays in the rank's log file."),
+    Option("max_output_mb", ("--max-output-mb",), 20.0, type=float, metavar="MB", need="a size in MiB >= 0",
+           ok=_size(False), help="Text per rank shown in the cell, in MiB (default 20); the rest stays in the "
+           "rank's log file."),
+)
+BY_NAME = {o.name: o for o in OPTIONS}
+POOL_FIXED = tuple(o.name for o in OPTIONS if o.scope == LAUNCH)  # what a running pool cannot change
+API = tuple(o.name for o in OPTIONS if o.scope != NAMES)  # nbddp.launch / nbddp.Pool keywords
+
+Config = dataclasses.make_dataclass(
+    "Config", [(o.name, object, dataclasses.field(default=o.default)) for o in OPTIONS if o.scope != NAMES],
+    kw_only=True, namespace={"__doc__": "Every option of a run, with its default (from OPTIONS)."},
+)
+Config.__module__ = __name__
+DEFAULTS = Config()
+
+
+def config(options: dict, base=None):
+    """A Config from keyword options (``base``'s values for the rest), unknown names refused."""
+    unknown = sorted(set(options) - set(API))
+    if unknown:
+        raise UsageError(f"unknown option(s) {', '.join(unknown)}; the options are: {', '.join(API)}.")
+    return dataclasses.replace(base or DEFAULTS, **options)
+
+
+def check(conf) -> None:
+    """Every option's own check, then what the platform allows; the first problem is refused."""
+    for o in OPTIONS:
+        if o.scope != NAMES and (problem := o.check(getattr(conf, o.name))):
+            raise UsageError(problem + _fix(o))
+    if not hasattr(os, "posix_spawn"):
+        raise UsageError(
+            f"nbddp runs ranks on Linux and macOS; {sys.platform} has neither fork nor posix_spawn.\n"
+            "On Windows, run the notebook inside WSL2 (CUDA and NCCL work there)."
+        )
+    if conf.start_method == "fork" and not fork_available():
+        raise UsageError(
+            f"fork is not available on {sys.platform}: use --start-method spawn "
+            "(the cell and the globals it uses are shipped with cloudpickle)."
+        )
+
+
+def _fix(o: Option) -> str:
+    return f"\nNothing ran. Default: {o.flag} {o.default}." if o.default not in (None, (), True) else "\nNothing ran."
+
+
+def fork_available() -> bool:
+    return hasattr(os, "fork")
+
+
+def max_value_bytes(conf) -> int:
+    return int(conf.max_value_mb * 2**20)
+
+
+# -- the magics' parser ---------------------------------------------------------------------------------
+def argument_specs(scopes=(LAUNCH, CELL, NAMES)):
+    """(group title, flags, argparse keywords) per option, in order; defaults are SUPPRESSed so a parse
+    holds exactly the options the user gave (``-d3`` and ``--devices=3`` alike)."""
+    for o in OPTIONS:
+        if o.scope not in scopes:
+            continue
+        kw = {"dest": o.name, "default": argparse.SUPPRESS, "help": o.help}
+        if o.type is bool:
+            kw.update(action="store_false")
+        elif o.scope == NAMES:
+            kw.update(nargs="+", metavar=o.metavar)
+        else:
+            kw.update(type=o.type, metavar=o.metavar)
+            if o.choices:
+                kw["choices"] = o.choices
+        yield GROUPS[o.group], o.flags, kw
+
+
+def given(line: str, parse) -> dict:
+    """The options a magic's line gave, by name, each checked: ``parse`` is the magic's parser."""
+    explicit = dict(vars(parse(line)))
+    for name, value in explicit.items():
+        o = BY_NAME[name]
+        if o.scope != NAMES and (problem := o.check(value)):
+            raise UsageError(problem + _fix(o))
+    return explicit
+
+
+def parse(line: str) -> dict:
+    """The options a ``%%ddp`` line gave, without IPython (export reads cells with it)."""
+    from IPython.core.magic_arguments import MagicArgumentParser
+
+    import shlex
+
+    parser = MagicArgumentParser(prog="%%ddp", add_help=False)
+    for _, flags, kw in argument_specs():
+        parser.add_argument(*flags, **kw)
+    return given(line, lambda text: parser.parse_args(shlex.split(text)))
+
+
+def split(explicit: dict) -> tuple[dict, dict]:
+    """(Config options, names options) of a parse."""
+    return ({k: v for k, v in explicit.items() if BY_NAME[k].scope != NAMES},
+            {k: list(v) for k, v in explicit.items() if BY_NAME[k].scope == NAMES})

@@ -1,0 +1,139 @@
+"""A pool: ranks forked from the kernel once, living across cells (``%ddp start``, ``nbddp.Pool``).
+
+The ranks share the notebook's data as it was at the start, copy-on-write, and join the process group
+once; each ``%%ddp`` cell is then a command on every rank's command pipe, run by the one cell engine
+(engine.py, which also holds the failure rules). A notebook name a cell reads that was created or
+rebound since the start is sent once (sending.Synced).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import cloudpickle
+
+from ..errors import RankFailure, UsageError
+from ..rank.jobs import CallJob
+from ..rank.server import Server
+from ..views.display import view_for_pool
+from ..wire import messages
+from . import checks, engine, failure, options
+from .gang import Gang
+from .sending import Synced
+
+START_S = 600.0  # the ranks of a new pool must all be in the process group by then
+NO_POOL = "no pool is running (%ddp start [options] starts one)"
+
+
+class Pool:
+    """``with nbddp.Pool(devices=2) as pool: pool.run(fn, *args)`` — or ``%ddp start`` in a notebook.
+
+    Options are ``%%ddp``'s, by keyword: those fixed when ranks start hold for the pool's life, the
+    per-cell ones (``timeout``, ``ranks_output``, ...) become the defaults of its cells."""
+
+    def __init__(self, namespace: dict | None = None, **opts):
+        self.config = options.config(opts)
+        self.namespace = namespace
+        self.gang: Gang | None = None
+        self.view = None  # its dashboard (poolview.PoolView), from start() on
+
+    # -- life --------------------------------------------------------------------------------------
+    def check(self):
+        """Everything that can refuse this pool, checked with nothing changed; returns the plan."""
+        return checks.preflight(self.config, pool=True)
+
+    def start(self, plan=None) -> "Pool":
+        plan = plan or self.check()
+        with checks.one_at_a_time():
+            gang = self.gang = Gang(self.config, plan, persistent=True, view_for=view_for_pool)
+            self.view = gang.view
+            try:
+                gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
+                self.started_at = time.time()
+                self.synced = Synced(self.namespace or {})
+                self.rank_assigned: set[str] = set()
+                gang.sup.announce()
+                end = time.monotonic() + START_S
+                gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
+                              wake_at=end)
+            except BaseException:
+                gang.close()
+                raise
+        if len(gang.ready) < gang.world_size:
+            exits = [p.exit for p in gang.sup.procs if p.exit is not None]
+            gang.close()
+            raise failure.rank_failed(exits, {}, str(gang.run_dir.path)) if failure.root_cause(exits) else \
+                RankFailure(f"the pool's ranks did not come up within {START_S:g} s; nothing is left running.",
+                            rank=None, cause="start")
+        return self
+
+    @property
+    def plan(self):
+        return self.gang.plan
+
+    @property
+    def run_dir(self):
+        return self.gang.run_dir
+
+    def show(self) -> None:
+        """Display the pool's dashboard here (``%ddp start`` and ``%ddp status`` do): one live output."""
+        self.view.show()
+
+    @property
+    def alive(self) -> bool:
+        return self.gang is not None and self.gang.alive
+
+    def stop(self) -> None:
+        """Ask every rank to leave the group and exit; SIGTERM/SIGKILL whoever does not within 5 s."""
+        if self.gang is not None:
+            self.gang.stop()
+
+    def __enter__(self) -> "Pool":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- cells ---------------------------------------------------------------------------------------
+    def run(self, fn, *args) -> list:
+        """``fn(*args)`` on every rank, in the pool; each rank's return value, in rank order (a value that
+        cannot come back raises ResultError naming the rank, as ``nbddp.launch`` does)."""
+        blob = cloudpickle.dumps(CallJob(fn, args, options.max_value_bytes(self.config)))
+        outcome = self._engine(self.config, getattr(fn, "__name__", "call")).run(command=messages.Call(blob))
+        return engine.returned(outcome.results())
+
+    def cell(self, source: str, filename: str, *, outs=(), gathers=(), code=None, relabel=None,
+             observer=None, **per_cell) -> list:
+        """A %%ddp cell in the pool; each rank's Result. ``code``: the names the cell reads.
+        ``per_cell``: the cell's own options (checked by the caller), over the pool's."""
+        config = options.config(per_cell, base=self.config)
+        updates, said = self.synced.changes(code or set(), self.namespace or {}, self.rank_assigned)
+        self.rank_assigned -= set(updates)
+        for line in said:
+            print(f"nbddp: {line}", file=sys.stderr)
+        if said:
+            sys.stderr.flush()  # before the ranks' output, where it belongs
+        cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config),
+                               updates)
+        label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
+        per_rank = self._engine(config, label, relabel, observer).run(command=cmd).results()
+        for res in per_rank:
+            self.rank_assigned |= set(res.assigned)
+        return per_rank
+
+    def _engine(self, config, label, relabel=None, observer=None) -> engine.CellRun:
+        if not self.alive:
+            raise UsageError("the pool is not running: %ddp start (or Pool.start()) first.")
+        return engine.CellRun(self.gang, config, label=label, relabel=relabel, observer=observer)
+
+    # -- what %ddp status shows ------------------------------------------------------------------------
+    def status(self) -> str:
+        if not self.alive:
+            return NO_POOL
+        self.view.sample(uss=True)
+        return self.view.render_text()
+
+    def conflicts(self, explicit: dict) -> list[str]:
+        """Options a %%ddp cell gave that the running pool cannot honour."""
+        return [f"--{k.replace('_', '-')} {v} (the pool has {getattr(self.config, k)})"
+                for k, v in explicit.items() if k in options.POOL_FIXED and str(v) != str(getattr(self.config, k))]

@@ -1,0 +1,110 @@
+"""Notebook values sent to ranks by value, each pickled once in the kernel, one that cannot be named
+with why: the globals a spawned rank's cell reads (``ship_globals``), and what a pool's ranks do not
+have yet (``Synced``: names the notebook created or rebound since the ranks last saw them)."""
+from __future__ import annotations
+
+import builtins
+import types
+import weakref
+
+import cloudpickle
+
+from ..errors import UsageError
+from ..ipy.cellcode import names_used, notebook_name, split_last_expression
+from ..wire import values
+
+
+def ship_globals(source: str, filename: str, user_ns: dict) -> dict[str, bytes]:
+    """The globals a spawned rank needs, each pickled by value; an unpicklable one is named."""
+    body, last = split_last_expression(source, filename)
+    wanted = names_used(body) | (names_used(last) if last else set())
+    shipped = {}
+    for name in sorted(wanted):
+        if name not in user_ns or not notebook_name(name):
+            continue
+        if hasattr(builtins, name) and user_ns[name] is getattr(builtins, name):
+            continue
+        try:
+            shipped[name] = cloudpickle.dumps(user_ns[name])
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(
+                f"--start-method spawn must send the global `{name}` ({values.describe(user_ns[name])}) to every "
+                f"rank, but it cannot be pickled:\n  {type(e).__name__}: {e}\n"
+                f"Create `{name}` inside the cell, or use --start-method fork (it shares the notebook's objects)."
+            ) from None
+    return shipped
+
+
+BIG_UPDATE = 16 * 2**20  # a sent value this large earns the hint that %ddp restart shares it instead
+
+
+class Synced:
+    """Which notebook values the ranks have: a name the notebook created or rebound since the pool
+    started (or since it was last sent) is sent again; one the ranks assigned themselves stays theirs
+    unless the notebook rebinds it too."""
+
+    def __init__(self, namespace: dict):
+        self._known = {k: _token(v) for k, v in namespace.items()}
+
+    def accept(self, names, namespace: dict) -> None:
+        """Names the notebook just received from the ranks (--out, --gather): not changes to send back."""
+        for name in names:
+            if name in namespace:
+                self._known[name] = _token(namespace[name])
+
+    def changes(self, names, namespace: dict, rank_assigned: set) -> tuple[dict, list[str]]:
+        updates, sizes, both = {}, [], []
+        for name in sorted(names):
+            if name not in namespace or not notebook_name(name):
+                continue
+            value = namespace[name]
+            if isinstance(value, types.ModuleType) or _same(self._known.get(name), value):
+                continue
+            try:
+                blob = cloudpickle.dumps(value)
+            except Exception as e:  # noqa: BLE001
+                raise UsageError(f"`{name}` changed in the notebook since %ddp start and must be sent to every "
+                                 f"rank, but it cannot be pickled: {type(e).__name__}: {e}\nNothing ran. "
+                                 "Create it inside a %%ddp cell, or %ddp restart (the ranks then share it).") from None
+            updates[name] = blob
+            self._known[name] = _token(value)
+            sizes.append(f"{name} ({values.describe(value)}, {_size(len(blob))})")
+            if name in rank_assigned:
+                both.append(name)
+        said = []
+        if updates:
+            total = sum(len(b) for b in updates.values())
+            said.append(f"sent {', '.join(sizes)} to every rank (new or rebound in the notebook since the pool "
+                        "started)" + ("; %ddp restart shares big data copy-on-write instead" if total >= BIG_UPDATE
+                                      else ""))
+        if both:
+            said.append(f"{', '.join(both)} changed both in the notebook and on the ranks: the ranks now use "
+                        "the notebook's value")
+        return updates, said
+
+
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _token(value):
+    if isinstance(value, _IMMUTABLE):
+        return ("v", type(value), value)
+    try:
+        return ("w", weakref.ref(value))
+    except TypeError:
+        return ("i", id(value))
+
+
+def _same(token, value) -> bool:
+    if token is None:
+        return False
+    kind = token[0]
+    if kind == "v":
+        return type(value) is token[1] and value == token[2]
+    if kind == "w":
+        return token[1]() is value
+    return token[1] == id(value)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} B"

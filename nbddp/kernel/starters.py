@@ -1,0 +1,166 @@
+"""Starting ranks: one small class per start method (fork, spawn), each giving a rank three pipes
+(stdout, stderr, its typed channel) and registering it with the supervisor; ``fork_ranks`` starts one
+rank per planned device, an interrupt held back until every rank started is tracked.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+
+from ..rank.stdio import LIBC
+from ..rank.worker import RankSpec, fork_main
+from ..wire import values
+from . import devices, rendezvous
+from .supervisor import RankProc, Supervisor
+
+# Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
+# ranks only run the cell and exit through os._exit, and worker.py makes torch safe first.
+warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=DeprecationWarning,
+                        module=__name__)
+
+
+def _life_pipe() -> tuple[int, int] | tuple[None, None]:
+    """Where there are no pidfds (macOS): a pipe whose write end only the rank holds."""
+    return (None, None) if hasattr(os, "pidfd_open") else os.pipe()
+
+
+def fork_ranks(sup: Supervisor, starter, job, config, plan: devices.Plan, run_dir,
+               deadline: float | None = None) -> None:
+    """One rank per device, registered with the supervisor as soon as it exists. Past ``deadline``
+    (--timeout) no more are forked: hundreds of CPU ranks on a few cores can take minutes to fork."""
+    ifname = rendezvous.loopback_ifname()
+    port = rendezvous.free_port()
+    specs = [
+        RankSpec(
+            rank=rank,
+            world_size=plan.world_size,
+            accelerator=plan.accelerator,
+            backend=plan.backend,
+            device_id=dev,
+            threads=config.threads,
+            seed=config.seed,
+            store_path=str(run_dir.store),
+            parent_pid=os.getpid(),
+            env=_rank_env(plan, rank, run_dir.run_id, port, config.threads, ifname),
+        )
+        for rank, dev in enumerate(plan.device_ids)
+    ]
+    with sigint_deferred() as interrupted:  # a rank forked is registered before an interrupt is raised
+        for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
+            sup.add(starter.start(spec, job, sup.all_fds()))
+            if interrupted or (deadline is not None and time.monotonic() >= deadline):
+                break  # an interrupt is raised on leaving; the supervisor then finds the deadline passed
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Hold an interrupt back while a rank is forked and registered; yields the (truthy once
+    interrupted) list of interrupts noted, and raises at the end if the body did not.
+
+    A signal mask would not do: Jupyter's SIGINT goes to the whole process, and any of the kernel's
+    other threads takes it; so the handler itself is swapped for one that only takes note.
+    """
+    noted = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if noted:
+            raise KeyboardInterrupt
+
+
+def _rank_env(plan, rank, run_id, port, threads, ifname) -> dict:
+    env = rendezvous.torchrun_env(
+        rank=rank, world_size=plan.world_size, run_id=run_id, master_port=port, threads=threads, ifname=ifname
+    )
+    if plan.backend == "nccl":
+        from ..hw import nccl
+
+        env.update({k: v for k, v in nccl.rank_env(ifname).items() if k not in os.environ})
+    return env
+
+
+# -- start methods ----------------------------------------------------------------------------------
+class ForkStarter:
+    """The default: a fork of the kernel, so notebook data is shared copy-on-write."""
+
+    def __init__(self, run_dir):
+        self.run_dir = run_dir
+
+    def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        chan_r, chan_w = os.pipe()
+        life_r, life_w = _life_pipe()
+        LIBC.fflush(None)  # C-level buffers would otherwise be written again by the child
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child; fork_main never returns (life_w stays open)
+            fork_main(spec, job, out_fd=out_w, err_fd=err_w, chan_fd=chan_w,
+                      close_fds=[*inherited_fds, out_r, err_r, chan_r, *([life_r] if life_r is not None else [])])
+        return _parent_side(pid, spec.rank, out_r, err_r, chan_r, (out_w, err_w, chan_w), (life_r, life_w))
+
+    def cleanup(self) -> None:
+        pass
+
+
+class SpawnStarter:
+    """A fresh interpreter per rank: for platforms without fork, or a kernel that already uses CUDA."""
+
+    def __init__(self, run_dir):
+        self.run_dir = run_dir
+        self.job_path = run_dir.path / "job.pkl"
+
+    def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
+        if not self.job_path.exists():
+            fd = os.open(self.job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(values.dumps(job))
+        spec_path = self.run_dir.path / f"spec{spec.rank}.pkl"
+        fd = os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(values.dumps(spec))
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        chan_r, chan_w = os.pipe()
+        life_r, life_w = _life_pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        pid = os.posix_spawn(
+            sys.executable,
+            [sys.executable, "-m", "nbddp.rank.spawn_main", str(spec_path), str(self.job_path)],
+            env,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, out_w, 1),
+                (os.POSIX_SPAWN_DUP2, err_w, 2),
+                (os.POSIX_SPAWN_DUP2, chan_w, 3),
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                *([(os.POSIX_SPAWN_DUP2, life_w, 4)] if life_w is not None else []),
+            ],
+            setpgroup=0,
+        )
+        return _parent_side(pid, spec.rank, out_r, err_r, chan_r, (out_w, err_w, chan_w), (life_r, life_w))
+
+    def cleanup(self) -> None:
+        for p in self.run_dir.path.glob("*.pkl"):
+            p.unlink(missing_ok=True)
+
+
+def _parent_side(pid, rank, out_r, err_r, chan_r, child_ends, life) -> RankProc:
+    life_r, life_w = life
+    for fd in (*child_ends, *([life_w] if life_w is not None else [])):
+        os.close(fd)
+    try:
+        os.setpgid(pid, pid)  # also done in the child; whichever runs first wins the race
+    except OSError:
+        pass
+    exit_fd = life_r if life_r is not None else os.pidfd_open(pid)
+    return RankProc(rank, pid, exit_fd, {out_r: "stdout", err_r: "stderr", chan_r: "channel"})

@@ -1,0 +1,217 @@
+"""Inside a rank: cut what the fork inherited from the Jupyter kernel that must not be used there.
+
+A forked rank holds copies of the kernel's zmq sockets and of objects that write to them (ipykernel's
+``OutStream``, the display publisher, widget comms, ``tqdm.auto``'s widget bar). Using them from a
+child corrupts or slows the kernel's channels, so each is pointed at the rank's own stdout/stderr.
+A rank is also not an interactive session: libraries that refuse to run DDP "in a notebook"
+(Lightning reads ``sys.ps1`` at import) must see a script.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+
+from ..ipy.session import running_shell
+
+
+def after_process_group() -> None:
+    """Once the rank's process group is up, before the cell runs: the user's own distributed code
+    (init/destroy_process_group, launchers) meets what it would under torchrun, and every process the
+    rank starts dies with it."""
+    from . import launchers
+    from . import usergroup
+
+    usergroup.install()
+    import torch.distributed as dist
+
+    launchers.install(dist.get_rank(), dist.get_world_size())
+    launchers.guard_descendants()
+
+
+def redirect_in_rank(kernel_streams=(), chan=None) -> None:
+    """``kernel_streams``: what sys.stdout/sys.stderr were in the kernel at fork time; ``chan``: the
+    rank's channel, which carries its rich outputs (display, plots) to the cell."""
+    _redirect_outstreams(kernel_streams)
+    _rank_display(chan)
+    _rank_pager()
+    _dummy_comms()
+    _console_tqdm()
+    _not_interactive()
+
+
+def _redirect_outstreams(kernel_streams) -> None:
+    """Anything still holding the kernel's OutStream (a logging handler made in the notebook, say)."""
+    iostream = sys.modules.get("ipykernel.iostream")
+    if iostream is None:
+        return
+
+    def _target(stream):
+        return sys.stderr if getattr(stream, "name", "stdout") == "stderr" else sys.stdout
+
+    iostream.OutStream.write = lambda self, s: _target(self).write(s)
+    iostream.OutStream.writelines = lambda self, lines: _target(self).writelines(lines)
+    iostream.OutStream.flush = lambda self: _target(self).flush()
+    for stream in kernel_streams:  # ipykernel >= 7 also binds write on each instance
+        if isinstance(stream, iostream.OutStream):
+            target = _target(stream)
+            stream.__dict__.update(write=target.write, writelines=target.writelines, flush=target.flush)
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # a model only the rank has: never sent
+
+
+def _rank_display(chan) -> None:
+    """``display(obj)``, ``plt.show()``, rich reprs: their MIME bundles go to the cell through the
+    rank's channel instead of the kernel's zmq sockets. Text written before a display is flushed first,
+    so the cell shows both in the order the rank produced them."""
+    shell = running_shell()
+    if shell is None or chan is None:
+        return
+    from ..wire.messages import ClearOutput, Display
+
+    def flush():
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+
+    def publish(data, metadata=None, source=None, *, transient=None, update=False, **kwargs):
+        data = {k: v for k, v in (data or {}).items() if k != WIDGET_VIEW}
+        if not data:
+            return
+        flush()
+        chan.send(Display(data, metadata or {}, (transient or {}).get("display_id"), update))
+
+    def clear_output(wait=False):
+        flush()
+        chan.send(ClearOutput(wait))
+
+    shell.display_pub.publish = publish
+    shell.display_pub.clear_output = clear_output
+
+
+def _rank_pager() -> None:
+    """``obj?``, ``obj??``, ``%pinfo``, ``%pdoc``...: IPython pages their text, and ipykernel's pager
+    sends it as a payload of the execute_reply, which a rank never sends. The text goes to the rank's
+    stdout instead, so it appears in the cell (rank-prefixed, like any output)."""
+    shell = running_shell()
+    if shell is None:
+        return
+
+    def show_in_pager(self, data, start=0, screen_lines=0, **kwargs):
+        text = data.get("text/plain", "") if isinstance(data, dict) else str(data)
+        print("\n".join(text.splitlines()[start:]))
+
+    shell.set_hook("show_in_pager", show_in_pager, priority=0)  # before ipykernel's payload pager (99)
+
+
+def _dummy_comms() -> None:
+    comm = sys.modules.get("comm")
+    if comm is not None and hasattr(comm, "DummyComm"):
+        comm.create_comm = lambda *a, **k: comm.DummyComm(*a, **k)
+
+
+def _console_tqdm() -> None:
+    """tqdm draws text bars in a rank, on its stderr (a widget bar would need the kernel's sockets; its
+    updates never reach the cell). ``tqdm.auto`` picks ``tqdm.std``; and ``tqdm.notebook``'s widget
+    class, even as a name the notebook bound before the cell (``from tqdm.auto import tqdm``), draws
+    as ``tqdm.std`` does. Whatever of tqdm the rank imports later gets the same treatment."""
+    std = sys.modules.get("tqdm.std")
+    if std is not None:
+        _fresh_tqdm_state(std)
+    notebook = sys.modules.get("tqdm.notebook")
+    if notebook is not None:
+        _text_bars(notebook)
+    auto = sys.modules.get("tqdm.autonotebook")
+    if auto is not None:  # (it imported tqdm.std)
+        for mod in (auto, sys.modules.get("tqdm.auto")):
+            if mod is not None:
+                mod.tqdm, mod.trange = std.tqdm, std.trange
+    if auto is None or notebook is None:
+        sys.meta_path.insert(0, _ConsoleTqdm({"tqdm.autonotebook", "tqdm.notebook"} - set(sys.modules)))
+
+
+NOTEBOOK_ONLY = ("display",)  # tqdm.notebook's own keywords, which tqdm.std refuses
+
+
+def _text_bars(notebook) -> None:
+    """``tqdm.notebook.tqdm`` and its subclasses (``tqdm.auto.tqdm``) behave as ``tqdm.std.tqdm``: the
+    class's own methods go (status_printer, display, __init__, ...), so tqdm.std's are found instead."""
+    cls = notebook.tqdm_notebook
+    for name in [n for n in vars(cls) if not n.startswith("__") or n in ("__init__", "__iter__")]:
+        delattr(cls, name)
+
+    def __init__(self, *args, **kwargs):
+        for key in NOTEBOOK_ONLY:
+            kwargs.pop(key, None)
+        super(cls, self).__init__(*args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+def _fresh_tqdm_state(std) -> None:
+    """Bars the kernel made are not the rank's: its own start at the top line, and its lock is its own
+    (the kernel's holds a semaphore shared with every fork, which a rank killed mid-draw would leave
+    taken, and a thread lock another kernel thread may have held at the fork)."""
+    std.tqdm._instances.clear()
+    lock = std.TqdmDefaultWriteLock
+    lock.th_lock = std.TRLock()
+    if "mp_lock" in vars(lock):
+        del lock.mp_lock  # made again, the rank's own, when a bar needs it
+    pending = [std.tqdm]
+    while pending:
+        cls = pending.pop()
+        pending += cls.__subclasses__()
+        if "_lock" in vars(cls):
+            del cls._lock
+
+
+class _ConsoleTqdm(importlib.abc.MetaPathFinder):
+    """tqdm imported in the rank: ``tqdm.autonotebook`` as if no kernel were present (it then picks
+    tqdm.std), ``tqdm.notebook`` with text bars."""
+
+    def __init__(self, names: set):
+        self.names = names
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.names:
+            return None
+        self.names.discard(name)
+        if not self.names:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = (_HideKernel if name == "tqdm.autonotebook" else _TextBarsLoader)(spec.loader)
+        return spec
+
+
+class _HideKernel(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        hidden = sys.modules.pop("ipykernel.zmqshell", None)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            if hidden is not None:
+                sys.modules["ipykernel.zmqshell"] = hidden
+
+
+class _TextBarsLoader(_HideKernel):
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _text_bars(module)
+
+
+def _not_interactive() -> None:
+    for attr in ("ps1", "ps2"):
+        if hasattr(sys, attr):
+            delattr(sys, attr)
+    if not any(m in sys.modules for m in ("lightning", "lightning_fabric", "pytorch_lightning")):
+        return
+    for name, mod in list(sys.modules.items()):
+        if name.startswith(("lightning", "pytorch_lightning")) and getattr(mod, "_IS_INTERACTIVE", False):
+            mod._IS_INTERACTIVE = False

@@ -1,0 +1,108 @@
+"""What a rank runs for a command: a notebook cell (``CellJob``: its last expression, ``--out`` and
+``--gather`` names back as a ``Result``) or a function (``CallJob``: ``nbddp.launch``, ``Pool.run``)."""
+from __future__ import annotations
+
+import builtins
+import inspect
+import linecache
+import sys
+import types
+
+from ..ipy.cellcode import is_async, split_last_expression
+from ..wire import values
+from ..wire.messages import Item, Result
+
+
+def run_async(body: types.CodeType, last: types.CodeType | None, ns: dict):
+    """A cell with top-level ``await``: body and last expression awaited in one fresh event loop (a
+    forked rank must never touch the kernel's running loop), closed when the cell ends."""
+    import asyncio
+
+    async def cell():
+        done = eval(body, ns)
+        if inspect.iscoroutine(done):
+            await done
+        value = eval(last, ns) if last is not None else None
+        return await value if is_async(last) else value
+
+    return asyncio.run(cell())
+
+
+class CellJob:
+    """Runs a cell on a rank in a namespace and returns its ``Result``: rank 0's last expression and
+    ``outs``, every rank's ``gathers``."""
+
+    def __init__(self, source: str, filename: str, *, outs=(), gathers=(), max_value_bytes: int):
+        self.source = source
+        self.filename = filename
+        self.outs = tuple(outs)
+        self.gathers = tuple(gathers)
+        self.max_value_bytes = max_value_bytes
+
+    def run_in(self, ns: dict, ctx, notebook) -> Result:
+        """Run in ``ns``; ``notebook``: the objects (values.notebook_objects) the kernel has as well,
+        which travel back by reference."""
+        if self.filename not in linecache.cache:
+            lines = self.source.splitlines(keepends=True)
+            linecache.cache[self.filename] = (len(self.source), None, lines, self.filename)
+        ns.update(rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, device=ctx.device)
+        ns.update(exit=sys.exit, quit=sys.exit)  # as in a script: ends this rank's cell
+        body, last = split_last_expression(self.source, self.filename)  # compiled per rank: code objects
+        # do not need to travel for spawn, and a compile is ~0.1 ms
+        if is_async(body) or is_async(last):
+            value = run_async(body, last, ns)
+        else:
+            exec(body, ns)
+            value = eval(last, ns) if last is not None else None
+        _show_figures()
+
+        def pack(obj):
+            return values.pack(obj, max_bytes=self.max_value_bytes, notebook=notebook)
+
+        def named(names):
+            return {n: pack(ns[n]) if n in ns else _never_defined(n) for n in names}
+
+        gathers = named(self.gathers)
+        if ctx.rank != 0:
+            return Result(gathers=gathers)
+        item = pack(value) if value is not None else None
+        if item is not None and item.problem:
+            _display_instead(value, item.problem)
+            item = None
+        return Result(value=item, outs=named(self.outs), gathers=gathers)
+
+
+def fresh_namespace() -> dict:
+    return {"__name__": "__main__", "__builtins__": builtins}
+
+
+NEVER_DEFINED = "never defined"
+
+
+def _never_defined(name: str):
+    return Item(problem=NEVER_DEFINED)
+
+
+def _show_figures() -> None:
+    """As a notebook cell ends: figures drawn under the inline backend but never shown are shown."""
+    inline = sys.modules.get("matplotlib_inline.backend_inline")
+    if inline is not None and "inline" in str(sys.modules["matplotlib"].get_backend()):
+        inline.flush_figures()
+
+
+def _display_instead(value, problem: str) -> None:
+    """A last expression that cannot travel is shown from the rank (its rich display) instead."""
+    from IPython.display import display
+
+    display(value)
+    print(f"(Out[] stays empty: the last expression's value {problem})", file=sys.stderr)
+
+
+class CallJob:
+    """``fn(*args)`` on a rank; its return value comes back (``nbddp.launch``, ``Pool.run``)."""
+
+    def __init__(self, fn, args, max_value_bytes: int):
+        self.fn, self.args, self.max_value_bytes = fn, args, max_value_bytes
+
+    def __call__(self, ctx) -> Result:
+        return Result(value=values.pack(self.fn(*self.args), max_bytes=self.max_value_bytes))

@@ -1,0 +1,135 @@
+"""The job every rank runs: it answers the kernel's commands (``RunCell``, ``Call``, ``HealthCheck``,
+``Stop``), each with exactly one answer on the rank's channel (``Result``, ``Error``, ``Exit``,
+``Healthy``).
+
+A one-shot cell's ranks get their one command with the fork (or, spawned, pickled with the job) and
+leave after answering it, as a script ends: an exception or ``sys.exit()`` ends the rank. A pool's
+ranks read commands from their command pipe until ``Stop``, and what a cell defines stays in the rank's
+namespace for the next one; an exception is answered and the rank lives on. SIGUSR2 raises
+KeyboardInterrupt in a running command (how the kernel relays Jupyter's interrupt to a pool, or frees
+ranks after a peer failed); between commands it is ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+
+import cloudpickle
+
+from ..wire import framing, messages, values
+from .jobs import CellJob, fresh_namespace
+from .stdio import flush_streams
+from .worker import exit_code, exit_site, report
+
+INJECTED = {"rank", "local_rank", "world_size", "device", "exit", "quit"}
+INTERRUPT = signal.SIGUSR2
+
+
+class Server:
+    """``first``: a one-shot cell's command (answered, then the rank leaves). ``cmd_pipes``: a pool's
+    command pipe per rank (read, write). ``namespace``: with fork, the kernel's user_ns (each rank has
+    its own copy); spawned ranks start from a fresh one, and the notebook values a cell reads arrive
+    with it."""
+
+    def __init__(self, *, first=None, cmd_pipes: dict[int, tuple[int, int]] | None = None, namespace=None):
+        self.first = first
+        self.cmd_pipes = cmd_pipes or {}
+        self.namespace = namespace
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["namespace"] = None  # the kernel's namespace never travels (spawn)
+        return state
+
+    def __call__(self, ctx) -> messages.Result | None:
+        """A one-shot rank's Result (sent by the worker before it leaves), or None after a pool's Stop."""
+        ns = self.namespace if self.namespace is not None else fresh_namespace()
+        # what the kernel has too (by reference on the way back); spawn: cloudpickle's class tracking
+        notebook = values.notebook_objects(ns) if self.namespace is not None else None
+        busy = []
+
+        def interrupt(signum, frame):
+            if busy:
+                raise KeyboardInterrupt
+
+        signal.signal(INTERRUPT, interrupt)
+        if self.first is not None:
+            busy.append(True)
+            return _run(self.first, ns, ctx, notebook)  # an exception or exit() ends the rank, as a script
+        fd = self._own_end(ctx.rank)
+        reader = framing.Reader()
+        while True:
+            for cmd, _ in _next_commands(fd, reader):
+                if isinstance(cmd, messages.Stop):
+                    return None
+                busy.append(True)
+                try:
+                    answer = _answer(cmd, ns, ctx, notebook)
+                finally:
+                    busy.clear()
+                if answer is not None:
+                    flush_streams()
+                    ctx.channel.send(answer)
+
+    def _own_end(self, rank: int) -> int:
+        for r, (read, write) in self.cmd_pipes.items():
+            os.close(write)
+            if r != rank:
+                os.close(read)
+        return self.cmd_pipes[rank][0]
+
+
+def _answer(cmd, ns: dict, ctx, notebook):
+    """A pool's command: its answer; an exception is reported on the channel and the rank lives on."""
+    try:
+        if isinstance(cmd, messages.HealthCheck):
+            import torch.distributed as dist
+
+            dist.barrier()
+            return messages.Healthy()
+        return _run(cmd, ns, ctx, notebook)
+    except SystemExit as e:
+        return messages.Exit(exit_code(e), exit_site(e), "cell", time.time())
+    except BaseException as e:  # noqa: BLE001 - the rank lives on; the kernel decides
+        report(ctx.channel, "cell", e)
+        return None
+
+
+def _run(cmd, ns: dict, ctx, notebook) -> messages.Result:
+    if isinstance(cmd, messages.Call):  # a one-shot call's job came with the fork: not pickled
+        job = cmd.job if callable(cmd.job) else cloudpickle.loads(cmd.job)
+        return job(ctx)
+    return _run_cell(cmd, ns, ctx, notebook)
+
+
+def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook) -> messages.Result:
+    for name, blob in cmd.updates.items():
+        ns[name] = cloudpickle.loads(blob)
+        if notebook is not None:  # the notebook has this very value under this name
+            notebook[id(ns[name])] = (name, ns[name])
+    before = {k: id(v) for k, v in ns.items()}
+    job = CellJob(cmd.source, cmd.filename, outs=cmd.outs, gathers=cmd.gathers, max_value_bytes=cmd.max_value_bytes)
+    try:
+        result = job.run_in(ns, ctx, notebook)
+    finally:
+        assigned = tuple(k for k, v in ns.items() if before.get(k) != id(v) and k not in INJECTED)
+        if notebook is not None:  # the rank's own now: they travel by value
+            for name in assigned:
+                notebook.pop(id(ns[name]), None)
+    return dataclasses.replace(result, assigned=assigned)
+
+
+def _next_commands(fd: int, reader: framing.Reader) -> list:
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except InterruptedError:
+            continue
+        if not data:  # the kernel closed the pipe: it is gone or stopped the pool
+            sys.exit(0)
+        records = reader.feed(data)
+        if records:
+            return records

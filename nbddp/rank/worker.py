@@ -1,0 +1,261 @@
+"""What a rank does, from the instant after fork (or spawn) until ``os._exit``.
+
+Order matters and is the point of this module: first cut every tie to the kernel (die with it,
+ignore its SIGINT, own stdout/stderr, never touch its zmq sockets), then make torch safe after a fork
+(thread count before any op), then join the process group, run the job, send the result, leave.
+Every step is a phase (messages.PHASES); however the rank ends, the channel says so.
+"""
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import gc
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..wire import framing
+from ..wire import messages
+from . import inherit, stdio
+from .stdio import LIBC, flush_streams
+from ..ipy import tracebacks
+
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    world_size: int
+    accelerator: str  # "cuda" | "cpu"
+    backend: str  # "nccl" | "gloo"
+    device_id: int | None
+    threads: int
+    store_path: str
+    parent_pid: int
+    env: dict = field(default_factory=dict)
+    seed: int | None = None
+    pg_timeout_s: float = 1800.0
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a job sees: the same names the cell gets."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: object  # torch.device
+    channel: object = None  # the rank's framing.Writer (a pool's ranks answer each command on it)
+
+
+# What every rank imports: imported once in the kernel by %load_ext (``warm_start``), so a fork shares
+# them and no rank pays seconds of ``import torch`` per cell. None of them touches CUDA.
+RANK_IMPORTS = ("torch", "torch.distributed", "torch.multiprocessing", "nbddp.rank.usergroup", "nbddp.rank.launchers",
+                "nbddp.rank.server")
+
+
+def warm_start() -> None:
+    """Import what ranks need, in the kernel (no CUDA call: ``import torch`` never initialises it)."""
+    import importlib
+
+    for name in RANK_IMPORTS:
+        importlib.import_module(name)
+
+
+def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, close_fds) -> None:
+    """Entry point in a freshly forked child. Never returns."""
+    code = 70
+    chan = framing.Writer(chan_fd, stdio.marks)
+    try:
+        # Objects inherited from the kernel are never collected here: the GC skips them (a big
+        # notebook heap would slow every collection) and leaves their pages shared with the kernel.
+        gc.freeze()
+        tie_to_parent(spec.parent_pid)
+        for fd in close_fds:
+            _close(fd)
+        _own_stdio(out_fd, err_fd)
+        code = run_rank(spec, lambda: job, chan)
+    except BaseException as e:  # noqa: BLE001 - before run_rank took over: still reported
+        report(chan, "start", e)
+    finally:
+        leave(code)
+
+
+def run_rank(spec: RankSpec, load_job, chan: framing.Writer) -> int:
+    """A rank's whole life after its ties to the kernel are cut, phase by phase; every way it can end
+    is sent on the channel (Done, Exit or Error with its phase). Returns the exit code."""
+    phase = "start"
+    try:
+        _detach_from_kernel(chan)
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+        os.environ.update(spec.env)
+        phase = "job"
+        job = load_job()
+        phase = "threads"
+        import torch  # the first thing to touch torch: thread count, before any op (OpenMP fork hazard)
+
+        torch.set_num_threads(spec.threads)
+        seed_generators(spec.rank, spec.seed, spec.accelerator)
+        phase = "device"
+        device = _device(spec, torch)
+        phase = "group"
+        _join_group(spec)
+        inherit.after_process_group()  # the user's init/destroy_process_group, launchers in a rank, guardian
+        chan.send(messages.Ready())
+        phase = "cell"
+        result = job(RankContext(spec.rank, spec.rank, spec.world_size, device, chan))
+        if result is not None:  # a one-shot cell's: before leaving, so a peer that left early cannot cost it
+            phase = "results"
+            flush_streams()
+            chan.send(result)
+        phase = "leave"
+        _leave_group(spec)
+        chan.send(messages.Done())
+        return 0
+    except SystemExit as e:  # sys.exit(), exit(), quit(): the rank ends here, as a script would
+        code = exit_code(e)
+        flush_streams()
+        chan.send(messages.Exit(code, exit_site(e), phase, time.time()))
+        return code
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        report(chan, phase, e)
+        return 1
+
+
+def seed_generators(rank: int, seed: int | None, accelerator: str = "cpu") -> None:
+    """torch, random and numpy start fresh in every rank, as in torchrun's fresh processes (a fork would
+    inherit the kernel's state: the same numbers on every rank and every rerun). With ``seed``, rank r's
+    generators are seeded from (seed, r): reruns reproduce, ranks still differ. Only generators the
+    kernel already has are reseeded (one imported later seeds itself from the OS), and through their
+    cheapest calls: torch.manual_seed and importing numpy.random each cost milliseconds per rank."""
+    import random
+
+    import torch
+
+    if seed is None:
+        value = int.from_bytes(os.urandom(8), "little")
+    else:
+        import hashlib
+
+        value = int.from_bytes(hashlib.sha256(f"nbddp:{seed}:{rank}".encode()).digest()[:8], "little")
+    torch.default_generator.manual_seed(value)
+    if accelerator == "cuda":
+        torch.cuda.manual_seed_all(value)  # queued until CUDA initialises in the rank
+    random.seed(value)
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed(value % 2**32)
+
+
+def _device(spec: RankSpec, torch):
+    if spec.accelerator == "cuda":
+        from ..hw import cuda
+
+        return cuda.backend().set_device(spec.device_id)
+    return torch.device("cpu")
+
+
+def _join_group(spec: RankSpec) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        spec.backend,
+        store=dist.FileStore(spec.store_path, spec.world_size),
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=datetime.timedelta(seconds=spec.pg_timeout_s),
+    )
+
+
+def _leave_group(spec: RankSpec) -> None:
+    """After the job. On a GPU, finish its queued work first. NCCL: tear the communicators down (they
+    must not die mid-kernel). gloo: a barrier proves every rank is past its last collective; os._exit
+    then frees the rest (destroy_process_group would add ~20 ms of FileStore polling, measured)."""
+    import torch.distributed as dist
+
+    if spec.accelerator == "cuda":
+        from ..hw import cuda
+
+        cuda.backend().synchronize()
+    if not dist.is_initialized():
+        return  # the job destroyed the group itself, as torchrun scripts do: nothing to leave
+    if spec.backend == "nccl":
+        dist.destroy_process_group()
+    else:
+        dist.barrier()
+
+
+def report(chan: framing.Writer, phase: str, exc: BaseException) -> None:
+    flush_streams()
+    text = tracebacks.user_traceback(exc)  # from the user's code on: not nbddp's frames, nor asyncio's
+    try:
+        chan.send(messages.Error(phase, type(exc).__name__, str(exc), text, time.time()))
+    except OSError:
+        pass  # the kernel is gone
+
+
+def exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+def exit_site(exc: SystemExit) -> str:
+    f = tracebacks.innermost_user_frame(exc)
+    if f is None:
+        return ""
+    return f'File "{f.filename}", line {f.lineno}' + (f": {f.line.strip()}" if f.line else "")
+
+
+# -- ties to the parent ---------------------------------------------------------------------------
+def tie_to_parent(parent_pid: int) -> None:
+    """Die with the kernel, ignore Jupyter's group-wide SIGINT, get a process group of our own."""
+    if sys.platform.startswith("linux"):
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        os.setpgid(0, 0)  # teardown signals the rank and its own children (DataLoader workers) together
+    except OSError:
+        pass
+
+
+def _own_stdio(out_fd: int, err_fd: int) -> None:
+    """fd 1/2 become our pipes (C extensions and subprocesses included); stdin is /dev/null."""
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd in (out_fd, err_fd, null):
+        if fd > 2:
+            _close(fd)
+
+
+def _detach_from_kernel(chan: framing.Writer) -> None:
+    """New Python streams on fd 1/2, and nothing left that could write to the kernel's zmq sockets."""
+    inherit.redirect_in_rank(stdio.install(chan), chan)
+
+
+def leave(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        LIBC.fflush(None)
+    except Exception:
+        pass
+    os._exit(code)
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

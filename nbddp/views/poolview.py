@@ -1,0 +1,242 @@
+"""A pool's dashboard: one output that follows the pool over its whole life.
+
+Shown in the cell that ran ``%ddp start`` (``%ddp status`` shows it again, the same live output): every
+rank idle or busy (with the cell it runs and for how long), its memory now and over the pool's life
+(RSS; USS, the pages only that rank holds; the rest is still shared copy-on-write with the notebook),
+GPU utilisation and memory over the pool's life on GPUs, and the pool's cells with their time and outcome.
+
+It costs a quick cell nothing: while a cell runs it is redrawn at the supervisor's 1 Hz tick (so only
+cells longer than a second pay), and between cells on the kernel's own event loop, on the main thread,
+every ``REFRESH_S`` (memory sampled, the output updated only when what it shows changed).
+"""
+from __future__ import annotations
+
+import collections
+import html
+import time
+import uuid
+
+from ..wire.messages import Error, Exit, Result
+from .monitor import Monitor, duration, mb
+
+REFRESH_S = 1.0  # between cells: sample and redraw if changed
+USS_EVERY = 5  # samples between USS readings (it walks the page tables: ~3 ms a rank)
+SERIES_MAX = 512  # points kept per series; past that every other one goes, so the whole life stays
+SPARK_WIDTH = 40
+CELLS_SHOWN = 8
+BARS = "▁▂▃▄▅▆▇█"
+
+
+class LifeSeries:
+    """Samples over the pool's life in bounded memory: when full, every other point is dropped."""
+
+    def __init__(self):
+        self.values: list[float] = []
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+        if len(self.values) > SERIES_MAX:
+            self.values = self.values[::2]
+
+    def spark(self, scale: tuple[float, float] | None = None) -> str:
+        """At most SPARK_WIDTH bars (each the highest value of its stretch of time), drawn between
+        ``scale`` (low, high), or between the lowest and highest value seen."""
+        vals = self.values
+        if not vals:
+            return ""
+        step = max(1, -(-len(vals) // SPARK_WIDTH))
+        buckets = [max(vals[i:i + step]) for i in range(0, len(vals), step)]
+        low, high = scale or (min(vals), max(vals))
+        span = (high - low) or 1.0
+        return "".join(BARS[max(0, min(len(BARS) - 1, int((v - low) / span * len(BARS))))] for v in buckets)
+
+
+class PoolView:
+    """Subscribes to the pool's supervisor events during cells; the pool calls the rest."""
+
+    interval = 1.0  # the tick a cell's supervisor loop gives it
+
+    def __init__(self, plan, run_dir, *, shown: bool):
+        self.plan, self.run_dir = plan, run_dir
+        self.shown = shown  # a Jupyter-like session: one output, updated in place by display id
+        self.display_id = f"nbddp-pool-{uuid.uuid4().hex[:12]}"
+        self.monitor = Monitor([d for d in plan.device_ids if d is not None])
+        self.started = time.time()
+        self.rss = {r: LifeSeries() for r in range(plan.world_size)}
+        self.gpu_util = {i: LifeSeries() for i in self.monitor.gpus}
+        self.gpu_mem = {i: LifeSeries() for i in self.monitor.gpus}
+        self.state = {r: "idle" for r in range(plan.world_size)}
+        self.pids: dict[int, int] = {}
+        self.cells: collections.deque = collections.deque(maxlen=CELLS_SHOWN)  # (label, seconds, outcome)
+        self.cells_run = 0
+        self.running: str | None = None
+        self.cell_t0 = 0.0
+        self.ended: str | None = None
+        self._samples = 0
+        self._drawn = ""
+        self._timer = None
+
+    # -- the pool's calls ---------------------------------------------------------------------------
+    def watch(self, rank: int, pid: int) -> None:
+        self.pids[rank] = pid
+        self.monitor.watch(rank, pid)
+
+    def show(self) -> None:
+        """Display the view in the current cell (``%ddp start``, ``%ddp status``): the same output id,
+        so every copy stays live."""
+        self.sample(uss=True)
+        if self.shown:
+            self._publish(update=False)
+            if self._timer is None:
+                self._schedule()
+
+    def cell_began(self, label: str) -> None:
+        self.running, self.cell_t0 = label, time.monotonic()
+        for r, s in self.state.items():
+            if s != "dead":
+                self.state[r] = "busy"
+
+    def cell_ended(self, outcome: str) -> None:
+        self.cells.append((self.running or "", time.monotonic() - self.cell_t0, outcome))
+        self.cells_run += 1
+        self.running = None
+        for r, s in self.state.items():
+            if s == "busy":
+                self.state[r] = "idle"
+
+    def finish(self, why: str) -> None:
+        """The pool ended (stopped, torn down, a rank died): the last drawing stays in the notebook."""
+        if self.ended is not None:
+            return
+        self.ended = why
+        if why == "stopped":  # asked to: each rank left the group and exited
+            self.state = {r: "stopped" for r in self.state}
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._drawn:  # it was shown: its last state stays in the notebook
+            self._publish(update=True)
+
+    # -- supervisor events during a cell ------------------------------------------------------------
+    def on_Started(self, event) -> None:
+        self.watch(event.rank, event.pid)
+
+    def on_Message(self, event) -> None:
+        if isinstance(event.record, (Result, Error, Exit)) and self.state.get(event.rank) == "busy":
+            self.state[event.rank] = "idle"
+
+    def on_Exited(self, event) -> None:
+        self.state[event.rank] = "dead"
+        self.monitor.forget(event.rank)
+
+    def on_Tick(self, event) -> None:
+        self.redraw()
+
+    # -- sampling and drawing -----------------------------------------------------------------------
+    def sample(self, uss: bool | None = None) -> None:
+        uss = self._samples % USS_EVERY == 0 if uss is None else uss
+        self._samples += 1
+        self.monitor.sample(uss=uss)
+        for r in self.monitor.lost:  # died between cells: the pool learns how at its next cell
+            self.state[r] = "dead"
+        for r, s in self.monitor.ranks.items():
+            if self.state.get(r) != "dead":
+                self.rss[r].add(s.rss)
+        for i, h in self.monitor.gpus.items():
+            if h.last is not None:
+                self.gpu_util[i].add(h.last.util_percent or 0.0)
+                self.gpu_mem[i].add(h.last.mem_used or 0)
+
+    def redraw(self) -> None:
+        self.sample()
+        if self.shown and self.ended is None:
+            self._publish(update=True)
+
+    def _schedule(self) -> None:
+        import asyncio
+
+        try:
+            loop = asyncio.get_running_loop()  # the kernel's: callbacks run between cells, on this thread
+        except RuntimeError:
+            return  # no event loop (a script): the view is drawn at ticks and at the end only
+        self._timer = loop.call_later(REFRESH_S, self._between_cells)
+
+    def _between_cells(self) -> None:
+        self._timer = None
+        if self.ended is not None:
+            return
+        if self.running is None:
+            self.redraw()
+        self._schedule()
+
+    def _publish(self, update: bool) -> None:
+        bundle = {"text/html": self.render_html(), "text/plain": self.render_text()}
+        if update and bundle["text/html"] == self._drawn:
+            return
+        self._drawn = bundle["text/html"]
+        from IPython.display import publish_display_data
+
+        publish_display_data(bundle, transient={"display_id": self.display_id}, update=update)
+
+    # -- rendering ----------------------------------------------------------------------------------
+    def title(self) -> str:
+        up = time.time() - self.started
+        uptime = f"{up / 60:.0f} min" if up >= 120 else "under 2 min"
+        p = self.plan
+        state = self.ended or (f"running {self.running}" if self.running else "idle")
+        return (f"nbddp pool · {p.world_size} ranks · {p.accelerator}/{p.backend} · {state} · up {uptime} · "
+                f"{self.cells_run} cell(s) run")
+
+    def rows(self) -> list[list[str]]:
+        rows = [["rank", "pid", "device", "state", "RSS", "USS (private)", "RSS over the pool's life"]]
+        for r in range(self.plan.world_size):
+            s = self.monitor.ranks.get(r)
+            dev = self.plan.device_ids[r]
+            state = self.state[r]
+            if state == "busy" and self.running:
+                state = f"busy: {self.running} {time.monotonic() - self.cell_t0:.0f} s"
+            life = self.rss[r]
+            span = f" {mb(min(life.values))}–{mb(max(life.values))}" if life.values else ""
+            rows.append([str(r), str(self.pids.get(r, "-")), f"cuda:{dev}" if dev is not None else "cpu",
+                         state, mb(s.rss) if s else "-", mb(s.uss) if s and s.uss else "-", life.spark() + span])
+        return rows
+
+    def gpu_rows(self) -> list[list[str]]:
+        if not self.gpu_util:
+            return []
+        rows = [["GPU", "util over the pool's life", "memory over the pool's life"]]
+        for i in self.gpu_util:
+            mem = self.gpu_mem[i]
+            span = f" {mb(min(mem.values))}–{mb(max(mem.values))}" if mem.values else ""
+            rows.append([f"cuda:{i}", self.gpu_util[i].spark(scale=(0.0, 100.0)), mem.spark() + span])
+        return rows
+
+    def cell_rows(self) -> list[str]:
+        return [f"{label} · {duration(sec)} · {outcome}" for label, sec, outcome in self.cells]
+
+    def render_text(self) -> str:
+        lines = [self.title()]
+        for table in (self.rows(), self.gpu_rows()):
+            if table:
+                widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+                lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+        if self.cells:
+            lines.append("cells: " + "; ".join(self.cell_rows()))
+        lines.append(f"logs: {self.run_dir.path}")
+        return "\n".join(lines)
+
+    def render_html(self) -> str:
+        def table(rows):
+            head = "".join(f"<th style='text-align:left;padding:2px 8px'>{html.escape(c)}</th>" for c in rows[0])
+            body = "".join("<tr>" + "".join(f"<td style='text-align:left;padding:2px 8px'>{html.escape(c)}</td>"
+                                            for c in r) + "</tr>" for r in rows[1:])
+            return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+        parts = [f"<div class='nbddp-pool'><div><b>{html.escape(self.title())}</b></div>", table(self.rows())]
+        if self.gpu_util:
+            parts.append(table(self.gpu_rows()))
+        if self.cells:
+            parts.append("<div style='color:#444'>" + "<br>".join(html.escape(c) for c in self.cell_rows()) + "</div>")
+        parts.append(f"<div style='color:#666'>logs: {html.escape(str(self.run_dir.path))}</div></div>")
+        return "".join(parts)
+

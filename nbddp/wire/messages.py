@@ -1,0 +1,131 @@
+"""Every message between kernel and rank, as a typed record: what a rank sends on its channel
+(``RANK_SENDS``) and the commands a pool's kernel sends on each rank's command pipe (``KERNEL_SENDS``).
+Both sides import them from here and nowhere else builds or reads a message; framing.py frames them
+(values inside a ``Result`` are already pickled, once, in the rank).
+
+A rank's life is a sequence of phases; an ``Error`` names the one it happened in, so a failure during
+set-up reads "rank 1 failed while joining the process group: ...".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# phase -> what the rank was doing, as a message says it ("rank 1 failed while ...")
+PHASES = {
+    "start": "starting up",
+    "job": "loading the job sent to it",
+    "threads": "setting torch's thread count",
+    "device": "selecting its GPU",
+    "group": "joining the process group",
+    "cell": "running the cell",
+    "results": "sending its results",
+    "leave": "leaving the process group",
+}
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The rank's Python code switched from writing one stream to the other: the frame's marks (no
+    payload) let the kernel show the two streams in the order the rank wrote them. Sent only on a
+    switch, so a rank that writes one stream never sends one; it reaches no subscriber."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The process group is up: the rank is running the job."""
+
+
+@dataclass(frozen=True)
+class Display:
+    """A rich output (IPython's publish_display_data), MIME bundle and all."""
+
+    data: dict
+    metadata: dict = field(default_factory=dict)
+    display_id: str | None = None  # the rank's own id (display(..., display_id=...)), for updates
+    update: bool = False
+
+
+@dataclass(frozen=True)
+class ClearOutput:
+    """``clear_output()`` in the rank: clears what this rank displayed, nothing else."""
+
+    wait: bool = False
+
+
+@dataclass(frozen=True)
+class Item:
+    """One value to bring back: its pickle, or why it cannot come."""
+
+    blob: bytes | None = None
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    """What the job produced: its return value, --out names (rank 0), --gather names (every rank)."""
+
+    value: Item | None = None
+    outs: dict = field(default_factory=dict)  # name -> Item
+    gathers: dict = field(default_factory=dict)  # name -> Item
+    assigned: tuple = ()  # names the cell (re)bound on this rank (a pool keeps them the rank's own)
+
+
+@dataclass(frozen=True)
+class Error:
+    """An exception in the rank, in any phase of its life."""
+
+    phase: str
+    type: str
+    message: str
+    traceback: str
+    time: float
+
+
+@dataclass(frozen=True)
+class Exit:
+    """The rank's own code ended it (sys.exit, exit(), quit()) before the job finished."""
+
+    code: int
+    where: str  # the line that called it, as the traceback shows it
+    phase: str
+    time: float
+
+
+@dataclass(frozen=True)
+class Done:
+    """The rank finished its job and left the process group: it exits with code 0 next."""
+
+
+@dataclass(frozen=True)
+class Healthy:
+    """Pool: the rank passed the health check (a barrier) after an interrupt or a failed cell."""
+
+
+# -- the other direction: what the kernel asks of a pool's ranks, on each rank's command pipe ----------
+@dataclass(frozen=True)
+class RunCell:
+    source: str
+    filename: str
+    outs: tuple
+    gathers: tuple
+    max_value_bytes: int
+    updates: dict  # notebook name -> its current value, pickled once in the kernel
+
+
+@dataclass(frozen=True)
+class Call:
+    job: object  # job(ctx) -> Result: cloudpickled on a pool's pipe; a one-shot rank's came with the fork
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    pass
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+RANK_SENDS = (Mark, Ready, Display, ClearOutput, Result, Error, Exit, Done, Healthy)
+KERNEL_SENDS = (RunCell, Call, HealthCheck, Stop)

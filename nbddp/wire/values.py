@@ -1,0 +1,118 @@
+"""How values leave a rank: pickled once (cloudpickle), tensors moved to the CPU, checked before they travel.
+
+With fork, a class or function the notebook defined before the cell is pickled by reference, so the
+value comes back as an instance of the notebook's own class (``isinstance`` holds), not a look-alike.
+Objects that cannot come back as they are (a DDP- or FSDP-wrapped module, an open file, a generator)
+are refused with what to send instead.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+import types
+
+import cloudpickle
+
+from .messages import Item
+
+DEFAULT_MAX_VALUE_MB = 1024  # per value and rank: what one pipe should carry back to the kernel
+
+
+class Unsendable(TypeError):
+    """A value that cannot leave the rank as it is; the message says what to send instead."""
+
+
+class _CPUPickler(cloudpickle.CloudPickler):
+    """Pickles accelerator tensors as their CPU copies, so the kernel never touches a GPU."""
+
+    def __init__(self, file, notebook: dict | None = None):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._by_ref = notebook or {}  # id(obj) -> (its name in the kernel's namespace, obj)
+
+    def reducer_override(self, obj):
+        known = self._by_ref.get(id(obj))
+        if known is not None and known[1] is obj:
+            return _from_notebook, (known[0],)
+        torch = _torch()
+        if torch is not None:
+            if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+                return _identity, (obj.detach().cpu(),)
+            if isinstance(obj, torch.nn.Module):
+                _refuse_wrapped(obj)
+        if isinstance(obj, io.IOBase):
+            raise Unsendable(f"an open file ({describe(obj)}) cannot leave its process: send its name or contents")
+        if isinstance(obj, (types.GeneratorType, types.AsyncGeneratorType, types.CoroutineType)):
+            raise Unsendable(f"a {type(obj).__name__} cannot be pickled: send list(...) of what it yields")
+        return super().reducer_override(obj)
+
+
+def _refuse_wrapped(module) -> None:
+    kind = type(module).__name__
+    if kind == "DistributedDataParallel":
+        raise Unsendable("a DistributedDataParallel model holds the rank's process group: "
+                         "send model.module.state_dict() (or model.module) instead")
+    if kind == "FullyShardedDataParallel" or any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
+        raise Unsendable("an FSDP-sharded model holds only this rank's shards: send "
+                         "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options="
+                         "StateDictOptions(full_state_dict=True, cpu_offload=True)) instead")
+
+
+def _identity(x):
+    return x
+
+
+def _from_notebook(name: str):
+    """In the kernel: the notebook's own object of that name (the class an instance belongs to)."""
+    main = sys.modules.get("__main__")
+    try:
+        return getattr(main, name)
+    except AttributeError:
+        from IPython import get_ipython
+
+        return get_ipython().user_ns[name]
+
+
+def _torch():
+    return sys.modules.get("torch")  # never imports torch: a value without tensors needs none
+
+
+def notebook_objects(namespace: dict) -> dict[int, tuple]:
+    """Classes and functions the notebook defined (id -> (name, obj)): what fork sends by reference.
+    Taken before the cell runs, so a class the cell itself (re)defines travels by value."""
+    return {id(v): (k, v) for k, v in namespace.items()
+            if isinstance(v, (type, types.FunctionType)) and getattr(v, "__module__", None) == "__main__"
+            and not k.startswith("_")}
+
+
+def dumps(obj, notebook: dict | None = None) -> bytes:
+    buf = io.BytesIO()
+    _CPUPickler(buf, notebook).dump(obj)
+    return buf.getvalue()
+
+
+def loads(data: bytes):
+    return pickle.loads(data)
+
+
+def pack(obj, *, max_bytes: int, notebook: dict | None = None) -> Item:
+    """One value as an Item: pickled, or the reason it cannot travel (never raises)."""
+    try:
+        blob = dumps(obj, notebook)
+    except Unsendable as e:
+        return Item(problem=f"{describe(obj)}: {e}")
+    except Exception as e:  # noqa: BLE001
+        return Item(problem=f"{describe(obj)} cannot be pickled: {type(e).__name__}: {e}")
+    if len(blob) > max_bytes:
+        return Item(problem=f"{describe(obj)} is {_mb(len(blob))} pickled, over the limit of {_mb(max_bytes)} "
+                            "(--max-value-mb): send a smaller part, or save it to a file and load it in the notebook")
+    return Item(blob=blob)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def describe(obj) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}" if t.__module__ != "builtins" else t.__qualname__
