@@ -357,8 +357,10 @@ get_ipython().run_line_magic("ddp", "start --devices 2")
 for _ in range(5):
     px_cell(); pool_cell(); floor_cell()
 px, pool, floor = [], [], []
-for _ in range({runs}):
-    px.append(px_cell()); pool.append(pool_cell()); floor.append(floor_cell())
+order = [(px, px_cell), (pool, pool_cell), (floor, floor_cell)]
+for i in range({runs}):  # each goes first, second and third equally often: a cell pays for the last one's wake
+    for times, cell in order[i % 3:] + order[:i % 3]:
+        times.append(cell())
 floor_stop(FLOOR)
 one_shot = []
 get_ipython().run_line_magic("ddp", "stop")

@@ -198,6 +198,8 @@ _watchers: list[Watcher] = []  # audit hooks cannot be removed: one hook, forwar
 
 
 def _audit(event: str, args) -> None:
+    if not _watchers:  # a forked rank (or a worker it forked): nothing to watch, and every compile, exec
+        return  # and unpickle of a pool cell passes here
     try:
         _watchers[-1].audit(event, args)
     except Exception:  # an audit hook that raises aborts the audited operation (an import, an open...)
@@ -208,6 +210,7 @@ def _hook_into_audit(watcher: Watcher) -> None:
     if not _watchers:
         _watchers.append(watcher)
         sys.addaudithook(_audit)
+        os.register_at_fork(after_in_child=_watchers.clear)
     else:
         _watchers[-1] = watcher
 

@@ -104,6 +104,8 @@ class CellRun:
     def run(self, job_for=None, *, command=None) -> Outcome:
         gang, sup = self.gang, self.gang.sup
         start = time.monotonic()
+        if command is not None:  # first: the ranks start on it while the kernel wires the cell's views (their
+            gang.command(command)  # answers wait in the pipes until the loop below reads them)
         relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}")
         stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once, trimmed
         sup.bus = Bus([*gang.lifelong(), self, stacks, *([self.observer] if self.observer else [])])
@@ -124,7 +126,6 @@ class CellRun:
             if announced:  # a live gang: only the cell's own dashboard has not met the ranks
                 for p in sup.procs if self.observer else ():
                     self.observer.on_Started(Started(p.rank, p.pid))
-                gang.command(command)
             else:
                 sup.announce()
                 announced = True

@@ -17,6 +17,9 @@ from ..wire import messages, values
 from . import checks, engine, options, sending
 
 
+COMPILED_KEPT = 64
+
+
 def option_groups(func):
     """``%%ddp``'s argument groups, declared from options.OPTIONS (magic_arguments builds ``%%ddp?``)."""
     specs = list(options.argument_specs())
@@ -37,6 +40,7 @@ class DDPMagics(Magics):
         self.cells: list[str] = []
         self.pool = None  # %ddp start's Pool, while one runs
         self.pool_options = ""
+        self._compiled: dict[str, tuple] = {}  # a cell's text -> (source, names it reads), the latest kept
         if shell is not None:
             self.unregister_events(shell)  # %reload_ext: one recorder, not two
             shell.events.register("pre_run_cell", self._record)
@@ -91,13 +95,22 @@ class DDPMagics(Magics):
         return _deliver(outcome.results(), outs, gathers, shell.user_ns)
 
     def _compile(self, cell):
+        """The cell as IPython runs it: its source (transformed), file name (Cell In[n]) and the names it
+        reads. A cell run again (a pool's habit) is transformed and checked once: ~0.5 ms of a pool cell."""
         shell = self.shell
-        source = "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line, as the user sees it
+        known = self._compiled.get(cell)
+        source = known[0] if known else "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line
         number = max(1, shell.execution_count - 1)  # IPython counts the running cell before it runs
         filename = shell.compile.cache(source, number, raw_code=cell)
+        if known:
+            return source, filename, known[1]
         # a syntax error launches nothing, and shows as IPython shows it (Cell In[n], the line, the caret)
         body, last = cellcode.split_last_expression(source, filename, tracebacks.cell_labels(shell))
-        return source, filename, cellcode.names_used(body) | (cellcode.names_used(last) if last else set())
+        names = cellcode.names_used(body) | (cellcode.names_used(last) if last else set())
+        if len(self._compiled) >= COMPILED_KEPT:
+            self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[cell] = (source, names)
+        return source, filename, names
 
     def _in_pool(self, given: dict, outs, gathers, cell):
         clash = self.pool.conflicts(given)

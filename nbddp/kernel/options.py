@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -181,9 +182,11 @@ def argument_specs(scopes=(LAUNCH, CELL, NAMES)):
         yield GROUPS[o.group], o.flags, kw
 
 
-def given(line: str, parse) -> dict:
-    """The options a magic's line gave, by name, each checked: ``parse`` is the magic's parser."""
-    explicit = dict(vars(parse(line)))
+def parse(line: str) -> dict:
+    """The options a ``%%ddp`` line gave, by name, each checked (export reads cells with it too)."""
+    import shlex
+
+    explicit = dict(vars(_parser().parse_args(shlex.split(line)))) if line.strip() else {}
     for name, value in explicit.items():
         o = BY_NAME[name]
         if o.scope != NAMES and (problem := o.check(value)):
@@ -191,16 +194,15 @@ def given(line: str, parse) -> dict:
     return explicit
 
 
-def parse(line: str) -> dict:
-    """The options a ``%%ddp`` line gave, without IPython (export reads cells with it)."""
+@functools.lru_cache(maxsize=1)
+def _parser():
+    """Built once: a pool cell's whole budget is a millisecond or two, and building it costs ~0.5 ms."""
     from IPython.core.magic_arguments import MagicArgumentParser
-
-    import shlex
 
     parser = MagicArgumentParser(prog="%%ddp", add_help=False)
     for _, flags, kw in argument_specs():
         parser.add_argument(*flags, **kw)
-    return given(line, lambda text: parser.parse_args(shlex.split(text)))
+    return parser
 
 
 def split(explicit: dict) -> tuple[dict, dict]:

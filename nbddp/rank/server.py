@@ -57,8 +57,8 @@ class Server:
 
         signal.signal(INTERRUPT, interrupt)
         if self.first is not None:
-            busy.append(True)
-            return _run(self.first, ns, ctx, notebook)  # an exception or exit() ends the rank, as a script
+            busy.append(True)  # an exception or exit() ends the rank, as a script does; what the cell
+            return _run(self.first, ns, ctx, notebook, track=False)  # assigned dies with the rank
         fd = self._own_end(ctx.rank)
         reader = framing.Reader()
         while True:
@@ -98,20 +98,23 @@ def _answer(cmd, ns: dict, ctx, notebook):
         return None
 
 
-def _run(cmd, ns: dict, ctx, notebook) -> messages.Result:
+def _run(cmd, ns: dict, ctx, notebook, track: bool = True) -> messages.Result:
     if isinstance(cmd, messages.Call):  # a one-shot call's job came with the fork: not pickled
         job = cmd.job if callable(cmd.job) else cloudpickle.loads(cmd.job)
         return job(ctx)
-    return _run_cell(cmd, ns, ctx, notebook)
+    return _run_cell(cmd, ns, ctx, notebook, track)
 
 
-def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook) -> messages.Result:
+def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool) -> messages.Result:
+    """``track``: say which names the cell (re)bound (a pool keeps them the rank's own)."""
     for name, blob in cmd.updates.items():
         ns[name] = cloudpickle.loads(blob)
         if notebook is not None:  # the notebook has this very value under this name
             notebook[id(ns[name])] = (name, ns[name])
-    before = {k: id(v) for k, v in ns.items()}
     job = CellJob(cmd.source, cmd.filename, outs=cmd.outs, gathers=cmd.gathers, max_value_bytes=cmd.max_value_bytes)
+    if not track:
+        return job.run_in(ns, ctx, notebook)
+    before = {k: id(v) for k, v in ns.items()}
     try:
         result = job.run_in(ns, ctx, notebook)
     finally:

@@ -5,7 +5,7 @@ import functools
 import importlib.util
 
 from .dashboard import RunView
-from ..ipy.session import session_kind
+from ..ipy.session import running_shell, session_kind
 
 WIDGET_SESSIONS = ("jupyter", "vscode", "colab", "kaggle")
 
@@ -18,7 +18,13 @@ def _ipywidgets_installed() -> bool:
 def view_for_session(lazy: bool = False) -> RunView:
     """The run's view: the live dashboard in a Jupyter-like session, a text summary elsewhere.
     ``lazy`` (a pool's cells): nothing is shown unless the cell runs past the first 1 Hz tick or fails."""
-    return RunView(widgets=session_kind() in WIDGET_SESSIONS and _ipywidgets_installed(), lazy=lazy)
+    return RunView(widgets=_widgets(running_shell()), lazy=lazy)
+
+
+@functools.lru_cache(maxsize=4)
+def _widgets(shell) -> bool:
+    """Asked once per shell (a session does not change kind; the check scans the environment)."""
+    return session_kind(shell=shell) in WIDGET_SESSIONS and _ipywidgets_installed()
 
 
 def view_for_pool(plan, run_dir):
