@@ -42,7 +42,7 @@ def launch(fn, *args, **opts) -> list:
 
     config = options.config(opts)
     job = CallJob(fn, args, options.max_value_bytes(config))
-    outcome = engine.one_shot(Call(job), config, observer=view_for_session(), label=getattr(fn, "__name__", "call"))
+    outcome = engine.one_shot(Call(job), config, observer=view_for_session())
     return engine.returned(outcome.results())
 
 

@@ -51,14 +51,14 @@ class Outcome:
         return [e.result or messages.Result() for e in self.exits]
 
 
-def one_shot(command, config, *, plan=None, namespace=None, observer=None, relabel=None, label="") -> Outcome:
+def one_shot(command, config, *, plan=None, namespace=None, observer=None, relabel=None) -> Outcome:
     """A one-shot cell: ranks started for ``command`` (a ``RunCell`` or ``Call``), which they run and leave.
     ``namespace``: the kernel's user_ns, which forked ranks share copy-on-write."""
     plan = checks.preflight(config, plan)
     with checks.one_at_a_time():
         gang = Gang(config, plan, persistent=False)
         job = Server(first=command, namespace=namespace if config.start_method == "fork" else None)
-        return CellRun(gang, config, label=label, relabel=relabel, observer=observer).run(lambda pipes: job)
+        return CellRun(gang, config, relabel=relabel, observer=observer).run(lambda pipes: job)
 
 
 def returned(per_rank: list) -> list:

@@ -11,7 +11,6 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..errors import ResultError, UsageError
 from ..ipy import cellcode, tracebacks
-from ..rank import jobs
 from ..views.display import view_for_session
 from ..wire import messages, values
 from . import checks, engine, options, sending
@@ -89,7 +88,7 @@ class DDPMagics(Magics):
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates)
         relabel = tracebacks.cell_labels(shell)
         outcome = engine.one_shot(cmd, config, plan=plan, namespace=shell.user_ns, observer=view_for_session(),
-                                  relabel=relabel, label=relabel.get(filename, ""))
+                                  relabel=relabel)
         for note in outcome.notes:
             print(f"nbddp: {note}", file=sys.stderr)
         return _deliver(outcome.results(), outs, gathers, shell.user_ns)
@@ -206,7 +205,7 @@ def _deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict)
 
     def load(rank: int, name: str, item):
         flag = "--out" if name in outs else "--gather"
-        if item is None or item.problem == jobs.NEVER_DEFINED:
+        if item is None or item.problem == values.NEVER_DEFINED:
             problems.append(f"{flag} {name}: rank {rank} never defined `{name}`.")
             return None, False
         if item.problem:

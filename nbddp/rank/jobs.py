@@ -83,11 +83,8 @@ def fresh_namespace() -> dict:
     return {"__name__": "__main__", "__builtins__": builtins}
 
 
-NEVER_DEFINED = "never defined"
-
-
 def _never_defined(name: str):
-    return Item(problem=NEVER_DEFINED)
+    return Item(problem=values.NEVER_DEFINED)
 
 
 def _show_figures() -> None:

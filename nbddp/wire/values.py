@@ -16,6 +16,7 @@ import cloudpickle
 
 from .messages import Item
 
+NEVER_DEFINED = "never defined"  # an --out/--gather name the cell did not define on that rank
 DEFAULT_MAX_VALUE_MB = 1024  # per value and rank: what one pipe should carry back to the kernel
 
 
