@@ -112,6 +112,8 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "interrupted while rank(s)", "nbddp stopped every rank", "was at Cell In[", "did not stop its cell",
     "not in the cell's code", "every thread's whole stack is in", "SyntaxError: ", "waiting in an `await`",
     "more output than --max-lines", "more output than --max-output-mb", "line cut at", "need a size in MiB >= 0",
+    "need a size in MiB > 0", "need a whole number >= 0", "choose all, 0, none", "the pool has ended:",
+    "the pool had already ended", "--out and --gather bring values back from one %%ddp cell",
 ]
 
 

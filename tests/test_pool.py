@@ -102,7 +102,10 @@ def test_rule_a_peer_failing_while_others_wait_in_a_collective_tears_the_pool_do
     assert "The pool was torn down" in res.error_text and "%ddp start to begin again" in res.error_text
     gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
     assert not alive
-    k.ok("%ddp start --devices 2")  # so the fixture's stop has a pool to stop
+    lost = k.run("%%ddp\nprint('ran')\n")
+    assert "the pool has ended: torn down: a rank did not come back from a collective" in lost.error_text
+    assert "ran" not in lost.stdout
+    k.ok("%ddp restart")  # the same options: so the fixture's stop has a pool to stop
 
 
 def test_rule_a_rank_that_dies_ends_the_pool_naming_rank_and_cause(pool):
@@ -112,8 +115,14 @@ def test_rule_a_rank_that_dies_ends_the_pool_naming_rank_and_cause(pool):
                 "dist.all_reduce(torch.ones(1))\n", timeout=60)
     assert "rank 1 failed: killed by SIGKILL" in res.error_text and "NameError" not in res.error_text, res.error_text
     assert "The pool has ended" in res.error_text
-    assert "no pool is running" in k.ok("%ddp status").stdout
-    # without a pool, %%ddp is a one-shot run again
+    status = k.ok("%ddp status").stdout
+    assert "ended: rank 1 exited (killed by SIGKILL" in status and "%ddp restart" in status, status
+    # a lost pool is never silent (issue 18): the next cell is refused, not run one-shot on other ranks
+    lost = k.run("%%ddp --devices 2\nprint('one-shot')\n")
+    assert "the pool has ended: rank 1 exited (killed by SIGKILL" in lost.error_text, lost.error_text
+    assert "%ddp restart" in lost.error_text and "%ddp stop" in lost.error_text and "one-shot" not in lost.stdout
+    assert "the pool had already ended (rank 1 exited" in k.ok("%ddp stop").stdout
+    # stopped on purpose: %%ddp is a one-shot run again
     assert "[rank0]:one-shot" in k.ok("%%ddp --devices 2\nprint('one-shot')\n").stdout
     k.ok("%ddp start --devices 2")
 

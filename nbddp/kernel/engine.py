@@ -135,7 +135,7 @@ class CellRun:
             running = self._stop_at_interrupt(announced)
         except BaseException as e:
             error = e
-            gang.close()
+            gang.close(f"torn down: nbddp failed in the kernel ({type(e).__name__}: {e})")
             raise
         finally:
             relay.close_all()
@@ -199,7 +199,7 @@ class CellRun:
             try:
                 self._wait(None)
             except KeyboardInterrupt:  # a second interrupt tears the pool down
-                gang.close()
+                gang.close("torn down by a second interrupt")
                 self.survived = False
                 return running
             self.survived = self._recover()
@@ -244,7 +244,7 @@ class CellRun:
         gang, log_dir = self.gang, str(self.gang.run_dir.path)
         if gang.persistent and not gang.alive:  # a rank died: the pool ends with it
             dead = [p.exit for p in sup.procs if p.exit is not None]
-            gang.close()
+            gang.close("a rank exited")
             err = failure.rank_failed(dead, self.relabel, log_dir) if failure.root_cause(dead) else None
             raise RankFailure((str(err) if err else "a rank of the pool exited") +
                               "\nThe pool has ended and its ranks' state is gone: %ddp start to begin again.",
@@ -289,5 +289,6 @@ class CellRun:
                        wake_at=end)
             if gang.alive and len(self.healthy) == gang.world_size:
                 return True
-        gang.close()
+        gang.close("torn down: a rank did not come back from a collective after the cell failed or was "
+                   "interrupted")
         return False

@@ -31,6 +31,7 @@ class Gang:
         self.sup: Supervisor | None = Supervisor(Bus(self.lifelong()))
         self.ready: set[int] = set()
         self.started = False
+        self.why: str | None = None  # how it ended, once closed ("stopped", "rank 1 exited: ...")
         self._cmd: dict[int, int] = {}
         self._starter = None
 
@@ -86,13 +87,15 @@ class Gang:
         finally:
             self.close("stopped")
 
-    def close(self, why: str = "ended: torn down") -> None:
-        """Stop whatever still runs, reap it, and release everything the gang holds (once)."""
+    def close(self, why: str = "torn down") -> None:
+        """Stop whatever still runs, reap it, and release everything the gang holds (once). ``why``: how it
+        ended, as the pool's view and its next cell say it (a rank's own death is named instead)."""
         if self.sup is None:
             return
+        dead = [p.exit for p in self.sup.procs if p.exit is not None and not p.exit.stopped]
+        self.why = why if why == "stopped" or not dead else f"rank {dead[0].rank} exited ({dead[0].describe()})"
         if self.view is not None:
-            dead = [p.rank for p in self.sup.procs if p.exit is not None]
-            self.view.finish(why if why == "stopped" or not dead else f"ended: rank {dead[0]} exited")
+            self.view.finish(self.why if why == "stopped" else f"ended: {self.why}")
         sup, self.sup = self.sup, None
         sup.stop_all()
         sup.reap()

@@ -78,6 +78,8 @@ class DDPMagics(Magics):
         outs, gathers = names.get("out", []), names.get("gather", [])
         if self.pool is not None and self.pool.alive:
             return self._in_pool(given, outs, gathers, cell)
+        if self.pool is not None and self.pool.ended:  # never a silent one-shot cell instead
+            raise UsageError(self.pool.lost())
         config = options.config(given)
         shell = self.shell
         source, filename, _ = self._compile(cell)
@@ -151,7 +153,12 @@ class DDPMagics(Magics):
                 print(self.pool.status() if self.pool is not None else NO_POOL)
             return
         if verb == "stop":
-            print("nbddp: pool stopped" if self._stop_pool() else "nbddp: no pool is running")
+            ended = self.pool.ended if self.pool is not None else None
+            if self._stop_pool():
+                print(f"nbddp: the pool had already ended ({ended}); %%ddp cells are one-shot again" if ended else
+                      "nbddp: pool stopped; %%ddp cells are one-shot again")
+            else:
+                print("nbddp: no pool is running")
             return
         if verb in ("start", "restart"):
             if verb == "start" and self.pool is not None and self.pool.alive:

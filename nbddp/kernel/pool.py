@@ -83,6 +83,18 @@ class Pool:
     def alive(self) -> bool:
         return self.gang is not None and self.gang.alive
 
+    @property
+    def ended(self) -> str | None:
+        """How the pool ended other than by stop(): None while it runs (or once stopped)."""
+        if self.gang is None or self.alive or self.gang.why == "stopped":
+            return None
+        return self.gang.why or "its ranks are gone"
+
+    def lost(self) -> str:
+        """What a cell sent to a pool that ended says, with what to do."""
+        return (f"the pool has ended: {self.ended}; nothing ran, and its ranks' state is gone.\n"
+                "%ddp restart starts a new pool with the same options; %ddp stop goes back to one-shot cells.")
+
     def stop(self) -> None:
         """Ask every rank to leave the group and exit; SIGTERM/SIGKILL whoever does not within 5 s."""
         if self.gang is not None:
@@ -122,12 +134,17 @@ class Pool:
         return per_rank
 
     def _engine(self, config, label, relabel=None, observer=None) -> engine.CellRun:
+        if self.ended:
+            raise UsageError(self.lost().replace("%ddp restart", "Pool.start()").replace(
+                "; %ddp stop goes back to one-shot cells", ""))
         if not self.alive:
             raise UsageError("the pool is not running: %ddp start (or Pool.start()) first.")
         return engine.CellRun(self.gang, config, label=label, relabel=relabel, observer=observer)
 
     # -- what %ddp status shows ------------------------------------------------------------------------
     def status(self) -> str:
+        if self.ended:
+            return f"nbddp pool · ended: {self.ended} (%ddp restart starts a new one, %ddp stop forgets it)"
         if not self.alive:
             return NO_POOL
         self.view.sample(uss=True)
