@@ -158,3 +158,10 @@ def test_cell_options_given_at_start_are_the_pools_defaults(clean_kernel):
         assert "hello from 1" in both.stdout
     finally:
         k.ok("%ddp stop")
+
+
+def test_export_keeps_going_past_a_line_the_magic_refused():
+    from nbddp.export.script import export_cells
+
+    script = export_cells(["%%ddp --devcies 2\nprint(rank)", "%%ddp -d 3\nprint(rank)"], source="t", script="t.py")
+    assert "--nproc-per-node 3 " in script, script[:400]

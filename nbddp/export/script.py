@@ -185,12 +185,14 @@ def export_cells(cells: list[str], source: str = "a notebook", script: str = "tr
 def _devices(line: str) -> int | None:
     """How many processes the cell asked for (``--devices``, however written), read by the magic's own
     parser; None for auto, -1 or a line this nbddp no longer takes."""
+    from IPython.core.error import UsageError as ParseError
+
     from ..errors import UsageError
     from ..kernel import devices, options
 
     try:
         asked = devices.parse_devices(options.parse(line).get("devices", "auto"))
-    except UsageError:
+    except (UsageError, ParseError, ValueError):  # a line the magic refused (the cell ran nothing then)
         return None
     if isinstance(asked, list):
         return len(asked)

@@ -36,6 +36,19 @@ def plan_for(config) -> devices.Plan:
 
 def preflight(config, plan: devices.Plan | None = None, *, pool: bool = False) -> devices.Plan:
     """Everything that can refuse a launch, with nothing changed yet; returns the plan (its notes said)."""
+    refusals(config, pool=pool)
+    plan = plan or plan_for(config)
+    for note in [*plan.notes, *_oversubscribed(plan, config.threads)]:  # busy GPUs auto skipped, many CPU ranks
+        print(note, file=sys.stderr)
+    if plan.accelerator == "cuda" and config.start_method == "fork" and (refusal := cuda.backend().refusal()):
+        raise refusal
+    return plan
+
+
+def refusals(config, *, pool: bool = False) -> None:
+    """What refuses a launch whatever the devices' state: bad options (the device spec included), a launch
+    from inside a rank or during another, a spawned pool. ``%ddp restart`` checks this before it stops the
+    running pool, and plans the devices after (the old pool's GPUs are free by then)."""
     if os.environ.get("NBDDP_RANK") is not None:
         raise UsageError(
             "nbddp cannot launch from inside a rank (nested %%ddp / launch).\n"
@@ -47,12 +60,8 @@ def preflight(config, plan: devices.Plan | None = None, *, pool: bool = False) -
         raise UsageError("--start-method spawn: a pool forks its ranks from the kernel (that is how they share "
                          "the notebook's data); spawn works for one-shot %%ddp cells only.\nNothing ran: drop "
                          "--start-method from %ddp start, or %ddp stop and run the cell one-shot with it.")
-    plan = plan or plan_for(config)
-    for note in [*plan.notes, *_oversubscribed(plan, config.threads)]:  # busy GPUs auto skipped, many CPU ranks
-        print(note, file=sys.stderr)
-    if plan.accelerator == "cuda" and config.start_method == "fork" and (refusal := cuda.backend().refusal()):
-        raise refusal
-    return plan
+    options.check(config)
+    devices.parse_devices(config.devices)
 
 
 def before_fork(config) -> None:

@@ -31,7 +31,7 @@ from ..ipy import tracebacks
 from ..rank.server import INTERRUPT, Server
 from ..views.relay import CellSink, Relay
 from ..wire import messages, values
-from . import checks, failure
+from . import checks, failure, starters
 from .gang import Gang
 from .supervisor import Bus, Started
 
@@ -97,20 +97,19 @@ class CellRun:
             self.healthy.add(event.rank)
         elif isinstance(rec, (messages.Result, messages.Error, messages.Exit)):
             self.replies.setdefault(event.rank, rec)
-            if isinstance(rec, (messages.Error, messages.Exit)) and self.first_error is None:
+            failed = isinstance(rec, messages.Error) or (isinstance(rec, messages.Exit) and rec.code != 0)
+            if failed and self.first_error is None:  # exit(0) on one rank is an early leave: the others go on
                 self.first_error = time.monotonic()
 
     # -- the cell ------------------------------------------------------------------------------------
     def run(self, job_for=None, *, command=None) -> Outcome:
         gang, sup = self.gang, self.gang.sup
         start = time.monotonic()
-        if command is not None:  # first: the ranks start on it while the kernel wires the cell's views (their
-            gang.command(command)  # answers wait in the pipes until the loop below reads them)
         relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}")
         stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once, trimmed
         sup.bus = Bus([*gang.lifelong(), self, stacks, *([self.observer] if self.observer else [])])
         sup.tick = getattr(self.observer or gang.view, "interval", None)
-        sup.timed_out = []
+        sup.new_cell()
         sup.after_stacks = self._interrupt if gang.persistent else sup.stop_all
         for p in sup.procs:  # what a rank said in earlier cells must not explain how this one ends
             p.records.clear()
@@ -121,6 +120,9 @@ class CellRun:
         try:
             if not gang.started:
                 gang.start(job_for, deadline)
+            else:
+                with starters.sigint_deferred():  # a frame half written would leave the ranks out of step
+                    gang.command(command)
             if self.observer:  # after the forks: its display costs overlap the ranks' start-up
                 self.observer.begin(gang.plan, gang.run_dir)
             if announced:  # a live gang: only the cell's own dashboard has not met the ranks
@@ -163,9 +165,10 @@ class CellRun:
             sup.wait(deadline)  # until every rank has exited
             return
 
-        def wake():
+        def wake():  # the next moment a rule acts (a past one has acted: waking for it again would spin)
+            now = time.monotonic()
             marks = [t for t in (wake_at, self.first_error and self.first_error + PEER_GRACE_S,
-                                 self.interrupted_at and self.interrupted_at + HEALTH_S) if t]
+                                 self.interrupted_at and self.interrupted_at + HEALTH_S) if t and t > now]
             return min(marks) if marks else None
 
         sup.wait(deadline, until=until or self._cell_over, wake_at=wake)
@@ -252,7 +255,8 @@ class CellRun:
         # one function builds every exit record: from the process's end, or (a pool's) from its answer
         exits = [self._cell_exit(r) for r in range(gang.world_size)] if gang.persistent else [p.exit for p in sup.procs]
         if sup.timed_out:
-            err = failure.timed_out(self.config.timeout, sup.timed_out, stacks.stacks(), self.relabel, log_dir)
+            err = failure.timed_out(self.config.timeout, sup.timed_out, stacks.stacks(), self.relabel, log_dir,
+                                    "their cells were interrupted" if gang.persistent else "all ranks stopped")
             raise self._with_fate(err, self._recover() if gang.persistent else None)
         if failure.root_cause(exits):
             recover = gang.persistent and (self.interrupted_at or len(self.replies) < len(exits))
@@ -283,10 +287,15 @@ class CellRun:
         gang = self.gang
         if gang.alive and len(self.replies) == gang.world_size:
             self.healthy = set()
-            gang.command(messages.HealthCheck())
             end = time.monotonic() + HEALTH_S
-            self._wait(None, until=lambda: len(self.healthy) == gang.world_size or time.monotonic() >= end,
-                       wake_at=end)
+            try:
+                with starters.sigint_deferred():
+                    gang.command(messages.HealthCheck())
+                self._wait(None, until=lambda: len(self.healthy) == gang.world_size or time.monotonic() >= end,
+                           wake_at=end)
+            except KeyboardInterrupt:  # an interrupt during the health check: the pool cannot be vouched for
+                gang.close("torn down by an interrupt during its health check")
+                return False
             if gang.alive and len(self.healthy) == gang.world_size:
                 return True
         gang.close("torn down: a rank did not come back from a collective after the cell failed or was "

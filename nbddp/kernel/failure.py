@@ -189,8 +189,9 @@ class StackCapture:
         return {r: b.decode("utf-8", "replace") for r, b in (self._bytes or {}).items()}
 
 
-def timed_out(timeout: float, live: list[int], stacks: dict[int, str], relabel, log_dir: str) -> RankFailure:
-    lines = [f"--timeout {timeout:g}s expired with {_ranks(live)} still running; all ranks stopped."]
+def timed_out(timeout: float, live: list[int], stacks: dict[int, str], relabel, log_dir: str,
+              fate: str = "all ranks stopped") -> RankFailure:
+    lines = [f"--timeout {timeout:g}s expired with {_ranks(live)} still running; {fate}."]
     places: dict[tuple, list[int]] = {}  # ranks stuck at the same place are shown once
     for r in live:
         shown = _stack_lines(stacks.get(r, ""), relabel, r, log_dir)

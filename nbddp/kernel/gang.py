@@ -13,7 +13,7 @@ import os
 import time
 
 from ..wire import framing, messages
-from . import checks, rendezvous, starters
+from . import checks, failure, rendezvous, starters
 from .logs import RankLogs
 from .supervisor import Bus, Supervisor
 
@@ -93,7 +93,8 @@ class Gang:
         if self.sup is None:
             return
         dead = [p.exit for p in self.sup.procs if p.exit is not None and not p.exit.stopped]
-        self.why = why if why == "stopped" or not dead else f"rank {dead[0].rank} exited ({dead[0].describe()})"
+        cause = failure.root_cause(dead) or (dead[0] if dead else None)  # not a peer that died of its loss
+        self.why = why if why == "stopped" or cause is None else f"rank {cause.rank} exited ({cause.describe()})"
         if self.view is not None:
             self.view.finish(self.why if why == "stopped" else f"ended: {self.why}")
         sup, self.sup = self.sup, None

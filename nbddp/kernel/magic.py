@@ -170,10 +170,10 @@ class DDPMagics(Magics):
                                  "them on that cell.\nNothing ran" + (", and the running pool is as it was."
                                                                        if self.pool is not None else "."))
             pool = Pool(self.shell.user_ns, **given)
-            plan = pool.check()  # bad options, spawn, the CUDA guard: refused while the running pool stays
+            pool.check()  # bad options, spawn: refused while the running pool stays
             self._stop_pool()
             t0 = time.monotonic()
-            pool.start(plan)
+            pool.start()  # devices planned now: the old pool's GPUs are free
             self.pool, self.pool_options = pool, rest
             print(f"nbddp: pool of {pool.plan.world_size} rank(s) on {pool.plan.accelerator}/{pool.plan.backend} "
                   f"ready in {time.monotonic() - t0:.2f} s; %%ddp cells now run in it (%ddp stop ends it)", flush=True)

@@ -152,7 +152,8 @@ def check(conf) -> None:
 
 
 def _fix(o: Option) -> str:
-    return f"\nNothing ran. Default: {o.flag} {o.default}." if o.default not in (None, (), True) else "\nNothing ran."
+    shown = o.default is not None and o.default is not True and o.default != ()
+    return f"\nNothing ran. Default: {o.flag} {o.default}." if shown else "\nNothing ran."
 
 
 def fork_available() -> bool:

@@ -38,12 +38,13 @@ class Pool:
         self.view = None  # its dashboard (poolview.PoolView), from start() on
 
     # -- life --------------------------------------------------------------------------------------
-    def check(self):
-        """Everything that can refuse this pool, checked with nothing changed; returns the plan."""
-        return checks.preflight(self.config, pool=True)
+    def check(self) -> None:
+        """What refuses this pool whatever the devices' state (its options, a spawned pool), with nothing
+        changed: ``%ddp restart`` asks before it stops the running pool."""
+        checks.refusals(self.config, pool=True)
 
-    def start(self, plan=None) -> "Pool":
-        plan = plan or self.check()
+    def start(self) -> "Pool":
+        plan = checks.preflight(self.config, pool=True)
         with checks.one_at_a_time():
             gang = self.gang = Gang(self.config, plan, persistent=True, view_for=view_for_pool)
             self.view = gang.view

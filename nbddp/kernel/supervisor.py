@@ -128,6 +128,12 @@ class Supervisor:
         self._seen = 0
         self.after_stacks = self.stop_all  # what --timeout does once the stacks are in (a pool interrupts)
 
+    def new_cell(self) -> None:
+        """A pool's next cell starts with none of the last one's deadline state (a stack collection still
+        running when every rank answered must not interrupt this one)."""
+        self.timed_out = []
+        self._stacks_until = None
+
     def add(self, proc: RankProc) -> None:
         self.procs.append(proc)
         for fd, kind in proc.fds.items():
@@ -159,7 +165,7 @@ class Supervisor:
             for key, _ in self.sel.select(timeout):
                 self._event(*key.data, key.fd)
             now = time.monotonic()
-            if deadline is not None and now >= deadline and self.live() and not self.timed_out:
+            if deadline is not None and now >= deadline and self.live() and not self.timed_out and not (until and until()):
                 self._expire(now)
                 deadline = None
             if self._stacks_until is not None and now >= min(self._stacks_until, self._stacks_end):
