@@ -61,6 +61,10 @@ def new_run_dir() -> RunDir:
     return run
 
 
+_started_at: dict[str, float] = {}  # runs of dead processes this kernel looked at: when each started
+_store_released: set[str] = set()  # ... and whose rendezvous file is gone
+
+
 def _prune(root: Path) -> None:
     """Remove old run directories, never one another live kernel may still point a user at.
 
@@ -69,7 +73,8 @@ def _prune(root: Path) -> None:
       their rendezvous files (which a killed kernel could not remove) are dropped at once;
     - runs of another live process: never touched.
 
-    Cost per launch: one ``listdir`` and one ``kill(pid, 0)`` per other kernel that has runs here.
+    Cost per launch: one ``listdir`` and one ``kill(pid, 0)`` per other kernel that has runs here; a dead
+    process's run has its start time parsed and its store checked once per kernel.
     """
     keep = max(1, _env_number("NBDDP_KEEP_RUNS", KEEP_RUNS, int))
     max_age_s = _env_number("NBDDP_KEEP_DAYS", KEEP_DAYS, float) * 86400
@@ -87,10 +92,14 @@ def _prune(root: Path) -> None:
             alive[owner] = _alive(owner)
         if alive[owner]:
             continue
-        if now - _started(run) > max_age_s:
+        if name not in _started_at:
+            _started_at[name] = _started(run)
+        if now - _started_at[name] > max_age_s:
             shutil.rmtree(run, ignore_errors=True)
-        elif (run / "store").exists():
-            RunDir(run.name, run).release_store()
+        elif name not in _store_released:
+            if (run / "store").exists():
+                RunDir(run.name, run).release_store()
+            _store_released.add(name)
     for old in mine[: max(0, len(mine) - (keep - 1))]:  # room for the run about to start
         shutil.rmtree(old, ignore_errors=True)
 
