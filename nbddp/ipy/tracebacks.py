@@ -174,6 +174,22 @@ def main_thread(dump: str) -> list:
     return (runs_rank or current or [[]])[0]
 
 
+_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
+_WRAPPERS = {"wrapper", "inner", "_exception_logger", "_time_logger"}
+
+
+def collective(frames: list) -> str | None:
+    """The torch.distributed call a stack (most recent first) is inside, as the user's code called it
+    (``barrier``, ``all_reduce``...); None if it is not in torch.distributed."""
+    called = None
+    for filename, _, name in frames:
+        if _DISTRIBUTED in filename:
+            called = name if name not in _WRAPPERS else called
+        elif called is not None:
+            return called
+    return called
+
+
 def traceback_frames(text: str) -> list:
     """A formatted traceback's frames, most recent first (as faulthandler lists them)."""
     return [(f, int(n), name) for f, n, name in reversed(_TB_FRAME.findall(text))]

@@ -18,6 +18,9 @@ a rank fails           the others are stopped (nothing to keep)    the others ar
                                                                    then a health check decides whether it lives
 an interrupt           each rank's stack (faulthandler), then stop KeyboardInterrupt in each cell, health check
 --timeout              stacks, then stop                           stacks, then interrupt as above
+every rank answered    each told to leave (Stop), then they exit   the cell is over; the ranks wait for the next
+a rank alone in a      ALONE_S on: the cell fails naming it, the   the same, and the pool is torn down (a rank
+collective             ranks are stopped                           inside a collective cannot be interrupted)
 =====================  ==========================================  ==============================================
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ from . import checks, failure, starters
 from .gang import Gang
 from .supervisor import Bus, Started
 
+ALONE_S = 2.0  # a rank still in the cell this long after every other rank answered: where is it?
 PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
 HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
 
@@ -57,8 +61,9 @@ def one_shot(command, config, *, plan=None, namespace=None, observer=None, relab
     plan = checks.preflight(config, plan)
     with checks.one_at_a_time():
         gang = Gang(config, plan, persistent=False)
-        job = Server(first=command, namespace=namespace if config.start_method == "fork" else None)
-        return CellRun(gang, config, relabel=relabel, observer=observer).run(lambda pipes: job)
+        fork = config.start_method == "fork"
+        return CellRun(gang, config, relabel=relabel, observer=observer).run(
+            lambda pipes: Server(first=command, cmd_pipes=pipes, namespace=namespace if fork else None))
 
 
 def returned(per_rank: list) -> list:
@@ -89,6 +94,11 @@ class CellRun:
         self.first_error: float | None = None
         self.interrupted_at: float | None = None
         self.survived = True
+        self.told = False  # one-shot: Stop sent, every rank having answered
+        self.last_reply: float | None = None
+        self.probed = False  # the ranks still in the cell ALONE_S after the others answered: asked for stacks
+        self.alone: dict[int, tuple[str, str]] = {}  # rank -> (collective, where): waiting for peers that finished
+        self.stacks = None
 
     # -- the ranks' answers, from the supervisor's bus --------------------------------------------------
     def on_Message(self, event) -> None:
@@ -97,6 +107,7 @@ class CellRun:
             self.healthy.add(event.rank)
         elif isinstance(rec, (messages.Result, messages.Error, messages.Exit)):
             self.replies.setdefault(event.rank, rec)
+            self.last_reply = time.monotonic()
             failed = isinstance(rec, messages.Error) or (isinstance(rec, messages.Exit) and rec.code != 0)
             if failed and self.first_error is None:  # exit(0) on one rank is an early leave: the others go on
                 self.first_error = time.monotonic()
@@ -106,7 +117,7 @@ class CellRun:
         gang, sup = self.gang, self.gang.sup
         start = time.monotonic()
         relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}")
-        stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once, trimmed
+        stacks = self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
         sup.bus = Bus([*gang.lifelong(), self, stacks, *([self.observer] if self.observer else [])])
         sup.tick = getattr(self.observer or gang.view, "interval", None)
         sup.new_cell()
@@ -160,26 +171,66 @@ class CellRun:
         return outcome
 
     def _wait(self, deadline, until=None, wake_at=None) -> None:
-        sup = self.gang.sup
-        if not self.gang.persistent:
-            sup.wait(deadline)  # until every rank has exited
-            return
-
         def wake():  # the next moment a rule acts (a past one has acted: waking for it again would spin)
             now = time.monotonic()
             marks = [t for t in (wake_at, self.first_error and self.first_error + PEER_GRACE_S,
-                                 self.interrupted_at and self.interrupted_at + HEALTH_S) if t and t > now]
+                                 self.interrupted_at and self.interrupted_at + HEALTH_S,
+                                 self.last_reply and not self.probed and self.last_reply + ALONE_S) if t and t > now]
             return min(marks) if marks else None
 
-        sup.wait(deadline, until=until or self._cell_over, wake_at=wake)
+        over = self._cell_over if self.gang.persistent else self._one_shot_over
+        self.gang.sup.wait(deadline, until=until or over, wake_at=wake)
+
+    def _one_shot_over(self) -> bool:
+        """One-shot: once every rank has answered, each is told to leave (nbddp's own synchronisation, on
+        the command pipes: never a collective on the user's group); over when every rank has exited."""
+        if self.gang.told and not self.told and len(self.replies) == self.gang.world_size:
+            self.told = True
+            self.gang.command(messages.Stop())
+        self._probe_alone()
+        return False
 
     def _cell_over(self) -> bool:
         now = time.monotonic()
         if not self.gang.alive or len(self.replies) == self.gang.world_size:
             return True
+        self._probe_alone()
+        if self.alone:  # in a collective no peer will join: it cannot be interrupted, and the pool cannot live on
+            return True
         if self.first_error is not None and self.interrupted_at is None and now >= self.first_error + PEER_GRACE_S:
             self._interrupt()  # a peer failed: the others would wait for it in their next collective
         return self.interrupted_at is not None and now >= self.interrupted_at + HEALTH_S
+
+    def _probe_alone(self) -> None:
+        """Ranks still in the cell ALONE_S after every other rank answered are asked where they are (their
+        stacks, kept from the cell). One waiting in a torch.distributed collective waits for peers that
+        finished without joining it: under torchrun they would exit and the collective fail, so the cell
+        fails now instead of hanging (``_judge_alone``). A rank merely slower goes on."""
+        sup = self.gang.sup
+        if self.probed or self.last_reply is None or time.monotonic() < self.last_reply + ALONE_S:
+            return
+        if self.interrupted_at is not None or sup.timed_out:
+            return
+        waiting = [p.rank for p in sup.live() if p.rank not in self.replies]
+        if waiting and len(self.replies) == self.gang.world_size - len(waiting):
+            self.probed = True
+            sup.request_stacks(waiting)
+            sup.after_stacks = self._judge_alone
+
+    def _judge_alone(self) -> None:
+        sup = self.gang.sup
+        sup.after_stacks = self._interrupt if self.gang.persistent else sup.stop_all  # --timeout's rule again
+        dumps = self.stacks.stacks()
+        self.stacks.release()
+        waiting = {r: tracebacks.main_thread(d) for r, d in dumps.items() if r not in self.replies}
+        calls = {r: tracebacks.collective(frames) for r, frames in waiting.items()}
+        if None in calls.values():
+            return  # a rank still computing may yet join the others' collective: nothing to say
+        for rank, name in calls.items():  # ranks in the same collective may be waiting for each other
+            if list(calls.values()).count(name) == 1:
+                self.alone[rank] = (name, failure.was_at(waiting[rank], self.relabel, "was in nbddp's own frames"))
+        if self.alone and not self.gang.persistent:
+            sup.stop_all()
 
     def _interrupt(self) -> None:
         """Pool: KeyboardInterrupt into every rank still running the cell (SIGUSR2)."""
@@ -252,6 +303,11 @@ class CellRun:
             raise RankFailure((str(err) if err else "a rank of the pool exited") +
                               "\nThe pool has ended and its ranks' state is gone: %ddp start to begin again.",
                               rank=err.rank if err else None, cause=err.cause if err else "exit")
+        if self.alone:
+            err = failure.alone(self.alone, sorted(self.replies), log_dir)
+            if gang.persistent:  # a rank inside a collective cannot be interrupted
+                gang.close(f"torn down: rank {err.rank} waited in a collective no other rank joined")
+            raise self._with_fate(err, False if gang.persistent else None)
         # one function builds every exit record: from the process's end, or (a pool's) from its answer
         exits = [self._cell_exit(r) for r in range(gang.world_size)] if gang.persistent else [p.exit for p in sup.procs]
         if sup.timed_out:

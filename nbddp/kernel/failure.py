@@ -169,12 +169,13 @@ class StackCapture:
     def __init__(self, shown=None):
         self.shown = shown
         self._bytes: dict[int, bytearray] | None = None
+        self._done = False
 
     def on_StacksRequested(self, event) -> None:
         self._bytes = {r: bytearray() for r in event.ranks}
 
     def on_Output(self, event) -> None:
-        if self._bytes is not None and event.stream == "stderr" and event.rank in self._bytes:
+        if self._bytes is not None and not self._done and event.stream == "stderr" and event.rank in self._bytes:
             self._bytes[event.rank] += event.data
         elif self.shown is not None:
             self.shown.on_Output(event)
@@ -184,6 +185,10 @@ class StackCapture:
         if name.startswith("on_") and shown is not None:
             return getattr(shown, name)
         raise AttributeError(name)
+
+    def release(self) -> None:
+        """The stacks asked for are in: the ranks' stderr goes to the cell again (the stacks are kept)."""
+        self._done = True
 
     def stacks(self) -> dict[int, str]:
         return {r: b.decode("utf-8", "replace") for r, b in (self._bytes or {}).items()}
@@ -257,6 +262,20 @@ def _ranks(ranks, word: bool = True) -> str:
     if not word:
         return text
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def alone(stuck: dict[int, tuple[str, str]], finished: list[int], log_dir: str) -> RankFailure:
+    """Ranks waiting in a torch.distributed collective that every other rank finished the cell without
+    calling (``stuck``: rank -> (the collective, where the rank was))."""
+    lines = []
+    for rank, (name, where) in sorted(stuck.items()):
+        lines.append(f"rank {rank} waits in torch.distributed.{name}, but {_ranks(finished)} finished the cell "
+                     "without joining it: a collective that only some ranks call never completes.")
+        lines.append(f"  rank {rank} {where}")
+    lines += ["Under torchrun the finished ranks would exit and this collective would fail at once; nbddp "
+              "stopped waiting. Call the collective on every rank of the group (or on none).",
+              f"Every rank's full output: {log_dir}"]
+    return RankFailure("\n".join(lines), rank=min(stuck), cause="collective")
 
 
 def was_at(frames: list, relabel, otherwise: str) -> str:

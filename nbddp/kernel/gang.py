@@ -44,10 +44,15 @@ class Gang:
             self.ready.add(event.rank)
 
     # -- life ----------------------------------------------------------------------------------------
+    @property
+    def told(self) -> bool:
+        """Its ranks have command pipes (every forked gang; spawned ranks have none)."""
+        return self.config.start_method == "fork"
+
     def start(self, job_for, deadline: float | None = None) -> None:
-        """One rank per planned device, running ``job_for(command pipes)`` (the pipes: a pool's only).
-        Past ``deadline`` no more are forked."""
-        pipes = {r: os.pipe() for r in range(self.world_size)} if self.persistent else {}
+        """One rank per planned device, running ``job_for(command pipes)``: a pool's commands, a one-shot
+        cell's ``Stop``. Past ``deadline`` no more are forked."""
+        pipes = {r: os.pipe() for r in range(self.world_size)} if self.told else {}
         self._cmd = {r: w for r, (_, w) in pipes.items()}
         self._starter = (starters.ForkStarter if self.config.start_method == "fork"
                          else starters.SpawnStarter)(self.run_dir)

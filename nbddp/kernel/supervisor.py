@@ -285,12 +285,15 @@ class Supervisor:
         """--timeout: every live rank's stack, then ``after_stacks``."""
         self.timed_out = self.request_stacks()
 
-    def request_stacks(self) -> list[int]:
-        """Ask every live rank for its Python stack (faulthandler on SIGUSR1, to its stderr); the loop goes
-        on collecting stderr until it is quiet, then calls ``after_stacks`` (stop all). Returns the ranks."""
-        ranks = [p.rank for p in self.live()]
+    def request_stacks(self, ranks: list[int] | None = None) -> list[int]:
+        """Ask every live rank (or those of ``ranks``) for its Python stack (faulthandler on SIGUSR1, to its
+        stderr); the loop goes on collecting stderr until it is quiet, then calls ``after_stacks`` (stop
+        all). Returns the ranks asked."""
+        asked = [p for p in self.live() if ranks is None or p.rank in ranks]
+        ranks = [p.rank for p in asked]
         self.bus.publish(StacksRequested(ranks))
-        self.signal_live(signal.SIGUSR1)
+        for p in asked:
+            _signal_group(p.pid, signal.SIGUSR1)
         now = time.monotonic()
         self._stacks_until = now + STACK_QUIET_S
         self._stacks_end = now + STACK_MAX_S

@@ -2,8 +2,10 @@
 ``Stop``), each with exactly one answer on the rank's channel (``Result``, ``Error``, ``Exit``,
 ``Healthy``).
 
-A one-shot cell's ranks get their one command with the fork (or, spawned, pickled with the job) and
-leave after answering it, as a script ends: an exception or ``sys.exit()`` ends the rank. A pool's
+A one-shot cell's ranks get their one command with the fork (or, spawned, pickled with the job),
+answer it, and leave when the kernel says every rank has answered (``Stop`` on the command pipe: nbddp's
+own synchronisation, which never touches the user's process group); an exception or ``sys.exit()`` ends
+the rank at once, as a script ends. A pool's
 ranks read commands from their command pipe until ``Stop``, and what a cell defines stays in the rank's
 namespace for the next one; an exception is answered and the rank lives on. SIGUSR2 raises
 KeyboardInterrupt in a running command (how the kernel relays Jupyter's interrupt to a pool, or frees
@@ -56,11 +58,19 @@ class Server:
                 raise KeyboardInterrupt
 
         signal.signal(INTERRUPT, interrupt)
+        fd = self._own_end(ctx.rank) if self.cmd_pipes else None
+        reader = framing.Reader()
         if self.first is not None:
             busy.append(True)  # an exception or exit() ends the rank, as a script does; what the cell
-            return _run(self.first, ns, ctx, notebook, track=False)  # assigned dies with the rank
-        fd = self._own_end(ctx.rank)
-        reader = framing.Reader()
+            result = _run(self.first, ns, ctx, notebook, track=False)  # assigned dies with the rank
+            busy.clear()
+            if fd is None:
+                return result  # spawned: the worker sends it, then leaves by a barrier on nbddp's store
+            flush_streams()
+            ctx.channel.send(result)  # before waiting: a peer that left early cannot cost it its values
+            while not any(isinstance(cmd, messages.Stop) for cmd, _ in _next_commands(fd, reader)):
+                pass
+            return None
         while True:
             for cmd, _ in _next_commands(fd, reader):
                 if isinstance(cmd, messages.Stop):

@@ -114,7 +114,7 @@ def run_rank(spec: RankSpec, load_job, chan: framing.Writer) -> int:
             flush_streams()
             chan.send(result)
         phase = "leave"
-        _leave_group(spec)
+        _leave_group(spec, told=result is None)
         chan.send(messages.Done())
         return 0
     except SystemExit as e:  # sys.exit(), exit(), quit(): the rank ends here, as a script would
@@ -172,22 +172,33 @@ def _join_group(spec: RankSpec) -> None:
     )
 
 
-def _leave_group(spec: RankSpec) -> None:
+def _leave_group(spec: RankSpec, told: bool) -> None:
     """After the job. On a GPU, finish its queued work first. NCCL: tear the communicators down (they
-    must not die mid-kernel). gloo: a barrier proves every rank is past its last collective; os._exit
-    then frees the rest (destroy_process_group would add ~20 ms of FileStore polling, measured)."""
+    must not die mid-kernel). gloo: os._exit frees the rest (destroy_process_group would add ~20 ms of
+    FileStore polling, measured). Every rank must be past its last collective first: ``told`` (the
+    kernel's Stop came once every rank had answered), or else (a spawned rank, no command pipe) a
+    barrier on nbddp's own store. Never a collective on the user's group: a collective the cell called
+    on one rank only must find no partner in nbddp, as under torchrun."""
     import torch.distributed as dist
 
     if spec.accelerator == "cuda":
         from ..hw import cuda
 
         cuda.backend().synchronize()
-    if not dist.is_initialized():
-        return  # the job destroyed the group itself, as torchrun scripts do: nothing to leave
-    if spec.backend == "nccl":
+    if not told:
+        _store_barrier(spec)
+    if dist.is_initialized() and spec.backend == "nccl":  # (a torchrun script destroys the group itself)
         dist.destroy_process_group()
+
+
+def _store_barrier(spec: RankSpec) -> None:
+    import torch.distributed as dist
+
+    store = dist.FileStore(spec.store_path, spec.world_size)
+    if store.add("nbddp/left", 1) == spec.world_size:
+        store.set("nbddp/all-left", "1")
     else:
-        dist.barrier()
+        store.wait(["nbddp/all-left"], datetime.timedelta(seconds=spec.pg_timeout_s))
 
 
 def report(chan: framing.Writer, phase: str, exc: BaseException) -> None:

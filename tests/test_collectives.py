@@ -1,0 +1,63 @@
+"""Issue 18 points 3 and 4 through a real kernel: nbddp's own synchronisation never touches the user's
+process group, and a collective no peer will join fails in seconds (one-shot and pool), as under torchrun."""
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_a_barrier_on_one_rank_is_not_matched_by_nbddp(clean_kernel):
+    """Before: nbddp's closing barrier on rank 1 matched it and the cell 'succeeded' (torchrun fails it)."""
+    k = clean_kernel
+    t0 = time.monotonic()
+    res = k.run("%%ddp --devices 2\nimport torch.distributed as dist\nif rank == 0:\n    dist.barrier()\n"
+                "print('after the barrier', rank)\n", timeout=60)
+    assert time.monotonic() - t0 < 15
+    text = res.error_text
+    assert res.error and res.error["ename"] == "RankFailure", text
+    assert "rank 0 waits in torch.distributed.barrier, but rank 1 finished the cell without joining it" in text
+    assert "Cell In[" in text and "dist.barrier()" in text and "Call the collective on every rank" in text
+    assert "[rank1]:after the barrier 1" in res.stdout and "after the barrier 0" not in res.stdout
+
+
+def test_an_all_reduce_on_one_rank_fails_in_seconds_naming_rank_collective_and_line(clean_kernel):
+    """Before: it hung with no default timeout, and an interrupt blamed nbddp's own barrier."""
+    k = clean_kernel
+    t0 = time.monotonic()
+    res = k.run("%%ddp --devices 2\nimport torch, torch.distributed as dist\nt = torch.ones(1)\n"
+                "if rank == 0:\n    dist.all_reduce(t)\n", timeout=60)
+    assert time.monotonic() - t0 < 15
+    assert "rank 0 waits in torch.distributed.all_reduce" in res.error_text, res.error_text
+    assert "line 5" in res.error_text and "distributed_c10d" not in res.error_text
+    assert k.value("1 + 1") == 2
+
+
+def test_a_rank_slower_than_its_peers_is_not_mistaken_for_one_alone_in_a_collective(clean_kernel):
+    k = clean_kernel
+    res = k.ok("%%ddp --devices 2\nimport time, sys, torch, torch.distributed as dist\n"
+               "if rank == 0:\n    time.sleep(3.5)\n    print('late on stderr', file=sys.stderr)\n"
+               "t = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())\n", timeout=60)
+    assert "[rank0]:sum 2.0" in res.stdout and "[rank1]:sum 2.0" in res.stdout, res.stdout
+    assert "[rank0]:late on stderr" in res.stderr, "the rank's stderr reaches the cell after nbddp looked"
+
+
+def test_spawned_ranks_leave_by_nbddps_own_store(clean_kernel):
+    k = clean_kernel
+    res = k.ok("%%ddp --devices 2 --start-method spawn --gather r\nr = rank\n", timeout=120)
+    assert k.value("r") == [0, 1]
+
+
+def test_in_a_pool_a_collective_on_one_rank_fails_in_seconds_and_says_what_became_of_the_pool(clean_kernel):
+    k = clean_kernel
+    k.ok("%ddp start --devices 2")
+    try:
+        t0 = time.monotonic()
+        res = k.run("%%ddp\nimport torch, torch.distributed as dist\nif rank == 1:\n    dist.barrier()\n", timeout=60)
+        assert time.monotonic() - t0 < 15
+        text = res.error_text
+        assert "rank 1 waits in torch.distributed.barrier, but rank 0 finished the cell" in text, text
+        assert "The pool was torn down" in text
+        assert "the pool has ended: torn down: rank 1 waited in a collective" in k.run("%%ddp\npass\n").error_text
+    finally:
+        k.ok("%ddp stop")
