@@ -114,7 +114,7 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "more output than --max-lines", "more output than --max-output-mb", "line cut at", "need a size in MiB >= 0",
     "need a size in MiB > 0", "need a whole number >= 0", "choose all, 0, none", "the pool has ended:",
     "the pool had already ended", "--out and --gather bring values back from one %%ddp cell",
-    "finished the cell without joining it",
+    "finished the cell without joining it", "its process group was made anew",
 ]
 
 

@@ -15,12 +15,13 @@ differs between the two is small and named by ``Gang.persistent``:
 the cell arrives       with the fork (spawn: pickled with the job) on each rank's command pipe
 the cell is over       when every rank has exited                  when every rank answered (or one died)
 a rank fails           the others are stopped (nothing to keep)    the others are interrupted after PEER_GRACE_S,
-                                                                   then a health check decides whether it lives
+                                                                   then a health check (a barrier); ranks stuck in
+                                                                   a collective (gloo) are freed by a fresh group
 an interrupt           each rank's stack (faulthandler), then stop KeyboardInterrupt in each cell, health check
 --timeout              stacks, then stop                           stacks, then interrupt as above
 every rank answered    each told to leave (Stop), then they exit   the cell is over; the ranks wait for the next
-a rank alone in a      ALONE_S on: the cell fails naming it, the   the same, and the pool is torn down (a rank
-collective             ranks are stopped                           inside a collective cannot be interrupted)
+a rank alone in a      ALONE_S on: the cell fails naming it, the   the same; every rank leaves the process group
+collective             ranks are stopped                           and makes a fresh one (Regroup): the pool lives
 =====================  ==========================================  ==============================================
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .supervisor import Bus, Started
 ALONE_S = 2.0  # a rank still in the cell this long after every other rank answered: where is it?
 PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
 HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
+REGROUP_S = 30.0  # pool: every rank in a fresh process group within this
 
 
 @dataclass
@@ -98,6 +100,7 @@ class CellRun:
         self.last_reply: float | None = None
         self.probed = False  # the ranks still in the cell ALONE_S after the others answered: asked for stacks
         self.alone: dict[int, tuple[str, str]] = {}  # rank -> (collective, where): waiting for peers that finished
+        self.regrouped: list[int] = []  # ranks freed from a collective by a fresh process group
         self.stacks = None
 
     # -- the ranks' answers, from the supervisor's bus --------------------------------------------------
@@ -231,6 +234,7 @@ class CellRun:
                 self.alone[rank] = (name, failure.was_at(waiting[rank], self.relabel, "was in nbddp's own frames"))
         if self.alone and not self.gang.persistent:
             sup.stop_all()
+        # a pool: the cell is over (_cell_over), and _recover frees the rank by a fresh process group
 
     def _interrupt(self) -> None:
         """Pool: KeyboardInterrupt into every rank still running the cell (SIGUSR2)."""
@@ -267,7 +271,10 @@ class CellRun:
     def _interrupted(self, running: list[int], stacks, announced: bool) -> KeyboardInterrupt:
         if self.gang.persistent:
             states = self._reply_states(running)
-            fate = ("every rank stopped its cell; the pool and its state survived" if self.survived else
+            fate = ("the pool and its state survived; its process group was made anew to free rank(s) "
+                    f"{', '.join(map(str, self.regrouped))} from a collective: wrap DDP models again "
+                    "(model = DDP(model.module))" if self.survived and self.regrouped else
+                    "every rank stopped its cell; the pool and its state survived" if self.survived else
                     "the pool was torn down (a rank did not stop its cell), and its ranks' state with it: "
                     "%ddp start to begin again")
         else:
@@ -304,10 +311,8 @@ class CellRun:
                               "\nThe pool has ended and its ranks' state is gone: %ddp start to begin again.",
                               rank=err.rank if err else None, cause=err.cause if err else "exit")
         if self.alone:
-            err = failure.alone(self.alone, sorted(self.replies), log_dir)
-            if gang.persistent:  # a rank inside a collective cannot be interrupted
-                gang.close(f"torn down: rank {err.rank} waited in a collective no other rank joined")
-            raise self._with_fate(err, False if gang.persistent else None)
+            err = failure.alone(self.alone, sorted(r for r in self.replies if r not in self.alone), log_dir)
+            raise self._with_fate(err, self._recover() if gang.persistent else None)
         # one function builds every exit record: from the process's end, or (a pool's) from its answer
         exits = [self._cell_exit(r) for r in range(gang.world_size)] if gang.persistent else [p.exit for p in sup.procs]
         if sup.timed_out:
@@ -332,15 +337,28 @@ class CellRun:
         """A pool's failure says what became of the pool."""
         if survived is None:
             return err
-        fate = ("The pool and its state survived: fix the cell and run it again." if survived else
-                "The pool was torn down (a rank did not come back from a collective), and its ranks' state "
-                "with it: %ddp start to begin again.")
+        if survived and self.regrouped:
+            fate = ("The pool and its state survived, and its process group was made anew: rank(s) "
+                    f"{', '.join(map(str, self.regrouped))} waited in a collective that could only be ended by "
+                    "leaving the old group. Objects bound to the old group must be made again before the "
+                    "next step: a DistributedDataParallel model (model = DDP(model.module)), a group from "
+                    "new_group. Tensors, optimizers and everything else are as they were.")
+        elif survived:
+            fate = "The pool and its state survived: fix the cell and run it again."
+        else:
+            fate = ("The pool was torn down (a rank did not come back from a collective), and its ranks' state "
+                    "with it: %ddp start to begin again.")
         return RankFailure(f"{err}\n{fate}", rank=err.rank, cause=err.cause, stacks=err.stacks)
 
     def _recover(self) -> bool:
         """Pool, after an interrupt or a failed cell: every rank answered and passes a barrier within
-        HEALTH_S, or the pool is torn down. True if it lives on."""
+        HEALTH_S; or, where ranks still wait in a collective (gloo), the others leave the process group,
+        which frees them, and every rank makes a fresh one (``_regroup``); else the pool is torn down.
+        True if it lives on."""
         gang = self.gang
+        stuck = [r for r in range(gang.world_size) if r not in self.replies]
+        if gang.alive and stuck and gang.plan.backend == "gloo":
+            return self._regroup(stuck)
         if gang.alive and len(self.replies) == gang.world_size:
             self.healthy = set()
             end = time.monotonic() + HEALTH_S
@@ -355,5 +373,28 @@ class CellRun:
             if gang.alive and len(self.healthy) == gang.world_size:
                 return True
         gang.close("torn down: a rank did not come back from a collective after the cell failed or was "
-                   "interrupted")
+                   "interrupted" + (" (NCCL: a communicator cannot be freed from its peers)" if stuck else ""))
+        return False
+
+    def _regroup(self, stuck: list[int]) -> bool:
+        """Every rank leaves the process group and joins a fresh one (``Regroup``): an idle rank's leaving
+        closes its connections, so a peer stuck in a collective gets "Connection closed by peer", fails
+        its cell, and regroups too. True once every rank answered the cell and is in the new group."""
+        gang = self.gang
+        gang.generation += 1
+        self.healthy = set()
+        end = time.monotonic() + REGROUP_S
+        try:
+            with starters.sigint_deferred():
+                gang.command(messages.Regroup(gang.generation))
+            self._wait(None, until=lambda: (len(self.healthy) == gang.world_size and len(self.replies) ==
+                                            gang.world_size) or not gang.alive or time.monotonic() >= end,
+                       wake_at=end)
+        except KeyboardInterrupt:
+            gang.close("torn down by an interrupt while its process group was made anew")
+            return False
+        if gang.alive and len(self.healthy) == gang.world_size:
+            self.regrouped = stuck
+            return True
+        gang.close("torn down: its process group could not be made anew")
         return False

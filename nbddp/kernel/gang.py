@@ -31,6 +31,7 @@ class Gang:
         self.sup: Supervisor | None = Supervisor(Bus(self.lifelong()))
         self.ready: set[int] = set()
         self.started = False
+        self.generation = 0  # of its process group: a pool's is made anew when a rank is stuck in a collective
         self.why: str | None = None  # how it ended, once closed ("stopped", "rank 1 exited: ...")
         self._cmd: dict[int, int] = {}
         self._starter = None

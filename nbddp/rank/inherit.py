@@ -16,17 +16,13 @@ from ..ipy.session import running_shell
 
 
 def after_process_group() -> None:
-    """Once the rank's process group is up, before the cell runs: the user's own distributed code
-    (init/destroy_process_group, launchers) meets what it would under torchrun, and every process the
-    rank starts dies with it."""
+    """Once the rank's process group is up, before the cell runs: launchers the user's code starts meet
+    what they would under torchrun."""
     from . import launchers
-    from . import usergroup
 
-    usergroup.install()
     import torch.distributed as dist
 
     launchers.install(dist.get_rank(), dist.get_world_size())
-    launchers.guard_descendants()
 
 
 def redirect_in_rank(kernel_streams=(), chan=None) -> None:

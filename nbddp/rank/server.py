@@ -1,4 +1,4 @@
-"""The job every rank runs: it answers the kernel's commands (``RunCell``, ``Call``, ``HealthCheck``,
+"""The job every rank runs: it answers the kernel's commands (``RunCell``, ``Call``, ``HealthCheck``, ``Regroup``,
 ``Stop``), each with exactly one answer on the rank's channel (``Result``, ``Error``, ``Exit``,
 ``Healthy``).
 
@@ -99,6 +99,11 @@ def _answer(cmd, ns: dict, ctx, notebook):
             import torch.distributed as dist
 
             dist.barrier()
+            return messages.Healthy()
+        if isinstance(cmd, messages.Regroup):
+            from . import usergroup
+
+            usergroup.regroup(cmd.generation)
             return messages.Healthy()
         return _run(cmd, ns, ctx, notebook)
     except SystemExit as e:

@@ -14,12 +14,14 @@ fresh group on nbddp's FileStore (a new key prefix per generation, so old keys n
 from __future__ import annotations
 
 import functools
+import os
 
 _state: dict = {}
 
 
-def install() -> None:
-    """Call once in a rank, right after nbddp's own ``init_process_group``."""
+def install(group_sockets=frozenset()) -> None:
+    """Call once in a rank, right after nbddp's own ``init_process_group``; ``group_sockets``: the
+    descriptors that init opened (its connections to the peers)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -33,9 +35,62 @@ def install() -> None:
         generation=0,
         joined=False,
         original=c10d.init_process_group,
+        sockets=set(group_sockets),
     )
     patched = functools.wraps(c10d.init_process_group)(_init_process_group)
     dist.init_process_group = c10d.init_process_group = patched
+
+
+def regroup(generation: int) -> None:
+    """nbddp's own fresh group (a pool after a collective no peer would join): the old one destroyed
+    here, then made again on nbddp's store under a prefix of its own, with the same ranks."""
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore
+
+    s = _state
+    _shut(s["sockets"])  # the peers see this rank leave even if a process it forked holds these descriptors
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group already broken by a peer's leaving: what is left of it goes with it
+            pass
+    before = sockets()
+    s["original"](backend=s["backend"], store=PrefixStore(f"nbddp-regroup-{generation}", s["store"]),
+                  rank=s["rank"], world_size=s["world_size"])
+    s["sockets"] = sockets() - before
+
+
+def sockets() -> set[int]:
+    """This process's socket descriptors (Linux; elsewhere none are known)."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return set()
+    found = set()
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                found.add(int(fd))
+        except OSError:
+            pass
+    return found
+
+
+def _shut(fds) -> None:
+    import socket
+
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # a listener (gloo's) stays
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.detach()
 
 
 def group_alive() -> bool:

@@ -104,7 +104,12 @@ def run_rank(spec: RankSpec, load_job, chan: framing.Writer) -> int:
         phase = "device"
         device = _device(spec, torch)
         phase = "group"
+        from . import launchers, usergroup
+
+        launchers.guard_descendants()  # before the group: the guardian must hold none of its sockets
+        sockets = usergroup.sockets()
         _join_group(spec)
+        usergroup.install(usergroup.sockets() - sockets)
         inherit.after_process_group()  # the user's init/destroy_process_group, launchers in a rank, guardian
         chan.send(messages.Ready())
         phase = "cell"

@@ -98,7 +98,8 @@ class Done:
 
 @dataclass(frozen=True)
 class Healthy:
-    """Pool: the rank passed the health check (a barrier) after an interrupt or a failed cell."""
+    """Pool: the rank passed the health check (a barrier) after an interrupt or a failed cell, or made
+    its fresh process group (``Regroup``)."""
 
 
 # -- the other direction: what the kernel asks of a pool's ranks, on each rank's command pipe ----------
@@ -123,9 +124,18 @@ class HealthCheck:
 
 
 @dataclass(frozen=True)
+class Regroup:
+    """Pool: leave the process group and make a fresh one (generation ``generation`` on nbddp's store).
+    Leaving closes this rank's connections, which frees a peer stuck in a collective no rank will join
+    (its collective fails: "Connection closed by peer"); every rank answers ``Healthy`` once regrouped."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
 RANK_SENDS = (Mark, Ready, Display, ClearOutput, Result, Error, Exit, Done, Healthy)
-KERNEL_SENDS = (RunCell, Call, HealthCheck, Stop)
+KERNEL_SENDS = (RunCell, Call, HealthCheck, Regroup, Stop)
