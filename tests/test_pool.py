@@ -261,6 +261,33 @@ def test_a_pool_session_exports_to_one_torchrun_script(tmp_path):
     assert lines(printed) == lines(shown) == ["w 1.5", "w 1.5", "w 3.0", "w 3.0"], (printed, shown)
 
 
+def test_one_namespace_rule_notebook_helpers_see_what_the_ranks_built_and_the_latest_values(pool):
+    """Issue 18 point 1, each of its cases: a helper defined in the notebook after the start runs against
+    the rank's globals (and brings the notebook names it reads); the notebook rebinding a name the ranks
+    assigned wins, also to an equal value; a function defined on the ranks sees a global the notebook
+    changed since, though the calling cell never names it; a notebook class's methods too."""
+    k = pool
+    k.ok("lr = 0.001")
+    k.ok("%ddp restart")  # forked with lr = 0.001
+    k.ok("%%ddp\nmodel = torch.nn.Linear(2, 1)\nwith torch.no_grad():\n    model.weight.fill_(rank)\n")
+    k.ok("def evaluate():\n    return model.weight.sum().item() + offset\noffset = 100")
+    res = k.ok("%%ddp --gather v\nv = evaluate()\n")
+    assert k.value("v") == [100.0, 102.0], "before: NameError: name 'model' is not defined on every rank"
+    assert "sent evaluate (function" in res.stderr and "offset (int" in res.stderr
+    k.ok("%%ddp\nlr = 0.5\n")
+    k.ok("lr = 0.001")  # the value the ranks were forked with, rebound after their assignment: it wins
+    res = k.ok("%%ddp --gather seen\nseen = lr\n")
+    assert k.value("seen") == [0.001, 0.001], "before: 0.5, with no note"
+    assert "lr changed both in the notebook and on the ranks: the ranks now use the notebook's value" in res.stderr
+    k.ok("%%ddp\ndef show():\n    return lr\n")
+    k.ok("lr = 0.02")
+    k.ok("%%ddp --gather v2\nv2 = show()\n")  # the cell never names lr: the rank's function reads it
+    assert k.value("v2") == [0.02, 0.02], "before: the old value"
+    k.ok("class Scaler:\n    factor = 3\n    def apply(self):\n        return model.weight.sum().item() * self.factor\n")
+    k.ok("%%ddp --gather v3\nv3 = Scaler().apply()\n")
+    assert k.value("v3") == [0.0, 6.0]
+
+
 def test_restart_reforks_and_shares_new_notebook_data_copy_on_write(pool):
     k = pool
     old = set(pool_pids(k))

@@ -47,6 +47,32 @@ def is_async(code: types.CodeType | None) -> bool:
     return code is not None and bool(code.co_flags & inspect.CO_COROUTINE)
 
 
+def names_bound(source: str) -> set[str]:
+    """The names a notebook cell binds at its top level (assignments, ``def``, ``class``, imports, ``for``
+    and ``with`` targets, ``del``); none if it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    found: set[str] = set()
+
+    def visit(node) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+            return  # their bodies bind names of their own scope
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            found.add(node.id)
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
 def names_used(code: types.CodeType) -> set[str]:
     names = set(code.co_names)
     for const in code.co_consts:

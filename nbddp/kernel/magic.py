@@ -47,6 +47,14 @@ class DDPMagics(Magics):
 
     def _record(self, info) -> None:
         self.cells.append(info.raw_cell)
+        pool = self.pool
+        if pool is not None and pool.alive and not info.raw_cell.lstrip().startswith(("%%ddp", "%ddp")):
+            # what this notebook cell binds is the notebook's latest word, sent even if equal to an older value
+            try:
+                source = self.shell.transform_cell(info.raw_cell)
+            except Exception:  # noqa: BLE001 - a cell IPython cannot transform binds nothing we can see
+                return
+            pool.synced.rebound(cellcode.names_bound(source))
 
     @classmethod
     def unregister_events(cls, shell) -> None:

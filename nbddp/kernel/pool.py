@@ -53,6 +53,7 @@ class Pool:
                 self.started_at = time.time()
                 self.synced = Synced(self.namespace or {})
                 self.rank_assigned: set[str] = set()
+                self.reads: set[str] = set()  # every name the pool's cells' code reads, functions' bodies too
                 gang.sup.announce()
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
@@ -120,7 +121,8 @@ class Pool:
         """A %%ddp cell in the pool; each rank's Result. ``code``: the names the cell reads.
         ``per_cell``: the cell's own options (checked by the caller), over the pool's."""
         config = options.config(per_cell, base=self.config)
-        updates, said = self.synced.changes(code or set(), self.namespace or {}, self.rank_assigned)
+        self.reads |= code or set()  # a function a cell defined reads its globals when a later cell calls it
+        updates, said = self.synced.changes(self.reads, self.namespace or {}, self.rank_assigned)
         self.rank_assigned -= set(updates)
         for line in said:
             print(f"nbddp: {line}", file=sys.stderr)

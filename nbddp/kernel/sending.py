@@ -40,11 +40,18 @@ BIG_UPDATE = 16 * 2**20  # a sent value this large earns the hint that %ddp rest
 
 class Synced:
     """Which notebook values the ranks have: a name the notebook created or rebound since the pool
-    started (or since it was last sent) is sent again; one the ranks assigned themselves stays theirs
-    unless the notebook rebinds it too."""
+    started (or since it was last sent) is sent again, even to an equal value; one the ranks assigned
+    themselves stays theirs unless the notebook rebinds it too (last writer wins). A function or class
+    the notebook defined brings the notebook names its code reads that the ranks lack."""
 
     def __init__(self, namespace: dict):
         self._known = {k: _token(v) for k, v in namespace.items()}
+
+    def rebound(self, names) -> None:
+        """Names a notebook cell just bound (an assignment, def, import...): sent at the next cell that
+        reads them, whatever their value."""
+        for name in names:
+            self._known.pop(name, None)
 
     def accept(self, names, namespace: dict) -> None:
         """Names the notebook just received from the ranks (--out, --gather): not changes to send back."""
@@ -54,12 +61,15 @@ class Synced:
 
     def changes(self, names, namespace: dict, rank_assigned: set) -> tuple[dict, list[str]]:
         updates, sizes, both = {}, [], []
-        for name in sorted(names):
-            if name not in namespace or not notebook_name(name):
+        pending = sorted(names)
+        while pending:
+            name = pending.pop(0)
+            if name in updates or name not in namespace or not notebook_name(name):
                 continue
             value = namespace[name]
             if isinstance(value, types.ModuleType) or _same(self._known.get(name), value):
                 continue
+            pending += sorted(_reads(value) - set(updates))  # what a notebook function reads goes with it
             try:
                 blob = cloudpickle.dumps(value)
             except Exception as e:  # noqa: BLE001
@@ -104,6 +114,20 @@ def _same(token, value) -> bool:
     if kind == "w":
         return token[1]() is value
     return token[1] == id(value)
+
+
+def _reads(value) -> set[str]:
+    """The global names a function or class the notebook defined reads (none for other values)."""
+    if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
+        return names_used(value.__code__)
+    if isinstance(value, type) and value.__module__ == "__main__":
+        found = set()
+        for attr in vars(value).values():
+            func = getattr(attr, "__func__", attr)
+            if isinstance(func, types.FunctionType):
+                found |= names_used(func.__code__)
+        return found
+    return set()
 
 
 def _size(n: int) -> str:

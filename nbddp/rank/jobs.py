@@ -72,6 +72,35 @@ class CellJob:
         return Result(value=item, outs=named(self.outs), gathers=gathers)
 
 
+def in_namespace(value, ns: dict):
+    """A function or class the notebook defined, sent to a pool's rank, runs against the rank's globals
+    (what the ranks built, the latest notebook values), as one defined before the fork does."""
+    if getattr(value, "__module__", None) != "__main__":
+        return value
+    if isinstance(value, types.FunctionType):
+        return _rebound(value, ns)
+    if isinstance(value, type):
+        for attr, member in list(vars(value).items()):
+            if isinstance(member, types.FunctionType):
+                setattr(value, attr, _rebound(member, ns))
+            elif isinstance(member, (staticmethod, classmethod)) and isinstance(member.__func__, types.FunctionType):
+                setattr(value, attr, type(member)(_rebound(member.__func__, ns)))
+            elif isinstance(member, property):
+                parts = [_rebound(f, ns) if isinstance(f, types.FunctionType) else f
+                         for f in (member.fget, member.fset, member.fdel)]
+                setattr(value, attr, property(*parts, member.__doc__))
+    return value
+
+
+def _rebound(func: types.FunctionType, ns: dict) -> types.FunctionType:
+    new = types.FunctionType(func.__code__, ns, func.__name__, func.__defaults__, func.__closure__)
+    new.__kwdefaults__ = func.__kwdefaults__
+    new.__dict__.update(func.__dict__)
+    new.__qualname__, new.__module__, new.__doc__ = func.__qualname__, func.__module__, func.__doc__
+    new.__annotations__ = func.__annotations__
+    return new
+
+
 @functools.lru_cache(maxsize=64)
 def _compiled(source: str, filename: str):
     """A pool's cell run again has the same source and file name (the kernel names a cell by its hash):

@@ -22,6 +22,7 @@ import time
 import cloudpickle
 
 from ..wire import framing, messages, values
+from . import jobs
 from .jobs import CellJob, fresh_namespace
 from .stdio import flush_streams
 from .worker import exit_code, exit_site, report
@@ -123,7 +124,7 @@ def _run(cmd, ns: dict, ctx, notebook, track: bool = True) -> messages.Result:
 def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool) -> messages.Result:
     """``track``: say which names the cell (re)bound (a pool keeps them the rank's own)."""
     for name, blob in cmd.updates.items():
-        ns[name] = cloudpickle.loads(blob)
+        ns[name] = jobs.in_namespace(cloudpickle.loads(blob), ns)
         if notebook is not None:  # the notebook has this very value under this name
             notebook[id(ns[name])] = (name, ns[name])
     job = CellJob(cmd.source, cmd.filename, outs=cmd.outs, gathers=cmd.gathers, max_value_bytes=cmd.max_value_bytes)
