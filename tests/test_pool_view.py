@@ -75,7 +75,7 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         stop = k.ok("%ddp stop")
     final = [d["data"]["text/plain"] for d in stop.displays if d.get("transient", {}).get("display_id") == did]
     assert final and "· stopped ·" in final[-1], stop.displays
-    assert re.search(r"^0\s+\d+\s+cpu\s+stopped", final[-1], re.M), final[-1]
+    assert re.search(r"^0\s+\d+\s+cpu\s+stopped\s+-\s+-\s", final[-1], re.M), final[-1]  # no memory of the dead
 
 
 def test_a_rank_that_dies_between_cells_shows_on_the_dashboard_before_the_next_cell(clean_kernel):

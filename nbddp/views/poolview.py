@@ -197,8 +197,10 @@ class PoolView:
                 state = f"busy: {self.running} {time.monotonic() - self.cell_t0:.0f} s"
             life = self.rss[r]
             span = f" {mb(min(life.values))}–{mb(max(life.values))}" if life.values else ""
+            now = s if self.ended is None else None  # an ended pool's processes hold no memory now
             rows.append([str(r), str(self.pids.get(r, "-")), f"cuda:{dev}" if dev is not None else "cpu",
-                         state, mb(s.rss) if s else "-", mb(s.uss) if s and s.uss else "-", life.spark() + span])
+                         state, mb(now.rss) if now else "-", mb(now.uss) if now and now.uss else "-",
+                         life.spark() + span])
         return rows
 
     def gpu_rows(self) -> list[list[str]]:
