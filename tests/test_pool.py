@@ -110,7 +110,7 @@ def test_rule_a_bad_batch_on_one_rank_while_the_other_waits_in_ddp_keeps_the_mod
     text = res.error_text
     assert "rank 1 failed: ValueError: bad batch on rank 1" in text, text
     assert "The pool and its state survived, and its process group was made anew: rank(s) 0 waited" in text
-    assert "model = DDP(model.module)" in text
+    assert "model (DistributedDataParallel: model = DDP(model.module))" in text, text
     assert pool_pids(k) == pids, "no rank was killed"
     k.ok("%%ddp --gather w2\nmodel = DDP(model.module)\nstep()\nw2 = model.module.weight.detach().clone()\n")
     w2 = k.value("[t.tolist() for t in w2]")

@@ -101,6 +101,7 @@ class CellRun:
         self.probed = False  # the ranks still in the cell ALONE_S after the others answered: asked for stacks
         self.alone: dict[int, tuple[str, str]] = {}  # rank -> (collective, where): waiting for peers that finished
         self.regrouped: list[int] = []  # ranks freed from a collective by a fresh process group
+        self.bound: set[str] = set()  # what the ranks had bound to the old group (from Regroup's answers)
         self.stacks = None
 
     # -- the ranks' answers, from the supervisor's bus --------------------------------------------------
@@ -108,6 +109,7 @@ class CellRun:
         rec = event.record
         if isinstance(rec, messages.Healthy):
             self.healthy.add(event.rank)
+            self.bound.update(rec.bound)
         elif isinstance(rec, (messages.Result, messages.Error, messages.Exit)):
             self.replies.setdefault(event.rank, rec)
             self.last_reply = time.monotonic()
@@ -338,11 +340,12 @@ class CellRun:
         if survived is None:
             return err
         if survived and self.regrouped:
+            bound = (": " + "; ".join(sorted(self.bound))) if self.bound else \
+                " (none found on the ranks; a DistributedDataParallel model would be: model = DDP(model.module))"
             fate = ("The pool and its state survived, and its process group was made anew: rank(s) "
                     f"{', '.join(map(str, self.regrouped))} waited in a collective that could only be ended by "
-                    "leaving the old group. Objects bound to the old group must be made again before the "
-                    "next step: a DistributedDataParallel model (model = DDP(model.module)), a group from "
-                    "new_group. Tensors, optimizers and everything else are as they were.")
+                    f"leaving the old group. Make again what was bound to the old group before the next step{bound}. "
+                    "Tensors, optimizers and everything else are as they were.")
         elif survived:
             fate = "The pool and its state survived: fix the cell and run it again."
         else:

@@ -184,7 +184,7 @@ class DDPMagics(Magics):
             pool.start()  # devices planned now: the old pool's GPUs are free
             self.pool, self.pool_options = pool, rest
             print(f"nbddp: pool of {pool.plan.world_size} rank(s) on {pool.plan.accelerator}/{pool.plan.backend} "
-                  f"ready in {time.monotonic() - t0:.2f} s; %%ddp cells now run in it (%ddp stop ends it)", flush=True)
+                  f"ready in {time.monotonic() - t0:.2f} s (%ddp stop ends it)", flush=True)
             if pool.view.shown:
                 pool.show()  # its dashboard, below that line, live for the pool's life
             return

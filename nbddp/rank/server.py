@@ -104,14 +104,31 @@ def _answer(cmd, ns: dict, ctx, notebook):
         if isinstance(cmd, messages.Regroup):
             from . import usergroup
 
-            usergroup.regroup(cmd.generation)
-            return messages.Healthy()
+            old = usergroup.regroup(cmd.generation)
+            return messages.Healthy(bound=_bound_to(old, ns))
         return _run(cmd, ns, ctx, notebook)
     except SystemExit as e:
         return messages.Exit(exit_code(e), exit_site(e), "cell", time.time())
     except BaseException as e:  # noqa: BLE001 - the rank lives on; the kernel decides
         report(ctx.channel, "cell", e)
         return None
+
+
+def _bound_to(group, ns: dict) -> tuple:
+    """Names in the rank's namespace bound to ``group`` (a process group just left): DDP models, the
+    group itself, groups made from it."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    found = []
+    for name, value in ns.items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, DistributedDataParallel) and getattr(value, "process_group", None) is group:
+            found.append(f"{name} (DistributedDataParallel: {name} = DDP({name}.module))")
+        elif isinstance(value, dist.ProcessGroup):  # destroyed with the default group
+            found.append(f"{name} (a process group: make it again with dist.new_group)")
+    return tuple(found)
 
 
 def _run(cmd, ns: dict, ctx, notebook, track: bool = True) -> messages.Result:

@@ -41,13 +41,17 @@ def install(group_sockets=frozenset()) -> None:
     dist.init_process_group = c10d.init_process_group = patched
 
 
-def regroup(generation: int) -> None:
+def regroup(generation: int):
     """nbddp's own fresh group (a pool after a collective no peer would join): the old one destroyed
-    here, then made again on nbddp's store under a prefix of its own, with the same ranks."""
+    here, then made again on nbddp's store under a prefix of its own, with the same ranks. Returns the
+    old group (what the rank's objects bound to it point at)."""
     import torch.distributed as dist
     from torch.distributed import PrefixStore
 
     s = _state
+    from torch.distributed import distributed_c10d as c10d
+
+    old = c10d._get_default_group() if dist.is_initialized() else None
     _shut(s["sockets"])  # the peers see this rank leave even if a process it forked holds these descriptors
     if dist.is_initialized():
         try:
@@ -58,6 +62,7 @@ def regroup(generation: int) -> None:
     s["original"](backend=s["backend"], store=PrefixStore(f"nbddp-regroup-{generation}", s["store"]),
                   rank=s["rank"], world_size=s["world_size"])
     s["sockets"] = sockets() - before
+    return old
 
 
 def sockets() -> set[int]:

@@ -99,7 +99,10 @@ class Done:
 @dataclass(frozen=True)
 class Healthy:
     """Pool: the rank passed the health check (a barrier) after an interrupt or a failed cell, or made
-    its fresh process group (``Regroup``)."""
+    its fresh process group (``Regroup``): then ``bound`` names what in its namespace was bound to the
+    old group (``model (DistributedDataParallel)``)."""
+
+    bound: tuple = ()
 
 
 # -- the other direction: what the kernel asks of a pool's ranks, on each rank's command pipe ----------
