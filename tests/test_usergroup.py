@@ -34,9 +34,13 @@ def _cpu_tutorial(tmp_path: Path) -> Path:
 
 
 def _tutorial_lines(text: str) -> list[str]:
+    """The tutorial's reports, wherever they are: torchrun's two processes share one stdout pipe, so
+    their lines can run into each other ('…Steps: 32[GPU1] Epoch 0…'), which a line split would miss."""
     import re
 
-    return sorted(re.sub(r"^\[rank\d\]:", "", ln) for ln in text.splitlines() if "Epoch" in ln)
+    text = re.sub(r"\[rank\d\]:", "", text)
+    return sorted(re.findall(r"\[GPU\d\] Epoch \d+ \| Batchsize: \d+ \| Steps: \d+|"
+                             r"Epoch \d+ \| Training snapshot saved at \S+", text))
 
 
 def test_pytorch_examples_torchrun_tutorial_runs_unchanged_in_a_cell(clean_kernel, tmp_path):
