@@ -341,3 +341,24 @@ def test_the_order_budget_allows_a_burst_then_a_rate():
     assert not b.take()
     b.since -= 0.01  # ten tokens' worth: refilled up to the burst only
     assert [b.take() for _ in range(4)] == [True, True, True, False]
+
+
+def test_torchs_own_rank_prefix_is_not_doubled():
+    """torch prefixes its C++ warnings with "[rankN]:" itself: the cell shows one, not "[rank1]:[rank1]:"."""
+    from nbddp.kernel.supervisor import Output
+    from nbddp.views.relay import Relay
+
+    written = []
+
+    class Sink:
+        def write(self, stream, text, rank=None):
+            written.append(text)
+
+        def close(self):
+            pass
+
+    relay = Relay(Sink(), ranks_output="all", prefix=True, max_lines=100, max_line_chars=1000, max_output_mb=1)
+    relay.on_Output(Output(1, "stderr", b"[rank1]:[W reducer.cpp:1430] Warning: unused parameters\nplain\n"))
+    relay.on_Output(Output(0, "stdout", b"[rank1]:quoted by rank 0\n"))  # another rank's tag is text: kept
+    assert written == ["[rank1]:[W reducer.cpp:1430] Warning: unused parameters\n[rank1]:plain\n",
+                       "[rank0]:[rank1]:quoted by rank 0\n"]

@@ -27,7 +27,34 @@ def option_groups(func):
         func = magic_arguments.argument(*flags, **kw)(func)
         if i == 0 or specs[i - 1][0] != title:
             func = magic_arguments.argument_group(title)(func)
-    return magic_arguments.magic_arguments()(func)
+    func = magic_arguments.magic_arguments()(func)
+    func.__doc__ = readable(func.__doc__, "%%ddp [options]", DDP_EXAMPLE)
+    return func
+
+
+DDP_EXAMPLE = """\
+%%ddp --devices 2 --gather losses
+model = DDP(torch.nn.Linear(64, 1).to(device))   # rank, world_size, device are set; the group is up
+losses = train(model)                            # every rank's list comes back as `losses`"""
+
+POOL_EXAMPLE = """\
+%ddp start --devices 2          # fork once; then every %%ddp cell runs in these ranks
+%ddp status                     # the pool's dashboard again
+%ddp stop                       # end the ranks; %%ddp cells are one-shot again"""
+
+
+def readable(doc: str, usage: str, example: str) -> str:
+    """A magic's help as a user reads it in ``%%ddp?``: the usage and an example first, no reST markup
+    (argparse's ``::`` usage block with every flag, double backticks)."""
+    import re
+    import textwrap
+
+    lines = doc.splitlines()
+    if lines and lines[0].strip() == "::":  # magic_arguments' usage: the groups below list each option
+        end = next((i for i in range(2, len(lines)) if not lines[i].strip()), len(lines))
+        lines = lines[end + 1:]
+    body = re.sub(r"``(.+?)``", r"\1", textwrap.dedent("\n".join(lines)).strip("\n"))
+    return f"{usage}\n\n{textwrap.indent(example, '    ')}\n\n{body}\n"
 
 
 @magics_class
@@ -250,3 +277,7 @@ def _deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict)
         )
         raise ResultError("\n".join(problems))
     return values.loads(first.value.blob) if first.value is not None else None
+
+
+_usage, _, _rest = DDPMagics.ddp_pool.__doc__.partition("\n")
+DDPMagics.ddp_pool.__doc__ = readable(_rest, _usage, POOL_EXAMPLE)

@@ -208,6 +208,8 @@ class Relay:
             lines = self._fit(rank, lines, room)
             text = tag + f"\n{tag}".join(lines) + "\n"
             chars = len(text) - len(tag) * len(lines)
+        if tag and tag in decoded:  # torch's own "[rankN]:" prefix (its C++ warnings, logs): not doubled
+            text = text.replace(tag + tag, tag)
         self._shown_lines[rank] = self._shown_lines.get(rank, 0) + len(lines)
         self._shown_chars[rank] = self._shown_chars.get(rank, 0) + chars
         self.sink.write(stream, text, rank)
