@@ -42,7 +42,7 @@ from .supervisor import Bus, Started
 ALONE_S = 2.0  # a rank still in the cell this long after every other rank answered: where is it?
 PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
 HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
-REGROUP_S = 30.0  # pool: every rank in a fresh process group within this
+REGROUP_S = 10.0  # pool: every rank in a fresh process group within this (a rank stuck elsewhere: torn down)
 
 
 @dataclass
@@ -96,7 +96,7 @@ class CellRun:
         self.first_error: float | None = None
         self.interrupted_at: float | None = None
         self.survived = True
-        self.told = False  # one-shot: Stop sent, every rank having answered
+        self.leave_sent = False  # one-shot: Stop sent (leave), every rank having answered
         self.last_reply: float | None = None
         self.probed = False  # the ranks still in the cell ALONE_S after the others answered: asked for stacks
         self.alone: dict[int, tuple[str, str]] = {}  # rank -> (collective, where): waiting for peers that finished
@@ -189,8 +189,8 @@ class CellRun:
     def _one_shot_over(self) -> bool:
         """One-shot: once every rank has answered, each is told to leave (nbddp's own synchronisation, on
         the command pipes: never a collective on the user's group); over when every rank has exited."""
-        if self.gang.told and not self.told and len(self.replies) == self.gang.world_size:
-            self.told = True
+        if self.gang.piped and not self.leave_sent and len(self.replies) == self.gang.world_size:
+            self.leave_sent = True
             self.gang.command(messages.Stop())
         self._probe_alone()
         return False

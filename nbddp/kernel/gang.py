@@ -46,14 +46,14 @@ class Gang:
 
     # -- life ----------------------------------------------------------------------------------------
     @property
-    def told(self) -> bool:
+    def piped(self) -> bool:
         """Its ranks have command pipes (every forked gang; spawned ranks have none)."""
         return self.config.start_method == "fork"
 
     def start(self, job_for, deadline: float | None = None) -> None:
         """One rank per planned device, running ``job_for(command pipes)``: a pool's commands, a one-shot
         cell's ``Stop``. Past ``deadline`` no more are forked."""
-        pipes = {r: os.pipe() for r in range(self.world_size)} if self.told else {}
+        pipes = {r: os.pipe() for r in range(self.world_size)} if self.piped else {}
         self._cmd = {r: w for r, (_, w) in pipes.items()}
         self._starter = (starters.ForkStarter if self.config.start_method == "fork"
                          else starters.SpawnStarter)(self.run_dir)
