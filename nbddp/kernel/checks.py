@@ -28,16 +28,10 @@ def one_at_a_time():
         _launching = False
 
 
-def plan_for(config) -> devices.Plan:
-    """Every option checked, then the devices planned: bad input launches nothing."""
-    options.check(config)
-    return devices.plan(config.devices, config.accelerator, config.backend)
-
-
-def preflight(config, plan: devices.Plan | None = None, *, pool: bool = False) -> devices.Plan:
+def preflight(config, *, pool: bool = False) -> devices.Plan:
     """Everything that can refuse a launch, with nothing changed yet; returns the plan (its notes said)."""
     refusals(config, pool=pool)
-    plan = plan or plan_for(config)
+    plan = devices.plan(config.devices, config.accelerator, config.backend)
     for note in [*plan.notes, *_oversubscribed(plan, config.threads)]:  # busy GPUs auto skipped, many CPU ranks
         print(note, file=sys.stderr)
     if plan.accelerator == "cuda" and config.start_method == "fork" and (refusal := cuda.backend().refusal()):

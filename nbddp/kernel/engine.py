@@ -60,7 +60,7 @@ class Outcome:
 def one_shot(command, config, *, plan=None, namespace=None, observer=None, relabel=None) -> Outcome:
     """A one-shot cell: ranks started for ``command`` (a ``RunCell`` or ``Call``), which they run and leave.
     ``namespace``: the kernel's user_ns, which forked ranks share copy-on-write."""
-    plan = checks.preflight(config, plan)
+    plan = plan or checks.preflight(config)  # a caller that passes the plan ran preflight itself
     with checks.one_at_a_time():
         gang = Gang(config, plan, persistent=False)
         fork = config.start_method == "fork"
@@ -122,11 +122,11 @@ class CellRun:
         gang, sup = self.gang, self.gang.sup
         start = time.monotonic()
         relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}")
-        stacks = self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
-        sup.bus = Bus([*gang.lifelong(), self, stacks, *([self.observer] if self.observer else [])])
+        self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
+        sup.bus = Bus([*gang.lifelong(), self, self.stacks, *([self.observer] if self.observer else [])])
         sup.tick = getattr(self.observer or gang.view, "interval", None)
         sup.new_cell()
-        sup.after_stacks = self._interrupt if gang.persistent else sup.stop_all
+        sup.after_stacks = self._timeout_rule
         for p in sup.procs:  # what a rank said in earlier cells must not explain how this one ends
             p.records.clear()
         deadline = None if self.config.timeout is None else start + self.config.timeout
@@ -164,9 +164,9 @@ class CellRun:
             if gang.view is not None and error is not None:
                 gang.view.cell_ended("interrupted" if isinstance(error, KeyboardInterrupt) else "failed")
         if error is not None:
-            raise self._interrupted(running, stacks, announced) from None
+            raise self._interrupted(running, announced) from None
         try:
-            outcome = self._conclude(sup, stacks, start)
+            outcome = self._conclude(sup, start)
         except BaseException:
             if gang.view is not None:
                 gang.view.cell_ended("failed")
@@ -206,6 +206,13 @@ class CellRun:
             self._interrupt()  # a peer failed: the others would wait for it in their next collective
         return self.interrupted_at is not None and now >= self.interrupted_at + HEALTH_S
 
+    def _timeout_rule(self) -> None:
+        """Once --timeout's stacks are in: a pool's ranks are interrupted, one-shot ranks stopped."""
+        if self.gang.persistent:
+            self._interrupt()
+        else:
+            self.gang.sup.stop_all()
+
     def _probe_alone(self) -> None:
         """Ranks still in the cell ALONE_S after every other rank answered are asked where they are (their
         stacks, kept from the cell). One waiting in a torch.distributed collective waits for peers that
@@ -224,7 +231,7 @@ class CellRun:
 
     def _judge_alone(self) -> None:
         sup = self.gang.sup
-        sup.after_stacks = self._interrupt if self.gang.persistent else sup.stop_all  # --timeout's rule again
+        sup.after_stacks = self._timeout_rule  # --timeout's rule again
         dumps = self.stacks.stacks()
         self.stacks.release()
         waiting = {r: tracebacks.main_thread(d) for r, d in dumps.items() if r not in self.replies}
@@ -270,7 +277,7 @@ class CellRun:
         gang.sup.reap()  # a second interrupt kills at once
         return running
 
-    def _interrupted(self, running: list[int], stacks, announced: bool) -> KeyboardInterrupt:
+    def _interrupted(self, running: list[int], announced: bool) -> KeyboardInterrupt:
         if self.gang.persistent:
             states = self._reply_states(running)
             fate = ("the pool and its state survived; its process group was made anew to free rank(s) "
@@ -282,7 +289,7 @@ class CellRun:
         else:
             states = {r: failure.was_at(tracebacks.main_thread(dump), self.relabel, "was not in the cell's code "
                                         "(starting up, or in nbddp's own frames)")
-                      for r, dump in stacks.stacks().items()}
+                      for r, dump in self.stacks.stacks().items()}
             fate = "nbddp stopped every rank" if announced else "nbddp stopped every rank as it started"
         return failure.interrupted(running, states, str(self.gang.run_dir.path), fate)
 
@@ -303,7 +310,7 @@ class CellRun:
         return states
 
     # -- one outcome -----------------------------------------------------------------------------------
-    def _conclude(self, sup, stacks, start: float) -> Outcome:
+    def _conclude(self, sup, start: float) -> Outcome:
         gang, log_dir = self.gang, str(self.gang.run_dir.path)
         if gang.persistent and not gang.alive:  # a rank died: the pool ends with it
             dead = [p.exit for p in sup.procs if p.exit is not None]
@@ -318,7 +325,7 @@ class CellRun:
         # one function builds every exit record: from the process's end, or (a pool's) from its answer
         exits = [self._cell_exit(r) for r in range(gang.world_size)] if gang.persistent else [p.exit for p in sup.procs]
         if sup.timed_out:
-            err = failure.timed_out(self.config.timeout, sup.timed_out, stacks.stacks(), self.relabel, log_dir,
+            err = failure.timed_out(self.config.timeout, sup.timed_out, self.stacks.stacks(), self.relabel, log_dir,
                                     "their cells were interrupted" if gang.persistent else "all ranks stopped")
             raise self._with_fate(err, self._recover() if gang.persistent else None)
         if failure.root_cause(exits):
@@ -356,48 +363,38 @@ class CellRun:
     def _recover(self) -> bool:
         """Pool, after an interrupt or a failed cell: every rank answered and passes a barrier within
         HEALTH_S; or, where ranks still wait in a collective (gloo), the others leave the process group,
-        which frees them, and every rank makes a fresh one (``_regroup``); else the pool is torn down.
-        True if it lives on."""
+        which frees them, and every rank makes a fresh one (``Regroup``: an idle rank's leaving closes its
+        connections, so a peer stuck in a collective gets "Connection closed by peer", fails its cell, and
+        regroups too); else the pool is torn down. True if it lives on."""
         gang = self.gang
         stuck = [r for r in range(gang.world_size) if r not in self.replies]
         if gang.alive and stuck and gang.plan.backend == "gloo":
-            return self._regroup(stuck)
-        if gang.alive and len(self.replies) == gang.world_size:
-            self.healthy = set()
-            end = time.monotonic() + HEALTH_S
-            try:
-                with starters.sigint_deferred():
-                    gang.command(messages.HealthCheck())
-                self._wait(None, until=lambda: len(self.healthy) == gang.world_size or time.monotonic() >= end,
-                           wake_at=end)
-            except KeyboardInterrupt:  # an interrupt during the health check: the pool cannot be vouched for
-                gang.close("torn down by an interrupt during its health check")
-                return False
-            if gang.alive and len(self.healthy) == gang.world_size:
+            gang.generation += 1
+            if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
+                                 "torn down by an interrupt while its process group was made anew"):
+                self.regrouped = stuck
                 return True
+            gang.close("torn down: its process group could not be made anew")
+            return False
+        if gang.alive and not stuck and self._all_healthy(messages.HealthCheck(), HEALTH_S,
+                                                          "torn down by an interrupt during its health check"):
+            return True
         gang.close("torn down: a rank did not come back from a collective after the cell failed or was "
                    "interrupted" + (" (NCCL: a communicator cannot be freed from its peers)" if stuck else ""))
         return False
 
-    def _regroup(self, stuck: list[int]) -> bool:
-        """Every rank leaves the process group and joins a fresh one (``Regroup``): an idle rank's leaving
-        closes its connections, so a peer stuck in a collective gets "Connection closed by peer", fails
-        its cell, and regroups too. True once every rank answered the cell and is in the new group."""
+    def _all_healthy(self, cmd, within: float, interrupted: str) -> bool:
+        """``cmd`` to every rank; True once each has answered the cell and then ``Healthy`` within
+        ``within`` s. An interrupt meanwhile tears the pool down (``interrupted``: why)."""
         gang = self.gang
-        gang.generation += 1
         self.healthy = set()
-        end = time.monotonic() + REGROUP_S
+        end = time.monotonic() + within
         try:
             with starters.sigint_deferred():
-                gang.command(messages.Regroup(gang.generation))
-            self._wait(None, until=lambda: (len(self.healthy) == gang.world_size and len(self.replies) ==
-                                            gang.world_size) or not gang.alive or time.monotonic() >= end,
-                       wake_at=end)
-        except KeyboardInterrupt:
-            gang.close("torn down by an interrupt while its process group was made anew")
+                gang.command(cmd)
+            self._wait(None, until=lambda: len(self.healthy) == len(self.replies) == gang.world_size
+                       or not gang.alive or time.monotonic() >= end, wake_at=end)
+        except KeyboardInterrupt:  # the pool cannot be vouched for
+            gang.close(interrupted)
             return False
-        if gang.alive and len(self.healthy) == gang.world_size:
-            self.regrouped = stuck
-            return True
-        gang.close("torn down: its process group could not be made anew")
-        return False
+        return gang.alive and len(self.healthy) == gang.world_size

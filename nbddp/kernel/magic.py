@@ -118,7 +118,7 @@ class DDPMagics(Magics):
         config = options.config(given)
         shell = self.shell
         source, filename, _ = self._compile(cell)
-        plan = checks.plan_for(config)  # before spawn pickles anything
+        plan = checks.preflight(config)  # everything that refuses, before spawn pickles anything
         fork = config.start_method == "fork"
         # fork: the ranks share the notebook as it is now; spawn: the globals the cell reads travel with it
         updates = {} if fork else sending.ship_globals(source, filename, shell.user_ns)
