@@ -82,10 +82,13 @@ def _lines(text: str) -> list[str]:
     """Output lines without rank prefixes, timings masked, in a fixed order (ranks interleave freely)."""
     out = []
     for line in text.splitlines():
-        line = re.sub(r"^\[rank\d+\]:", "", line)
+        span = re.match(r"\[rank([\d,-]+)\]:", line)  # a line every rank printed may be shown once: [rank0-1]:
+        copies = sum(int(b) - int(a) + 1 for a, _, b in (p.partition("-") if "-" in p else (p, "", p)
+                                                        for p in span.group(1).split(","))) if span else 1
+        line = re.sub(r"^\[rank[\d,-]+\]:", "", line)
         line = re.sub(r"^(CPU times|Wall time): .*", r"\1: ...", line)
         if line.strip():
-            out.append(line)
+            out += [line] * copies
     return sorted(out)
 
 
@@ -133,3 +136,83 @@ def test_help_and_export_cells_are_skipped_and_print_adds_no_none():
 def test_a_cell_using_ipython_syntax_still_pulls_in_the_data_it_needs():
     script = export_cells(["X = torch.ones(3)", "X[0] = 5", "unrelated = 1", "%%ddp --devices 2\n!echo hi\nprint(X)"])
     assert "X = torch.ones(3)" in script and "X[0] = 5" in script and "unrelated" not in script
+
+
+# -- export that runs (issue 21, point 5) ----------------------------------------------------------
+def test_the_last_expression_is_wrapped_alone_comments_and_lines_kept():
+    from nbddp.export.script import _with_result
+
+    cases = {
+        "loss.item()   # rank 0's last expression (a comment)": "_nbddp_show(loss.item())   # rank 0's last expression (a comment)",
+        "x = 1; (x,\n  x + 1)  # two lines\n": "x = 1; _nbddp_show((x,\n  x + 1))  # two lines",
+        "f(1,\n  2)\n# a comment after it\n": "_nbddp_show(f(1,\n  2))\n# a comment after it",
+        "s = 'é'; len(s + 'é')  # UTF-8 before the expression": "s = 'é'; _nbddp_show(len(s + 'é'))  # UTF-8 before the expression",
+        "x;  # quiet, as IPython is": "x;  # quiet, as IPython is",
+        "x = 1\ny = 2": "x = 1\ny = 2",
+    }
+    for body, wrapped in cases.items():
+        assert _with_result(body) == wrapped
+        compile(_with_result(body), "cell", "exec")
+
+
+def test_cells_that_failed_are_left_out_with_a_comment(tmp_path):
+    from nbddp.export.script import notebook_cells
+
+    cells = ["import torch", "X = torch.ones(3).summ()", "X = torch.ones(3)", "%%ddp --devices 2\nX.summ()",
+             "%%ddp --devices 2\nprint(X.sum())"]
+    script = export_cells(cells, failed={1: "AttributeError: 'Tensor' object has no attribute 'summ'\nmore",
+                                         3: "AttributeError: ..."})
+    assert all(line.startswith("#") for line in script.splitlines() if "summ" in line)  # only as comments
+    assert "# --- cell 2 left out: it failed in the session (AttributeError: 'Tensor' object has no attribute " \
+           "'summ') ---\n#     X = torch.ones(3).summ()\n" in script
+    assert "# --- cell 4 left out" in script and "print(X.sum())" in script
+    compile(script, "train.py", "exec")
+    with pytest.raises(ValueError, match="no %%ddp cell to export that ran without an error"):
+        export_cells(["%%ddp\nboom"], failed={0: "NameError"})
+    saved = tmp_path / "nb.ipynb"  # a saved notebook: the cells that show an error are the failed ones
+    code = [{"cell_type": "code", "source": c, "outputs": []} for c in ("X = 1", "X.summ()", "%%ddp\nprint(X)")]
+    code[1]["outputs"] = [{"output_type": "error", "ename": "AttributeError", "evalue": "no summ", "traceback": []}]
+    saved.write_text(json.dumps({"cells": [{"cell_type": "markdown", "source": "# hi"}] + code}))
+    assert notebook_cells(saved) == (["X = 1", "X.summ()", "%%ddp\nprint(X)"], {1: "AttributeError: no summ"})
+
+
+def readme_cells() -> list[str]:
+    """The README's own example: the python blocks of its "In a notebook" section before the prose."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## In a notebook", 1)[1].split("\nPlots and rich outputs", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+
+
+def test_the_readmes_example_exported_from_a_session_runs_under_torchrun(runs_dir, tmp_path):
+    """The README's cells in a fresh kernel, with a typo cell the user fixed (it failed: left out), then
+    %ddp_export, then real torchrun: rank 0's Out[n] and both ranks' loss lines."""
+    from kernel import Kernel
+
+    setup, train = readme_cells()
+    assert "%%ddp --devices 2 --out state" in train and "loss.item()   " in train  # the comment that broke it
+    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
+    try:
+        k.ok(setup, timeout=120)
+        typo = k.run("Y = Y.summ()")
+        assert typo.error and typo.error["ename"] == "AttributeError"
+        res = k.ok(train, timeout=240)
+        printed = _lines(res.stdout)  # one loss line from each rank
+        assert len(printed) == 2 and all(re.fullmatch(r"loss \d\.\d{3}", line) for line in printed), res.stdout
+        assert re.fullmatch(r"\d\.\d+(e-\d+)?", res.result), res.result
+        script = tmp_path / "train.py"
+        k.ok(f"%ddp_export {script}")
+    finally:
+        k.shutdown()
+    text = script.read_text()
+    assert "# --- cell 2 left out: it failed in the session (AttributeError: 'Tensor' object has no attribute " \
+           "'summ') ---" in text
+    assert re.search(r"\n_nbddp_show\(loss\.item\(\)\) +# rank 0's last expression", text)
+    bindir = Path(sys.executable).parent
+    logs = tmp_path / "logs"
+    run = subprocess.run([bindir / "torchrun", "--standalone", "--nproc-per-node", "2", "--redirects", "1",
+                          "--log-dir", logs, script], check=False, capture_output=True, text=True, timeout=280,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = {int(p.parent.name): p.read_text() for p in logs.rglob("stdout.log")}
+    assert re.fullmatch(r"loss \d\.\d{3}\n\d\.\d+(e-\d+)?\n", out[0]), out
+    assert re.fullmatch(r"loss \d\.\d{3}\n", out[1]), out

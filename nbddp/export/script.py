@@ -138,12 +138,17 @@ def _names(code: str) -> tuple[set[str], set[str]]:
     return defined, used
 
 
-def export_cells(cells: list[str], source: str = "a notebook", script: str = "train.py") -> str:
-    """The script for these cells (in execution order)."""
-    cells = ["" if _skipped(c) else c for c in cells]
+def export_cells(cells: list[str], source: str = "a notebook", script: str = "train.py",
+                 failed: dict[int, str] | None = None) -> str:
+    """The script for these cells (in execution order). ``failed``: the cells (their index here) that
+    failed in the session, and why: left out, with a comment where they were (a typo the user fixed in
+    the next cell must not end the script)."""
+    failed = {i: _left_out(i, cells[i], why) for i, why in (failed or {}).items() if i < len(cells)}
+    cells = ["" if _skipped(c) or i in failed else c for i, c in enumerate(cells)]
     ddp_positions = [i for i, c in enumerate(cells) if is_ddp(c)]
     if not ddp_positions:
-        raise ValueError(f"{source} has no %%ddp cell to export")
+        raise ValueError(f"{source} has no %%ddp cell to export"
+                         + (" that ran without an error" if failed else ""))
     needs: set[str] = set()
     python = {}
     for i, c in enumerate(cells[: ddp_positions[-1] + 1]):
@@ -161,7 +166,10 @@ def export_cells(cells: list[str], source: str = "a notebook", script: str = "tr
     parts = []
     setup_done = False
     in_notebook_cells = False
-    for i in sorted(keep):
+    for i in sorted(keep | {i for i in failed if i < ddp_positions[-1]}):
+        if i in failed:
+            parts.append(failed[i])
+            continue
         if not is_ddp(cells[i]):
             if not in_notebook_cells:
                 parts.append(f"\n_nbddp_notebook_cells_begin({SEED + i})\n")
@@ -182,6 +190,14 @@ def export_cells(cells: list[str], source: str = "a notebook", script: str = "tr
     return HEADER.format(source=source, nproc=nproc, script=script) + helpers + "".join(parts) + FOOTER
 
 
+def _left_out(i: int, cell: str, why: str, shown: int = 3) -> str:
+    """The comment that stands where a cell that failed in the session would be."""
+    why = why.strip().splitlines()[0][:200] if why.strip() else "an error"
+    lines = cell.strip("\n").splitlines()
+    code = "".join(f"#     {line}\n" for line in lines[:shown]) + ("#     ...\n" if len(lines) > shown else "")
+    return f"\n# --- cell {i + 1} left out: it failed in the session ({why}) ---\n{code}"
+
+
 def _devices(line: str) -> int | None:
     """How many processes the cell asked for (``--devices``, however written), read by the magic's own
     parser; None for auto, -1 or a line this nbddp no longer takes."""
@@ -200,29 +216,45 @@ def _devices(line: str) -> int | None:
 
 
 def _with_result(body: str) -> str:
-    """The cell's last expression is shown once, as the notebook showed it as Out[n] (nothing for None)."""
+    """The cell's last expression is shown once, as the notebook showed it as Out[n] (nothing for None,
+    nothing after a trailing ``;``). Only the expression is wrapped: a comment after it, a statement
+    before it on the same line and the lines of a multi-line expression stay as they were."""
+    from IPython.core.displayhook import DisplayHook
+
     try:
         tree = ast.parse(body)
     except SyntaxError:
         return body.rstrip()
-    if not tree.body or not isinstance(tree.body[-1], ast.Expr) or body.rstrip().endswith(";"):
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr) or DisplayHook.semicolon_at_end_of_expression(body):
         return body.rstrip()
     last = tree.body[-1]
     if isinstance(last.value, ast.Call) and getattr(last.value.func, "id", "").startswith(("print", "_nbddp_")):
         return body.rstrip()  # print(...) shows its own output; Out[n] would be None, which IPython hides
-    lines = body.splitlines()
-    head = "\n".join(lines[: last.lineno - 1])
-    expr = "\n".join(lines[last.lineno - 1: last.end_lineno])
-    return f"{head}\n_nbddp_show({expr.strip()})".lstrip("\n")
+    lines = body.splitlines(keepends=True)
+    start = _offset(lines, last.lineno, last.col_offset)
+    end = _offset(lines, last.end_lineno, last.end_col_offset)
+    return f"{body[:start]}_nbddp_show({body[start:end]}){body[end:]}".rstrip()
 
 
-def notebook_cells(path: str | Path) -> list[str]:
+def _offset(lines: list[str], lineno: int, col: int) -> int:
+    """Where ast's (line, UTF-8 byte column) is in the text."""
+    return sum(map(len, lines[: lineno - 1])) + len(lines[lineno - 1].encode()[:col].decode())
+
+
+def notebook_cells(path: str | Path) -> tuple[list[str], dict[int, str]]:
+    """A saved notebook's code cells, and those that show an error (their index, the error's name)."""
     nb = json.loads(Path(path).read_text())
-    return ["".join(c["source"]) if isinstance(c["source"], list) else c["source"]
-            for c in nb["cells"] if c["cell_type"] == "code"]
+    cells, failed = [], {}
+    for cell in (c for c in nb["cells"] if c["cell_type"] == "code"):
+        for out in cell.get("outputs", ()):
+            if out.get("output_type") == "error":
+                failed[len(cells)] = f"{out.get('ename', 'an error')}: {out.get('evalue', '')}".rstrip(": ")
+        cells.append("".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"])
+    return cells, failed
 
 
 def export_notebook(path: str | Path, out: str | Path) -> Path:
     out = Path(out)
-    out.write_text(export_cells(notebook_cells(path), source=Path(path).name, script=out.name))
+    cells, failed = notebook_cells(path)
+    out.write_text(export_cells(cells, source=Path(path).name, script=out.name, failed=failed))
     return out

@@ -7,6 +7,7 @@ import inspect
 import re
 import types
 
+from IPython.core.displayhook import DisplayHook
 
 from . import tracebacks
 from ..errors import UsageError
@@ -34,7 +35,7 @@ def split_last_expression(source: str, filename: str, labels=None) -> tuple[type
     try:
         tree = ast.parse(source, filename, "exec")
         last = None  # a trailing ';' keeps the expression in the body and silences its value, as in IPython
-        if tree.body and isinstance(tree.body[-1], ast.Expr) and not source.rstrip().endswith(";"):
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not DisplayHook.semicolon_at_end_of_expression(source):
             last = compile(ast.Expression(tree.body.pop().value), filename, "eval", flags=TOP_LEVEL_AWAIT)
         return compile(tree, filename, "exec", flags=TOP_LEVEL_AWAIT), last
     except SyntaxError as e:

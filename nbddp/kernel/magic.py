@@ -59,18 +59,20 @@ def readable(doc: str, usage: str, example: str) -> str:
 
 @magics_class
 class DDPMagics(Magics):
-    _handlers: list = []  # (shell, handler) registered by every instance: %unload_ext takes them back
+    _handlers: list = []  # (shell, event, handler) registered by every instance: %unload_ext takes them back
 
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.cells: list[str] = []
+        self.failed: list[tuple[int, int | None, str]] = []  # (index in cells, execution count, why): not exported
         self.pool = None  # %ddp start's Pool, while one runs
         self.pool_options = ""
         self._compiled: dict[str, tuple] = {}  # a cell's text -> (source, names it reads), the latest kept
         if shell is not None:
             self.unregister_events(shell)  # %reload_ext: one recorder, not two
-            shell.events.register("pre_run_cell", self._record)
-            DDPMagics._handlers.append((shell, self._record))
+            for event, handler in (("pre_run_cell", self._record), ("post_run_cell", self._ran)):
+                shell.events.register(event, handler)
+                DDPMagics._handlers.append((shell, event, handler))
 
     def _record(self, info) -> None:
         self.cells.append(info.raw_cell)
@@ -83,14 +85,20 @@ class DDPMagics(Magics):
                 return
             pool.synced.rebound(cellcode.names_bound(source))
 
+    def _ran(self, result) -> None:
+        error = result.error_before_exec or result.error_in_exec
+        if error is not None and self.cells:
+            why = f"{type(error).__name__}: {error}".strip().rstrip(":")
+            self.failed.append((len(self.cells) - 1, result.execution_count, why))
+
     @classmethod
     def unregister_events(cls, shell) -> None:
-        for owner, handler in [h for h in cls._handlers if h[0] is shell]:
+        for owner, event, handler in [h for h in cls._handlers if h[0] is shell]:
             try:
-                shell.events.unregister("pre_run_cell", handler)
+                shell.events.unregister(event, handler)
             except ValueError:
                 pass
-            cls._handlers.remove((owner, handler))
+            cls._handlers.remove((owner, event, handler))
 
     @option_groups
     @cell_magic
@@ -232,10 +240,11 @@ class DDPMagics(Magics):
         path = line.strip() or "train.py"
         # cells as typed ("%%ddp ...", not run_cell_magic(...)); front ends that run cells without
         # storing history (nbval, some IDEs) still reach pre_run_cell, which nbddp records from %load_ext on
-        raw = self.shell.history_manager.input_hist_raw[1:] or self.cells
-        history = [c for c in raw if not c.lstrip().startswith("%ddp_export")]
+        # (cells that failed, by execution count in the history, else by place in ours, are left out)
+        history = self.shell.history_manager.input_hist_raw[1:]
+        failed = {n - 1: why for _, n, why in self.failed if n} if history else {i: why for i, _, why in self.failed}
         with open(path, "w") as f:
-            f.write(export_cells(history, source="this notebook session", script=path))
+            f.write(export_cells(history or self.cells, source="this notebook session", script=path, failed=failed))
         print(f"wrote {path}: its first lines give the torchrun command")
 
 
