@@ -56,13 +56,15 @@ def __getattr__(name):
 
 def load_ipython_extension(ipython) -> None:
     from .hw import cuda
+    from .ipy import cells
     from .kernel.magic import DDPMagics
     from .rank import worker
 
     # Large tensors allocated from now on use transparent huge pages: a fork then copies far fewer
     # page-table entries (8 GB resident: ~390 ms -> ~30 ms per rank, measured). Read at allocation.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    cuda.backend().install(ipython)  # first: its environment (NVML-based CUDA checks) holds for torch's import
+    cells.track(ipython)  # IPython 7.x keeps no file name -> cell map: nbddp keeps one
+    cuda.backend().install(ipython, cells)  # first: its environment (NVML-based CUDA checks) holds for torch's import
     worker.warm_start()  # torch imported once, here, so ranks never import it
     ipython.register_magics(DDPMagics)
 

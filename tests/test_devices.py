@@ -26,11 +26,16 @@ class CudaBuilt(cuda.Cuda):
         return True
 
 
+class CpuBuild(cuda.Cuda):  # torch without CUDA, whatever build this machine has
+    def built(self):
+        return False
+
+
 @pytest.fixture
 def gpus(monkeypatch):
     def use(n, built=True):
         monkeypatch.setattr(nvml, "_backend", FakeNvml(n))
-        monkeypatch.setattr(cuda, "_backend", CudaBuilt() if built else cuda.Cuda())
+        monkeypatch.setattr(cuda, "_backend", CudaBuilt() if built else CpuBuild())
 
     return use
 

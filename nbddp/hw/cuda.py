@@ -39,17 +39,19 @@ class Cuda:
     def __init__(self) -> None:
         self.site: InitSite | None = None
         self._shell = None
+        self._cells = None  # nbddp.ipy.cells, given at install (hw imports nothing of ipy)
         self._wrapped = False
         self._probed_at: int | None = None  # execution count of the last clean probe
         self.watch = driverwatch.Watcher()
 
     # -- kernel side ------------------------------------------------------------------------------
-    def install(self, shell=None) -> None:
+    def install(self, shell=None, cells=None) -> None:
+        """``cells``: how the shell numbers its cells (``nbddp.ipy.cells``: the running one, file names)."""
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         # CUDA numbers GPUs fastest-first unless told otherwise; NVML (and nvidia-smi) by PCI bus.
         # Same order for both, so the dashboard's cuda:N is the rank's cuda:N.
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-        self._shell = shell
+        self._shell, self._cells = shell, cells
         self._wrap_lazy_init()
         if shell is not None:
             self.uninstall(shell)  # %reload_ext: registered once
@@ -65,7 +67,7 @@ class Cuda:
 
     def _after_cell(self, result=None) -> None:
         self._wrap_lazy_init()  # torch may have been imported by this cell
-        count = getattr(self._shell, "execution_count", 1) - 1
+        count = self._cells.running(self._shell)
         src = getattr(getattr(result, "info", None), "raw_cell", "") or ""
         if self.site is None and self._torch_initialised():
             first = next((ln.strip() for ln in src.splitlines() if ln.strip()), "")
@@ -88,7 +90,7 @@ class Cuda:
         self._wrapped = True
 
     def _site_from_stack(self, frames) -> InitSite:
-        fmap = getattr(getattr(self._shell, "compile", None), "_filename_map", {}) or {}
+        fmap = self._cells.numbers(self._shell) if self._cells is not None else {}
         library = _library_of(frames, fmap)
         for fr in reversed(frames):
             if fr.filename in fmap:

@@ -6,7 +6,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 
-from ..hw import nvml
+from ..hw import nccl, nvml
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,8 @@ class Environment:
     cpus: int
     gpus: list[str] = field(default_factory=list)
     shm_free_bytes: int | None = None
+    nccl: dict[str, str] = field(default_factory=dict)  # what this host needs, set in GPU ranks unless yours
+    host_note: str = ""  # what the hosted notebook allows, in a line
 
     @property
     def accelerator(self) -> str:
@@ -34,16 +36,28 @@ class Environment:
             f"cpus:      {self.cpus}",
             f"gpus:      {gpus}",
             f"/dev/shm:  {shm}",
+            *([f"nccl:      {' '.join(f'{k}={v}' for k, v in self.nccl.items())} (set in GPU ranks unless you set it)"]
+              if self.nccl else []),
+            *([f"host:      {self.host_note}"] if self.host_note else []),
         ])
 
 
+HOST_NOTES = {  # what each hosted notebook allows (docs/environments.md says more)
+    "colab": "Colab: one GPU at most (--devices auto runs one rank); fork works; the dashboard updates from the "
+             "kernel's main thread",
+    "kaggle": "Kaggle: up to 2 GPUs (2xT4: --devices 2, NCCL, peer-to-peer off); fork works",
+}
+
+
 def session_kind(env=os.environ, modules=sys.modules, shell=None) -> str:
+    """Kaggle first: its image is built from Colab's (google.colab may be there too). Kaggle's kernels carry
+    ``KAGGLE_KERNEL_RUN_TYPE``; a ``KAGGLE_USERNAME``/``KAGGLE_KEY`` alone is the Kaggle API on any host."""
     if shell is None:
         shell = running_shell()
-    if "google.colab" in modules:
-        return "colab"
-    if any(k.startswith("KAGGLE_") for k in env):
+    if "KAGGLE_KERNEL_RUN_TYPE" in env or "KAGGLE_URL_BASE" in env:
         return "kaggle"
+    if "google.colab" in modules or "COLAB_RELEASE_TAG" in env:
+        return "colab"
     kernel = shell is not None and getattr(shell, "kernel", None) is not None
     if kernel and ("VSCODE_PID" in env or "VSCODE_CWD" in env or env.get("VSCODE_IPC_HOOK_CLI")):
         return "vscode"
@@ -85,4 +99,6 @@ def environment() -> Environment:
         cpus=os.cpu_count() or 1,
         gpus=nvml.backend().names(),
         shm_free_bytes=shm,
+        nccl=nccl.host_needs(kind),
+        host_note=HOST_NOTES.get(kind, ""),
     )

@@ -15,6 +15,8 @@ import re
 import traceback
 from collections.abc import Mapping
 
+from . import cells
+
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # nbddp/, every side
 # the machinery that runs a cell, a thread or an event loop: never where the user's code is
 _STDLIB = os.path.dirname(os.__file__)  # not imported for their paths: a spawned rank stays light
@@ -32,10 +34,10 @@ def machinery(filename: str) -> bool:
 
 class CellLabels(Mapping):
     """File name -> ``Cell In[n]`` for every cell the kernel's compiler cached (IPython's own labels:
-    ``CachingCompiler.format_code_name``), read when a traceback is shown, so building it costs nothing."""
+    ``CachingCompiler.format_code_name``), read when a traceback is shown, so building it costs nothing.
+    ``numbers``: file name -> cell number (``cells.numbers``: a live dict that grows with each cell)."""
 
-    def __init__(self, compiler=None):
-        numbers = getattr(compiler, "_filename_map", None)  # the compiler's own dict: it grows with each cell
+    def __init__(self, numbers=None):
         self._numbers = numbers if numbers is not None else {}
 
     def __getitem__(self, filename: str) -> str:
@@ -54,7 +56,7 @@ def cell_labels(shell=None) -> Mapping:
         from .session import running_shell
 
         shell = running_shell()
-    return CellLabels(getattr(shell, "compile", None))
+    return CellLabels(cells.numbers(shell))
 
 
 _FILE = re.compile(r'File "([^"\n]+)", line')

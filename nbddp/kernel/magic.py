@@ -10,7 +10,7 @@ from IPython.core import magic_arguments
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..errors import ResultError, UsageError
-from ..ipy import cellcode, tracebacks
+from ..ipy import cellcode, cells, tracebacks
 from ..views.display import view_for_session
 from ..wire import messages, values
 from . import checks, engine, options, sending
@@ -144,7 +144,7 @@ class DDPMagics(Magics):
         shell = self.shell
         known = self._compiled.get(cell)
         source = known[0] if known else "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line
-        number = max(1, shell.execution_count - 1)  # IPython counts the running cell before it runs
+        number = cells.running(shell)  # one rule on every IPython: execution_count differs
         filename = shell.compile.cache(source, number, raw_code=cell)
         if known:
             return source, filename, known[1]

@@ -84,8 +84,9 @@ def _rank_env(plan, rank, run_id, port, threads, ifname) -> dict:
     )
     if plan.backend == "nccl":
         from ..hw import nccl
+        from ..ipy.session import session_kind
 
-        env.update({k: v for k, v in nccl.rank_env(ifname).items() if k not in os.environ})
+        env.update({k: v for k, v in nccl.rank_env(ifname, session_kind()).items() if k not in os.environ})
     return env
 
 

@@ -104,6 +104,12 @@ def _dummy_comms() -> None:
     comm = sys.modules.get("comm")
     if comm is not None and hasattr(comm, "DummyComm"):
         comm.create_comm = lambda *a, **k: comm.DummyComm(*a, **k)
+    # ipywidgets 7 (and 8 on ipykernel < 6.18, which has no comm package integration) open ipykernel's
+    # own Comm: in a rank it may be made, never sent (it would write on the kernel's iopub socket)
+    kernel_comm = getattr(sys.modules.get("ipykernel.comm"), "Comm", None)
+    for send in ("_publish_msg", "publish_msg"):
+        if hasattr(kernel_comm, send):
+            setattr(kernel_comm, send, lambda self, *a, **k: None)
 
 
 def _console_tqdm() -> None:
@@ -187,13 +193,16 @@ class _HideKernel(importlib.abc.Loader):
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
+    # what tqdm.autonotebook looks at to pick the widget bar: ipykernel.zmqshell imported (tqdm 4.70),
+    # get_ipython().config naming IPKernelApp (tqdm 4.67): with neither, it picks tqdm.std
+    HIDDEN = ("ipykernel.zmqshell", "IPython")
+
     def exec_module(self, module):
-        hidden = sys.modules.pop("ipykernel.zmqshell", None)
+        hidden = {name: sys.modules.pop(name) for name in self.HIDDEN if name in sys.modules}
         try:
             self._loader.exec_module(module)
         finally:
-            if hidden is not None:
-                sys.modules["ipykernel.zmqshell"] = hidden
+            sys.modules.update(hidden)
 
 
 class _TextBarsLoader(_HideKernel):
