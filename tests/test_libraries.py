@@ -2,6 +2,7 @@
 import re
 
 import pytest
+from kernel import said
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -14,7 +15,7 @@ def test_torchmetrics_syncs_across_ranks(clean_kernel):
         "print(f'global mean {metric.compute().item():.2f}')\n",
         timeout=120,
     )
-    assert "[rank0]:global mean 5.00" in res.stdout and "[rank1]:global mean 5.00" in res.stdout
+    assert said(res.stdout, 0, "global mean 5.00") and said(res.stdout, 1, "global mean 5.00"), res.stdout
 
 
 LIGHTNING = """%%ddp --devices 2 -o weights
@@ -64,3 +65,93 @@ def test_accelerate_sees_the_ranks(clean_kernel):
     assert "[rank0]:processes 2 index 0 main True" in res.stdout, res.stdout + res.stderr
     assert "[rank1]:processes 2 index 1 main False" in res.stdout
     assert len(re.findall(r"reduced 3\.0", res.stdout)) == 2
+
+
+# -- library state made in the notebook (issue 21, point 2) -----------------------------------------
+HF_SETUP = """
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+def tiny_bert():  # a random BERT from a config: no download
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+class Toy(torch.utils.data.Dataset):
+    def __init__(self, n=32):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randint(0, 64, (n, 8), generator=g)
+        self.y = self.x.sum(1) % 2
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+"""
+
+
+def hf_args(out) -> str:
+    return (f"TrainingArguments(output_dir={str(out)!r}, per_device_train_batch_size=4, num_train_epochs=1, "
+            "logging_steps=1, report_to=[], use_cpu=True, save_strategy='no', disable_tqdm=True, seed=0)")
+
+
+HF_FIT = """
+trainer = Trainer(model=tiny_bert(), args=args, train_dataset=Toy())
+trainer.train()
+summary = (trainer.state.global_step, [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
+           trainer.args.world_size, trainer.args.process_index, type(trainer.model_wrapped).__name__)
+"""
+
+
+def test_training_arguments_made_in_the_notebook_train_as_if_made_in_the_cell(clean_kernel, tmp_path):
+    """TrainingArguments resolves device and accelerate's PartialState when made, and caches them: made in
+    the notebook (world size 1), each rank would train everything, unwrapped. The same steps and losses
+    whether made in the cell or the notebook, one-shot and in a pool (forked with it, or sent by pickle)."""
+    k = clean_kernel
+    k.ok(HF_SETUP, timeout=120)
+    in_cell = k.ok(f"%%ddp --devices 2 --out summary\nargs = {hf_args(tmp_path / 'a')}\n{HF_FIT}", timeout=200)
+    expected = k.value("summary")
+    assert expected[0] == 4 and len(expected[1]) == 4 and expected[2:] == (2, 0, "DistributedDataParallel"), \
+        in_cell.stdout + in_cell.stderr
+    k.ok(f"args = {hf_args(tmp_path / 'b')}\nprint(args.world_size, args.parallel_mode)")
+    one_shot = k.ok(f"%%ddp --devices 2 --out summary\n{HF_FIT}", timeout=200)
+    assert k.value("summary") == expected, one_shot.stdout + one_shot.stderr
+    assert "nbddp:" not in one_shot.stderr  # nothing stale to name: nbddp made it the rank's own
+    k.ok("%ddp start --devices 2", timeout=120)
+    try:
+        k.ok(f"%%ddp --out summary\n{HF_FIT}", timeout=200)  # forked with the pool
+        assert k.value("summary") == expected
+        k.ok(f"args = {hf_args(tmp_path / 'c')}")  # made after the pool started: it arrives pickled
+        sent = k.ok(f"%%ddp --out summary\n{HF_FIT}", timeout=200)
+        assert "sent args" in sent.stdout + sent.stderr and k.value("summary") == expected
+    finally:
+        k.ok("%ddp stop", timeout=60)
+
+
+def test_accelerate_and_rank_zero_state_made_in_the_notebook_is_the_ranks(clean_kernel):
+    k = clean_kernel
+    k.ok("from accelerate import Accelerator, PartialState\nimport torchmetrics, pytorch_lightning\n"
+         "acc = Accelerator(cpu=True)\nstate = PartialState()\nprint(acc.num_processes, state.process_index)")
+    res = k.ok(
+        "%%ddp --devices 2\n"
+        "from lightning_utilities.core.rank_zero import rank_zero_only\n"
+        "from torchmetrics.utilities.prints import rank_zero_only as metrics_rank_zero_only\n"
+        "model = acc.prepare(torch.nn.Linear(2, 1))\n"
+        "total = acc.reduce(torch.tensor([rank + 1.0]), reduction='sum').item()\n"
+        "print('world', acc.num_processes, 'index', acc.process_index, state.process_index, type(model).__name__,\n"
+        "      'sum', total, 'rank_zero_only', rank_zero_only.rank, metrics_rank_zero_only.rank)\n",
+        timeout=120)
+    for r in (0, 1):
+        assert f"[rank{r}]:world 2 index {r} {r} DistributedDataParallel sum 3.0 rank_zero_only {r} {r}" \
+               in res.stdout, res.stdout + res.stderr
+
+
+def test_an_object_nbddp_cannot_fix_is_named_with_the_fix(clean_kernel):
+    k = clean_kernel
+    k.ok("import lightning_fabric\nfabric = lightning_fabric.Fabric(accelerator='cpu', devices=1)")
+    quiet = k.ok("%%ddp --devices 2\nprint('fabric not read here')")
+    assert "fabric" not in quiet.stderr
+    res = k.ok("%%ddp --devices 2\nprint('world', fabric.world_size)")
+    assert "[rank0]:nbddp: `fabric` (a lightning_fabric Fabric made in the notebook) has world size 1, but this " \
+           "cell runs on 2 ranks, and nbddp cannot make it the rank's own: make it inside the %%ddp cell" in res.stderr
+    assert "[rank1]:nbddp" not in res.stderr

@@ -50,6 +50,9 @@ class Server:
     def __call__(self, ctx) -> messages.Result | None:
         """A one-shot rank's Result (sent by the worker before it leaves), or None after a pool's Stop."""
         ns = self.namespace if self.namespace is not None else fresh_namespace()
+        if self.namespace is not None:  # forked: what libraries cached in the kernel becomes the rank's own
+            from .libstate import after_fork
+            after_fork(ns, ctx)
         # what the kernel has too (by reference on the way back); spawn: cloudpickle's class tracking
         notebook = values.notebook_objects(ns) if self.namespace is not None else None
         busy = []
@@ -144,6 +147,8 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool) -> me
         ns[name] = jobs.in_namespace(cloudpickle.loads(blob), ns)
         if notebook is not None:  # the notebook has this very value under this name
             notebook[id(ns[name])] = (name, ns[name])
+    from .libstate import before_cell  # what libraries cached in the kernel becomes the rank's own
+    before_cell(ns, cmd, ctx)
     job = CellJob(cmd.source, cmd.filename, outs=cmd.outs, gathers=cmd.gathers, max_value_bytes=cmd.max_value_bytes)
     if not track:
         return job.run_in(ns, ctx, notebook)
