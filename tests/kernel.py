@@ -30,6 +30,19 @@ class CellResult:
         return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(self.error["traceback"]))
 
 
+def said(stdout: str, rank: int, text: str) -> bool:
+    """Whether ``rank`` printed the line ``text``: alone (``[rank1]:text``) or merged with ranks that
+    printed it too (``[rank0-1]:text``, ``[rank0,2]:text``)."""
+    import re
+
+    for spec in re.findall(rf"^\[rank([0-9,\-–]+)\]:{re.escape(text)}$", stdout, re.M):
+        for part in spec.split(","):
+            lo, _, hi = part.replace("–", "-").partition("-")
+            if int(lo) <= rank <= int(hi or lo):
+                return True
+    return False
+
+
 class Kernel:
     def __init__(self, env: dict | None = None):
         self.km = KernelManager(kernel_name="python3")
@@ -117,7 +130,10 @@ class Kernel:
 
         def watch(kind, content):
             if kind == "stream" and not sent:
-                seen.update(re.findall(rf"\[rank(\d+)\]:{re.escape(marker)}", content.get("text", "")))
+                for spec in re.findall(rf"\[rank([\d,-]+)\]:{re.escape(marker)}", content.get("text", "")):
+                    for part in spec.split(","):  # [rank1]: or merged, [rank0-1]:
+                        lo, _, hi = part.partition("-")
+                        seen.update(range(int(lo), int(hi or lo) + 1))
                 if len(seen) >= count:
                     sent.append(True)
                     self.interrupt()

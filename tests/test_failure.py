@@ -97,11 +97,11 @@ def test_a_ranks_stack_keeps_only_the_users_frames_of_the_threads_that_have_some
 
 def test_many_ranks_that_say_the_same_are_said_once():
     """600 ranks stuck or failing alike: one line (ranges of ranks), not 600 stacks or lines."""
-    from nbddp.kernel.failure import RankExit, _ranks, interrupted, rank_failed, timed_out
+    from nbddp.kernel.failure import RankExit, ranks_text, interrupted, rank_failed, timed_out
     from nbddp.wire.messages import Error
 
-    assert _ranks([3]) == "rank 3" and _ranks([0, 1]) == "ranks 0, 1"
-    assert _ranks([*range(17), *range(18, 600)]) == "ranks 0–16, 18–599"
+    assert ranks_text([3]) == "rank 3" and ranks_text([0, 1]) == "ranks 0, 1"
+    assert ranks_text([*range(17), *range(18, 600)]) == "ranks 0–16, 18–599"
     err = Error(phase="cell", type="ValueError", message="boom", traceback="ValueError: boom\n", time=1.0)
     exits = [RankExit(r, 1, error=err) for r in range(600)]
     text = str(rank_failed(exits, {}, "/runs/x"))

@@ -40,6 +40,7 @@ from .gang import Gang
 from .supervisor import Bus, Started
 
 ALONE_S = 2.0  # a rank still in the cell this long after every other rank answered: where is it?
+STILL_S = 30.0  # ... and asked again every STILL_S: a stack that has not moved is shown in the cell
 PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
 HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
 REGROUP_S = 10.0  # pool: every rank in a fresh process group within this (a rank stuck elsewhere: torn down)
@@ -78,10 +79,10 @@ def returned(per_rank: list) -> list:
             for res in per_rank]
 
 
-def new_relay(config, run_id: str) -> Relay:
+def new_relay(config, run_id: str, world_size: int = 1) -> Relay:
     """The cell's relay, with the config's output options."""
     return Relay(CellSink(run_id), ranks_output=config.ranks_output, prefix=config.prefix, max_lines=config.max_lines,
-                 max_line_chars=config.max_line_chars, max_output_mb=config.max_output_mb)
+                 max_line_chars=config.max_line_chars, max_output_mb=config.max_output_mb, world_size=world_size)
 
 
 class CellRun:
@@ -98,11 +99,14 @@ class CellRun:
         self.survived = True
         self.leave_sent = False  # one-shot: Stop sent (leave), every rank having answered
         self.last_reply: float | None = None
-        self.probed = False  # the ranks still in the cell ALONE_S after the others answered: asked for stacks
+        self.probes = 0  # times the ranks still in the cell after the others answered were asked for stacks
+        self.seen: dict[int, tuple] = {}  # rank -> its main thread's frames at the last probe
+        self.still: set[int] = set()  # ranks shown as not moving (said once)
         self.alone: dict[int, tuple[str, str]] = {}  # rank -> (collective, where): waiting for peers that finished
         self.regrouped: list[int] = []  # ranks freed from a collective by a fresh process group
         self.bound: set[str] = set()  # what the ranks had bound to the old group (from Regroup's answers)
         self.stacks = None
+        self.relay = None
 
     # -- the ranks' answers, from the supervisor's bus --------------------------------------------------
     def on_Message(self, event) -> None:
@@ -121,10 +125,11 @@ class CellRun:
     def run(self, job_for=None, *, command=None) -> Outcome:
         gang, sup = self.gang, self.gang.sup
         start = time.monotonic()
-        relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}")
+        self.relay = relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}",
+                                       gang.world_size)
         self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
         sup.bus = Bus([*gang.lifelong(), self, self.stacks, *([self.observer] if self.observer else [])])
-        sup.tick = getattr(self.observer or gang.view, "interval", None)
+        sup.tick = getattr(gang.view or self.observer, "interval", None)  # a pool's view, or the cell's dashboard
         sup.new_cell()
         sup.after_stacks = self._timeout_rule
         for p in sup.procs:  # what a rank said in earlier cells must not explain how this one ends
@@ -180,7 +185,7 @@ class CellRun:
             now = time.monotonic()
             marks = [t for t in (wake_at, self.first_error and self.first_error + PEER_GRACE_S,
                                  self.interrupted_at and self.interrupted_at + HEALTH_S,
-                                 self.last_reply and not self.probed and self.last_reply + ALONE_S) if t and t > now]
+                                 self._probe_due(), self.relay and self.relay.release_due()) if t and t > now]
             return min(marks) if marks else None
 
         over = self._cell_over if self.gang.persistent else self._one_shot_over
@@ -213,19 +218,27 @@ class CellRun:
         else:
             self.gang.sup.stop_all()
 
+    def _probe_due(self) -> float | None:
+        """When the ranks still in the cell are next asked where they are: ALONE_S after the last answer,
+        then every STILL_S; never once a verdict is in (a rank alone in a collective, or every rank
+        still there shown as not moving)."""
+        if self.last_reply is None or self.alone or (self.still and self.still >= set(self.seen)):
+            return None
+        return self.last_reply + (ALONE_S if not self.probes else STILL_S * self.probes)
+
     def _probe_alone(self) -> None:
         """Ranks still in the cell ALONE_S after every other rank answered are asked where they are (their
         stacks, kept from the cell). One waiting in a torch.distributed collective waits for peers that
         finished without joining it: under torchrun they would exit and the collective fail, so the cell
-        fails now instead of hanging (``_judge_alone``). A rank merely slower goes on."""
+        fails now instead of hanging (``_judge_alone``). A rank merely slower goes on, asked again every
+        STILL_S; one whose stack has not moved between two asks is shown in the cell (``_still``)."""
         sup = self.gang.sup
-        if self.probed or self.last_reply is None or time.monotonic() < self.last_reply + ALONE_S:
-            return
-        if self.interrupted_at is not None or sup.timed_out:
+        due = self._probe_due()
+        if due is None or time.monotonic() < due or self.interrupted_at is not None or sup.timed_out:
             return
         waiting = [p.rank for p in sup.live() if p.rank not in self.replies]
         if waiting and len(self.replies) == self.gang.world_size - len(waiting):
-            self.probed = True
+            self.probes += 1
             sup.request_stacks(waiting)
             sup.after_stacks = self._judge_alone
 
@@ -236,14 +249,30 @@ class CellRun:
         self.stacks.release()
         waiting = {r: tracebacks.main_thread(d) for r, d in dumps.items() if r not in self.replies}
         calls = {r: tracebacks.collective(frames) for r, frames in waiting.items()}
-        if None in calls.values():
-            return  # a rank still computing may yet join the others' collective: nothing to say
-        for rank, name in calls.items():  # ranks in the same collective may be waiting for each other
-            if list(calls.values()).count(name) == 1:
-                self.alone[rank] = (name, failure.was_at(waiting[rank], self.relabel, "was in nbddp's own frames"))
-        if self.alone and not self.gang.persistent:
-            sup.stop_all()
-        # a pool: the cell is over (_cell_over), and _recover frees the rank by a fresh process group
+        if None not in calls.values():  # (a rank still computing may yet join the others' collective)
+            for rank, name in calls.items():  # ranks in the same collective may be waiting for each other
+                if list(calls.values()).count(name) == 1:
+                    self.alone[rank] = (name, failure.was_at(waiting[rank], self.relabel, "was in nbddp's own frames"))
+        if self.alone:
+            if not self.gang.persistent:
+                sup.stop_all()
+            return  # a pool: the cell is over (_cell_over), and _recover frees the rank by a fresh process group
+        self._still(waiting)
+
+    def _still(self, waiting: dict[int, list]) -> None:
+        """A rank whose stack is where it was at the last ask is shown in the cell, once: it may be stuck
+        in native code (a deadlock in a library's teardown) or in one long call; either way the user
+        learns where, and that an interrupt stops it, without --timeout."""
+        finished = sorted(self.replies)
+        for rank, frames in waiting.items():
+            if frames and self.seen.get(rank) == tuple(frames) and rank not in self.still:
+                self.still.add(rank)
+                where = tracebacks.where(frames, self.relabel) or "nbddp's own frames (not in the cell's code)"
+                after = time.monotonic() - self.last_reply
+                self.relay.sink.write("stderr", f"nbddp: rank {rank} is still at {where}, {after:.0f} s after "
+                                      f"{failure.ranks_text(finished)} finished, and its Python stack has not "
+                                      "moved; Interrupt to stop it.\n")
+            self.seen[rank] = tuple(frames)
 
     def _interrupt(self) -> None:
         """Pool: KeyboardInterrupt into every rank still running the cell (SIGUSR2)."""
@@ -271,7 +300,8 @@ class CellRun:
                 return running
             self.survived = self._recover()
             return running
-        running = gang.sup.request_stacks() if announced else []  # where was each rank? its stack, then stop
+        asked = gang.sup.request_stacks() if announced else []  # where was each rank? its stack, then stop
+        running = [r for r in asked if r not in self.replies]  # (one that answered waits only to leave)
         if not announced:
             gang.sup.stop_all()
         gang.sup.reap()  # a second interrupt kills at once

@@ -142,7 +142,7 @@ def rank_failed(exits: list[RankExit], relabel, log_dir: str) -> RankFailure:
             said.setdefault(" failed the same way", []).append(e.rank)
         elif failed(e) or e.only_leaving:
             said.setdefault(f" also failed (likely a consequence): {e.describe()}", []).append(e.rank)
-    lines += [f"{_ranks(ranks)}{what}" for what, ranks in said.items()]
+    lines += [f"{ranks_text(ranks)}{what}" for what, ranks in said.items()]
     lines.append(f"Every rank's full output: {log_dir}")
     return RankFailure("\n".join(lines), rank=first.rank, cause=first.describe())
 
@@ -173,6 +173,7 @@ class StackCapture:
 
     def on_StacksRequested(self, event) -> None:
         self._bytes = {r: bytearray() for r in event.ranks}
+        self._done = False
 
     def on_Output(self, event) -> None:
         if self._bytes is not None and not self._done and event.stream == "stderr" and event.rank in self._bytes:
@@ -196,7 +197,7 @@ class StackCapture:
 
 def timed_out(timeout: float, live: list[int], stacks: dict[int, str], relabel, log_dir: str,
               fate: str = "all ranks stopped") -> RankFailure:
-    lines = [f"--timeout {timeout:g}s expired with {_ranks(live)} still running; {fate}."]
+    lines = [f"--timeout {timeout:g}s expired with {ranks_text(live)} still running; {fate}."]
     places: dict[tuple, list[int]] = {}  # ranks stuck at the same place are shown once
     for r in live:
         shown = _stack_lines(stacks.get(r, ""), relabel, r, log_dir)
@@ -204,7 +205,7 @@ def timed_out(timeout: float, live: list[int], stacks: dict[int, str], relabel, 
     for shown, ranks in places.items():
         was = "was" if len(ranks) == 1 else "were"
         last = shown[-1] if len(ranks) > 1 else shown[-1].replace("rankN.log", f"rank{ranks[0]}.log")
-        lines += ["", f"{_ranks(ranks)} {was} here:", *shown[:-1], last]
+        lines += ["", f"{ranks_text(ranks)} {was} here:", *shown[:-1], last]
     lines += [
         "",
         "A rank waiting in a collective (all_reduce, barrier) usually means another rank skipped it or took",
@@ -233,12 +234,12 @@ def interrupted(running: list[int], states: dict[int, str], log_dir: str, fate: 
     """What the notebook shows after an interrupt while ranks ran: which ranks were running and where
     each was in the user's code (``states``: "was at Cell In[4], line 2, in f: ..."), instead of a
     traceback through nbddp's wait loop. Still a KeyboardInterrupt."""
-    head = f"interrupted while rank(s) {_ranks(running, word=False)} ran the cell" if running else "interrupted"
+    head = f"interrupted while rank(s) {ranks_text(running, word=False)} ran the cell" if running else "interrupted"
     where: dict[str, list[int]] = {}
     for r in running:
         if r in states:
             where.setdefault(states[r], []).append(r)
-    lines = [f"{head}; {fate}."] + [f"{_ranks(ranks)} {_plural(state) if len(ranks) > 1 else state}"
+    lines = [f"{head}; {fate}."] + [f"{ranks_text(ranks)} {_plural(state) if len(ranks) > 1 else state}"
                                     for state, ranks in where.items()]
     lines.append(f"Every rank's full output: {log_dir}")
     return errors.interrupt("\n".join(lines))
@@ -248,7 +249,7 @@ def _plural(state: str) -> str:
     return "were " + state[4:] if state.startswith("was ") else state
 
 
-def _ranks(ranks, word: bool = True) -> str:
+def ranks_text(ranks, word: bool = True) -> str:
     """``rank 3`` / ``ranks 0-15, 17, 20-63``: consecutive ranks as ranges, so 600 ranks fit one line."""
     ranks = sorted(ranks)
     spans, i = [], 0
@@ -269,7 +270,7 @@ def alone(stuck: dict[int, tuple[str, str]], finished: list[int], log_dir: str) 
     calling (``stuck``: rank -> (the collective, where the rank was))."""
     lines = []
     for rank, (name, where) in sorted(stuck.items()):
-        lines.append(f"rank {rank} waits in torch.distributed.{name}, but {_ranks(finished)} finished the cell "
+        lines.append(f"rank {rank} waits in torch.distributed.{name}, but {ranks_text(finished)} finished the cell "
                      "without joining it: a collective that only some ranks call never completes.")
         lines.append(f"  rank {rank} {where}")
     lines += ["Under torchrun the finished ranks would exit and this collective would fail at once; nbddp "

@@ -22,7 +22,7 @@ import time
 import cloudpickle
 
 from ..wire import framing, messages, values
-from . import jobs
+from . import jobs, usergroup
 from .jobs import CellJob, fresh_namespace
 from .stdio import flush_streams
 from .worker import exit_code, exit_site, report
@@ -79,6 +79,7 @@ class Server:
             for cmd, _ in _next_commands(fd, reader):
                 if isinstance(cmd, messages.Stop):
                     return None
+                usergroup.release_destroyed()  # idle since the last command: safe to free (usergroup)
                 busy.append(True)
                 try:
                     answer = _answer(cmd, ns, ctx, notebook)
@@ -105,8 +106,6 @@ def _answer(cmd, ns: dict, ctx, notebook):
             dist.barrier()
             return messages.Healthy()
         if isinstance(cmd, messages.Regroup):
-            from . import usergroup
-
             old = usergroup.regroup(cmd.generation)
             return messages.Healthy(bound=_bound_to(old, ns))
         return _run(cmd, ns, ctx, notebook)

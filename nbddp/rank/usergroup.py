@@ -10,6 +10,14 @@ nbddp's group when it asks for the same group (any ``init_method``, ``backend`` 
 ``destroy_process_group()`` really destroys the group: what follows sees none, as under torchrun, and
 nbddp's teardown then leaves it alone (``group_alive()``). A later ``init_process_group`` builds a
 fresh group on nbddp's FileStore (a new key prefix per generation, so old keys never collide).
+
+A destroyed group's object is kept (``kept``) until the rank is idle (``release_destroyed``, before a
+pool's next command; a one-shot rank exits without freeing it). Freed at once, it can deadlock: torch's
+``ProcessGroupGloo`` destructor joins its worker threads with the GIL held, and a worker may still be
+dropping its last finished work, whose captured thread-local state holds a Python object (the
+``contextvars.Context`` that autograd stashes during ``backward``, captured when DDP's reducer launches
+an all_reduce from a gradient hook), and waits for that GIL. A torchrun script that lets its DDP model
+go after ``destroy_process_group()`` (``main()`` returning) then never ends.
 """
 from __future__ import annotations
 
@@ -35,10 +43,19 @@ def install(group_sockets=frozenset()) -> None:
         generation=0,
         joined=False,
         original=c10d.init_process_group,
+        original_destroy=c10d.destroy_process_group,
+        kept=[],
         sockets=set(group_sockets),
     )
     patched = functools.wraps(c10d.init_process_group)(_init_process_group)
     dist.init_process_group = c10d.init_process_group = patched
+    destroy = functools.wraps(c10d.destroy_process_group)(_destroy_process_group)
+    dist.destroy_process_group = c10d.destroy_process_group = destroy
+
+
+def release_destroyed() -> None:
+    """Let the groups destroyed so far go (the rank is idle: no worker of theirs is finishing work)."""
+    _state.get("kept", []).clear()
 
 
 def regroup(generation: int):
@@ -131,6 +148,19 @@ def _init_process_group(backend=None, init_method=None, timeout=None, world_size
     if timeout is not None:
         args["timeout"] = timeout
     return s["original"](**args)
+
+
+def _destroy_process_group(group=None):
+    """torch's ``destroy_process_group``, the destroyed groups kept until the rank is idle (see above)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    s = _state
+    if group is None or group is c10d.GroupMember.WORLD:
+        s["kept"].extend(getattr(getattr(c10d, "_world", None), "pg_map", None) or
+                         ([c10d._get_default_group()] if c10d.is_initialized() else []))
+    else:
+        s["kept"].append(group)
+    return s["original_destroy"](group)
 
 
 def _check_same_group(backend, world_size, rank) -> None:
