@@ -7,6 +7,7 @@ from pathlib import Path
 
 import accelerate
 import pytest
+from kernel import said
 
 pytestmark = pytest.mark.timeout(600)
 SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
@@ -23,7 +24,7 @@ def test_accelerate_shipped_script_passes_in_a_cell(clean_kernel, script):
         timeout=450,
     )
     assert res.error is None, res.error_text[-4000:]
-    assert "[rank0]:script done" in res.stdout and "[rank1]:script done" in res.stdout
+    assert said(res.stdout, 0, "script done") and said(res.stdout, 1, "script done"), res.stdout
 
 
 def test_lightning_ddp_trainer_in_a_cell(clean_kernel):
@@ -65,6 +66,6 @@ def test_fsdp2_and_distributed_checkpoint_in_a_cell(clean_kernel, tmp_path):
         "print('shard rows', shard_rows, 'loss', round(loss.item(), 3))\n",
         timeout=240,
     )
-    assert "[rank0]:shard rows 16" in res.stdout and "[rank1]:shard rows 16" in res.stdout
+    assert said(res.stdout, 0, "shard rows 16") and said(res.stdout, 1, "shard rows 16"), res.stdout
     assert clean_kernel.value("tuple(full['0.weight'].shape)") == (32, 16)
     assert (ckpt / ".metadata").exists()

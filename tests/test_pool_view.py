@@ -38,8 +38,8 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
     k = clean_kernel
     start = k.ok("%ddp start --devices 2")
     did = pool_display(start)
-    first = [d for d in start.displays if d["transient"]["display_id"] == did][0]["data"]
-    assert "<table>" in first["text/html"] and "idle" in first["text/plain"] and "0 cell(s) run" in first["text/plain"]
+    first = next(d for d in start.displays if d["transient"]["display_id"] == did)["data"]
+    assert "<table>" in first["text/html"] and "idle" in first["text/plain"] and "0 cells run" in first["text/plain"]
     try:
         # a long cell: the dashboard shows every rank busy with it, while it runs
         busy = []
@@ -50,10 +50,14 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
             if kind == "update_display_data" and content["transient"]["display_id"] == did:
                 busy.append(content["data"]["text/plain"])
 
-        k.collect(long_cell, timeout=60, on_message=watch)
+        long_res = k.collect(long_cell, timeout=60, on_message=watch)
         assert any("busy: Cell In[" in t for t in busy), busy
+        # the cell itself gets no dashboard, only its one line at the end (the start cell's view has the detail)
+        own = [d for d in long_res.displays if d.get("transient", {}).get("display_id") != did]
+        assert len(own) == 1 and re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 2\.\d s · ok",
+                                              own[0]["data"]["text/plain"]), own
         # between cells, on the kernel's own loop: the cell is listed, the ranks idle, their memory grew
-        after = wait_update(k, did, lambda t: "1 cell(s) run" in t and "busy" not in t)
+        after = wait_update(k, did, lambda t: "1 cell run" in t and "busy" not in t)
         assert "Cell In[" in after and " · ok" in after
         life = [line for line in after.splitlines() if line.startswith(("0 ", "1 "))]
         assert len(life) == 2 and all("MB–" in line for line in life), after
@@ -64,18 +68,21 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         quick = k.collect(k.execute("%%ddp\nprint(rank)\n"), on_message=lambda kind, _: kinds.append(kind))
         assert [m for m in kinds if m in ("stream", "display_data")][-1] == "display_data", kinds  # summary last
         line = quick.displays[-1]["data"]["text/plain"]
-        assert re.fullmatch(r"nbddp pool · 2 ranks · [\d.]+ ms · ok", line), quick.displays
+        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · [\d.]+ ms · ok", line), quick.displays
         assert sorted(quick.stdout.splitlines()) == ["[rank0]:0", "[rank1]:1"]
-        k.run("%%ddp\nraise ValueError('boom')\n")
-        after = wait_update(k, did, lambda t: "3 cell(s) run" in t)
+        failed = k.run("%%ddp\nraise ValueError('boom')\n")
+        assert failed.displays[-1]["data"]["text/plain"].endswith(
+            "· failed: rank 0 ValueError, rank 1 ValueError"), failed.displays
+        after = wait_update(k, did, lambda t: "3 cells run" in t)
         assert after.count(" · ok") == 2 and " · failed" in after, after
         # %ddp status shows the same live output again
         assert pool_display(k.ok("%ddp status")) == did
     finally:
         stop = k.ok("%ddp stop")
     final = [d["data"]["text/plain"] for d in stop.displays if d.get("transient", {}).get("display_id") == did]
-    assert final and "· stopped ·" in final[-1], stop.displays
-    assert re.search(r"^0\s+\d+\s+cpu\s+stopped\s+-\s+-\s", final[-1], re.M), final[-1]  # no memory of the dead
+    assert final and re.search(r"· stopped · was up \d+ s · 3 cells run", final[-1]), stop.displays
+    assert re.search(r"^0\s+\d+\s+cpu\s+stopped\s+\S+ \d+ MB–\d+ MB$", final[-1], re.MULTILINE), final[-1]  # no memory now
+    assert "idle" not in final[-1] and "RSS  " not in final[-1]
 
 
 def test_a_rank_that_dies_between_cells_shows_on_the_dashboard_before_the_next_cell(clean_kernel):
@@ -87,7 +94,28 @@ def test_a_rank_that_dies_between_cells_shows_on_the_dashboard_before_the_next_c
     try:
         victim = sorted(p.pid for p in k.process().children())[1]
         os.kill(victim, signal.SIGKILL)
-        text = wait_update(k, did, lambda t: re.search(rf"^\d\s+{victim}\s+cpu\s+dead", t, re.M) is not None)
-        assert re.search(r"^\d\s+\d+\s+cpu\s+idle", text, re.M), "the other rank is still idle"
+        text = wait_update(k, did, lambda t: re.search(rf"^\d\s+{victim}\s+cpu\s+dead", t, re.MULTILINE) is not None)
+        assert re.search(r"^\d\s+\d+\s+cpu\s+idle", text, re.MULTILINE), "the other rank is still idle"
     finally:
         k.ok("%ddp stop")
+
+
+def test_the_pool_views_words_and_scales_are_honest(tmp_path):
+    from types import SimpleNamespace
+
+    from nbddp.kernel import devices
+    from nbddp.views import poolview
+    from nbddp.views.monitor import uptime
+
+    assert [uptime(s) for s in (5, 80, 7500)] == ["5 s", "1 min 20 s", "2 h 5 min"]
+    life = poolview.LifeSeries()
+    for v in (1000, 1010, 1030):  # a 3 % change
+        life.add(v * 2**20)
+    assert poolview.PoolView._life(life).startswith("███ "), "bars from zero: 3 % is not full scale"
+    view = poolview.PoolView(devices.Plan("cpu", "gloo", (None, None)), SimpleNamespace(path=tmp_path), shown=False)
+    view.cell_began("Cell In[2]")
+    view.cell_ended("ok")
+    assert "· 1 cell run" in view.title() and "· up 0 s ·" in view.title()
+    view.finish("ended: rank 1 exited (killed by SIGKILL)")
+    assert "ended: rank 1 exited" in view.title() and "was up" in view.title()
+    assert all(row[3] == "ended" for row in view.rows()[1:])

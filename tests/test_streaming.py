@@ -3,18 +3,28 @@ import re
 from collections import defaultdict
 
 import pytest
-
 from kernel import Kernel
 
 pytestmark = pytest.mark.timeout(180)
 
 
+def ranks_of(span: str) -> list[int]:
+    """The ranks a line's label names: "1" -> [1], "0-2,5" -> [0, 1, 2, 5] (identical lines merged)."""
+    out = []
+    for part in span.split(","):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
 def by_rank(text: str) -> dict[int, list[str]]:
+    """Each rank's lines; a merged line ([rank0-1]:) counts for each of its ranks."""
     out = defaultdict(list)
     for line in text.splitlines():
-        m = re.match(r"\[rank(\d+)\]:(.*)$", line)
+        m = re.match(r"\[rank([\d,-]+)\]:(.*)$", line)
         assert m, f"a line without its rank prefix (fragmented?): {line!r}"
-        out[int(m.group(1))].append(m.group(2))
+        for r in ranks_of(m.group(1)):
+            out[r].append(m.group(2))
     return out
 
 
@@ -73,7 +83,7 @@ def test_tqdm_redraws_in_place_and_keeps_its_final_state(clean_kernel, imported_
         bars = [ln for ln in err[r] if "it/s" in ln or "|" in ln]
         assert len(bars) == 1, f"rank {r}: a redrawn bar must be one line, got {len(bars)}"
         assert bars[0].startswith(f"rank {r}: 100%") and "200/200" in bars[0]
-    assert "[rank0]:classes" in res.stdout and "tqdm.std" in res.stdout
+    assert by_rank(res.stdout)[0][0].startswith("classes") and "tqdm.std" in res.stdout
     assert "tqdm.notebook" not in res.stdout  # the text bar in a rank, never the widget one
 
 
@@ -97,35 +107,64 @@ def test_display_cap_sends_the_rest_to_the_log(clean_kernel, runs_dir, flush_at)
     assert (run / "rank0.log").read_text().split() == [str(i) for i in range(100)]
 
 
-def test_dashboard_widget_while_running_then_static_summary(clean_kernel):
-    res = clean_kernel.ok(
-        "%%ddp --devices 2\nimport time\nprint(f'working on rank {rank}', flush=True)\n"
-        "x = torch.zeros(10_000_000)  # 40 MB of this rank's own\n"
-        "time.sleep(2.5)\n",
-        timeout=60,
-    )
-    widget_states = [c["data"].get("state", {}).get("value", "") for c in res.comms]
-    live = [v for v in widget_states if "USS (private)" in v]
-    assert live, "the live dashboard widget was never updated"
-    last_live = live[-1]
-    assert "working on rank 0" in last_live and "working on rank 1" in last_live
-    assert re.search(r">running<", last_live)
-    assert any("application/vnd.jupyter.widget-view+json" in d["data"] for d in res.displays)
-    final = res.displays[-1]
-    assert final["transient"]["display_id"] == res.displays[0]["transient"]["display_id"]
-    html, text = final["data"]["text/html"], final["data"]["text/plain"]
-    assert "peak RSS" in html and html.count(">finished<") == 2
+def dashboard_states(seq) -> tuple[str, list[dict]]:
+    """The dashboard's display id and every state it was drawn in (first, updates), in order."""
+    first = next(c for kind, c in seq if kind == "display_data" and "nbddp-run" in c["data"].get("text/html", ""))
+    did = first["transient"]["display_id"]
+    return did, [c["data"] for kind, c in seq if kind in ("display_data", "update_display_data")
+                 and c.get("transient", {}).get("display_id") == did]
+
+
+def run_seq(k, code, timeout=60):
+    seq = []
+    res = k.collect(k.execute(code), timeout, on_message=lambda kind, c: seq.append((kind, c)))
+    return res, seq
+
+
+def test_the_dashboard_sits_above_the_stream_and_updates_in_place_to_its_final_state(clean_kernel):
+    res, seq = run_seq(clean_kernel, "%%ddp --devices 2\nimport time\nprint(f'working on rank {rank}', flush=True)\n"
+                       "x = torch.zeros(10_000_000)  # 40 MB of this rank's own\ntime.sleep(2.5)\n")
+    assert res.error is None, res.error_text
+    outputs = [(kind, c) for kind, c in seq if kind in ("stream", "display_data")]
+    assert outputs[0][0] == "display_data" and "nbddp-run" in outputs[0][1]["data"]["text/html"], outputs[:2]
+    assert [kind for kind, _ in outputs].count("display_data") == 1, "one slot, updated in place"
+    _, states = dashboard_states(seq)
+    live = [s["text/plain"] for s in states if "· running ·" in s["text/plain"]]
+    assert live and "working on rank 0" in live[-1] and "working on rank 1" in live[-1], states
+    final = states[-1]
+    html, text = final["text/html"], final["text/plain"]
+    assert "white-space:nowrap" in html and len(re.findall(r"^\d\s+finished\s", text, re.MULTILINE)) == 2, text
     assert re.search(r"nbddp · 2 ranks · cpu/gloo · finished · \d+\.\d s", text)
-    assert re.search(r"^1\s+cpu\s+finished\s+0\s+\d+\.\d s\s+\d+ MB\s+\d+ MB", text, re.M)
+    assert re.search(r"^1\s+finished\s+\d+\.\d s\s+\d+ MB\s+working on rank 1$", text, re.MULTILINE), text
+    # one table, live and final: the same columns, nothing empty
+    header = [ln for ln in text.splitlines() if ln.startswith("rank ")]
+    assert header[0].split() == ["rank", "state", "time", "private", "memory", "last", "line"], header
+    assert live[-1].splitlines()[1].split() == header[0].split(), "the live table has the final one's columns"
     assert "logs: " in text
 
 
-def test_failed_run_summary_shows_states(clean_kernel):
-    res = clean_kernel.run("%%ddp --devices 2\nimport time\nif rank == 1:\n    raise ValueError('x')\ntime.sleep(30)\n")
+def test_a_failed_rank_shows_its_exception_and_a_rank_done_before_it_shows_finished(clean_kernel):
+    res = clean_kernel.run("%%ddp --devices 3\nimport time\nif rank == 1:\n    time.sleep(1.5)\n"
+                           "    raise ValueError('x went wrong')\nif rank == 2:\n    time.sleep(30)\nprint('done')\n")
     text = res.displays[-1]["data"]["text/plain"]
     assert "· failed ·" in text
-    assert re.search(r"^0\s+cpu\s+stopped\s+SIGTERM", text, re.M)
-    assert re.search(r"^1\s+cpu\s+failed\s+1\b", text, re.M)
+    assert re.search(r"^0\s+finished\s.*done$", text, re.MULTILINE), text  # its work was over before rank 1 failed
+    assert re.search(r"^1\s+failed\s.*ValueError: x went wrong$", text, re.MULTILINE), text
+    assert re.search(r"^2\s+stopped\s", text, re.MULTILINE), text
+
+
+def test_the_last_line_keeps_its_start_and_skips_stack_dumps(clean_kernel):
+    """A long log dict keeps its first keys; an interrupt's faulthandler dump is not a rank's last line."""
+    k = clean_kernel
+    res = k.interrupt_when("%%ddp --devices 2\nimport time\n"
+                           "print({'loss': 0.25, **{f'metric_{i}': i for i in range(40)}}, flush=True)\n"
+                           "time.sleep(60)\n", "{'loss'", 2)
+    assert res.error and res.error["ename"] == "KeyboardInterrupt", res.error_text
+    text = res.displays[-1]["data"]["text/plain"]
+    assert "· interrupted ·" in text
+    rows = [ln for ln in text.splitlines() if re.match(r"\d\s", ln)]
+    assert len(rows) == 2 and all("{'loss': 0.25, 'metric_0': 0" in ln for ln in rows), text
+    assert 'File "' not in text and "Thread 0x" not in text
 
 
 def test_logging_handler_made_in_the_notebook_writes_to_the_ranks_stderr(clean_kernel):
@@ -160,8 +199,8 @@ def check_output_cap(res):
     lines = by_rank(res.stdout)
     for r in (0, 1):  # 0.01 MiB = 10485 characters: 103 whole lines fit
         assert lines[r][:103] == [f"{i:04d} " + "z" * 95 for i in range(103)]
-        assert lines[r][103:] == [f"... more output than --max-output-mb 0.01: the rest is only in the log "
-                                  f"(rank{r}.log in the run directory)"]
+        note = f"... more output than --max-output-mb 0.01: the rest is only in the log (rank{r}.log in the run directory)"
+        assert lines[r][103:] == [note]
 
 
 def test_output_per_rank_is_capped_in_bytes_too(clean_kernel):
@@ -170,8 +209,8 @@ def test_output_per_rank_is_capped_in_bytes_too(clean_kernel):
 
 def test_a_line_that_never_ends_keeps_the_relays_memory_bounded():
     """Through the relay itself: 64 MB of one line, 64 KiB at a time, hold at most a cap's worth."""
-    from nbddp.views.relay import MAX_PARTIAL, Relay
     from nbddp.kernel.supervisor import Output, OutputClosed
+    from nbddp.views.relay import MAX_PARTIAL, Relay
 
     class Sink:
         def __init__(self):
@@ -246,16 +285,18 @@ def test_a_tqdm_name_bound_before_the_cell_draws_a_live_text_bar(clean_kernel, b
     check_final_bars(res)
 
 
-def test_the_dashboard_shows_each_ranks_bar_as_its_last_line(clean_kernel):
+def test_the_dashboard_shows_each_ranks_progress_and_bar(clean_kernel):
     clean_kernel.ok("from tqdm.auto import tqdm")
-    res = clean_kernel.ok("%%ddp --devices 2\nimport time\nprint('training', flush=True)\n"
-                          "for i in tqdm(range(30), desc=f'rank {rank}'):\n    time.sleep(0.1)\n", timeout=60)
+    res, seq = run_seq(clean_kernel, "%%ddp --devices 2\nimport time\nprint('training', flush=True)\n"
+                       "for i in tqdm(range(30), desc=f'rank {rank}'):\n    time.sleep(0.1)\n")
+    assert res.error is None, res.error_text
     check_final_bars(res)
-    values = [c["data"].get("state", {}).get("value", "") for c in res.comms]
-    live = [v for v in values if "USS (private)" in v]
-    assert live, "the live dashboard widget was never updated"
-    bar = r"rank {}: +\d+%\|[^<]*\| ?\d+/30"
-    assert any(re.search(bar.format(0), v) and re.search(bar.format(1), v) for v in live), live[-1]
+    _, states = dashboard_states(seq)
+    live = [s["text/plain"] for s in states if "· running ·" in s["text/plain"]]
+    assert live, "the dashboard was never updated while the ranks ran"
+    assert any(re.search(r"^0\s+running\s+\d+%\s", t, re.MULTILINE) and re.search(r"^1\s+running\s+\d+%\s", t, re.MULTILINE)
+               for t in live), live
+    assert re.search(r"^1\s+finished\s+100%\s", states[-1]["text/plain"], re.MULTILINE), states[-1]["text/plain"]
 
 
 def test_pool_ranks_draw_text_bars_for_tqdm_imported_after_the_start(runs_dir):
@@ -309,9 +350,9 @@ def stream_order(k, code: str) -> dict[int, list]:
     order = defaultdict(list)
     for name, text in seen:
         for line in text.splitlines():
-            m = re.match(r"\[rank(\d+)\]:(.*)$", line)
-            if m:
-                order[int(m.group(1))].append((name, m.group(2)))
+            m = re.match(r"\[rank([\d,-]+)\]:(.*)$", line)
+            for r in ranks_of(m.group(1)) if m else ():
+                order[r].append((name, m.group(2)))
     return order
 
 
@@ -362,3 +403,77 @@ def test_torchs_own_rank_prefix_is_not_doubled():
     relay.on_Output(Output(0, "stdout", b"[rank1]:quoted by rank 0\n"))  # another rank's tag is text: kept
     assert written == ["[rank1]:[W reducer.cpp:1430] Warning: unused parameters\n[rank1]:plain\n",
                        "[rank0]:[rank1]:quoted by rank 0\n"]
+
+
+# -- issue 20 point 3: a line every rank prints identically appears once -------------------------------
+def test_identical_lines_appear_once_labelled_with_the_ranks_and_the_logs_keep_every_copy(clean_kernel, runs_dir):
+    k = clean_kernel
+    cell = ("%%ddp --devices 2{}\nimport torch.distributed as dist\ndist.barrier()\n"
+            "print('Epoch 1 starting')\nprint(f'rank {{rank}} loss 0.{{rank}}')\nprint('Epoch 1 done')\n")
+    res = k.ok(cell.format(""))
+    lines = res.stdout.splitlines()
+    assert lines.count("[rank0-1]:Epoch 1 starting") == 1 and lines.count("[rank0-1]:Epoch 1 done") == 1, lines
+    assert "[rank0]:rank 0 loss 0.0" in lines and "[rank1]:rank 1 loss 0.1" in lines, lines
+    assert len(lines) == 4
+    run = max(runs_dir.iterdir(), key=lambda p: p.name)
+    for r in (0, 1):
+        assert (run / f"rank{r}.log").read_text().count("Epoch 1") == 2, "each rank's log keeps its own copy"
+    only0 = k.ok(cell.format(" --ranks-output 0")).stdout.splitlines()
+    assert only0 == ["[rank0]:Epoch 1 starting", "[rank0]:rank 0 loss 0.0", "[rank0]:Epoch 1 done"], only0
+    bare = k.ok(cell.format(" --no-prefix")).stdout.splitlines()
+    assert bare.count("Epoch 1 starting") == 2, "without labels, nothing is merged: the line would lose its ranks"
+
+
+class Sink:
+    def __init__(self):
+        self.written = []
+
+    def write(self, stream, text, rank=None):
+        self.written.append((stream, text))
+
+    def close(self):
+        pass
+
+
+def merging_relay(world_size=2):
+    from nbddp.views.relay import Relay
+
+    sink = Sink()
+    return Relay(sink, ranks_output="all", prefix=True, max_lines=100, max_line_chars=1000, max_output_mb=1,
+                 world_size=world_size), sink
+
+
+def test_the_merger_keeps_each_ranks_order_and_waits_only_for_ranks_still_writing():
+    from nbddp.kernel.supervisor import Output, OutputClosed
+    from nbddp.views.relay import MERGE_S, rank_span
+
+    assert [rank_span(r) for r in ([0, 1], [0, 1, 2, 5], [3], [0, 2])] == ["0-1", "0-2,5", "3", "0,2"]
+    relay, sink = merging_relay(3)
+    relay.on_Output(Output(0, "stdout", b"Epoch 1\nloss 0\n"))
+    relay.on_Output(Output(1, "stdout", b"Epoch 1\nloss 1\nEpoch 2\n"))
+    assert sink.written == [], "rank 2 has written nothing yet: the lines wait for it"
+    due = relay.release_due()
+    assert due is not None and 0 < due - __import__("time").monotonic() <= MERGE_S
+    relay.on_Output(Output(2, "stderr", b"Epoch 1\n"))  # the same text on another stream is another line
+    relay.on_Output(Output(2, "stdout", b"Epoch 1\nloss 2\n"))
+    relay.on_Output(Output(0, "stdout", b"Epoch 2\n"))
+    relay.on_OutputClosed(OutputClosed(2, "stdout"))
+    relay.on_OutputClosed(OutputClosed(2, "stderr"))  # rank 2 has left: not waited for
+    relay.close_all()
+    assert sink.written == [
+        ("stdout", "[rank0-1]:Epoch 1\n"), ("stderr", "[rank2]:Epoch 1\n"),
+        ("stdout", "[rank0]:loss 0\n"), ("stdout", "[rank1]:loss 1\n"), ("stdout", "[rank2]:Epoch 1\n"),
+        ("stdout", "[rank0-1]:Epoch 2\n"), ("stdout", "[rank2]:loss 2\n"),
+    ], sink.written
+
+
+def test_a_line_no_other_rank_prints_waits_at_most_the_window():
+    import time
+
+    from nbddp.kernel.supervisor import Output
+    from nbddp.views.relay import MERGE_S
+
+    relay, sink = merging_relay()
+    relay.on_Output(Output(0, "stdout", b"only rank 0 says this\n"))
+    time.sleep(MERGE_S + 0.05)
+    assert relay.release_due() is None and sink.written == [("stdout", "[rank0]:only rank 0 says this\n")]

@@ -11,7 +11,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..errors import ResultError, UsageError
 from ..ipy import cellcode, cells, tracebacks
-from ..views.display import view_for_session
+from ..views.display import line_for_pool_cell, view_for_session
 from ..wire import messages, values
 from . import checks, engine, options, sending
 
@@ -165,7 +165,7 @@ class DDPMagics(Magics):
         per_cell = {k: v for k, v in given.items() if k not in options.POOL_FIXED}
         source, filename, names = self._compile(cell)
         per_rank = self.pool.cell(source, filename, outs=outs, gathers=gathers, code=names,
-                                  relabel=tracebacks.cell_labels(self.shell), observer=view_for_session(lazy=True),
+                                  relabel=tracebacks.cell_labels(self.shell), observer=line_for_pool_cell(),
                                   **per_cell)
         try:
             return _deliver(per_rank, outs, gathers, self.shell.user_ns)

@@ -1,34 +1,48 @@
-"""The run's view in the cell: a live ipywidgets dashboard while ranks run, a static summary after.
+"""A cell's view: a one-shot cell's dashboard, one slot at the top of its output; a pool cell's one line.
 
-All updates happen on the kernel's main thread, from the supervisor's 1 Hz tick (widget updates from
-background threads go to the wrong cell in ipykernel >= 7 and never render in Colab). The live widget
-is created at the first tick, so a run shorter than a second costs nothing but its summary. The
-summary replaces the widget through its display id, as HTML with a text/plain twin, so a saved
-notebook shows what happened where widgets do not render (GitHub, nbviewer).
+The dashboard (``RunView``) is published when the ranks are forked, before any of their output, so the
+stream always runs below it; it is then updated in place by display id (ipyparallel's pattern: it works
+in JupyterLab, VS Code and Colab alike, and the saved notebook keeps the last state). Live and final
+states are one table in one style, so nothing jumps when the run ends: state, progress (a rank's last
+tqdm fraction), time, private memory (USS; RSS and shared on hover), GPU utilisation and memory on GPUs,
+and the start of each rank's last line (or its exception). A column no rank has a figure for is left
+out. All updates happen on the kernel's main thread, at the supervisor's 1 Hz tick.
+
+A pool cell gets no dashboard of its own (the ``%ddp start`` cell's view follows every rank): one line
+(``CellLine``) written once at the end says what ran, on which ranks, how long and how it ended.
 """
 from __future__ import annotations
 
 import html
+import re
 import sys
 import time
 
-from ..wire.messages import Error, Exit, Ready, Result
-from .monitor import Monitor, duration, mb, sparkline
-from .relay import last_segment
 from ..ipy.session import running_shell
+from ..wire.messages import Error, Exit, Ready, Result
+from .monitor import Monitor, duration, mb
+from .relay import latest_redraw, progress, rank_span
 
 STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
-                 "stopped": "#ef6c00"}
+                 "stopped": "#ef6c00", "interrupted": "#ef6c00"}
+# a stack dump's lines (faulthandler at an interrupt or --timeout, a traceback) are not a rank's last line
+DUMP_LINE = re.compile(r"\s*(File \"|Thread 0x|Current thread 0x|Stack \(most recent call first\)|"
+                       r"Traceback \(most recent call last\)|Fatal Python error|<no Python frame>)")
+LAST_CHARS = 160  # of a rank's last line kept (its start: a log dict keeps its first keys)
+LINE_BYTES = 4 * LAST_CHARS  # of an unfinished line kept (UTF-8: at most 4 bytes a character)
+DUMP_LINES = 64  # lines looked back over for one that is not a stack dump's
+TABLE = "border-collapse:collapse;font-size:12px;line-height:1.4;white-space:nowrap"
+CELL = "padding:1px 10px 1px 0;text-align:left;border:none"
+LAST = "max-width:560px;overflow:hidden;text-overflow:ellipsis;font-family:monospace"
 
 
 class RunView:
     interval = 1.0
+    USS_EVERY = 5  # ticks between USS samples: it changes slowly and costs ~3 ms a rank
 
-    def __init__(self, widgets: bool, lazy: bool = False):
-        self.widgets = widgets
-        self.lazy = lazy  # a pool's cell: shown only if it outlives the first tick or fails
+    def __init__(self, live: bool):
+        self.live = live  # a Jupyter-like front end: one output updated in place; elsewhere a text summary
         self.handle = None
-        self.widget = None
         self.error: BaseException | None = None
         self.plan = None  # set by begin(); a run that failed before its ranks existed shows nothing
         self.ticks = 0
@@ -38,37 +52,60 @@ class RunView:
         self.plan, self.run_dir = plan, run_dir
         self.t0 = time.monotonic()
         self.last_line: dict[int, str] = {}
-        self._wrote = False  # the ranks wrote text this run (the relay put it on the kernel's streams)
-        self._tail: dict[tuple[int, str], bytes] = {}  # per rank and stream: a bar on stderr, prints on stdout
+        self.progress: dict[int, float] = {}  # rank -> its last tqdm fraction
+        self.raised: dict[int, str] = {}  # rank -> its exception, "Type: message"
+        self.answered: set[int] = set()  # ranks that sent their Result: done, whatever stops them later
+        self._current: dict[tuple[int, str], bytes] = {}  # per rank and stream: its unfinished line's start
         self.monitor = Monitor([d for d in plan.device_ids if d is not None])
         self.ended: dict[int, float] = {}
-        self.exits: dict[int, object] = {}
-        self.state = {r: ("running" if self.lazy else "starting") for r in range(plan.world_size)}
-        if self.widgets and not self.lazy:
-            self.handle = _Display(self._title("starting"))
+        self.state = {r: "starting" for r in range(plan.world_size)}
+        if self.live:  # the slot, at the top of the cell's output before any rank writes
+            self.handle = _Display(self.render_html(), self.render_text())
 
     def on_Started(self, event) -> None:
         self.monitor.watch(event.rank, event.pid)
 
     def on_Message(self, event) -> None:
-        rec = event.record
-        if isinstance(rec, Ready) and self.state[event.rank] == "starting":
-            self.state[event.rank] = "running"
-        elif self.lazy and isinstance(rec, (Result, Error, Exit)):  # a pool rank answered this cell
-            self.state[event.rank] = "finished" if isinstance(rec, Result) else "failed"
-            self.ended[event.rank] = time.monotonic() - self.t0
-
-    TAIL = 512  # bytes of each rank's output kept to show its last line
+        rec, rank = event.record, event.rank
+        if isinstance(rec, Ready) and self.state[rank] == "starting":
+            self.state[rank] = "running"
+        elif isinstance(rec, Result):
+            self.answered.add(rank)
+        elif isinstance(rec, Error) and rec.type != "KeyboardInterrupt":
+            self.raised.setdefault(rank, f"{rec.type}: {rec.message}".strip().rstrip(":"))
+        elif isinstance(rec, Exit) and rec.code not in (0, None):
+            self.raised.setdefault(rank, f"exit({rec.code!r})")
 
     def on_Output(self, event) -> None:
-        """The rank's last line, as a progress bar would show it (a carriage return redraws it)."""
-        self._wrote = True
-        key = (event.rank, event.stream)
-        tail = (self._tail.get(key, b"") + event.data)[-self.TAIL:]
-        self._tail[key] = tail
-        lines = [ln for ln in tail.decode("utf-8", "replace").split("\n") if ln.strip()]
-        if lines:
-            self.last_line[event.rank] = last_segment(lines[-1])
+        """The rank's last line, its start (a carriage return redraws it: its latest state); stack dumps
+        and blank lines are skipped."""
+        key, data = (event.rank, event.stream), event.data
+        before = self._current.get(key, b"")  # the start of the line this output goes on with
+        end = data.rfind(b"\n")
+        current = before + data if end < 0 else data[end + 1:]
+        self._current[key] = current if b"\r" in current else current[:LINE_BYTES]
+        if self._note(event.rank, current):
+            return
+        for _ in range(DUMP_LINES):  # back over the lines this output ended
+            if end < 0:
+                return
+            start = data.rfind(b"\n", 0, end)
+            line = data[start + 1:end] if start >= 0 else before + data[:end]
+            if self._note(event.rank, line):
+                return
+            end = start
+
+    def _note(self, rank: int, line: bytes) -> bool:
+        if b"\r" in line:
+            line = latest_redraw(line)
+        text = line[:LINE_BYTES].decode("utf-8", "replace").rstrip("\r")
+        if not text.strip() or DUMP_LINE.match(text):
+            return False
+        self.last_line[rank] = text[:LAST_CHARS]
+        frac = progress(text)
+        if frac is not None:
+            self.progress[rank] = frac
+        return True
 
     def on_Exited(self, event) -> None:
         self.exited(event.rank, event.exit)
@@ -83,157 +120,189 @@ class RunView:
         s = self.monitor.ranks.get(rank)
         if s is not None and exit.max_rss:
             s.peak_rss = max(s.peak_rss, exit.max_rss)  # the kernel's exact figure (wait4)
-        self.exits[rank] = exit
         self.ended[rank] = time.monotonic() - self.t0
-        self.state[rank] = "finished" if exit.ok else ("stopped" if exit.stopped else "failed")
-
-    USS_EVERY = 5  # ticks between USS samples: it changes slowly and costs ~3 ms a rank
+        if exit.ok or rank in self.answered:  # its work was done (its Result sent) before a peer failed
+            self.state[rank] = "finished"
+        else:
+            self.state[rank] = "stopped" if exit.stopped else "failed"
+            if not exit.stopped and rank not in self.raised and exit.code is not None and exit.code < 0:
+                self.raised[rank] = f"killed by {_signal_name(-exit.code)}"
 
     def tick(self) -> None:
         self.ticks += 1
         self.monitor.sample(uss=self.ticks % self.USS_EVERY == 1)
-        if not self.widgets:
-            return
-        if self.widget is None:
-            import ipywidgets
-
-            if self.handle is None:
-                self.handle = _Display(self._title("running"))
-            self.widget = ipywidgets.HTML()
-            self.handle.update_widget(self.widget)
-        self.widget.value = self.render_html(live=True)
+        if self.handle is not None:
+            self.handle.update(self.render_html(), self.render_text())
 
     def finish(self, error: BaseException | None) -> None:
         if self.plan is None:
             return
         self.error = error
-        if self.lazy and self.ticks == 0 and error is None and self._status(False) == "finished":
-            if self.widgets:  # a quick pool cell: one line, sent the cheap way (its round trip is ~1 ms)
-                line = f"nbddp pool · {self.plan.world_size} ranks · {duration(self._elapsed())} · ok"
-                _publish_line(line, flush=self._wrote)
-            return
-        text = self.render_text()
+        self.done = True
         if self.handle is not None:
-            self.handle.update_html(self.render_html(live=False), text)
-            if self.widget is not None:
-                self.widget.close()
+            self.handle.update(self.render_html(), self.render_text())
         else:
-            print(text)
+            print(self.render_text())
 
-    # -- rendering --------------------------------------------------------------------------------
+    # -- rendering: one table, live and final ---------------------------------------------------------
+    done = False
+
     def _elapsed(self, rank=None) -> float:
         if rank is not None and rank in self.ended:
             return self.ended[rank]
         return time.monotonic() - self.t0
 
-    def _title(self, status: str) -> str:
-        p = self.plan
-        return (f"<b>nbddp</b> · {p.world_size} rank{'s' if p.world_size > 1 else ''} · {p.accelerator}/{p.backend}"
-                f" · {status} · {self._elapsed():.1f} s")
-
-    def _status(self, live: bool) -> str:
-        if live:
-            return "running"
-        states = set(self.state.values())
+    def status(self) -> str:
+        if not self.done:
+            return "starting" if set(self.state.values()) == {"starting"} else "running"
         if isinstance(self.error, KeyboardInterrupt):
             return "interrupted"
-        return "failed" if states & {"failed", "stopped", "starting", "running"} else "finished"
+        return "finished" if set(self.state.values()) == {"finished"} and self.error is None else "failed"
 
-    def _rank_rows(self, live: bool):
+    def title(self) -> str:
+        p = self.plan
+        return (f"nbddp · {p.world_size} rank{'s' if p.world_size > 1 else ''} · {p.accelerator}/{p.backend}"
+                f" · {self.status()} · {self._elapsed():.1f} s")
+
+    def rows(self) -> tuple[list[str], list[dict]]:
+        """The header and one row per rank; a column no rank has a figure for is left out."""
+        final = self.done
+        cols = ["rank", "state"]
+        if self.progress:
+            cols.append("progress")
+        cols.append("time")
+        mem = {r: s for r, s in self.monitor.ranks.items() if (s.peak_uss if final else s.uss)}
+        if mem:
+            cols.append("private memory")
+        if self.monitor.gpus:
+            cols.append("GPU")
+        cols.append("last line")
+        out = []
         for r in range(self.plan.world_size):
-            s = self.monitor.ranks.get(r)
             dev = self.plan.device_ids[r]
-            exit = self.exits.get(r)
-            yield {
-                "rank": str(r),
-                "device": f"cuda:{dev}" if dev is not None else "cpu",
-                "state": self.state[r],
-                "exit": "" if exit is None else _exit_text(exit),
-                "time": f"{self._elapsed(r):.1f} s",
-                "cpu": f"{s.cpu_percent:.0f}%" if (s and live) else "",
-                "rss": mb(s.rss if live else s.peak_rss) if s else "-",
-                "uss": mb(s.uss if live else s.peak_uss) if s else "-",
-                "shared": mb(s.shared) if (s and live) else "",
-                "last": self.last_line.get(r, "")[-120:],
-            }
+            state = self.state[r]
+            if state == "running" and final and isinstance(self.error, KeyboardInterrupt):
+                state = "interrupted"
+            row = {"rank": str(r), "rank:hover": f"cuda:{dev}" if dev is not None else "cpu", "state": state,
+                   "time": f"{self._elapsed(r):.1f} s"}
+            if r in self.progress:
+                row["progress"] = f"{self.progress[r]:.0%}"
+            s = mem.get(r)
+            if s is not None:  # final: the peak; the rest of RSS is still shared copy-on-write with the notebook
+                row["private memory"] = mb(s.peak_uss if final else s.uss)
+                row["private memory:hover"] = (f"peak: private {mb(s.peak_uss)}, RSS {mb(s.peak_rss)}" if final else
+                                               f"RSS {mb(s.rss)}, of which {mb(s.shared)} shared copy-on-write")
+            if dev is not None:
+                row["GPU"] = self._gpu(dev, final)
+            if r in self.raised and state != "finished":
+                row["last line"], row["last line:error"] = self.raised[r], "1"
+            else:
+                row["last line"] = self.last_line.get(r, "")
+            out.append(row)
+        return cols, out
 
-    def _columns(self, live: bool):
-        cols = [("rank", "rank"), ("device", "device"), ("state", "state"), ("exit", "exit"), ("time", "time")]
-        if live:
-            cols += [("cpu", "CPU"), ("rss", "RSS"), ("uss", "USS (private)"), ("shared", "shared")]
-        else:
-            cols += [("rss", "peak RSS"), ("uss", "peak USS")]
-        return cols + [("last", "last output line")]
+    def _gpu(self, index: int, final: bool) -> str:
+        h = self.monitor.gpus.get(index)
+        g = h.last if h else None
+        if g is None:
+            return ""
+        used = h.peak_mem if final else g.mem_used
+        util = "" if final or g.util_percent is None else f"{g.util_percent:.0f}% · "
+        return f"{util}{mb(used)} / {mb(g.mem_total)}" + (" peak" if final else "")
 
-    def render_html(self, live: bool) -> str:
-        cols = self._columns(live)
-        head = "".join(f"<th style='text-align:left;padding:2px 8px'>{t}</th>" for _, t in cols)
-        rows = []
-        for row in self._rank_rows(live):
+    def render_html(self) -> str:
+        cols, rows = self.rows()
+        esc = html.escape
+        head = "".join(f"<th style='{CELL};font-weight:600;color:#555'>{esc(c)}</th>" for c in cols)
+        body = []
+        for row in rows:
             cells = []
-            for key, _ in cols:
-                value = html.escape(row[key])
-                if key == "state":
-                    value = f"<span style='color:{STATE_COLOURS.get(row[key], '#000')}'>{value}</span>"
-                style = "padding:2px 8px;font-family:monospace" if key == "last" else "padding:2px 8px"
-                cells.append(f"<td style='{style};text-align:left'>{value}</td>")
-            rows.append("<tr>" + "".join(cells) + "</tr>")
-        parts = [f"<div class='nbddp-run'><div>{self._title(self._status(live))}</div>",
-                 f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"]
-        gpus = self._gpu_rows(live)
-        if gpus:
-            gh = "".join(f"<th style='text-align:left;padding:2px 8px'>{h}</th>" for h in gpus[0])
-            gb = "".join("<tr>" + "".join(f"<td style='padding:2px 8px'>{html.escape(c)}</td>" for c in r) + "</tr>"
-                         for r in gpus[1:])
-            parts.append(f"<table><thead><tr>{gh}</tr></thead><tbody>{gb}</tbody></table>")
-        parts.append(f"<div style='color:#666'>logs: {html.escape(str(self.run_dir.path))}</div></div>")
-        return "".join(parts)
-
-    def _gpu_rows(self, live: bool) -> list[list[str]]:
-        if not self.monitor.gpus:
-            return []
-        rows = [["GPU", "util", "memory", "power", "temp", "util history", "memory history"]]
-        for i, h in self.monitor.gpus.items():
-            g = h.last
-            if g is None:
-                continue
-            used = g.mem_used if live else h.peak_mem
-            rows.append([
-                f"cuda:{i} {g.name}",
-                f"{g.util_percent:.0f}%" if g.util_percent is not None else "-",
-                f"{mb(used)} / {mb(g.mem_total)}" + ("" if live else " peak"),
-                f"{g.power_w:.0f} W" if g.power_w is not None else "-",
-                f"{g.temp_c:.0f} °C" if g.temp_c is not None else "-",
-                sparkline(h.util),
-                sparkline(h.mem),
-            ])
-        return rows
+            for c in cols:
+                value, hover = esc(row.get(c, "")), row.get(c + ":hover")
+                style = CELL + (";" + LAST if c == "last line" else "")
+                if c == "state":
+                    value = f"<span style='color:{STATE_COLOURS.get(row[c], '#000')}'>{value}</span>"
+                if row.get(c + ":error"):
+                    style += ";color:#c62828"
+                title = f" title='{esc(hover)}'" if hover else (f" title='{value}'" if c == "last line" else "")
+                cells.append(f"<td style='{style}'{title}>{value}</td>")
+            body.append("<tr>" + "".join(cells) + "</tr>")
+        colour = STATE_COLOURS.get(self.status(), "#000")
+        t = self.title().split(" · ")
+        t[-2] = f"<span style='color:{colour}'>{t[-2]}</span>"
+        return (f"<div class='nbddp-run' style='font-size:12px'><div><b>nbddp</b> · {' · '.join(t[1:])}</div>"
+                f"<table style='{TABLE}'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+                f"<div style='color:#888'>logs: {esc(str(self.run_dir.path))}</div></div>")
 
     def render_text(self) -> str:
-        cols = self._columns(live=False)
-        table = [[t for _, t in cols]] + [[row[k] for k, _ in cols] for row in self._rank_rows(live=False)]
+        cols, rows = self.rows()
+        table = [cols] + [[row.get(c, "") if c != "last line" else _cut(row.get(c, "")) for c in cols]
+                          for row in rows]
         widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
-        lines = [_strip_tags(self._title(self._status(False)))]
+        lines = [self.title()]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
-        for r in self._gpu_rows(live=False):
-            lines.append("  ".join(r))
         lines.append(f"logs: {self.run_dir.path}")
         return "\n".join(lines)
 
 
-def _exit_text(exit) -> str:
+class CellLine:
+    """A pool cell's one line, written once at the end: what ran, on which ranks, how long, the outcome.
+    The pool's own view (the ``%ddp start`` cell) carries the live detail, so this costs a quick cell
+    only the line (~0.15 ms)."""
+
+    def __init__(self, live: bool, what: str = "cell"):
+        self.live, self.what = live, what
+        self.plan = None
+        self.failed: dict[int, str] = {}
+
+    def begin(self, plan, run_dir) -> None:
+        self.plan, self.t0 = plan, time.monotonic()
+
+    def on_Started(self, event) -> None:
+        pass
+
+    def on_Message(self, event) -> None:
+        rec = event.record
+        if type(rec) is Error or (type(rec) is Exit and rec.code not in (0, None)):
+            self.failed.setdefault(event.rank, getattr(rec, "type", "exit"))
+
+    def on_Exited(self, event) -> None:
+        self.failed.setdefault(event.rank, "exited")
+
+    def finish(self, error: BaseException | None) -> None:
+        if self.plan is None:
+            return
+        if isinstance(error, KeyboardInterrupt):
+            outcome = "interrupted"
+        elif self.failed:
+            outcome = "failed: " + ", ".join(f"rank {r} {why}" for r, why in sorted(self.failed.items()))
+        else:
+            outcome = "failed" if error is not None else "ok"
+        n = self.plan.world_size
+        ranks = f"ranks {rank_span(range(n))}" if n > 1 else "rank 0"
+        line = f"nbddp pool · {self.what} on {ranks} · {duration(time.monotonic() - self.t0)} · {outcome}"
+        if self.live:
+            _publish_line(line)
+        else:
+            print(line)
+
+
+def _cut(text: str, width: int = 80) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _signal_name(signum: int) -> str:
     import signal
 
-    if exit.code is None:
-        return ""
-    if exit.code < 0:
-        return signal.Signals(-exit.code).name
-    return str(exit.code)
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
-def _publish_line(line: str, flush: bool) -> None:
+def _publish_line(line: str) -> None:
     """A one-line static summary, straight onto the kernel's iopub socket: IPython's display machinery
-    costs ~0.8 ms a call, this ~0.15 ms (measured). The cell's text goes first when there is any."""
+    costs ~0.8 ms a call, this ~0.15 ms (measured). The cell's text goes first."""
     data = {"text/plain": line, "text/html": f"<div style='color:#888;font-size:smaller'>{html.escape(line)}</div>"}
     pub = getattr(running_shell(), "display_pub", None)
     session, socket = getattr(pub, "session", None), getattr(pub, "pub_socket", None)
@@ -242,33 +311,27 @@ def _publish_line(line: str, flush: bool) -> None:
 
         publish_display_data(data)
         return
-    if flush:
-        sys.stdout.flush()
-        sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     session.send(socket, "display_data", {"data": data, "metadata": {}, "transient": {}},
                  parent=pub.parent_header, ident=pub.topic)
-
-
-def _strip_tags(text: str) -> str:
-    return text.replace("<b>", "").replace("</b>", "")
 
 
 class _Display:
     """One output slot, updated in place by display id (ipyparallel's pattern). Bundles are built here:
     IPython's formatter machinery costs milliseconds per call, which every short run would pay."""
 
-    def __init__(self, title_html: str):
+    def __init__(self, html_text: str, text: str):
         import uuid
 
         self.display_id = uuid.uuid4().hex
-        self._publish(False, {"text/html": title_html, "text/plain": _strip_tags(title_html)})
+        self._drawn = html_text
+        self._publish(False, {"text/html": html_text, "text/plain": text})
 
-    def update_widget(self, widget) -> None:
-        view = {"model_id": widget.model_id, "version_major": 2, "version_minor": 0}
-        self._publish(True, {"application/vnd.jupyter.widget-view+json": view, "text/plain": "nbddp dashboard"})
-
-    def update_html(self, html_text: str, text: str) -> None:
-        self._publish(True, {"text/html": html_text, "text/plain": text})
+    def update(self, html_text: str, text: str) -> None:
+        if html_text != self._drawn:
+            self._drawn = html_text
+            self._publish(True, {"text/html": html_text, "text/plain": text})
 
     def _publish(self, update: bool, data: dict) -> None:
         from IPython.display import publish_display_data

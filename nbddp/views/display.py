@@ -1,34 +1,33 @@
-"""Choosing the views: a live widget dashboard in a Jupyter-like kernel, text elsewhere; a pool's own view."""
+"""Choosing the views: a cell's dashboard updated in place in a Jupyter-like front end, text elsewhere;
+a pool cell's one line; a pool's own view."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 
-from .dashboard import RunView
 from ..ipy.session import running_shell, session_kind
+from .dashboard import CellLine, RunView
 
-WIDGET_SESSIONS = ("jupyter", "vscode", "colab", "kaggle")
-
-
-@functools.lru_cache(maxsize=1)
-def _ipywidgets_installed() -> bool:
-    return importlib.util.find_spec("ipywidgets") is not None
+LIVE_SESSIONS = ("jupyter", "vscode", "colab", "kaggle")
 
 
-def view_for_session(lazy: bool = False) -> RunView:
-    """The run's view: the live dashboard in a Jupyter-like session, a text summary elsewhere.
-    ``lazy`` (a pool's cells): nothing is shown unless the cell runs past the first 1 Hz tick or fails."""
-    return RunView(widgets=_widgets(running_shell()), lazy=lazy)
+def view_for_session() -> RunView:
+    """A one-shot cell's view: the dashboard in a Jupyter-like session, a text summary elsewhere."""
+    return RunView(live=_live(running_shell()))
+
+
+def line_for_pool_cell() -> CellLine:
+    """A pool cell's view: one line at the end (the pool's own view has the detail)."""
+    return CellLine(live=_live(running_shell()))
 
 
 @functools.lru_cache(maxsize=4)
-def _widgets(shell) -> bool:
+def _live(shell) -> bool:
     """Asked once per shell (a session does not change kind; the check scans the environment)."""
-    return session_kind(shell=shell) in WIDGET_SESSIONS and _ipywidgets_installed()
+    return session_kind(shell=shell) in LIVE_SESSIONS
 
 
 def view_for_pool(plan, run_dir):
     """A pool's own dashboard (poolview.py): shown and kept live in a Jupyter-like session."""
     from .poolview import PoolView
 
-    return PoolView(plan, run_dir, shown=session_kind() in WIDGET_SESSIONS)
+    return PoolView(plan, run_dir, shown=session_kind() in LIVE_SESSIONS)

@@ -6,14 +6,11 @@ with the notebook and the other ranks).
 """
 from __future__ import annotations
 
-import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 
 from ..hw import nvml
-
-HISTORY = 60  # samples kept for sparklines
 
 
 @dataclass
@@ -32,8 +29,6 @@ class RankSample:
 @dataclass
 class GpuHistory:
     last: nvml.GpuSample | None = None
-    util: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
-    mem: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
     peak_mem: int = 0
 
 
@@ -80,18 +75,8 @@ class Monitor:
             for g in nvml.backend().sample(self.gpu_indices):
                 h = self.gpus[g.index]
                 h.last = g
-                if g.util_percent is not None:
-                    h.util.append(g.util_percent)
-                if g.mem_used is not None and g.mem_total:
-                    h.mem.append(100.0 * g.mem_used / g.mem_total)
+                if g.mem_used is not None:
                     h.peak_mem = max(h.peak_mem, g.mem_used)
-
-
-BARS = "▁▂▃▄▅▆▇█"
-
-
-def sparkline(values, top: float = 100.0) -> str:
-    return "".join(BARS[min(len(BARS) - 1, int(v / top * len(BARS)))] for v in values)
 
 
 def mb(n: int | None) -> str:
@@ -102,3 +87,13 @@ def mb(n: int | None) -> str:
 
 def duration(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def uptime(seconds: float) -> str:
+    """12 s, 1 min 20 s, 2 h 5 min."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"

@@ -17,7 +17,7 @@ import time
 import uuid
 
 from ..wire.messages import Error, Exit, Result
-from .monitor import Monitor, duration, mb
+from .monitor import Monitor, duration, mb, uptime
 
 REFRESH_S = 1.0  # between cells: sample and redraw if changed
 USS_EVERY = 5  # samples between USS readings (it walks the page tables: ~3 ms a rank)
@@ -108,9 +108,10 @@ class PoolView:
         """The pool ended (stopped, torn down, a rank died): the last drawing stays in the notebook."""
         if self.ended is not None:
             return
-        self.ended = why
-        if why == "stopped":  # asked to: each rank left the group and exited
-            self.state = {r: "stopped" for r in self.state}
+        self.ended, self.ended_at = why, time.time()
+        # asked to (each rank left the group and exited), or ended otherwise: no rank is idle any more
+        self.state = {r: "stopped" if why == "stopped" else ("dead" if s == "dead" else "ended")
+                      for r, s in self.state.items()}
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -180,14 +181,21 @@ class PoolView:
 
     # -- rendering ----------------------------------------------------------------------------------
     def title(self) -> str:
-        up = time.time() - self.started
-        uptime = f"{up / 60:.0f} min" if up >= 120 else "under 2 min"
         p = self.plan
+        up = f"was up {uptime(self.ended_at - self.started)}" if self.ended else f"up {uptime(time.time() - self.started)}"
         state = self.ended or (f"running {self.running}" if self.running else "idle")
-        return (f"nbddp pool · {p.world_size} ranks · {p.accelerator}/{p.backend} · {state} · up {uptime} · "
-                f"{self.cells_run} cell(s) run")
+        return (f"nbddp pool · {p.world_size} ranks · {p.accelerator}/{p.backend} · {state} · {up} · "
+                f"{self.cells_run} cell{'' if self.cells_run == 1 else 's'} run")
 
     def rows(self) -> list[list[str]]:
+        """One row per rank; an ended pool's processes hold no memory now: only its history is shown."""
+        if self.ended is not None:
+            rows = [["rank", "pid", "device", "state", "RSS over the pool's life"]]
+            for r in range(self.plan.world_size):
+                dev = self.plan.device_ids[r]
+                rows.append([str(r), str(self.pids.get(r, "-")), f"cuda:{dev}" if dev is not None else "cpu",
+                             self.state[r], self._life(self.rss[r])])
+            return rows
         rows = [["rank", "pid", "device", "state", "RSS", "USS (private)", "RSS over the pool's life"]]
         for r in range(self.plan.world_size):
             s = self.monitor.ranks.get(r)
@@ -195,22 +203,23 @@ class PoolView:
             state = self.state[r]
             if state == "busy" and self.running:
                 state = f"busy: {self.running} {time.monotonic() - self.cell_t0:.0f} s"
-            life = self.rss[r]
-            span = f" {mb(min(life.values))}–{mb(max(life.values))}" if life.values else ""
-            now = s if self.ended is None else None  # an ended pool's processes hold no memory now
             rows.append([str(r), str(self.pids.get(r, "-")), f"cuda:{dev}" if dev is not None else "cpu",
-                         state, mb(now.rss) if now else "-", mb(now.uss) if now and now.uss else "-",
-                         life.spark() + span])
+                         state, mb(s.rss) if s else "-", mb(s.uss) if s and s.uss else "-", self._life(self.rss[r])])
         return rows
+
+    @staticmethod
+    def _life(series: LifeSeries) -> str:
+        """Bars from zero (a 3 % change looks like one), then the range."""
+        if not series.values:
+            return ""
+        return f"{series.spark(scale=(0.0, max(series.values)))} {mb(min(series.values))}–{mb(max(series.values))}"
 
     def gpu_rows(self) -> list[list[str]]:
         if not self.gpu_util:
             return []
         rows = [["GPU", "util over the pool's life", "memory over the pool's life"]]
         for i in self.gpu_util:
-            mem = self.gpu_mem[i]
-            span = f" {mb(min(mem.values))}–{mb(max(mem.values))}" if mem.values else ""
-            rows.append([f"cuda:{i}", self.gpu_util[i].spark(scale=(0.0, 100.0)), mem.spark() + span])
+            rows.append([f"cuda:{i}", self.gpu_util[i].spark(scale=(0.0, 100.0)), self._life(self.gpu_mem[i])])
         return rows
 
     def cell_rows(self) -> list[str]:

@@ -5,17 +5,43 @@ pipe, which it cuts at newlines (keeping partial lines until they are complete, 
 as its latest state), and the displays a rank sends on its channel, before which that rank's pending
 text is flushed. It hands both to a sink (the cell). The rank's log file (kernel/logs.py) keeps every
 byte, so nothing is lost when the cell trims output.
+
+A line every rank prints identically is shown once, labelled with the ranks (``[rank0-1]:``): with the
+prefix on and more than one rank shown, each rank's lines wait up to ``MERGE_S`` for the same line from
+the others (``Merger``); lines that differ are shown per rank, each rank's in its order.
 """
 from __future__ import annotations
 
+import re
 import sys
+import time
 
+from ..ipy.session import running_shell
 from ..wire import messages
 from ..wire.budget import Budget
-from ..ipy.session import running_shell
-
 
 MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
+MERGE_S = 0.3  # how long a rank's line waits for the same line from the other ranks
+TQDM = re.compile(r"(\d{1,3})%\|[^|]*\|\s*[\d.]+[kMGTPEZY]?/[\d.]+[kMGTPEZY]?(?:\s|$)")  # 45%|####  | 45/100
+
+
+def progress(line: str) -> float | None:
+    """The fraction a tqdm bar drawn as text shows (``desc: 45%|####5     | 45/100 [...]``), else None."""
+    m = TQDM.search(line)
+    return min(1.0, int(m.group(1)) / 100) if m else None
+
+
+def rank_span(ranks) -> str:
+    """0,1,2,5 -> "0-2,5": the ranks a merged line came from."""
+    out, run = [], []
+    for r in sorted(ranks):
+        if run and r != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(r)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
 
 
 class CellSink:
@@ -113,10 +139,11 @@ class Relay:
     characters), and of each line its first ``max_line_chars``; a note says where the rest is (the
     rank's log keeps every byte). A line that never ends costs bounded memory: past the cap it is
     shown cut, and the rest of it is dropped as it arrives. A rank's unfinished line on one stream is
-    ended when its other stream's text arrives (the supervisor publishes them in the rank's order)."""
+    ended when its other stream's text arrives (the supervisor publishes them in the rank's order).
+    With the prefix on and every rank shown, identical lines are merged (``Merger``)."""
 
     def __init__(self, sink, *, ranks_output: str, prefix: bool, max_lines: int, max_line_chars: int,
-                 max_output_mb: float):
+                 max_output_mb: float, world_size: int = 1):
         self.sink = sink
         self.max_lines = max_lines  # per rank shown in the cell; the log keeps everything
         self.max_line_chars = max_line_chars
@@ -129,8 +156,11 @@ class Relay:
         self._capped: set[int] = set()
         self._partial: dict[tuple[int, str], bytes] = {}
         self._cutting: set[tuple[int, str]] = set()  # a line shown cut: the rest of it is dropped
+        self._closed: dict[int, int] = {}  # rank -> how many of its two streams closed
         # an unfinished line this long (bytes) holds more than max_line_chars characters (UTF-8: <= 4 bytes each)
         self._partial_limit = min(MAX_PARTIAL, 4 * max_line_chars + 4)
+        merging = prefix and ranks_output == "all" and world_size > 1
+        self.merger = Merger(range(world_size), self._write) if merging else None
 
     def on_Output(self, event) -> None:
         rank, stream, data = event.rank, event.stream, event.data
@@ -160,6 +190,9 @@ class Relay:
 
     def on_OutputClosed(self, event) -> None:
         self._flush(event.rank, event.stream)
+        self._closed[event.rank] = self._closed.get(event.rank, 0) + 1
+        if self.merger is not None and self._closed[event.rank] == 2:  # the rank has left: wait for it no more
+            self.merger.leave(event.rank)
 
     def on_Message(self, event) -> None:
         rec = event.record
@@ -167,15 +200,23 @@ class Relay:
             return
         for stream in ("stdout", "stderr"):  # what the rank printed before it displayed comes first
             self._flush(event.rank, stream)
+        if self.merger is not None:
+            self.merger.release(everything=True)
         if isinstance(rec, messages.ClearOutput):
             self.sink.clear(event.rank, rec.wait)
             return
-        label = f"[rank{event.rank}]: display" if (self.prefix and event.rank != 0) else None
+        label = f"[rank{event.rank}]: display" if self.prefix else None  # every rank's, rank 0's too
         self.sink.display(event.rank, rec, label)
+
+    def release_due(self) -> float | None:
+        """Lines held for merging whose wait is over are shown; when the next one's is (the engine wakes then)."""
+        return self.merger.release() if self.merger is not None else None
 
     def close_all(self) -> None:
         for rank, stream in list(self._partial):
             self._flush(rank, stream)
+        if self.merger is not None:
+            self.merger.release(everything=True)
         self.sink.close()
 
     def _flush(self, rank: int, stream: str, redraw_cleared: bool = False) -> None:
@@ -200,19 +241,27 @@ class Relay:
             note = (f" ... [line cut at {cap} characters (--max-line-chars): all of it is in rank{rank}.log "
                     "in the run directory]")
             lines = [ln if len(ln) <= cap else ln[:cap] + note for ln in lines]
-        tag = f"[rank{rank}]:" if self.prefix else ""
         room = self.max_lines - self._shown_lines.get(rank, 0)
-        text = tag + f"\n{tag}".join(lines) + "\n" if len(lines) <= room else None
-        chars = len(text) - len(tag) * len(lines) if text is not None else 0  # the rank's own text
-        if text is None or chars > self.max_output_bytes - self._shown_chars.get(rank, 0):
+        chars = sum(map(len, lines)) + len(lines)  # the rank's own text, a newline after each line
+        if len(lines) > room or chars > self.max_output_bytes - self._shown_chars.get(rank, 0):
             lines = self._fit(rank, lines, room)
-            text = tag + f"\n{tag}".join(lines) + "\n"
-            chars = len(text) - len(tag) * len(lines)
-        if tag and tag in decoded:  # torch's own "[rankN]:" prefix (its C++ warnings, logs): not doubled
-            text = text.replace(tag + tag, tag)
+            chars = sum(map(len, lines)) + len(lines)
         self._shown_lines[rank] = self._shown_lines.get(rank, 0) + len(lines)
         self._shown_chars[rank] = self._shown_chars.get(rank, 0) + chars
-        self.sink.write(stream, text, rank)
+        if self.merger is not None:
+            self.merger.add(rank, stream, lines)
+        else:
+            self._write((rank,), stream, lines)
+
+    def _write(self, ranks: tuple, stream: str, lines: list[str]) -> None:
+        if not self.prefix:
+            self.sink.write(stream, "\n".join(lines) + "\n", ranks[0])
+            return
+        tag = f"[rank{rank_span(ranks)}]:"
+        text = tag + f"\n{tag}".join(lines) + "\n"
+        if len(ranks) == 1 and tag + tag in text:  # torch's own "[rankN]:" prefix (its C++ warnings): not doubled
+            text = text.replace(tag + tag, tag)
+        self.sink.write(stream, text, ranks[0] if len(ranks) == 1 else ranks)
 
     def _fit(self, rank: int, lines: list[str], room: int) -> list[str]:
         """The lines that fit under both caps, then the note that says the rest is in the log."""
@@ -222,8 +271,89 @@ class Relay:
             n += 1
         self._capped.add(rank)
         limit = f"--max-lines {self.max_lines}" if n >= room else f"--max-output-mb {self.max_output_mb:g}"
-        return lines[:n] + [f"... more output than {limit}: the rest is only in the log "
-                            f"(rank{rank}.log in the run directory)"]
+        note = f"... more output than {limit}: the rest is only in the log (rank{rank}.log in the run directory)"
+        return [*lines[:n], note]
+
+
+class Merger:
+    """Each rank's lines wait up to ``window`` s for the same line from every other rank still writing.
+    When every such rank has a line waiting, their first lines are compared: ranks whose lines are equal
+    (same text, same stream) get it written once, labelled with them all; a line no other rank holds goes
+    out on its own. A rank that has left (its streams closed) is waited for no more. Each rank's lines
+    keep their order; ``write(ranks, stream, lines)`` shows them."""
+
+    def __init__(self, ranks, write, window: float = MERGE_S):
+        self.writing = set(ranks)
+        self.held: dict[int, list] = {r: [] for r in ranks}  # rank -> [(arrival, stream, line)], oldest first
+        self.write, self.window = write, window
+
+    def add(self, rank: int, stream: str, lines: list[str]) -> None:
+        now = time.monotonic()
+        self.held[rank].extend([(now, stream, ln) for ln in lines])
+        self.release(now)
+
+    def leave(self, rank: int) -> None:
+        self.writing.discard(rank)
+        self.release()
+
+    def release(self, now: float | None = None, everything: bool = False) -> float | None:
+        """Write what can be decided (all of it if ``everything``); return when the next wait ends."""
+        now = time.monotonic() if now is None else now
+        while True:
+            pending = {r: q for r, q in self.held.items() if q}
+            if not pending:
+                return None
+            if self.writing <= pending.keys():
+                self._compare(pending)
+                continue
+            if not self._expired(pending, now - self.window, everything):
+                return min(q[0][0] for q in pending.values()) + self.window
+
+    def _compare(self, pending: dict) -> None:
+        """Every rank still writing has lines waiting: compare them in step, from the first."""
+        qs = list(pending.items())
+        groups: dict[tuple, list[int]] = {}
+        for r, q in qs:
+            groups.setdefault(q[0][1:], []).append(r)
+        if len(groups) == len(qs):  # no two alike: as many lines of each, in step, as stay unlike
+            end, n = min(len(q) for _, q in qs), 1
+            while n < end and len({q[n][1:] for _, q in qs}) == len(qs):
+                n += 1
+            for r, q in qs:
+                self._out((r,), q, n)
+            return
+        for ranks in groups.values():
+            group = [pending[r] for r in ranks]
+            n, first = 1, group[0]
+            if len(group) > 1:  # as many lines as every rank of the group has alike
+                end = min(map(len, group))
+                while n < end and all(q[n][1] == first[n][1] and q[n][2] == first[n][2] for q in group[1:]):
+                    n += 1
+            self._out(tuple(ranks), first, n)
+            for q in group[1:]:
+                del q[:n]
+
+    def _expired(self, pending: dict, limit: float, everything: bool) -> bool:
+        wrote = False
+        for r, q in pending.items():
+            n = len(q)
+            if not everything:
+                n = 0
+                while n < len(q) and q[n][0] <= limit:
+                    n += 1
+            if n:
+                self._out((r,), q, n)
+                wrote = True
+        return wrote
+
+    def _out(self, ranks: tuple, q: list, n: int) -> None:
+        """The first ``n`` lines of ``q`` (removed from it), one write per run of one stream."""
+        start = 0
+        for i in range(1, n + 1):
+            if i == n or q[i][1] != q[start][1]:
+                self.write(ranks, q[start][1], [item[2] for item in q[start:i]])
+                start = i
+        del q[:n]
 
 
 def latest_redraw(tail: bytes) -> bytes:
