@@ -219,13 +219,13 @@ def _with_result(body: str) -> str:
     """The cell's last expression is shown once, as the notebook showed it as Out[n] (nothing for None,
     nothing after a trailing ``;``). Only the expression is wrapped: a comment after it, a statement
     before it on the same line and the lines of a multi-line expression stay as they were."""
-    from IPython.core.displayhook import DisplayHook
+    from ..ipy.cellcode import silenced
 
     try:
         tree = ast.parse(body)
     except SyntaxError:
         return body.rstrip()
-    if not tree.body or not isinstance(tree.body[-1], ast.Expr) or DisplayHook.semicolon_at_end_of_expression(body):
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr) or silenced(body):
         return body.rstrip()
     last = tree.body[-1]
     if isinstance(last.value, ast.Call) and getattr(last.value.func, "id", "").startswith(("print", "_nbddp_")):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import io
 import re
+import tokenize
 import types
-
-from IPython.core.displayhook import DisplayHook
 
 from . import tracebacks
 from ..errors import UsageError
@@ -29,13 +29,25 @@ def notebook_name(name: str) -> bool:
 TOP_LEVEL_AWAIT = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
 
 
+def silenced(source: str) -> bool:
+    """The cell ends in ``;``, which silences its last expression (IPython's rule: its DisplayHook's
+    ``semicolon_at_end_of_expression``, written here because IPython 7.x has no such function)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    skip = (tokenize.ENDMARKER, tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT)
+    last = next((t for t in reversed(tokens) if t.type not in skip), None)
+    return last is not None and last.type == tokenize.OP and last.string == ";"
+
+
 def split_last_expression(source: str, filename: str, labels=None) -> tuple[types.CodeType, types.CodeType | None]:
     """Compile a cell into its body and, if it ends in an expression, that expression (IPython's rule).
     ``labels``: the kernel's cell labels, for a syntax error shown as IPython shows it."""
     try:
         tree = ast.parse(source, filename, "exec")
         last = None  # a trailing ';' keeps the expression in the body and silences its value, as in IPython
-        if tree.body and isinstance(tree.body[-1], ast.Expr) and not DisplayHook.semicolon_at_end_of_expression(source):
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not silenced(source):
             last = compile(ast.Expression(tree.body.pop().value), filename, "eval", flags=TOP_LEVEL_AWAIT)
         return compile(tree, filename, "exec", flags=TOP_LEVEL_AWAIT), last
     except SyntaxError as e:
