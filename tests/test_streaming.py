@@ -74,17 +74,17 @@ TQDM_CELL = (
 
 
 @pytest.mark.parametrize("imported_in_kernel", [False, True])
-def test_tqdm_redraws_in_place_and_keeps_its_final_state(clean_kernel, imported_in_kernel):
+def test_tqdm_draws_a_live_bar_per_rank_kept_at_its_final_state_and_the_log_keeps_the_text(clean_kernel, runs_dir,
+                                                                                           imported_in_kernel):
     if imported_in_kernel:  # the notebook already chose tqdm's widget bar for itself
         assert "tqdm.notebook" in clean_kernel.ok("from tqdm.auto import tqdm\nprint(tqdm.__mro__)").stdout
     res = clean_kernel.ok(TQDM_CELL, timeout=60)
-    err = by_rank(res.stderr)
-    for r in (0, 1):
-        bars = [ln for ln in err[r] if "it/s" in ln or "|" in ln]
-        assert len(bars) == 1, f"rank {r}: a redrawn bar must be one line, got {len(bars)}"
-        assert bars[0].startswith(f"rank {r}: 100%") and "200/200" in bars[0]
+    check_final_bars(res, total=200)
     assert by_rank(res.stdout)[0][0].startswith("classes") and "tqdm.std" in res.stdout
     assert "tqdm.notebook" not in res.stdout  # the text bar in a rank, never the widget one
+    run = max(runs_dir.iterdir(), key=lambda p: p.name)
+    for r in (0, 1):
+        assert f"rank {r}: 100%" in (run / f"rank{r}.log").read_text(), "the log keeps the text bar"
 
 
 def test_ranks_output_zero_without_prefix_and_the_log_keeps_everything(clean_kernel, runs_dir):
@@ -268,14 +268,29 @@ BOUND = {  # how the notebook bound tqdm before the cell -> how the cell calls i
 FROZEN = re.compile(r"\| 0/30")  # a widget bar's text form, never updated after its first draw
 
 
+def bar_states(res) -> dict[str, dict]:
+    """Each progress bar's last state, by its display id."""
+    last = {}
+    for d in res.displays:
+        did = d.get("transient", {}).get("display_id", "")
+        if "-bar" in did:
+            last[did] = d["data"]
+    return last
+
+
 def check_final_bars(res, total=30, descs=("rank {r}",)):
-    err = by_rank("".join(ln for ln in res.stderr.splitlines(True) if not ln.startswith("nbddp: sent ")))
+    """One bar output per rank and bar, at 100 % in the end, labelled with its rank; no text bar in the stream."""
+    bars = list(bar_states(res).values())
     for r in (0, 1):
         for desc in descs:
-            bars = [ln for ln in err[r] if ln.startswith(desc.format(r=r) + ":")]
-            assert len(bars) == 1, f"rank {r}: one line per bar, its final state; got {err[r]}"
-            assert bars[0].startswith(desc.format(r=r) + ": 100%") and f"{total}/{total}" in bars[0], bars[0]
-    assert not any(FROZEN.search(d["data"].get("text/plain", "")) for d in res.displays)
+            head = f"[rank{r}]:{desc.format(r=r)}:"
+            mine = [b for b in bars if b["text/plain"].startswith(head)]
+            assert len(mine) == 1, f"rank {r}: one output per bar, its final state; got {bars}"
+            assert mine[0]["text/plain"].startswith(head + " 100%") and f"{total}/{total}" in mine[0]["text/plain"]
+            assert "nbddp-bar" in mine[0]["text/html"] and "width:100%" in mine[0]["text/html"]
+    assert not [ln for ln in res.stderr.splitlines() if "%|" in ln], res.stderr
+    assert not any(FROZEN.search(d["data"].get("text/plain", "")) for d in res.displays if "-bar" not in
+                   d.get("transient", {}).get("display_id", ""))
 
 
 @pytest.mark.parametrize("bound", list(BOUND))
@@ -297,6 +312,10 @@ def test_the_dashboard_shows_each_ranks_progress_and_bar(clean_kernel):
     assert any(re.search(r"^0\s+running\s+\d+%\s", t, re.MULTILINE) and re.search(r"^1\s+running\s+\d+%\s", t, re.MULTILINE)
                for t in live), live
     assert re.search(r"^1\s+finished\s+100%\s", states[-1]["text/plain"], re.MULTILINE), states[-1]["text/plain"]
+    # each rank's bar is redrawn in place while it runs (3 s), at most every 0.2 s
+    draws = [c["transient"]["display_id"] for kind, c in seq if kind == "update_display_data"
+             and "-bar" in c["transient"]["display_id"]]
+    assert all(5 <= draws.count(b) <= 20 for b in set(draws)) and len(set(draws)) == 2, draws
 
 
 def test_pool_ranks_draw_text_bars_for_tqdm_imported_after_the_start(runs_dir):

@@ -9,9 +9,15 @@ byte, so nothing is lost when the cell trims output.
 A line every rank prints identically is shown once, labelled with the ranks (``[rank0-1]:``): with the
 prefix on and more than one rank shown, each rank's lines wait up to ``MERGE_S`` for the same line from
 the others (``Merger``); lines that differ are shown per rank, each rank's in its order.
+
+A tqdm bar a rank draws as text (``tqdm.auto``, ``tqdm.notebook`` and ``tqdm.std``: the rank draws them
+all on its stderr) is shown as a progress bar of its own, labelled with the rank, updated in place by
+display id (``Bars``) and kept at its final state, with the text bar as its text/plain twin; the rank's
+log keeps the text bar.
 """
 from __future__ import annotations
 
+import html
 import re
 import sys
 import time
@@ -23,6 +29,8 @@ from ..wire.budget import Budget
 MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
 MERGE_S = 0.3  # how long a rank's line waits for the same line from the other ranks
 TQDM = re.compile(r"(\d{1,3})%\|[^|]*\|\s*[\d.]+[kMGTPEZY]?/[\d.]+[kMGTPEZY]?(?:\s|$)")  # 45%|####  | 45/100
+BAR = re.compile(r"(?P<desc>.*?)(?P<pct>\d{1,3})%\|[^|]*\|(?P<rest>.*)")
+BAR_EVERY_S = 0.2  # a bar is redrawn in the cell at most this often (its final state always)
 
 
 def progress(line: str) -> float | None:
@@ -99,6 +107,21 @@ class CellSink:
         if rec.display_id is not None:
             self._alias[(rank, rec.display_id)] = target
 
+    def live(self) -> bool:
+        """Whether displays can be shown and updated (a kernel), so bars are drawn as bars."""
+        return _publisher() is not None
+
+    def bar(self, rank: int, bar_id: str | None, data: dict) -> str:
+        """Show a rank's progress bar (a new output when ``bar_id`` is None), or update it; its id."""
+        publish = _publisher()
+        if bar_id is None:
+            self._count += 1
+            bar_id = f"{self.run_id}-bar{rank}-{self._count}"
+            publish(data, {}, transient={"display_id": bar_id})
+        else:
+            publish(data, {}, transient={"display_id": bar_id}, update=True)
+        return bar_id
+
     def clear(self, rank: int, wait: bool) -> None:
         if wait:
             self._clear_pending.add(rank)
@@ -161,12 +184,14 @@ class Relay:
         self._partial_limit = min(MAX_PARTIAL, 4 * max_line_chars + 4)
         merging = prefix and ranks_output == "all" and world_size > 1
         self.merger = Merger(range(world_size), self._write) if merging else None
+        live = getattr(sink, "live", None)
+        self.bars = Bars(sink, prefix) if live is not None and live() else None
 
     def on_Output(self, event) -> None:
         rank, stream, data = event.rank, event.stream, event.data
         other = (rank, "stderr" if stream == "stdout" else "stdout")
-        if other in self._partial:  # the rank wrote the other stream's unfinished line first
-            self._flush(*other, redraw_cleared=True)
+        if other in self._partial and not (self.bars and other in self.bars.open):  # (a bar goes on below)
+            self._flush(*other, redraw_cleared=True)  # the rank wrote the other stream's unfinished line first
         key = (rank, stream)
         if key in self._cutting:
             end = data.find(b"\n")
@@ -180,6 +205,12 @@ class Relay:
             self._emit(rank, stream, head)
         if b"\r" in tail:  # a line redrawn in place (tqdm, print(..., end="\\r")): keep its latest state,
             tail = b"\r" + latest_redraw(tail)  # wherever the carriage returns sit
+            if self.bars is not None and self._shown(rank) and rank not in self._capped:
+                text = tail.decode("utf-8", "replace").strip("\r")
+                if progress(text) is not None:  # a tqdm bar: drawn as one, live
+                    self.bars.draw(rank, stream, text, self._before_bar)
+                elif not text.strip() and key in self.bars.open:  # tqdm(leave=False) cleared it: gone
+                    self.bars.cleared(rank, stream)
         if len(tail) > self._partial_limit:  # a line that never ends: shown cut, the rest dropped
             self._emit(rank, stream, tail)
             if self._partial_limit < MAX_PARTIAL:
@@ -209,15 +240,24 @@ class Relay:
         self.sink.display(event.rank, rec, label)
 
     def release_due(self) -> float | None:
-        """Lines held for merging whose wait is over are shown; when the next one's is (the engine wakes then)."""
-        return self.merger.release() if self.merger is not None else None
+        """Lines held for merging whose wait is over are shown, bars redrawn; when the next is due (the
+        engine wakes then)."""
+        due = [t for t in (self.merger and self.merger.release(), self.bars and self.bars.due()) if t]
+        return min(due) if due else None
 
     def close_all(self) -> None:
         for rank, stream in list(self._partial):
             self._flush(rank, stream)
+        if self.bars is not None:
+            self.bars.close()
         if self.merger is not None:
             self.merger.release(everything=True)
         self.sink.close()
+
+    def _before_bar(self) -> None:
+        """A bar's output goes below what its rank wrote before it."""
+        if self.merger is not None:
+            self.merger.release(everything=True)
 
     def _flush(self, rank: int, stream: str, redraw_cleared: bool = False) -> None:
         tail = self._partial.pop((rank, stream), b"")
@@ -234,10 +274,28 @@ class Relay:
             return
         decoded = block.decode("utf-8", "replace")
         lines = decoded.split("\n")
-        if "\r" in decoded:
-            lines = [last_segment(ln) for ln in lines]
+        if "\r" not in decoded:
+            self._lines(rank, stream, lines)
+            return
+        run = []
+        for raw in lines:
+            line = last_segment(raw)
+            if self.bars is not None and "\r" in raw and progress(line) is not None:  # a tqdm bar's final state
+                if run:
+                    self._lines(rank, stream, run)
+                    run = []
+                self.bars.done(rank, stream, line, self._before_bar)
+            else:
+                run.append(line)
+        if run:
+            self._lines(rank, stream, run)
+
+    def _lines(self, rank: int, stream: str, lines: list[str]) -> None:
+        """Whole lines of one rank, cut and capped, to the merger or the cell."""
+        if rank in self._capped:
+            return
         cap = self.max_line_chars
-        if len(block) > cap and max(map(len, lines)) > cap:  # (bytes >= characters)
+        if max(map(len, lines)) > cap:
             note = (f" ... [line cut at {cap} characters (--max-line-chars): all of it is in rank{rank}.log "
                     "in the run directory]")
             lines = [ln if len(ln) <= cap else ln[:cap] + note for ln in lines]
@@ -273,6 +331,65 @@ class Relay:
         limit = f"--max-lines {self.max_lines}" if n >= room else f"--max-output-mb {self.max_output_mb:g}"
         note = f"... more output than {limit}: the rest is only in the log (rank{rank}.log in the run directory)"
         return [*lines[:n], note]
+
+
+class Bars:
+    """Each rank's tqdm bars as progress bars in the cell: one output per bar, redrawn by display id at most
+    every BAR_EVERY_S (the engine wakes for a redraw that waited), its final state always."""
+
+    def __init__(self, sink, prefix: bool):
+        self.sink, self.prefix = sink, prefix
+        self.open: dict[tuple[int, str], list] = {}  # (rank, stream) -> [display id, text, drawn at, waiting]
+
+    def draw(self, rank: int, stream: str, text: str, before) -> None:
+        key, now = (rank, stream), time.monotonic()
+        bar = self.open.get(key)
+        if bar is None:
+            before()
+            self.open[key] = [self.sink.bar(rank, None, self._data(rank, text, final=False)), text, now, False]
+        elif now - bar[2] >= BAR_EVERY_S:
+            self.sink.bar(rank, bar[0], self._data(rank, text, final=False))
+            bar[1:] = [text, now, False]
+        else:
+            bar[1], bar[3] = text, True
+
+    def done(self, rank: int, stream: str, text: str, before) -> None:
+        """The bar's line ended: its last state stays, as a static bar (a new output if it was never drawn)."""
+        bar = self.open.pop((rank, stream), None)
+        if bar is None:
+            before()
+        self.sink.bar(rank, bar[0] if bar else None, self._data(rank, text, final=True))
+
+    def cleared(self, rank: int, stream: str) -> None:
+        bar = self.open.pop((rank, stream))
+        self.sink.bar(rank, bar[0], {"text/plain": ""})
+
+    def due(self) -> float | None:
+        now, due = time.monotonic(), []
+        for (rank, _), bar in self.open.items():
+            if bar[3] and now - bar[2] >= BAR_EVERY_S:
+                self.sink.bar(rank, bar[0], self._data(rank, bar[1], final=False))
+                bar[2:] = [now, False]
+            elif bar[3]:
+                due.append(bar[2] + BAR_EVERY_S)
+        return min(due) if due else None
+
+    def close(self) -> None:
+        for (rank, stream), bar in list(self.open.items()):
+            self.done(rank, stream, bar[1], lambda: None)
+
+    def _data(self, rank: int, text: str, final: bool) -> dict:
+        m = BAR.match(text)
+        pct = min(100, int(m.group("pct")))
+        colour = "#1565c0" if not final else "#2e7d32" if pct == 100 else "#ef6c00"
+        label = f"[rank{rank}]" if self.prefix else ""
+        esc = html.escape
+        bar = (f"<span style='display:inline-block;width:220px;height:10px;background:#e0e0e0;vertical-align:middle;"
+               f"border-radius:2px'><span style='display:block;width:{pct}%;height:100%;background:{colour};"
+               "border-radius:2px'></span></span>")
+        return {"text/plain": (label + ":" if label else "") + text,
+                "text/html": f"<div class='nbddp-bar' style='font-family:monospace;font-size:12px;white-space:pre'>"
+                             f"{esc(label)} {esc(m.group('desc'))}{bar} {pct}%{esc(m.group('rest'))}</div>"}
 
 
 class Merger:
