@@ -8,12 +8,12 @@ import traceback
 import types
 
 import pytest
+from kernel import said
 
 import nbddp
 from nbddp.hw import cuda, nccl
 from nbddp.ipy import cells, session, tracebacks
 from nbddp.kernel import devices, starters
-
 
 # -- which host -------------------------------------------------------------------------------------
 KERNEL = type("Shell", (), {"kernel": object()})()
@@ -135,6 +135,6 @@ def test_a_widget_made_in_a_rank_never_sends_on_the_kernels_sockets(clean_kernel
         "send = session.send\nsession.send = lambda *a, **k: sent.append(a[1]) or send(*a, **k)\n"
         "w = ipywidgets.IntSlider(value=3)\nw.value = 4\nw.close()\nsession.send = send\n"
         "print('sent', len(sent))\n", timeout=60)
-    assert "[rank0]:sent 0" in res.stdout and "[rank1]:sent 0" in res.stdout, res.stdout + res.stderr
+    assert said(res.stdout, 0, "sent 0") and said(res.stdout, 1, "sent 0"), res.stdout + res.stderr
     assert not res.comms and "from fork" not in res.stdout + res.stderr
 
