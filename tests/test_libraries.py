@@ -89,9 +89,9 @@ class Toy(torch.utils.data.Dataset):
 """
 
 
-def hf_args(out) -> str:
+def hf_args(out, more: str = "save_strategy='no'") -> str:
     return (f"TrainingArguments(output_dir={str(out)!r}, per_device_train_batch_size=4, num_train_epochs=1, "
-            "logging_steps=1, report_to=[], use_cpu=True, save_strategy='no', disable_tqdm=True, seed=0)")
+            f"logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, seed=0, {more})")
 
 
 HF_FIT = """

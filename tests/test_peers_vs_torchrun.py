@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_libraries import HF_FIT, HF_SETUP, hf_args
+from test_libraries import HF_SETUP, hf_args
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -21,9 +21,17 @@ def weight_sum(model):
     return round(sum(p.detach().double().sum().item() for p in model.parameters()), 5)
 """
 
-HF_TRAINER = HF_SETUP + "args = " + hf_args("{out}/hf") + "\n" + HF_FIT + """
-result = {"steps": summary[0], "losses": summary[1], "world": summary[2], "wrapped": summary[4],
-          "weights": weight_sum(trainer.model)}
+# with evaluation, a checkpoint at the end of the epoch and a data-loader worker per rank
+HF_TRAINER = HF_SETUP + "args = " + hf_args("{out}/hf", "eval_strategy='epoch', save_strategy='epoch', "
+                                            "dataloader_num_workers=1") + """
+trainer = Trainer(model=tiny_bert(), args=args, train_dataset=Toy(), eval_dataset=Toy(16))
+trainer.train()
+import os
+result = {"steps": trainer.state.global_step, "world": trainer.args.world_size,
+          "losses": [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
+          "eval_loss": [round(h["eval_loss"], 4) for h in trainer.state.log_history if "eval_loss" in h],
+          "wrapped": type(trainer.model_wrapped).__name__, "weights": weight_sum(trainer.model),
+          "checkpoints": sorted(os.listdir("{out}/hf")) if rank == 0 else None}  # rank 0 writes them
 """
 
 FABRIC = """
@@ -159,6 +167,7 @@ def test_the_peers_code_in_a_cell_gives_torchruns_numbers(clean_kernel, under_to
     assert in_cell == expected, (res.stdout[-2000:], res.stderr[-2000:])
     if peer == "hf_trainer":
         assert expected[0]["steps"] == 4 and expected[0]["world"] == 2 and expected[0]["wrapped"] == "DistributedDataParallel"
+        assert expected[0]["checkpoints"] == ["checkpoint-4"] and len(expected[0]["eval_loss"]) == 1
     if peer == "fabric_ddp":
         assert [r["rank"] for r in expected] == [0, 1] and expected[0]["world"] == 2
     synced = [[v[1] for v in r.values()] if peer == "compile_ddp" else r["weights"] for r in expected]
