@@ -3,6 +3,7 @@ ipywidgets 7.7 / 8.1, tqdm 4.67 (.ci/colab-constraints.txt, .ci/kaggle-constrain
 on every stack nbddp supports; .ci/run runs them in the Colab-like and Kaggle-like venvs too (tqdm's
 text bars in a rank: tests/test_streaming.py, also run there)."""
 import linecache
+import re
 import sys
 import traceback
 import types
@@ -138,3 +139,16 @@ def test_a_widget_made_in_a_rank_never_sends_on_the_kernels_sockets(clean_kernel
     assert said(res.stdout, 0, "sent 0") and said(res.stdout, 1, "sent 0"), res.stdout + res.stderr
     assert not res.comms and "from fork" not in res.stdout + res.stderr
 
+
+
+def test_the_pool_view_names_the_cell_it_ran(clean_kernel):
+    k = clean_kernel
+    k.ok("%ddp start --devices 2")
+    try:
+        n = k.value("len(In)")
+        k.ok("%%ddp\nimport time\nx = rank\n")
+        text = k.ok("%ddp status").displays[-1]["data"]["text/plain"]
+    finally:
+        k.ok("%ddp stop")
+    assert re.search(rf"^cells: Cell In\[{n}\] · ", text, re.MULTILINE), text
+    assert "import time" not in text
