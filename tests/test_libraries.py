@@ -150,6 +150,8 @@ def test_an_object_nbddp_cannot_fix_is_named_with_the_fix(clean_kernel):
     k.ok("import lightning_fabric\nfabric = lightning_fabric.Fabric(accelerator='cpu', devices=1)")
     quiet = k.ok("%%ddp --devices 2\nprint('fabric not read here')")
     assert "fabric" not in quiet.stderr
+    own = k.ok("%%ddp --devices 2\nfabric = lightning_fabric.Fabric(accelerator='cpu', devices=1)\nfabric.world_size")
+    assert "nbddp:" not in own.stderr  # made in the cell: the rank's own, whatever it says
     res = k.ok("%%ddp --devices 2\nprint('world', fabric.world_size)")
     assert "[rank0]:nbddp: `fabric` (a lightning_fabric Fabric made in the notebook) has world size 1, but this " \
            "cell runs on 2 ranks, and nbddp cannot make it the rank's own: make it inside the %%ddp cell" in res.stderr

@@ -172,3 +172,16 @@ def test_the_peers_code_in_a_cell_gives_torchruns_numbers(clean_kernel, under_to
         assert [r["rank"] for r in expected] == [0, 1] and expected[0]["world"] == 2
     synced = [[v[1] for v in r.values()] if peer == "compile_ddp" else r["weights"] for r in expected]
     assert synced[0] == synced[1]  # DDP kept the ranks' weights equal
+
+
+def test_the_peers_code_in_a_pool_gives_torchruns_numbers(clean_kernel, under_torchrun, tmp_path):
+    """The same workloads one after another in one pool's ranks, as in the one torchrun script."""
+    k = clean_kernel
+    k.ok("%ddp start --devices 2", timeout=120)
+    try:
+        for peer in PEERS:
+            res = k.ok(f"%%ddp --gather result\n{peer_code(peer, tmp_path / peer)}", timeout=400)
+            in_pool = json.loads(k.ok("import json; print(json.dumps(result))").stdout)
+            assert in_pool == under_torchrun[peer], (peer, res.stdout[-2000:], res.stderr[-2000:])
+    finally:
+        k.ok("%ddp stop", timeout=60)

@@ -20,12 +20,14 @@ from __future__ import annotations
 import ast
 import sys
 
+from ..ipy.cellcode import names_bound
+
 # the modules whose state is the rank's to fix; a rank that has none of them imported does nothing
 WATCHED = ("accelerate.state", "transformers.training_args", "lightning_utilities.core.rank_zero",
            "torchmetrics.utilities.prints", "lightning_fabric", "pytorch_lightning")
 
 
-_stale: dict[str, str] = {}  # name -> what to say when a cell reads it (said once)
+_stale: dict[str, tuple[int, str]] = {}  # name -> (id of the object, what to say when a cell reads it): once
 
 
 def after_fork(ns: dict, ctx) -> None:
@@ -45,14 +47,15 @@ def before_cell(ns: dict, cmd, ctx) -> None:
         _stale.update(_fix(ns, cmd.updates, ctx, reset=False))
     if _stale:
         for name in sorted(_read_by(cmd.source) & set(_stale)):
-            message = _stale.pop(name)
-            if ctx.rank == 0:
+            kept, message = _stale.pop(name)
+            if ctx.rank == 0 and id(ns.get(name)) == kept:  # (a pool's cell may have made its own since)
                 print(message, file=sys.stderr, flush=True)
 
 
 def _read_by(source: str) -> set[str]:
+    """The names a cell reads and does not bind itself (one it makes in the cell is the rank's own)."""
     try:
-        return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+        return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)} - names_bound(source)
     except SyntaxError:
         return set()
 
@@ -133,7 +136,7 @@ def _classes() -> dict:
     return found
 
 
-def _fix(ns: dict, names, ctx, reset: bool) -> dict[str, str]:
+def _fix(ns: dict, names, ctx, reset: bool) -> dict[str, tuple[int, str]]:
     """Make each named object the rank's own; return those that still see another world size. First the
     TrainingArguments resolve again (each resets accelerate's singletons, as transformers does), then
     the singletons that were there before are made again, then the objects that share them follow."""
@@ -153,7 +156,7 @@ def _fix(ns: dict, names, ctx, reset: bool) -> dict[str, str]:
     for name, value in values.items():
         seen = _attempt(value, lambda v: _own(v, known))
         if seen is not None and seen != ctx.world_size:
-            stale[name] = stale_message(name, _kind(value), seen, ctx.world_size)
+            stale[name] = (id(value), stale_message(name, _kind(value), seen, ctx.world_size))
     return stale
 
 
