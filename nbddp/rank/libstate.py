@@ -22,9 +22,22 @@ import sys
 
 from ..ipy.cellcode import names_bound
 
+# key -> (module, class): what this module knows how to fix, or at least to check
+CLASSES = {
+    "partial": ("accelerate.state", "PartialState"),
+    "accelerator_state": ("accelerate.state", "AcceleratorState"),
+    "gradient": ("accelerate.state", "GradientState"),
+    "accelerator": ("accelerate.accelerator", "Accelerator"),
+    "training_args": ("transformers.training_args", "TrainingArguments"),
+    "hf_trainer": ("transformers.trainer", "Trainer"),
+    "fabric": ("lightning_fabric.fabric", "Fabric"),
+    "pl_trainer": ("pytorch_lightning.trainer.trainer", "Trainer"),
+}
+
+
 # the modules whose state is the rank's to fix; a rank that has none of them imported does nothing
-WATCHED = ("accelerate.state", "transformers.training_args", "lightning_utilities.core.rank_zero",
-           "torchmetrics.utilities.prints", "lightning_fabric", "pytorch_lightning")
+WATCHED = (*sorted({module for module, _ in CLASSES.values()}), "lightning_utilities.core.rank_zero",
+           "torchmetrics.utilities.prints")
 
 
 _stale: dict[str, tuple[int, str]] = {}  # name -> (id of the object, what to say when a cell reads it): once
@@ -114,25 +127,10 @@ def _shared(obj, cls) -> None:
 def _classes() -> dict:
     """The classes this module knows, from the modules already imported (never imports one)."""
     found = {}
-    state = sys.modules.get("accelerate.state")
-    if state is not None:
-        found.update(partial=state.PartialState, accelerator_state=state.AcceleratorState,
-                     gradient=state.GradientState)
-    accel = sys.modules.get("accelerate.accelerator")
-    if accel is not None:
-        found["accelerator"] = accel.Accelerator
-    args = sys.modules.get("transformers.training_args")
-    if args is not None:
-        found["training_args"] = args.TrainingArguments
-    trainer = sys.modules.get("transformers.trainer")
-    if trainer is not None:
-        found["hf_trainer"] = trainer.Trainer
-    fabric = sys.modules.get("lightning_fabric.fabric")
-    if fabric is not None:
-        found["fabric"] = fabric.Fabric
-    pl_trainer = sys.modules.get("pytorch_lightning.trainer.trainer")
-    if pl_trainer is not None:
-        found["pl_trainer"] = pl_trainer.Trainer
+    for key, (module, name) in CLASSES.items():
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None:
+            found[key] = cls
     return found
 
 
