@@ -116,6 +116,10 @@ def test_training_arguments_made_in_the_notebook_train_as_if_made_in_the_cell(cl
     one_shot = k.ok(f"%%ddp --devices 2 --out summary\n{HF_FIT}", timeout=200)
     assert k.value("summary") == expected, one_shot.stdout + one_shot.stderr
     assert "nbddp:" not in one_shot.stderr  # nothing stale to name: nbddp made it the rank's own
+    k.ok("made = Trainer(model=tiny_bert(), args=args, train_dataset=Toy())")  # a Trainer: named, not fixed
+    named = k.ok("%%ddp --devices 2\nmade.train()", timeout=200)
+    assert "[rank0]:nbddp: `made` (a transformers Trainer made in the notebook) has world size 1, but this cell " \
+           "runs on 2 ranks" in named.stderr
     k.ok("%ddp start --devices 2", timeout=120)
     try:
         k.ok(f"%%ddp --out summary\n{HF_FIT}", timeout=200)  # forked with the pool

@@ -8,7 +8,8 @@ the same copy. So in every rank, before the cell:
   dynamo plugin, gradient accumulation); objects that share them (an ``Accelerator`` made in the notebook)
   then see the rank's state;
 - a transformers ``TrainingArguments`` forgets its cached device (``_setup_devices``), ``_n_gpu`` and
-  ``distributed_state`` and resolves them again in the rank (a ``Trainer``'s ``args`` too);
+  ``distributed_state`` and resolves them again in the rank (a ``Trainer``'s ``args`` too, though the
+  ``Trainer`` itself is then named below: it fixed its DDP settings when made);
 - Lightning's and TorchMetrics' ``rank_zero_only.rank`` (read from the environment at import) become the
   rank's.
 A notebook object that still disagrees with the cell's world size (a Lightning ``Fabric`` or ``Trainer``
@@ -137,11 +138,16 @@ def _classes() -> dict:
 def _fix(ns: dict, names, ctx, reset: bool) -> dict[str, tuple[int, str]]:
     """Make each named object the rank's own; return those that still see another world size. First the
     TrainingArguments resolve again (each resets accelerate's singletons, as transformers does), then
-    the singletons that were there before are made again, then the objects that share them follow."""
-    saved = _snapshot(reset)
+    the singletons that were there before are made again, then the objects that share them follow. A
+    transformers Trainer made in the notebook decided its DDP settings and data sharding when made: its
+    arguments are made the rank's own (it then trains as DDP), but it is named with the world size it was
+    made with (its losses differ from torchrun's)."""
     known = _classes()
     every = tuple(known.values())
     values = {n: ns[n] for n in names if not n.startswith("_") and n in ns and isinstance(ns[n], every)}
+    made_with = {n: _attempt(v, lambda t: t.args.world_size) for n, v in values.items()
+                 if "hf_trainer" in known and isinstance(v, known["hf_trainer"])}
+    saved = _snapshot(reset)
     try:
         resolved: set[int] = set()  # a TrainingArguments also reached through a Trainer: once
         for args in (_training_args(v, known) for v in values.values()):
@@ -153,6 +159,7 @@ def _fix(ns: dict, names, ctx, reset: bool) -> dict[str, tuple[int, str]]:
     stale = {}
     for name, value in values.items():
         seen = _attempt(value, lambda v: _own(v, known))
+        seen = made_with.get(name, seen)
         if seen is not None and seen != ctx.world_size:
             stale[name] = (id(value), stale_message(name, _kind(value), seen, ctx.world_size))
     return stale
