@@ -55,7 +55,7 @@ class RankContext:
 # What every rank imports: imported once in the kernel by %load_ext (``warm_start``), so a fork shares
 # them and no rank pays seconds of ``import torch`` per cell. None of them touches CUDA.
 RANK_IMPORTS = ("torch", "torch.distributed", "torch.multiprocessing", "nbddp.rank.usergroup", "nbddp.rank.launchers",
-                "nbddp.rank.server")
+                "nbddp.rank.server", "nbddp.rank.libstate")
 
 
 def warm_start() -> None:
