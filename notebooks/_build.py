@@ -1,7 +1,9 @@
 """Regenerate the tutorial notebooks: python notebooks/_build.py (executes each one, saves its outputs).
 
 The cells live here so the tutorials stay consistent; CI runs the saved notebooks with nbval
-(``--nbval-lax``: every cell must run as written, cells tagged NBVAL_CHECK_OUTPUT must also match).
+(``--nbval-lax``: every cell must run as written, cells tagged NBVAL_CHECK_OUTPUT must also match), and
+strictly (``--nbval --nbval-sanitize-with notebooks/nbval-sanitize.cfg``: every output must match, nbddp's
+timings, memory figures, run directories and live views sanitized).
 """
 import sys
 from pathlib import Path
@@ -22,10 +24,12 @@ NOTEBOOKS = {
            "shared copy-on-write: no copies, no pickling."),
         code("torch.manual_seed(0)\nX = torch.randn(100_000, 16)\nY = X @ torch.randn(16, 1) + 0.01 * torch.randn(100_000, 1)"),
         md("The cell below runs on each rank with `rank`, `local_rank`, `world_size` and `device` defined and the "
-           "process group ready. Every rank's output arrives as whole `[rankN]:` lines; while it runs, a dashboard "
-           "shows each rank's state, CPU/GPU and memory, and a summary stays when it ends. `--out state` brings "
-           "rank 0's `state` back; the last expression is the cell's result."),
-        code("%%ddp --devices 2 --out state\n"
+           "process group ready. Every rank's output arrives as whole `[rankN]:` lines, and a line every rank "
+           "prints alike appears once, as `[rank0-1]:`; above the output, a dashboard shows each rank's state, time "
+           "and memory (and GPU) while it runs, and stays as a summary. `--seed 0` makes every rerun draw the same "
+           "numbers; `--out state` brings rank 0's `state` back; the last expression is the cell's result."),
+        code("%%ddp --devices 2 --seed 0 --out state\n"
+             "import torch.distributed as dist\n"
              "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1).to(device))\n"
              "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
              "x, y = X[rank::world_size].to(device), Y[rank::world_size].to(device)\n"
@@ -35,7 +39,9 @@ NOTEBOOKS = {
              "        loss = torch.nn.functional.mse_loss(model(x[i:i + 5_000]), y[i:i + 5_000])\n"
              "        loss.backward()\n"
              "        opt.step()\n"
-             "    print(f'epoch {epoch} loss {loss.item():.4f}')\n"
+             "    mean = loss.detach().clone()\n"
+             "    dist.all_reduce(mean)                 # the loss over every rank: the same line on each\n"
+             "    print(f'epoch {epoch} mean loss {mean.item() / world_size:.4f}')\n"
              "state = model.module.state_dict()\n"
              "round(loss.item(), 2)"),
         code("# NBVAL_CHECK_OUTPUT\nprint({k: tuple(v.shape) for k, v in state.items()}, state['weight'].device)"),
@@ -231,11 +237,11 @@ NOTEBOOKS = {
     "08-pool.ipynb": [
         md("# A pool: ranks that live across cells\n\n`%ddp start` forks one rank per device from the kernel once: the notebook's data is shared copy-on-write, and the process group is set up once. Every `%%ddp` cell then runs in those same ranks, so a model, its optimizer and anything else a cell builds stay there for the next cell. Train, look, change something in the notebook, go on. `%ddp stop` ends the ranks."),
         code('%load_ext nbddp\nimport torch\nimport matplotlib.pyplot as plt\ntorch.manual_seed(0)\nX = torch.randn(4096, 16)\nY = X @ torch.randn(16, 1) + 0.1 * torch.randn(4096, 1)   # shared copy-on-write'),
-        code('%ddp start --devices 2'),
+        code('%ddp start --devices 2 --seed 0'),
         md('Build the model once; it lives in the ranks.'),
         code('%%ddp\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))\nlr = 0.05\nopt = torch.optim.SGD(model.parameters(), lr=lr)\nlosses = []\n\ndef epoch():\n    for i in range(0, 2048, 64):\n        xb, yb = X[rank::world_size][i:i + 64], Y[rank::world_size][i:i + 64]\n        opt.zero_grad()\n        loss = torch.nn.functional.mse_loss(model(xb), yb)\n        loss.backward(); opt.step()\n        losses.append(loss.item())'),
         md("Two epochs, then bring every rank's losses back with `--gather` and plot them in the notebook."),
-        code("%%ddp --gather losses\nepoch(); epoch()\nprint(f'{len(losses)} steps, last loss {losses[-1]:.3f}')"),
+        code("%%ddp --gather losses\nepoch(); epoch()\nif rank == 0:\n    print(f'{len(losses)} steps, last loss {losses[-1]:.3f}')"),
         code("for r, curve in enumerate(losses):\n    plt.plot(curve, label=f'rank {r}')\nplt.yscale('log'); plt.xlabel('step'); plt.legend(); plt.show()"),
         code('# NBVAL_CHECK_OUTPUT\nlen(losses), [len(c) for c in losses]'),
         md("Change the learning rate in the notebook. The next cell that reads `new_lr` gets the notebook's value (nbddp says what it sent), and training goes on in the same ranks, with the same model and optimizer."),
@@ -245,7 +251,7 @@ NOTEBOOKS = {
         md("A bad batch on one rank. Rank 1 raises while rank 0 already waits in DDP's gradient all_reduce, a wait no KeyboardInterrupt can reach. nbddp frees rank 0 by having every rank leave the process group and make a fresh one: the cell fails within seconds naming rank 1's error, and the pool, the model and the optimizer stay."),
         code("%%ddp\n# NBVAL_RAISES_EXCEPTION\ndef bad_step():\n    xb = X[rank::world_size][:64]\n    if rank == 1:\n        raise ValueError('a corrupt sample on rank 1')\n    opt.zero_grad()\n    torch.nn.functional.mse_loss(model(xb), Y[rank::world_size][:64]).backward()\nbad_step()"),
         md("The message says what to make again: the DDP wrapper was bound to the old group. Wrap the same module again and go on from where training was."),
-        code("%%ddp --gather losses\nmodel = torch.nn.parallel.DistributedDataParallel(model.module)\nepoch()\nprint(f'{len(losses)} steps, last loss {losses[-1]:.3f}')"),
+        code("%%ddp --gather losses\nmodel = torch.nn.parallel.DistributedDataParallel(model.module)\nepoch()\nif rank == 0:\n    print(f'{len(losses)} steps, last loss {losses[-1]:.3f}')"),
         code('# NBVAL_CHECK_OUTPUT\n[len(c) for c in losses], losses[0][-1] < losses[0][0]'),
         code('%ddp status'),
         code('%ddp stop'),

@@ -148,7 +148,8 @@ def test_ranks_die_with_the_kernel():
 
         def watch(kind, content):
             if kind == "stream":
-                ranks_up.update(re.findall(r"\[rank(\d)\]:up", content.get("text", "")))
+                for first, last in re.findall(r"\[rank(\d)(?:-(\d))?\]:up", content.get("text", "")):  # [rank0-1]: both
+                    ranks_up.update(range(int(first), int(last or first) + 1))
 
         msg = k.execute("%%ddp --devices 2\nimport time\nprint('up', flush=True)\ntime.sleep(120)\n")
         deadline = time.monotonic() + 30
