@@ -107,8 +107,10 @@ def compiled_run(wrap):
     return losses, weight_sum(net)
 
 torch._dynamo.reset()
-result = {"compile(DDP(m))": compiled_run(lambda m: torch.compile(DDP(m))),
-          "DDP(compile(m))": compiled_run(lambda m: DDP(torch.compile(m)))}
+torch._dynamo.utils.counters.clear()
+result = {"runs": {"compile(DDP(m))": compiled_run(lambda m: torch.compile(DDP(m))),
+                   "DDP(compile(m))": compiled_run(lambda m: DDP(torch.compile(m)))},
+          "compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0}  # not silently eager
 """
 
 PEERS = {"hf_trainer": HF_TRAINER, "fabric_ddp": FABRIC, "peft_lora": PEFT_LORA, "compile_ddp": COMPILE}
@@ -170,7 +172,9 @@ def test_the_peers_code_in_a_cell_gives_torchruns_numbers(clean_kernel, under_to
         assert expected[0]["checkpoints"] == ["checkpoint-4"] and len(expected[0]["eval_loss"]) == 1
     if peer == "fabric_ddp":
         assert [r["rank"] for r in expected] == [0, 1] and expected[0]["world"] == 2
-    synced = [[v[1] for v in r.values()] if peer == "compile_ddp" else r["weights"] for r in expected]
+    if peer == "compile_ddp":
+        assert expected[0]["compiled"] and expected[1]["compiled"]
+    synced = [[v[1] for v in r["runs"].values()] if peer == "compile_ddp" else r["weights"] for r in expected]
     assert synced[0] == synced[1]  # DDP kept the ranks' weights equal
 
 
