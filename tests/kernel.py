@@ -20,6 +20,7 @@ class CellResult:
     comms: list = field(default_factory=list)  # comm_open / comm_msg contents (widget state)
     seconds: float = 0.0
     status: str = ""  # the execute_reply's status: ok | error | aborted
+    prompts: list = field(default_factory=list)  # input_request prompts the front end was asked (converse)
 
     @property
     def error_text(self) -> str:
@@ -63,8 +64,28 @@ class Kernel:
         # next one for a moment after an error (its abort window), which is not what a test asks
         return self.kc.execute(code, stop_on_error=False)
 
-    def collect(self, msg_id: str, timeout: float = 60, on_message=None) -> CellResult:
-        """Gather a cell's outputs until the kernel reports idle for it, or fail at the deadline."""
+    def converse(self, code: str, answer, timeout: float = 60) -> CellResult:
+        """Run ``code`` with an input box, as JupyterLab does: each input_request is answered with
+        ``answer(prompt)`` (a str; the prompts asked are in ``res.prompts``)."""
+        prompts = []
+
+        def pump():
+            while True:
+                try:
+                    msg = self.kc.get_stdin_msg(timeout=0)
+                except queue.Empty:
+                    return
+                if msg["msg_type"] == "input_request":
+                    prompts.append(msg["content"]["prompt"])
+                    self.kc.input(answer(msg["content"]["prompt"]))
+
+        res = self.collect(self.kc.execute(code, stop_on_error=False, allow_stdin=True), timeout, between=pump)
+        res.prompts = prompts
+        return res
+
+    def collect(self, msg_id: str, timeout: float = 60, on_message=None, between=None) -> CellResult:
+        """Gather a cell's outputs until the kernel reports idle for it, or fail at the deadline
+        (``between()``: called between messages, at least every 50 ms)."""
         res = CellResult()
         start = time.monotonic()
         deadline = start + timeout
@@ -72,8 +93,10 @@ class Kernel:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"cell did not finish within {timeout}s; so far: {res}")
+            if between is not None:
+                between()
             try:
-                msg = self.kc.get_iopub_msg(timeout=left)
+                msg = self.kc.get_iopub_msg(timeout=left if between is None else min(left, 0.05))
             except queue.Empty:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:

@@ -113,8 +113,11 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "not in the cell's code", "every thread's whole stack is in", "SyntaxError: ", "waiting in an `await`",
     "more output than --max-lines", "more output than --max-output-mb", "line cut at", "need a size in MiB >= 0",
     "need a size in MiB > 0", "need a whole number >= 0", "choose all, 0, none", "the pool has ended:",
-    "the pool had already ended", "--out and --gather bring values back from one %%ddp cell",
+    "the pool had already ended", "--out and --gather bring values back from it",
     "finished the cell without joining it", "its process group was made anew",
+    "does not run this cell (--ranks)", "--ranks runs a cell on some ranks of a running pool", "the pool has rank(s) 0-",
+    "kept no failure", "no cell of this pool has failed on a rank", "looks into a running pool's ranks",
+    "has no command pipe, so it cannot reach the notebook's input box", "post-mortem (%pdb is on)", "is still at",
 ]
 
 

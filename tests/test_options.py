@@ -134,14 +134,14 @@ def test_start_and_restart_refuse_bad_options_before_touching_the_running_pool(p
         assert res.error_text and ("Nothing ran" in res.error_text or "is not a device spec" in res.error_text
                                    or "unrecognized arguments" in res.error_text), (line, res.error_text)
     assert "a pool forks its ranks" in k.run("%ddp restart --start-method spawn").error_text
-    assert "--out and --gather bring values back from one %%ddp cell" in k.run("%ddp restart --out x").error_text
+    assert "--out and --gather bring values back from it" in k.run("%ddp restart --out x").error_text
     assert_pool_kept(k, pids)
 
 
 def test_start_refuses_names_options_and_starts_nothing(clean_kernel):
     k = clean_kernel
     res = k.run("%ddp start --devices 2 --timeout 5 --out x")
-    assert "--out and --gather bring values back from one %%ddp cell" in res.error_text
+    assert "--out and --gather bring values back from it" in res.error_text
     assert not k.process().children(), "no pool was started"
     assert "no pool is running" in k.ok("%ddp status").stdout
 

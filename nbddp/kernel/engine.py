@@ -37,6 +37,7 @@ from ..views.relay import CellSink, Relay
 from ..wire import messages, values
 from . import checks, failure, starters
 from .gang import Gang
+from .prompts import Prompts
 from .supervisor import Bus, Started
 
 ALONE_S = 2.0  # a rank still in the cell this long after every other rank answered: where is it?
@@ -89,8 +90,11 @@ class CellRun:
     """One cell on ``gang``'s ranks. ``run(job_for)`` for a gang not started yet (one-shot: the ranks
     are started with the cell), ``run(command=...)`` for a live one (a pool's)."""
 
-    def __init__(self, gang: Gang, config, *, label: str = "", relabel=None, observer=None):
+    def __init__(self, gang: Gang, config, *, label: str = "", relabel=None, observer=None, ranks=None):
         self.gang, self.config, self.label, self.observer = gang, config, label[:80], observer
+        self.ranks = tuple(ranks) if ranks else tuple(range(gang.world_size))  # a pool's --ranks: only these run it
+        self.prompts = Prompts(gang)  # the ranks' input() and pdb prompts, asked in the notebook in turn
+        self.deadline: float | None = None  # --timeout's, moved on by the time prompts waited for the user
         self.relabel = tracebacks.cell_labels() if relabel is None else relabel
         self.replies: dict[int, object] = {}  # rank -> its answer to the cell (Result, Error or Exit)
         self.healthy: set[int] = set()
@@ -128,13 +132,13 @@ class CellRun:
         self.relay = relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}",
                                        gang.world_size)
         self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
-        sup.bus = Bus([*gang.lifelong(), self, self.stacks, *([self.observer] if self.observer else [])])
+        sup.bus = Bus([*gang.lifelong(), self, self.prompts, self.stacks, *([self.observer] if self.observer else [])])
         sup.tick = getattr(gang.view or self.observer, "interval", None)  # a pool's view, or the cell's dashboard
         sup.new_cell()
         sup.after_stacks = self._timeout_rule
         for p in sup.procs:  # what a rank said in earlier cells must not explain how this one ends
             p.records.clear()
-        deadline = None if self.config.timeout is None else start + self.config.timeout
+        deadline = self.deadline = None if self.config.timeout is None else start + self.config.timeout
         if gang.view is not None:
             gang.view.cell_began(self.label)
         error, announced, running = None, gang.started, []
@@ -143,7 +147,9 @@ class CellRun:
                 gang.start(job_for, deadline)
             else:
                 with starters.sigint_deferred():  # a frame half written would leave the ranks out of step
-                    gang.command(command)
+                    gang.command(command, ranks=self.ranks if self.some else None)
+                if self.some:  # the ranks left out are idle: as if they had answered at once
+                    self.last_reply = time.monotonic()
             if self.observer:  # after the forks: its display costs overlap the ranks' start-up
                 self.observer.begin(gang.plan, gang.run_dir)
             if announced:  # a live gang: only the cell's own dashboard has not met the ranks
@@ -152,7 +158,7 @@ class CellRun:
             else:
                 sup.announce()
                 announced = True
-            self._wait(deadline)
+            self._wait(lambda: self.deadline)
         except KeyboardInterrupt as e:
             error = e
             running = self._stop_at_interrupt(announced)
@@ -185,15 +191,33 @@ class CellRun:
             now = time.monotonic()
             marks = [t for t in (wake_at, self.first_error and self.first_error + PEER_GRACE_S,
                                  self.interrupted_at and self.interrupted_at + HEALTH_S,
-                                 self._probe_due(), self.relay and self.relay.release_due()) if t and t > now]
+                                 self._probe_due(), self.prompts.due(), self.relay and self.relay.release_due()) if t and t > now]
             return min(marks) if marks else None
 
         over = self._cell_over if self.gang.persistent else self._one_shot_over
         self.gang.sup.wait(deadline, until=until or over, wake_at=wake)
 
+    @property
+    def some(self) -> bool:
+        """A pool's cell on some of its ranks (--ranks)."""
+        return len(self.ranks) < self.gang.world_size
+
+    def _ask(self) -> None:
+        """A rank's prompt whose turn it is, asked in the notebook (this waits for the user); the engine's
+        clocks move on by that pause, so a debugging session trips no deadline or health rule."""
+        if self.interrupted_at is not None:  # the ranks were told to stop: nothing more to ask
+            self.prompts.waiting.clear()
+            return
+        paused = self.prompts.serve()
+        if paused:
+            for name in ("deadline", "last_reply", "first_error"):
+                if getattr(self, name) is not None:
+                    setattr(self, name, getattr(self, name) + paused)
+
     def _one_shot_over(self) -> bool:
         """One-shot: once every rank has answered, each is told to leave (nbddp's own synchronisation, on
         the command pipes: never a collective on the user's group); over when every rank has exited."""
+        self._ask()
         if self.gang.piped and not self.leave_sent and len(self.replies) == self.gang.world_size:
             self.leave_sent = True
             self.gang.command(messages.Stop())
@@ -201,8 +225,9 @@ class CellRun:
         return False
 
     def _cell_over(self) -> bool:
+        self._ask()
         now = time.monotonic()
-        if not self.gang.alive or len(self.replies) == self.gang.world_size:
+        if not self.gang.alive or set(self.replies) >= set(self.ranks):
             return True
         self._probe_alone()
         if self.alone:  # in a collective no peer will join: it cannot be interrupted, and the pool cannot live on
@@ -236,8 +261,8 @@ class CellRun:
         due = self._probe_due()
         if due is None or time.monotonic() < due or self.interrupted_at is not None or sup.timed_out:
             return
-        waiting = [p.rank for p in sup.live() if p.rank not in self.replies]
-        if waiting and len(self.replies) == self.gang.world_size - len(waiting):
+        waiting = [p.rank for p in sup.live() if p.rank in self.ranks and p.rank not in self.replies]
+        if waiting and len(self.replies) == len(self.ranks) - len(waiting):
             self.probes += 1
             sup.request_stacks(waiting)
             sup.after_stacks = self._judge_alone
@@ -279,7 +304,7 @@ class CellRun:
         if self.interrupted_at is None and self.gang.sup is not None:
             self.interrupted_at = time.monotonic()
             for p in self.gang.sup.live():
-                if p.rank not in self.replies:
+                if p.rank in self.ranks and p.rank not in self.replies:
                     try:
                         os.kill(p.pid, INTERRUPT)
                     except ProcessLookupError:
@@ -290,7 +315,7 @@ class CellRun:
         stopped, a pool's get a KeyboardInterrupt in their cell and a health check."""
         gang = self.gang
         if gang.persistent:
-            running = [r for r in range(gang.world_size) if r not in self.replies]
+            running = [r for r in self.ranks if r not in self.replies]
             self._interrupt()
             try:
                 self._wait(None)
@@ -350,10 +375,11 @@ class CellRun:
                               "\nThe pool has ended and its ranks' state is gone: %ddp start to begin again.",
                               rank=err.rank if err else None, cause=err.cause if err else "exit")
         if self.alone:
-            err = failure.alone(self.alone, sorted(r for r in self.replies if r not in self.alone), log_dir)
+            err = failure.alone(self.alone, sorted(r for r in self.replies if r not in self.alone), log_dir,
+                                idle=[r for r in range(gang.world_size) if r not in self.ranks])
             raise self._with_fate(err, self._recover() if gang.persistent else None)
         # one function builds every exit record: from the process's end, or (a pool's) from its answer
-        exits = [self._cell_exit(r) for r in range(gang.world_size)] if gang.persistent else [p.exit for p in sup.procs]
+        exits = [self._cell_exit(r) for r in self.ranks] if gang.persistent else [p.exit for p in sup.procs]
         if sup.timed_out:
             err = failure.timed_out(self.config.timeout, sup.timed_out, self.stacks.stacks(), self.relabel, log_dir,
                                     "their cells were interrupted" if gang.persistent else "all ranks stopped")
@@ -397,7 +423,7 @@ class CellRun:
         connections, so a peer stuck in a collective gets "Connection closed by peer", fails its cell, and
         regroups too); else the pool is torn down. True if it lives on."""
         gang = self.gang
-        stuck = [r for r in range(gang.world_size) if r not in self.replies]
+        stuck = [r for r in self.ranks if r not in self.replies]
         if gang.alive and stuck and gang.plan.backend == "gloo":
             gang.generation += 1
             if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
@@ -422,7 +448,7 @@ class CellRun:
         try:
             with starters.sigint_deferred():
                 gang.command(cmd)
-            self._wait(None, until=lambda: len(self.healthy) == len(self.replies) == gang.world_size
+            self._wait(None, until=lambda: len(self.healthy) == gang.world_size and set(self.replies) >= set(self.ranks)
                        or not gang.alive or time.monotonic() >= end, wake_at=end)
         except KeyboardInterrupt:  # the pool cannot be vouched for
             gang.close(interrupted)

@@ -265,17 +265,22 @@ def ranks_text(ranks, word: bool = True) -> str:
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
-def alone(stuck: dict[int, tuple[str, str]], finished: list[int], log_dir: str) -> RankFailure:
+def alone(stuck: dict[int, tuple[str, str]], finished: list[int], log_dir: str, idle=()) -> RankFailure:
     """Ranks waiting in a torch.distributed collective that every other rank finished the cell without
-    calling (``stuck``: rank -> (the collective, where the rank was))."""
+    calling (``stuck``: rank -> (the collective, where the rank was)); ``idle``: a pool's ranks the cell
+    was not sent to (--ranks)."""
     lines = []
     for rank, (name, where) in sorted(stuck.items()):
-        lines.append(f"rank {rank} waits in torch.distributed.{name}, but {ranks_text(finished)} finished the cell "
-                     "without joining it: a collective that only some ranks call never completes.")
+        others = [f"{ranks_text(finished)} finished the cell without joining it"] if finished else []
+        others += [f"{ranks_text(idle)} {'does' if len(idle) == 1 else 'do'} not run this cell (--ranks)"] if idle else []
+        lines.append(f"rank {rank} waits in torch.distributed.{name}, but {' and '.join(others)}: a collective that "
+                     "only some ranks call never completes.")
         lines.append(f"  rank {rank} {where}")
-    lines += ["Under torchrun the finished ranks would exit and this collective would fail at once; nbddp "
-              "stopped waiting. Call the collective on every rank of the group (or on none).",
-              f"Every rank's full output: {log_dir}"]
+    lines.append("A cell on some ranks (--ranks) is for looking and local work; nbddp stopped waiting. Run "
+                 "collectives in a cell on every rank." if idle else
+                 "Under torchrun the finished ranks would exit and this collective would fail at once; nbddp "
+                 "stopped waiting. Call the collective on every rank of the group (or on none).")
+    lines.append(f"Every rank's full output: {log_dir}")
     return RankFailure("\n".join(lines), rank=min(stuck), cause="collective")
 
 

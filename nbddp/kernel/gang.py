@@ -70,10 +70,10 @@ class Gang:
     def alive(self) -> bool:
         return self.sup is not None and len(self.sup.live()) == self.world_size
 
-    def command(self, cmd) -> None:
-        """One framed command on every live rank's pipe (a pool's)."""
+    def command(self, cmd, ranks=None) -> None:
+        """One framed command on every live rank's pipe (or those of ``ranks``)."""
         frame = framing.encode(cmd)
-        for fd in self._cmd.values():
+        for fd in (self._cmd.values() if ranks is None else [self._cmd[r] for r in ranks if r in self._cmd]):
             view = memoryview(frame)
             try:
                 while view:

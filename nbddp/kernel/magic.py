@@ -3,6 +3,7 @@
 goes to the one cell engine (engine.py), one-shot or in the pool."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -54,6 +55,9 @@ def readable(doc: str, usage: str, example: str) -> str:
         end = next((i for i in range(2, len(lines)) if not lines[i].strip()), len(lines))
         lines = lines[end + 1:]
     body = re.sub(r"``(.+?)``", r"\1", textwrap.dedent("\n".join(lines)).strip("\n"))
+    # prose paragraphs flow again (dropping the backticks left ragged lines); argparse's groups keep their layout
+    body = "\n\n".join(p if any(ln.startswith(" ") for ln in p.splitlines()) else textwrap.fill(" ".join(p.split()), 100, break_on_hyphens=False)
+                       for p in body.split("\n\n"))
     return f"{usage}\n\n{textwrap.indent(example, '    ')}\n\n{body}\n"
 
 
@@ -67,6 +71,7 @@ class DDPMagics(Magics):
         self.failed: list[tuple[int, int | None, str]] = []  # (index in cells, execution count, why): not exported
         self.pool = None  # %ddp start's Pool, while one runs
         self.pool_options = ""
+        self._pdb_back = False  # %pdb was on and a cell's traceback was shown without it (_ranks_debug_themselves)
         self._compiled: dict[str, tuple] = {}  # a cell's text -> (source, names it reads), the latest kept
         if shell is not None:
             self.unregister_events(shell)  # %reload_ext: one recorder, not two
@@ -85,7 +90,21 @@ class DDPMagics(Magics):
                 return
             pool.synced.rebound(cellcode.names_bound(source))
 
+    @contextlib.contextmanager
+    def _ranks_debug_themselves(self):
+        """With IPython's %pdb on, a failed rank was debugged in the rank itself; IPython's own post-mortem
+        would open in nbddp's kernel-side frames, so it is off for this cell's traceback (on again after)."""
+        try:
+            yield
+        except BaseException:
+            if getattr(self.shell, "call_pdb", False):
+                self.shell.call_pdb = False
+                self._pdb_back = True
+            raise
+
     def _ran(self, result) -> None:
+        if self._pdb_back:
+            self.shell.call_pdb, self._pdb_back = True, False
         error = result.error_before_exec or result.error_in_exec
         if error is not None and self.cells:
             why = f"{type(error).__name__}: {error}".strip().rstrip(":")
@@ -107,22 +126,34 @@ class DDPMagics(Magics):
 
         The cell sees the notebook's globals plus ``rank``, ``local_rank``, ``world_size`` and
         ``device``; the process group is initialised. Rank 0's last expression becomes the cell's
-        result; ``--out`` names come back from rank 0, ``--gather`` names from every rank. A rank's
-        ``display()``, ``plt.show()`` and rich outputs appear in the cell (other ranks' labelled with
-        their rank). Nothing else in the notebook changes.
+        result; ``--out`` names come back from rank 0, ``--gather`` names from every rank. Nothing else
+        in the notebook changes.
+
+        Each rank's output arrives as whole ``[rankN]:`` lines (a line every rank printed alike, once,
+        as ``[rank0-1]:``); its ``display()``, ``plt.show()`` and rich outputs labelled with its rank; its
+        tqdm bars as progress bars. Above them a dashboard shows every rank's state, progress, time,
+        memory and last line, and stays as the cell's summary.
 
         Ranks start from fresh random state, different per rank and run, as under torchrun (``--seed N``
         reproduces). ``%load_ext nbddp`` imported torch once in the kernel, so ranks start in milliseconds.
         ``--threads N > 1`` is safe after the notebook ran torch ops (the kernel's idle OpenMP threads are
         released before the fork). ``%ddp start`` keeps ranks alive across cells (``%ddp?``).
         """
+        with self._ranks_debug_themselves():
+            return self._cell(line, cell)
+
+    def _cell(self, line, cell):
         explicit = options.parse(line)  # bad input is refused here: nothing runs, nothing changes
         given, names = options.split(explicit)
         outs, gathers = names.get("out", []), names.get("gather", [])
         if self.pool is not None and self.pool.alive:
-            return self._in_pool(given, outs, gathers, cell)
+            return self._in_pool(given, outs, gathers, cell, names.get("ranks"))
         if self.pool is not None and self.pool.ended:  # never a silent one-shot cell instead
             raise UsageError(self.pool.lost())
+        if "ranks" in names:
+            raise UsageError("--ranks runs a cell on some ranks of a running pool, and no pool is running; nothing "
+                             "ran.\n%ddp start [options] starts one; a one-shot cell runs on every rank it starts "
+                             "(--devices N).")
         config = options.config(given)
         shell = self.shell
         source, filename, _ = self._compile(cell)
@@ -130,7 +161,8 @@ class DDPMagics(Magics):
         fork = config.start_method == "fork"
         # fork: the ranks share the notebook as it is now; spawn: the globals the cell reads travel with it
         updates = {} if fork else sending.ship_globals(source, filename, shell.user_ns)
-        cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates)
+        cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates,
+                               post_mortem=bool(getattr(shell, "call_pdb", False)))
         relabel = tracebacks.cell_labels(shell)
         outcome = engine.one_shot(cmd, config, plan=plan, namespace=shell.user_ns, observer=view_for_session(),
                                   relabel=relabel)
@@ -156,7 +188,7 @@ class DDPMagics(Magics):
         self._compiled[cell] = (source, names)
         return source, filename, names
 
-    def _in_pool(self, given: dict, outs, gathers, cell):
+    def _in_pool(self, given: dict, outs, gathers, cell, ranks=None):
         clash = self.pool.conflicts(given)
         if clash:
             raise UsageError("this cell asks for " + ", ".join(clash) + ", which the running pool cannot change; "
@@ -166,7 +198,7 @@ class DDPMagics(Magics):
         source, filename, names = self._compile(cell)
         per_rank = self.pool.cell(source, filename, outs=outs, gathers=gathers, code=names,
                                   relabel=tracebacks.cell_labels(self.shell), observer=line_for_pool_cell(),
-                                  **per_cell)
+                                  ranks=ranks, post_mortem=bool(getattr(self.shell, "call_pdb", False)), **per_cell)
         try:
             return _deliver(per_rank, outs, gathers, self.shell.user_ns)
         finally:
@@ -195,6 +227,9 @@ class DDPMagics(Magics):
             else:
                 print(self.pool.status() if self.pool is not None else NO_POOL)
             return
+        if verb in ("debug", "who", "diff"):
+            with self._ranks_debug_themselves():
+                return self._look(verb, rest.strip())
         if verb == "stop":
             ended = self.pool.ended if self.pool is not None else None
             if self._stop_pool():
@@ -209,9 +244,12 @@ class DDPMagics(Magics):
             rest = rest or (self.pool_options if verb == "restart" else "")
             given, names = options.split(options.parse(rest))
             if names:
-                raise UsageError(f"%ddp {verb}: --out and --gather bring values back from one %%ddp cell; give "
-                                 "them on that cell.\nNothing ran" + (", and the running pool is as it was."
-                                                                       if self.pool is not None else "."))
+                flags = " and ".join(options.BY_NAME[n].flag for n in names)
+                raise UsageError(f"%ddp {verb}: {flags} {'belongs' if len(names) == 1 else 'belong'} to one %%ddp "
+                                 "cell (--out and --gather bring values back from it, --ranks picks its ranks); "
+                                 "give it on that cell.\n"
+                                 "Nothing ran" + (", and the running pool is as it was." if self.pool is not None
+                                                  else "."))
             pool = Pool(self.shell.user_ns, **given)
             pool.check()  # bad options, spawn: refused while the running pool stays
             self._stop_pool()
@@ -223,7 +261,27 @@ class DDPMagics(Magics):
             if pool.view.shown:
                 pool.show()  # its dashboard, below that line, live for the pool's life
             return
-        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options] or status.")
+        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options], status, debug [RANK], who "
+                         "or diff EXPR.")
+
+    def _look(self, verb: str, rest: str):
+        """``%ddp debug [RANK]``, ``%ddp who``, ``%ddp diff EXPR``: into the pool's ranks."""
+        if self.pool is None or not self.pool.alive:
+            raise UsageError(f"%ddp {verb} looks into a running pool's ranks, and " +
+                             (f"the pool has ended ({self.pool.ended})." if self.pool is not None and self.pool.ended
+                              else "no pool is running.") + " %ddp start [options] starts one.")
+        if verb == "debug":
+            if rest and not rest.isdigit():
+                raise UsageError(f"%ddp debug {rest}: give a rank number (%ddp debug 1), or none for the rank "
+                                 "that failed last.")
+            return self.pool.debug(int(rest) if rest else None)
+        from .survey import diff, who
+
+        if verb == "who":
+            return who(self.pool)
+        if not rest:
+            raise UsageError("%ddp diff EXPR: say what to compare across ranks, e.g. %ddp diff model.state_dict()")
+        return diff(self.pool, rest)
 
     def _stop_pool(self) -> bool:
         if self.pool is None:

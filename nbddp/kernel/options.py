@@ -4,7 +4,7 @@ The magics' argument groups (``%%ddp?``), what ``%ddp start`` accepts, ``Config`
 the pool's clash check, ``nbddp.launch``'s keywords and docs/reference.md all derive from ``OPTIONS``.
 Scopes: ``launch`` options are fixed when ranks start (for a pool, its whole life); ``cell`` options
 hold for one cell (given at ``%ddp start`` they become the pool's defaults for its cells); ``names``
-options (``--out``, ``--gather``) belong to one ``%%ddp`` cell only.
+options (``--out``, ``--gather``, ``--ranks``) belong to one ``%%ddp`` cell only.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class Option:
     type: object = str
     choices: tuple = ()
     metavar: str | None = None
+    nargs: object = None  # argparse's, for a cell's own options (--out NAME [NAME ...])
     need: str = ""  # what a good value is, as the refusal says it ("a whole number >= 1")
     ok: object = None  # value -> bool, for values the type and choices do not already settle
 
@@ -46,6 +47,20 @@ class Option:
         if self.ok is not None and not _holds(self.ok, value):
             return f"{self.flag} {value!r}: need {self.need}."
         return None
+
+
+def _rank_list(text: str) -> tuple:
+    """``0`` or ``0,2`` (or ``0-3``) -> (0,) or (0, 2): ranks, each once, in order."""
+    ranks = []
+    for part in str(text).split(","):
+        lo, dash, hi = part.strip().partition("-")
+        ranks += range(int(lo), int(hi) + 1) if dash else [int(lo)]
+    if not ranks or min(ranks) < 0:
+        raise ValueError(text)
+    return tuple(sorted(set(ranks)))
+
+
+_rank_list.__name__ = "ranks (such as 0 or 0,2)"  # argparse's refusal: "invalid ranks (such as 0 or 0,2) value"
 
 
 def _holds(test, value) -> bool:
@@ -65,6 +80,7 @@ def _size(positive):
 
 GROUPS = {
     "ranks": "Ranks (fixed when the ranks start: for a pool, its whole life)",
+    "pool": "A pool's cell (one %%ddp cell in a running pool)",
     "values": "Values back into the notebook (one %%ddp cell)",
     "output": "Output, limits and time (per cell; at %ddp start: the pool's defaults)",
 }
@@ -88,10 +104,14 @@ OPTIONS = (
            ok=lambda v: v is None or _whole(0)(v),
            help="Reproducible randomness: rank r's torch, random and numpy generators are seeded from N and r. "
            "Default: fresh entropy per rank and run, as under torchrun; the notebook's own are never touched."),
-    Option("out", ("-o", "--out"), (), scope=NAMES, group="values", metavar="NAME",
+    Option("ranks", ("--ranks",), (), scope=NAMES, group="pool", type=_rank_list, metavar="R[,R...]",
+           help="Run the cell on these ranks of the pool only (0 or 0,2), to look at or fix one rank's state; a "
+           "collective called there fails fast, and the pool lives on. Its last expression and --out come from "
+           "the first of them, --gather from each."),
+    Option("out", ("-o", "--out"), (), scope=NAMES, group="values", metavar="NAME", nargs="+",
            help="Variables to bring back from rank 0 into the notebook (tensors arrive on the CPU; classes the "
            "notebook defined stay the notebook's own)."),
-    Option("gather", ("-g", "--gather"), (), scope=NAMES, group="values", metavar="NAME",
+    Option("gather", ("-g", "--gather"), (), scope=NAMES, group="values", metavar="NAME", nargs="+",
            help="Variables to bring back from every rank: NAME becomes a list of each rank's value, in rank order."),
     Option("max_value_mb", ("--max-value-mb",), float(values.DEFAULT_MAX_VALUE_MB), group="values", type=float,
            metavar="MB", need="a size in MiB > 0", ok=_size(True),
@@ -102,9 +122,11 @@ OPTIONS = (
            help="Wall-clock limit for the cell. At expiry every live rank's Python stack is shown; one-shot "
            "ranks stop, a pool's ranks are interrupted (the pool lives on if they come back)."),
     Option("ranks_output", ("--ranks-output",), "all", choices=("all", "0", "none"),
-           help="Whose output (text and displays) the cell shows; every rank's text is kept in the run's logs."),
+           help="Whose output (text, displays, progress bars) the cell shows; every rank's text is kept in the "
+           "run's logs."),
     Option("prefix", ("--no-prefix",), True, type=bool,
-           help="Do not prefix lines with [rankN]: (handy with --ranks-output 0)."),
+           help="Do not prefix lines with [rankN]:, nor show a line every rank printed alike once as "
+           "[rank0-1]: (handy with --ranks-output 0)."),
     Option("max_lines", ("--max-lines",), 200_000, type=int, metavar="N", need="a whole number >= 0", ok=_whole(0),
            help="Lines per rank shown in the cell (default 200000); the rest stays in the rank's log file."),
     Option("max_line_chars", ("--max-line-chars",), 10_000, type=int, metavar="N", need="a whole number >= 1",
@@ -174,8 +196,8 @@ def argument_specs(scopes=(LAUNCH, CELL, NAMES)):
         kw = {"dest": o.name, "default": argparse.SUPPRESS, "help": o.help}
         if o.type is bool:
             kw.update(action="store_false")
-        elif o.scope == NAMES:
-            kw.update(nargs="+", metavar=o.metavar)
+        elif o.scope == NAMES and o.nargs:
+            kw.update(nargs=o.nargs, metavar=o.metavar)
         else:
             kw.update(type=o.type, metavar=o.metavar)
             if o.choices:

@@ -36,6 +36,7 @@ class Pool:
         self.namespace = namespace
         self.gang: Gang | None = None
         self.view = None  # its dashboard (poolview.PoolView), from start() on
+        self.last_failed: int | None = None  # the rank whose failure ended the last failed cell (%ddp debug)
 
     # -- life --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -112,15 +113,23 @@ class Pool:
     def run(self, fn, *args) -> list:
         """``fn(*args)`` on every rank, in the pool; each rank's return value, in rank order (a value that
         cannot come back raises ResultError naming the rank, as ``nbddp.launch`` does)."""
-        blob = cloudpickle.dumps(CallJob(fn, args, options.max_value_bytes(self.config)))
-        outcome = self._engine(self.config, getattr(fn, "__name__", "call")).run(command=messages.Call(blob))
+        return self.run_job(CallJob(fn, args, options.max_value_bytes(self.config)), getattr(fn, "__name__", "call"))
+
+    def run_job(self, job, label: str) -> list:
+        """``job(ctx)`` on every rank (a job that needs the rank's context, such as its namespace: %ddp who);
+        each rank's value, as ``run``."""
+        outcome = self._engine(self.config, label).run(command=messages.Call(cloudpickle.dumps(job)))
         return engine.returned(outcome.results())
 
     def cell(self, source: str, filename: str, *, outs=(), gathers=(), code=None, relabel=None,
-             observer=None, **per_cell) -> list:
-        """A %%ddp cell in the pool; each rank's Result. ``code``: the names the cell reads.
-        ``per_cell``: the cell's own options (checked by the caller), over the pool's."""
+             observer=None, ranks=None, post_mortem=False, **per_cell) -> list:
+        """A %%ddp cell in the pool; each rank's Result (of ``ranks`` only, if given). ``code``: the names
+        the cell reads. ``post_mortem``: IPython's %pdb. ``per_cell``: the cell's own options (checked by the
+        caller), over the pool's."""
         config = options.config(per_cell, base=self.config)
+        world = self.gang.world_size if self.gang else 0
+        if ranks and max(ranks) >= world:
+            raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
         self.reads |= code or set()  # a function a cell defined reads its globals when a later cell calls it
         updates, said = self.synced.changes(self.reads, self.namespace or {}, self.rank_assigned)
         self.rank_assigned -= set(updates)
@@ -128,21 +137,37 @@ class Pool:
             print(f"nbddp: {line}", file=sys.stderr)
         if said:
             sys.stderr.flush()  # before the ranks' output, where it belongs
+        if ranks and updates and self.alive:  # the ranks left out get the notebook's latest values too
+            self.gang.command(messages.Update(updates), ranks=[r for r in range(world) if r not in ranks])
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config),
-                               updates)
+                               updates, post_mortem=post_mortem, lead=ranks[0] if ranks else 0)
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
-        per_rank = self._engine(config, label, relabel, observer).run(command=cmd).results()
+        try:
+            per_rank = self._engine(config, label, relabel, observer, ranks).run(command=cmd).results()
+        except RankFailure as e:
+            self.last_failed = e.rank  # %ddp debug's default rank
+            raise
         for res in per_rank:
             self.rank_assigned |= set(res.assigned)
         return per_rank
 
-    def _engine(self, config, label, relabel=None, observer=None) -> engine.CellRun:
+    def debug(self, rank: int | None = None) -> None:
+        """pdb in the traceback of ``rank``'s last failed cell (default: the rank that failed last), in the
+        notebook; the other ranks wait. ``%ddp debug [RANK]``."""
+        rank = self.last_failed if rank is None else rank
+        if rank is None:
+            raise UsageError("%ddp debug: no cell of this pool has failed on a rank; give the rank (%ddp debug 1).")
+        if not 0 <= rank < self.gang.world_size:
+            raise UsageError(f"%ddp debug {rank}: the pool has rank(s) 0-{self.gang.world_size - 1}.")
+        self._engine(self.config, f"debug rank {rank}", ranks=[rank]).run(command=messages.PostMortem())
+
+    def _engine(self, config, label, relabel=None, observer=None, ranks=None) -> engine.CellRun:
         if self.ended:
             raise UsageError(self.lost().replace("%ddp restart", "Pool.start()").replace(
                 "; %ddp stop goes back to one-shot cells", ""))
         if not self.alive:
             raise UsageError("the pool is not running: %ddp start (or Pool.start()) first.")
-        return engine.CellRun(self.gang, config, label=label, relabel=relabel, observer=observer)
+        return engine.CellRun(self.gang, config, label=label, relabel=relabel, observer=observer, ranks=ranks)
 
     # -- what %ddp status shows ------------------------------------------------------------------------
     def status(self) -> str:

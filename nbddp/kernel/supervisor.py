@@ -154,20 +154,23 @@ class Supervisor:
 
     def wait(self, deadline: float | None, until=None, wake_at: float | None = None) -> None:
         """Until every rank has exited, or ``until()`` holds (checked after each batch of events and at
-        ``wake_at``). ``deadline``: --timeout (stacks, then ``after_stacks``)."""
+        ``wake_at``). ``deadline``: --timeout (stacks, then ``after_stacks``), a time or a function giving
+        it (it moves on by a debugging pause: the time a rank's prompt waited for the user)."""
         next_tick = time.monotonic() + self.tick if self.tick else None
+        expired = False
         while self.live() and not (until and until()):
             now = time.monotonic()
+            dl = None if expired else deadline() if callable(deadline) else deadline
             stacks_at = min(self._stacks_until, self._stacks_end) if self._stacks_until is not None else None
             woken = wake_at() if callable(wake_at) else wake_at
-            wake = [t for t in (deadline, self.kill_at, next_tick, stacks_at, woken) if t is not None]
+            wake = [t for t in (dl, self.kill_at, next_tick, stacks_at, woken) if t is not None]
             timeout = max(0.0, min(wake) - now) if wake else None
             for key, _ in self.sel.select(timeout):
                 self._event(*key.data, key.fd)
             now = time.monotonic()
-            if deadline is not None and now >= deadline and self.live() and not self.timed_out and not (until and until()):
+            if dl is not None and now >= dl and self.live() and not self.timed_out and not (until and until()):
                 self._expire(now)
-                deadline = None
+                expired = True
             if self._stacks_until is not None and now >= min(self._stacks_until, self._stacks_end):
                 self._stacks_until = None
                 self.after_stacks()

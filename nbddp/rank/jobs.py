@@ -11,6 +11,7 @@ import types
 
 from ..ipy.cellcode import is_async, split_last_expression
 from ..wire import values
+from . import debug
 from ..wire.messages import Item, Result
 
 
@@ -33,7 +34,10 @@ class CellJob:
     """Runs a cell on a rank in a namespace and returns its ``Result``: rank 0's last expression and
     ``outs``, every rank's ``gathers``."""
 
-    def __init__(self, source: str, filename: str, *, outs=(), gathers=(), max_value_bytes: int):
+    def __init__(self, source: str, filename: str, *, outs=(), gathers=(), max_value_bytes: int,
+                 post_mortem: bool = False, lead: int = 0):
+        self.lead = lead  # the rank whose last expression and outs come back
+        self.post_mortem = post_mortem  # IPython's %pdb: pdb at an exception's frame before it is reported
         self.source = source
         self.filename = filename
         self.outs = tuple(outs)
@@ -49,11 +53,15 @@ class CellJob:
         ns.update(rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, device=ctx.device)
         ns.update(exit=sys.exit, quit=sys.exit)  # as in a script: ends this rank's cell
         body, last = _compiled(self.source, self.filename)  # in the rank: code objects never travel
-        if is_async(body) or is_async(last):
-            value = run_async(body, last, ns)
-        else:
-            exec(body, ns)
-            value = eval(last, ns) if last is not None else None
+        try:
+            if is_async(body) or is_async(last):
+                value = run_async(body, last, ns)
+            else:
+                exec(body, ns)
+                value = eval(last, ns) if last is not None else None
+        except BaseException as e:
+            debug.failed(e, ctx.rank, self.post_mortem)
+            raise
         _show_figures()
 
         def pack(obj):
@@ -63,7 +71,7 @@ class CellJob:
             return {n: pack(ns[n]) if n in ns else _never_defined(n) for n in names}
 
         gathers = named(self.gathers)
-        if ctx.rank != 0:
+        if ctx.rank != self.lead:
             return Result(gathers=gathers)
         item = pack(value) if value is not None else None
         if item is not None and item.problem:

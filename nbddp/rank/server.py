@@ -21,8 +21,9 @@ import time
 
 import cloudpickle
 
-from ..wire import framing, messages, values
-from . import jobs, usergroup
+from ..wire import messages, values
+from . import debug, jobs, stdin, usergroup
+from .commands import CommandPipe
 from .jobs import CellJob, fresh_namespace
 from .stdio import flush_streams
 from .worker import exit_code, exit_site, report
@@ -50,6 +51,7 @@ class Server:
     def __call__(self, ctx) -> messages.Result | None:
         """A one-shot rank's Result (sent by the worker before it leaves), or None after a pool's Stop."""
         ns = self.namespace if self.namespace is not None else fresh_namespace()
+        ctx = dataclasses.replace(ctx, namespace=ns)
         if self.namespace is not None:  # forked: what libraries cached in the kernel becomes the rank's own
             from .libstate import after_fork
             after_fork(ns, ctx)
@@ -62,21 +64,21 @@ class Server:
                 raise KeyboardInterrupt
 
         signal.signal(INTERRUPT, interrupt)
-        fd = self._own_end(ctx.rank) if self.cmd_pipes else None
-        reader = framing.Reader()
+        pipe = CommandPipe(self._own_end(ctx.rank)) if self.cmd_pipes else None
+        stdin.install(pipe, ctx.channel)  # input() and pdb: the notebook's input box, through the kernel
+        debug.install()
         if self.first is not None:
             busy.append(True)  # an exception or exit() ends the rank, as a script does; what the cell
             result = _run(self.first, ns, ctx, notebook, track=False)  # assigned dies with the rank
             busy.clear()
-            if fd is None:
+            if pipe is None:
                 return result  # spawned: the worker sends it, then leaves by a barrier on nbddp's store
             flush_streams()
             ctx.channel.send(result)  # before waiting: a peer that left early cannot cost it its values
-            while not any(isinstance(cmd, messages.Stop) for cmd, _ in _next_commands(fd, reader)):
-                pass
+            pipe.until(lambda cmd: isinstance(cmd, messages.Stop))
             return None
         while True:
-            for cmd, _ in _next_commands(fd, reader):
+            for cmd in pipe.next():
                 if isinstance(cmd, messages.Stop):
                     return None
                 usergroup.release_destroyed()  # idle since the last command: safe to free (usergroup)
@@ -105,6 +107,12 @@ def _answer(cmd, ns: dict, ctx, notebook):
 
             dist.barrier()
             return messages.Healthy()
+        if isinstance(cmd, messages.Update):
+            _receive(cmd, ns, ctx, notebook)
+            return None
+        if isinstance(cmd, messages.PostMortem):
+            debug.post_mortem_last(ctx.rank)
+            return messages.Result()
         if isinstance(cmd, messages.Regroup):
             old = usergroup.regroup(cmd.generation)
             return messages.Healthy(bound=_bound_to(old, ns))
@@ -140,15 +148,22 @@ def _run(cmd, ns: dict, ctx, notebook, track: bool = True) -> messages.Result:
     return _run_cell(cmd, ns, ctx, notebook, track)
 
 
-def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool) -> messages.Result:
-    """``track``: say which names the cell (re)bound (a pool keeps them the rank's own)."""
+def _receive(cmd, ns: dict, ctx, notebook) -> None:
+    """The notebook names a command carries (``RunCell``, ``Update``), into the rank's namespace."""
     for name, blob in cmd.updates.items():
         ns[name] = jobs.in_namespace(cloudpickle.loads(blob), ns)
         if notebook is not None:  # the notebook has this very value under this name
             notebook[id(ns[name])] = (name, ns[name])
     from .libstate import before_cell  # what libraries cached in the kernel becomes the rank's own
     before_cell(ns, cmd, ctx)
-    job = CellJob(cmd.source, cmd.filename, outs=cmd.outs, gathers=cmd.gathers, max_value_bytes=cmd.max_value_bytes)
+
+
+def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool) -> messages.Result:
+    """``track``: say which names the cell (re)bound (a pool keeps them the rank's own)."""
+    _receive(cmd, ns, ctx, notebook)
+    debug.new_cell()
+    job = CellJob(cmd.source, cmd.filename, outs=cmd.outs, gathers=cmd.gathers, max_value_bytes=cmd.max_value_bytes,
+                  post_mortem=cmd.post_mortem, lead=cmd.lead)
     if not track:
         return job.run_in(ns, ctx, notebook)
     before = {k: id(v) for k, v in ns.items()}
@@ -160,16 +175,3 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool) -> me
             for name in assigned:
                 notebook.pop(id(ns[name]), None)
     return dataclasses.replace(result, assigned=assigned)
-
-
-def _next_commands(fd: int, reader: framing.Reader) -> list:
-    while True:
-        try:
-            data = os.read(fd, 1 << 16)
-        except InterruptedError:
-            continue
-        if not data:  # the kernel closed the pipe: it is gone or stopped the pool
-            sys.exit(0)
-        records = reader.feed(data)
-        if records:
-            return records

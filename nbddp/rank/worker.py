@@ -50,6 +50,7 @@ class RankContext:
     world_size: int
     device: object  # torch.device
     channel: object = None  # the rank's framing.Writer (a pool's ranks answer each command on it)
+    namespace: object = None  # the rank's globals, where the cells run (a pool's %ddp who and diff read them)
 
 
 # What every rank imports: imported once in the kernel by %load_ext (``warm_start``), so a fork shares

@@ -97,6 +97,16 @@ class Done:
 
 
 @dataclass(frozen=True)
+class InputRequest:
+    """The rank reads a line (``input()``, ``sys.stdin``, ``getpass``, pdb's prompt): the kernel asks the
+    notebook's input box and answers with an ``InputReply`` of the same ``id`` on the command pipe."""
+
+    id: int
+    prompt: str
+    password: bool = False
+
+
+@dataclass(frozen=True)
 class Healthy:
     """Pool: the rank passed the health check (a barrier) after an interrupt or a failed cell, or made
     its fresh process group (``Regroup``): then ``bound`` names what in its namespace was bound to the
@@ -114,11 +124,37 @@ class RunCell:
     gathers: tuple
     max_value_bytes: int
     updates: dict  # notebook name -> its current value, pickled once in the kernel
+    post_mortem: bool = False  # IPython's %pdb is on: an exception opens pdb in the rank first
+    lead: int = 0  # the rank whose last expression and --out names come back (a pool's --ranks: the first)
 
 
 @dataclass(frozen=True)
 class Call:
     job: object  # job(ctx) -> Result: cloudpickled on a pool's pipe; a one-shot rank's came with the fork
+
+
+@dataclass(frozen=True)
+class InputReply:
+    """The notebook's answer to the rank's ``InputRequest`` ``id``: the line typed, or the exception the
+    rank raises instead (``error``: its type name, ``message``), as a plain cell would."""
+
+    id: int
+    value: str | None = None
+    error: str | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Update:
+    """Pool: notebook names for a rank that does not run this cell (``--ranks``), so that every rank has
+    the notebook's latest values; no answer."""
+
+    updates: dict  # as RunCell's
+
+
+@dataclass(frozen=True)
+class PostMortem:
+    """Pool, ``%ddp debug``: pdb in the traceback of the rank's last failed cell."""
 
 
 @dataclass(frozen=True)
@@ -140,5 +176,5 @@ class Stop:
     pass
 
 
-RANK_SENDS = (Mark, Ready, Display, ClearOutput, Result, Error, Exit, Done, Healthy)
-KERNEL_SENDS = (RunCell, Call, HealthCheck, Regroup, Stop)
+RANK_SENDS = (Mark, Ready, Display, ClearOutput, InputRequest, Result, Error, Exit, Done, Healthy)
+KERNEL_SENDS = (RunCell, Call, Update, InputReply, PostMortem, HealthCheck, Regroup, Stop)

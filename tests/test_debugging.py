@@ -1,0 +1,133 @@
+"""Step into a rank (issue 19): input() and pdb in a rank read the notebook's input box (answered here
+as JupyterLab answers input_request messages), post-mortem into the failed rank, cells on some ranks of a
+pool, %ddp who and %ddp diff. Real kernel, real forks, real gloo."""
+import pytest
+
+from kernel import said
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def pdb_prompts(prompts, rank):
+    """How many of ``prompts`` were the debugger's, on ``rank`` (pdb's, or IPython's ipdb: breakpoint()
+    in a kernel opens IPython's debugger, as in a plain cell)."""
+    assert all(p in (f"[rank{rank}] (Pdb) ", f"[rank{rank}] ipdb> ") for p in prompts), prompts
+    return len(prompts)
+
+
+def answers(*lines):
+    """A front end that types ``lines`` in order into the input box."""
+    left = list(lines)
+    return lambda prompt: left.pop(0)
+
+
+def test_input_on_a_rank_asks_the_notebook_labelled_with_the_rank(clean_kernel):
+    res = clean_kernel.converse("%%ddp --devices 2\nname = input(f'name for rank {rank}? ')\nprint('got', name)\n",
+                                lambda prompt: prompt.split()[0].strip("[]") + "-answer", timeout=60)
+    assert res.error is None, res.error_text
+    assert sorted(res.prompts) == ["[rank0] name for rank 0? ", "[rank1] name for rank 1? "], res.prompts
+    assert said(res.stdout, 0, "got rank0-answer") and said(res.stdout, 1, "got rank1-answer"), res.stdout
+
+
+def test_without_an_input_box_input_fails_at_once_as_in_a_plain_cell(clean_kernel):
+    code = "%%ddp --devices 2\ninput('never asked? ')\n"
+    res = clean_kernel.collect(clean_kernel.kc.execute(code, allow_stdin=False, stop_on_error=False), timeout=60)
+    assert "StdinNotImplementedError" in res.error_text and "does not support input requests" in res.error_text
+    assert res.seconds < 20, res.seconds
+
+
+def test_breakpoint_stops_the_rank_in_pdb_in_the_notebook_and_continue_goes_on(clean_kernel):
+    res = clean_kernel.converse(
+        "%%ddp --devices 2\nx = 10 * (rank + 1)\nif rank == 1:\n    breakpoint()\ny = x + 1\nprint('y', y)\n",
+        answers("p x", "x = 100", "c"), timeout=90)
+    assert res.error is None, res.error_text
+    assert pdb_prompts(res.prompts, 1) == 3
+    assert "[rank1]:20" in res.stdout, res.stdout  # pdb's `p x`, in the rank's output
+    assert said(res.stdout, 0, "y 11") and said(res.stdout, 1, "y 101"), res.stdout  # the change took
+
+
+def test_quitting_pdb_fails_the_cell_as_a_plain_cell_would(clean_kernel):
+    res = clean_kernel.converse("%%ddp --devices 2\nimport pdb\nif rank == 0:\n    pdb.set_trace()\nprint('after')\n",
+                                answers("q"), timeout=90)
+    assert "BdbQuit" in res.error_text and "rank 0" in res.error_text, res.error_text
+
+
+def test_torch_distributed_breakpoint_stops_one_rank_and_the_others_wait(clean_kernel):
+    res = clean_kernel.converse(
+        "%%ddp --devices 2\nimport torch.distributed as dist\nv = rank\ndist.breakpoint(rank=1)\nprint('past', v)\n",
+        answers("p v", "c"), timeout=90)
+    assert res.error is None, res.error_text
+    assert pdb_prompts(res.prompts, 1) == 2
+    assert said(res.stdout, 0, "past 0") and said(res.stdout, 1, "past 1"), res.stdout
+
+
+def test_pdb_on_opens_post_mortem_in_the_failed_rank_before_it_is_torn_down(clean_kernel):
+    clean_kernel.ok("%pdb on")
+    try:
+        res = clean_kernel.converse(
+            "%%ddp --devices 2\ndef f(k):\n    local = k * 7\n    return {}[k]\nf(rank) if rank == 1 else None\n",
+            answers("p local", "c"), timeout=90)
+    finally:
+        clean_kernel.ok("%pdb off")
+    assert pdb_prompts(res.prompts, 1) == 2
+    assert "post-mortem (%pdb is on)" in res.stderr, res.stderr
+    assert "[rank1]:7" in res.stdout, res.stdout  # the failing frame's local
+    assert "KeyError: 1" in res.error_text and "rank 1 failed" in res.error_text, res.error_text
+
+
+def test_a_pool_keeps_the_failed_ranks_frames_for_ddp_debug_and_cells_can_run_on_some_ranks(clean_kernel):
+    clean_kernel.ok("%ddp start --devices 2", timeout=60)
+    try:
+        failed = clean_kernel.run("%%ddp\ndef g(k):\n    secret = k + 40\n    raise ValueError(k)\ng(rank) if rank == 1 "
+                                  "else None\n", timeout=60)
+        assert "ValueError: 1" in failed.error_text, failed.error_text
+        res = clean_kernel.converse("%ddp debug", answers("p secret", "c"), timeout=60)
+        assert pdb_prompts(res.prompts, 1) == 2 and "[rank1]:41" in res.stdout, (res.prompts, res.stdout)
+        again = clean_kernel.converse("%ddp debug 0", answers(), timeout=60)
+        assert "rank 0 kept no failure" in again.error_text, again.error_text
+
+        one = clean_kernel.ok("%%ddp --ranks 1 --gather who\nwho = rank\nprint('only', rank)\nrank * 100\n", timeout=60)
+        assert "[rank1]:only 1" in one.stdout and "[rank0]" not in one.stdout, one.stdout
+        assert one.result == "100" and clean_kernel.value("who") == [1]
+        lone = clean_kernel.run("%%ddp --ranks 0\nimport torch.distributed as dist\nt = torch.ones(1)\n"
+                                "dist.all_reduce(t)\n", timeout=60)
+        text = lone.error_text
+        assert "rank 0 waits in torch.distributed.all_reduce" in text and "rank 1 does not run this cell" in text, text
+        assert lone.seconds < 20, lone.seconds
+        both = clean_kernel.ok("%%ddp\nimport torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())\n", timeout=60)
+        assert said(both.stdout, 0, "sum 2.0") and said(both.stdout, 1, "sum 2.0"), both.stdout  # the pool lives on
+        bad = clean_kernel.run("%%ddp --ranks 5\nprint(1)\n", timeout=30)
+        assert "the pool has rank(s) 0-1" in bad.error_text, bad.error_text
+    finally:
+        clean_kernel.ok("%ddp stop", timeout=60)
+    alone = clean_kernel.run("%%ddp --ranks 0\nprint(1)\n", timeout=30)
+    assert "no pool is running" in alone.error_text, alone.error_text
+
+
+def test_who_and_diff_show_where_ranks_disagree(clean_kernel):
+    clean_kernel.ok("%ddp start --devices 2", timeout=60)
+    try:
+        clean_kernel.ok("%%ddp\nimport torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+                        "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 2))\nw = torch.zeros(3 + rank)\nsteps = 5\n"
+                        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                        "model(torch.randn(8, 4)).sum().backward(); opt.step()\n", timeout=60)
+        who = clean_kernel.ok("%ddp who", timeout=60).stdout
+        rows = {line.split()[0]: line for line in who.splitlines()[2:]}
+        assert "Tensor" in rows["w"] and "≠ rank 0: (3,) float32 cpu; rank 1: (4,) float32 cpu" in rows["w"], who
+        assert "DistributedDataParallel" in rows["model"] and "10 parameters" in rows["model"], who
+        assert rows["steps"].split()[1:] == ["int", "5"] and "≠" not in rows["steps"], who
+        assert "rank" not in rows and "dist" not in rows, who  # injected names and modules are not listed
+
+        same = clean_kernel.ok("%ddp diff model.state_dict()", timeout=60).stdout
+        assert "2 ranks: all 2 entries agree" in same, same  # DDP kept the replicas in sync
+        clean_kernel.ok("%%ddp --ranks 1\nwith torch.no_grad():\n    model.module.bias.add_(0.5)\ntorch.rand(3)\n",
+                        timeout=60)
+        off = clean_kernel.ok("%ddp diff model.state_dict()", timeout=60).stdout
+        assert "1 of 2 entries differs" in off and "module.bias" in off and "module.weight" not in off, off
+        assert "largest relative gap" in off, off
+        rng = clean_kernel.ok("%ddp diff torch.get_rng_state()", timeout=60).stdout
+        assert "1 of 1 entry differs" in rng, rng  # rank 1 drew numbers rank 0 did not
+        bad = clean_kernel.run("%ddp diff no_such_name", timeout=60)
+        assert "NameError" in bad.error_text, bad.error_text
+    finally:
+        clean_kernel.ok("%ddp stop", timeout=60)
