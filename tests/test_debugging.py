@@ -2,7 +2,6 @@
 as JupyterLab answers input_request messages), post-mortem into the failed rank, cells on some ranks of a
 pool, %ddp who and %ddp diff. Real kernel, real forks, real gloo."""
 import pytest
-
 from kernel import said
 
 pytestmark = pytest.mark.timeout(300)

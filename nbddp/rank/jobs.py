@@ -11,8 +11,8 @@ import types
 
 from ..ipy.cellcode import is_async, split_last_expression
 from ..wire import values
-from . import debug
 from ..wire.messages import Item, Result
+from . import debug
 
 
 def run_async(body: types.CodeType, last: types.CodeType | None, ns: dict):

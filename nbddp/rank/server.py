@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import sys
 import time
 
 import cloudpickle
