@@ -256,6 +256,48 @@ NOTEBOOKS = {
         code('%ddp status'),
         code('%ddp stop'),
     ],
+    "09-debugging.ipynb": [
+        md("# Debugging across ranks\n\nThe notebook is where a person sits at the keyboard while the ranks run, so "
+           "nbddp lets you step into a rank: `input()`, `breakpoint()` and pdb on a rank use the notebook's input box "
+           "(the prompt says which rank, `[rank1] (Pdb)`), IPython's `%pdb on` opens post-mortem in the rank that "
+           "failed, and in a pool `%ddp debug` opens it after the fact, `%%ddp --ranks 1` runs a cell on one rank, "
+           "and `%ddp who` / `%ddp diff` compare the ranks."),
+        md("The parts that wait for you to type are shown here as text, because this notebook is also run "
+           "unattended by the test suite, where there is no input box (there, `input()` on a rank fails at once "
+           "with `StdinNotImplementedError`, as in a plain cell). In JupyterLab, try:\n\n"
+           "```python\n%%ddp --devices 2\nx = 10 * (rank + 1)\nif rank == 1:\n    breakpoint()      # rank 1 stops "
+           "in pdb; type `p x`, then `c`\nprint(x)\n```\n\n"
+           "Rank 0 goes on until it waits for rank 1 (in a collective, or at the end of the cell). While a rank "
+           "sits in pdb nbddp's own clocks (`--timeout`, its health checks) stop; the process group's timeout "
+           "(30 min by default) does not. `torch.distributed.breakpoint(rank=1)` works too: the other ranks "
+           "wait in its barrier."),
+        code('%load_ext nbddp\nimport torch\ntorch.manual_seed(0)\nX = torch.randn(2048, 16)\nY = X @ torch.randn(16, 1)'),
+        code('%ddp start --devices 2 --seed 0'),
+        code("%%ddp\nfrom torch.nn.parallel import DistributedDataParallel as DDP\ntorch.manual_seed(0)   # the same "
+             "initial weights on every rank\nmodel = DDP(torch.nn.Linear(16, 1))\nopt = torch.optim.SGD(model.parameters(), "
+             "lr=0.05)\nfor i in range(0, 1024, 64):\n    xb, yb = X[rank::world_size][i:i + 64], "
+             "Y[rank::world_size][i:i + 64]\n    opt.zero_grad(); torch.nn.functional.mse_loss(model(xb), yb).backward(); "
+             "opt.step()"),
+        md("`%ddp who` lists what the ranks hold, one row per name, marked `≠` where ranks disagree in type or "
+           "shape. `%ddp diff EXPR` evaluates `EXPR` on every rank and compares it entry by entry by fingerprint "
+           "(shape, dtype, a hash of the bytes, the norm): are the DDP replicas still in sync?"),
+        code('# NBVAL_CHECK_OUTPUT\n%ddp diff model.state_dict()'),
+        md("A cell on one rank: look at or change rank 1 only. Here we knock its replica out of sync, as a bug "
+           "might, and `%ddp diff` finds the entry and says by how much."),
+        code('%%ddp --ranks 1\nwith torch.no_grad():\n    model.module.bias.add_(0.25)\nmodel.module.bias'),
+        code('# NBVAL_CHECK_OUTPUT\n%ddp diff model.state_dict()'),
+        md("Bring the replicas back in line from rank 0, on every rank, and check again."),
+        code('%%ddp\nimport torch.distributed as dist\nfor p in model.module.parameters():\n    dist.broadcast(p.data, src=0)'),
+        code('# NBVAL_CHECK_OUTPUT\n%ddp diff model.state_dict()'),
+        md("A failure on one rank. The pool keeps the failed rank's frames until the next cell: `%ddp debug` (or "
+           "`%ddp debug 1`) opens pdb there, in the input box, at the failing line, with its locals. With "
+           "`%pdb on` it opens by itself as the rank fails, before anything is torn down."),
+        code("%%ddp\n# NBVAL_RAISES_EXCEPTION\ndef check_batch(xb):\n    if rank == 1:\n        bad = xb.abs().max()\n"
+             "        raise ValueError(f'rank 1: a batch with |x| up to {bad:.1f}')\ncheck_batch(X[rank::world_size][:64])"),
+        md("In JupyterLab: `%ddp debug` → `[rank1] ipdb>` → `p bad` → `c`."),
+        code('%ddp who'),
+        code('%ddp stop'),
+    ],
 }
 
 

@@ -197,7 +197,7 @@ class DDPMagics(Magics):
         per_cell = {k: v for k, v in given.items() if k not in options.POOL_FIXED}
         source, filename, names = self._compile(cell)
         per_rank = self.pool.cell(source, filename, outs=outs, gathers=gathers, code=names,
-                                  relabel=tracebacks.cell_labels(self.shell), observer=line_for_pool_cell(),
+                                  relabel=tracebacks.cell_labels(self.shell), observer=line_for_pool_cell(ranks),
                                   ranks=ranks, post_mortem=bool(getattr(self.shell, "call_pdb", False)), **per_cell)
         try:
             return _deliver(per_rank, outs, gathers, self.shell.user_ns)

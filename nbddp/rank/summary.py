@@ -35,6 +35,8 @@ def who(ns: dict) -> dict:
     for name, value in ns.items():
         if name.startswith("_") or name in HIDDEN or not notebook_name(name) or isinstance(value, types.ModuleType):
             continue
+        if str(getattr(value, "__module__", "")).startswith(("IPython.", "ipykernel.")):
+            continue  # what IPython put in the namespace (its own open())
         out[name] = describe(value)
     return out
 

@@ -15,9 +15,9 @@ def view_for_session() -> RunView:
     return RunView(live=_live(running_shell()))
 
 
-def line_for_pool_cell() -> CellLine:
-    """A pool cell's view: one line at the end (the pool's own view has the detail)."""
-    return CellLine(live=_live(running_shell()))
+def line_for_pool_cell(ranks=None) -> CellLine:
+    """A pool cell's view: one line at the end (the pool's own view has the detail); ``ranks``: --ranks."""
+    return CellLine(live=_live(running_shell()), ranks=ranks)
 
 
 @functools.lru_cache(maxsize=4)
