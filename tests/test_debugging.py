@@ -1,6 +1,8 @@
 """Step into a rank (issue 19): input() and pdb in a rank read the notebook's input box (answered here
 as JupyterLab answers input_request messages), post-mortem into the failed rank, cells on some ranks of a
 pool, %ddp who and %ddp diff. Real kernel, real forks, real gloo."""
+import time
+
 import pytest
 from kernel import said
 
@@ -128,5 +130,45 @@ def test_who_and_diff_show_where_ranks_disagree(clean_kernel):
         assert "1 of 1 entry differs" in rng, rng  # rank 1 drew numbers rank 0 did not
         bad = clean_kernel.run("%ddp diff no_such_name", timeout=60)
         assert "NameError" in bad.error_text, bad.error_text
+    finally:
+        clean_kernel.ok("%ddp stop", timeout=60)
+
+
+def test_an_interrupt_ends_a_ranks_wait_for_input(clean_kernel):
+    def interrupt(prompt):
+        clean_kernel.interrupt()  # the user presses Interrupt instead of typing
+        return None
+
+    res = clean_kernel.converse("%%ddp --devices 2\nif rank == 0:\n    input('waiting? ')\nprint('never')\n",
+                                lambda prompt: interrupt(prompt), timeout=60)
+    assert res.prompts == ["[rank0] waiting? "], res.prompts
+    assert "KeyboardInterrupt" in res.error_text and "rank(s) 0 ran the cell" in res.error_text, res.error_text
+
+
+def test_a_pause_in_pdb_does_not_trip_the_timeout(clean_kernel):
+    def slow(prompt):
+        if not slow.waited:
+            slow.waited = True
+            time.sleep(4)  # the user reads the frame for longer than --timeout
+        return "c"
+    slow.waited = False
+
+    res = clean_kernel.converse("%%ddp --devices 2 --timeout 3\nif rank == 1:\n    breakpoint()\nprint('done')\n",
+                                slow, timeout=60)
+    assert res.error is None, res.error_text
+    assert said(res.stdout, 0, "done") and said(res.stdout, 1, "done"), res.stdout
+
+
+def test_diff_compares_the_shard_each_rank_holds_for_fsdp2(clean_kernel):
+    clean_kernel.ok("%ddp start --devices 2", timeout=60)
+    try:
+        clean_kernel.ok("%%ddp\nfrom torch.distributed.fsdp import fully_shard\ntorch.manual_seed(0)\n"
+                        "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n"
+                        "for layer in net:\n    fully_shard(layer)\nfully_shard(net)\n", timeout=120)
+        out = clean_kernel.ok("%ddp diff net.state_dict()", timeout=60).stdout
+        assert "DTensor entries: each rank's own shard compared" in out, out
+        assert "0.weight" in out, out  # rank 0 holds rows 0-3, rank 1 rows 4-7: different shards
+        who = clean_kernel.ok("%ddp who", timeout=60).stdout
+        assert "net" in who and "Sequential" in who, who
     finally:
         clean_kernel.ok("%ddp stop", timeout=60)
