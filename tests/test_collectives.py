@@ -49,6 +49,13 @@ def test_spawned_ranks_leave_by_nbddps_own_store(clean_kernel):
     assert k.value("r") == [0, 1]
 
 
+def test_a_spawned_rank_gets_what_a_notebook_function_reads_modules_included(clean_kernel):
+    """--start-method spawn ships a notebook function with the globals its code reads (before: NameError)."""
+    clean_kernel.ok("import math\nscale = 2\ndef area(r):\n    return math.pi * r * r * scale\n")
+    clean_kernel.ok("%%ddp --devices 2 --start-method spawn --gather a\na = round(area(1), 3)\n", timeout=120)
+    assert clean_kernel.value("a") == [6.283, 6.283]
+
+
 def test_in_a_pool_a_collective_on_one_rank_fails_in_seconds_and_the_pool_lives_on(clean_kernel):
     k = clean_kernel
     k.ok("%ddp start --devices 2")

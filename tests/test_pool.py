@@ -304,3 +304,13 @@ def test_restart_reforks_and_shares_new_notebook_data_copy_on_write(pool):
     quiet = k.ok("%%ddp --gather s\ns = late.sum().item()\n")
     assert "sent" not in quiet.stderr, "forked after `late` existed: shared, not sent"
     assert k.value("s") == [10.0, 10.0]
+
+
+def test_a_notebook_function_brings_the_modules_it_imported_to_the_ranks(pool):
+    """A module imported in the notebook after the start, read only by a notebook function: the rank
+    imports it (a module travels by name), with no note about sending it."""
+    k = pool
+    res = k.ok("import colorsys\ndef hue():\n    return colorsys.rgb_to_hsv(1.0, 0.0, 0.0)[0]\n")
+    res = k.ok("%%ddp --gather h\nh = hue()\n")
+    assert k.value("h") == [0.0, 0.0], res.error_text
+    assert "colorsys" not in res.stderr and "sent hue (function" in res.stderr, res.stderr

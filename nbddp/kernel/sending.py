@@ -15,15 +15,18 @@ from ..wire import values
 
 
 def ship_globals(source: str, filename: str, user_ns: dict) -> dict[str, bytes]:
-    """The globals a spawned rank needs, each pickled by value; an unpicklable one is named."""
+    """The globals a spawned rank needs, each pickled by value (a module by name), with the names a
+    notebook function or class among them reads; an unpicklable one is named."""
     body, last = split_last_expression(source, filename)
-    wanted = names_used(body) | (names_used(last) if last else set())
+    pending = sorted(names_used(body) | (names_used(last) if last else set()))
     shipped = {}
-    for name in sorted(wanted):
-        if name not in user_ns or not notebook_name(name):
+    while pending:
+        name = pending.pop(0)
+        if name in shipped or name not in user_ns or not notebook_name(name):
             continue
         if hasattr(builtins, name) and user_ns[name] is getattr(builtins, name):
             continue
+        pending += sorted(_reads(user_ns[name]) - set(shipped))  # its globals: the rank's own once it arrives
         try:
             shipped[name] = cloudpickle.dumps(user_ns[name])
         except Exception as e:  # noqa: BLE001
@@ -67,7 +70,7 @@ class Synced:
             if name in updates or name not in namespace or not notebook_name(name):
                 continue
             value = namespace[name]
-            if isinstance(value, types.ModuleType) or _same(self._known.get(name), value):
+            if _same(self._known.get(name), value):
                 continue
             pending += sorted(_reads(value) - set(updates))  # what a notebook function reads goes with it
             try:
@@ -78,11 +81,12 @@ class Synced:
                                  "Create it inside a %%ddp cell, or %ddp restart (the ranks then share it).") from None
             updates[name] = blob
             self._known[name] = _token(value)
-            sizes.append(f"{name} ({values.describe(value)}, {_size(len(blob))})")
+            if not isinstance(value, types.ModuleType):  # a module travels by name: the rank imports it
+                sizes.append(f"{name} ({values.describe(value)}, {_size(len(blob))})")
             if name in rank_assigned:
                 both.append(name)
         said = []
-        if updates:
+        if sizes:
             total = sum(len(b) for b in updates.values())
             said.append(f"sent {', '.join(sizes)} to every rank (new or rebound in the notebook since the pool "
                         "started)" + ("; %ddp restart shares big data copy-on-write instead" if total >= BIG_UPDATE
