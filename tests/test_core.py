@@ -86,7 +86,7 @@ def test_notebook_tensor_is_shared_copy_on_write(clean_kernel):
         "import psutil\n"
         "total = big[rank::world_size].sum().item()  # every rank reads its half\n"
         "uss = psutil.Process().memory_full_info().uss\n"
-        "print(f'read {total:.0f} uss_mb {uss / 2**20:.0f}')\n",
+        "print(f'rank {rank} read {total:.0f} uss_mb {uss / 2**20:.0f}')\n",  # one line per rank, never merged
         timeout=90,
     )
     usses = [int(m) for m in re.findall(r"uss_mb (\d+)", res.stdout)]
