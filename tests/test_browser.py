@@ -3,8 +3,8 @@
 CI installs Debian's chromium and sets NBDDP_REQUIRE_BROWSER=1, so this test can never skip there.
 """
 import json
-import re
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -20,7 +20,10 @@ import pytest
 pytestmark = pytest.mark.timeout(300)
 
 CHROMIUM = "/usr/bin/chromium"
-SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "images" / "dashboard.png"
+IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
+SCREENSHOT = IMAGES / "dashboard.png"  # the README's
+STATES = IMAGES / "states"  # one per state the issue-20 test looks at
+WIDTH = 1000  # the dashboard must not wrap at this window width
 SETUP_CELL = "%load_ext nbddp\nimport torch\nX = torch.randn(50_000_000)  # 200 MB, shared copy-on-write"
 DDP_CELL = (
     "%%ddp --devices 2\n"
@@ -30,20 +33,40 @@ DDP_CELL = (
     "    print(f'rank {rank} step {step} mean {shard.mean():.4f}', flush=True)\n"
     "    time.sleep(0.7)\n"
 )
+TQDM_CELL = ("%%ddp --devices 2\nimport time\nfrom tqdm.auto import tqdm\nprint('Epoch 1 starting')\n"
+             "for i in tqdm(range(40), desc='epoch 1'):\n    time.sleep(0.1)\n")
+FAIL_CELL = ("%%ddp --devices 2\nimport time\nprint('training', flush=True)\nif rank == 1:\n    time.sleep(1.5)\n"
+             "    raise ValueError('a corrupt sample on rank 1')\nprint('rank 0 done')\n")
+POOL_CELL = ("%%ddp\nimport time\nfor step in range(4):\n    print(f'rank {rank} step {step}', flush=True)\n"
+             "    time.sleep(0.8)\n")
+STATE_CELLS = [SETUP_CELL, DDP_CELL, TQDM_CELL, FAIL_CELL, "%ddp start --devices 2", POOL_CELL, "%ddp stop"]
 
 
-def wait_for_text(page, needles, timeout_s=60) -> str:
-    """The first cell output's text (all its outputs) once it contains every needle (the dashboard
-    re-renders in place)."""
+def cell(page, i):
+    return page.locator(".jp-Notebook .jp-Cell").nth(i)
+
+
+def run_cell(page, i) -> None:
+    """Run cell ``i`` (its editor clicked first: a toast or a screenshot may have taken the focus)."""
+    cell(page, i).locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+
+
+def wait_for_text(page, needles, timeout_s=60, index=None) -> str:
+    """The text of a cell's outputs (the first cell with outputs, or cell ``index``) once it contains every
+    needle (the views re-render in place)."""
     deadline = time.monotonic() + timeout_s
     text = ""
     while time.monotonic() < deadline:
-        texts = [t for t in page.locator(".jp-OutputArea").all_inner_texts() if t.strip()]
-        text = texts[0] if texts else ""
+        if index is None:
+            texts = [t for t in page.locator(".jp-OutputArea").all_inner_texts() if t.strip()]
+            text = texts[0] if texts else ""
+        else:
+            text = cell(page, index).locator(".jp-OutputArea").inner_text()
         if all(n in text for n in needles):
             return text
-        page.wait_for_timeout(200)
-    raise AssertionError(f"never saw {needles} in the dashboard; last: {text!r}")
+        page.wait_for_timeout(100)
+    raise AssertionError(f"never saw {needles}; last: {text!r}")
 
 
 def free_port() -> int:
@@ -52,21 +75,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-POOL_CELLS = [
-    "%load_ext nbddp",
-    "%ddp start --devices 2",
-    "%%ddp\nimport time\nfor step in range(4):\n    print(f'rank {rank} step {step}', flush=True)\n    time.sleep(0.8)\n",
-]
-
-
 @pytest.fixture
-def lab(tmp_path):
-    yield from _lab(tmp_path, [SETUP_CELL, DDP_CELL])
-
-
-@pytest.fixture
-def pool_lab(tmp_path):
-    yield from _lab(tmp_path, POOL_CELLS)
+def states_lab(tmp_path):
+    yield from _lab(tmp_path, STATE_CELLS)
 
 
 def _lab(tmp_path, cells):
@@ -120,7 +131,7 @@ def _open(pw, url):
         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
               "--disable-sync", "--no-first-run"],
     )
-    page = browser.new_page(viewport={"width": 1280, "height": 720})
+    page = browser.new_page(viewport={"width": WIDTH, "height": 1000})
     page.goto(url)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
     return browser, page
@@ -134,44 +145,108 @@ def _run_first_cell(page, expect) -> None:
     expect(page.locator(".jp-InputPrompt", has_text="[1]:")).to_have_count(1, timeout=60_000)
 
 
-def test_the_pool_dashboard_in_jupyterlab_follows_later_cells(pool_lab):
-    """The pool's output sits in the %ddp start cell; JupyterLab must update it from later cells and
-    between cells (display-id updates), which only a real front end can show."""
-    from playwright.sync_api import expect, sync_playwright  # noqa: I001
+def _layout(c) -> dict:
+    """What a user sees of a cell's dashboard: its top, its size, its headers, each row's height."""
+    dash = c.locator(".nbddp-run")
+    box = dash.bounding_box()
+    return {"top": box["y"], "height": box["height"], "width": box["width"],
+            "headers": dash.locator("th").all_inner_texts(),
+            "rows": dash.locator("tr").evaluate_all("rows => rows.map(r => r.getBoundingClientRect().height)")}
+
+
+def _stream_top(c) -> float:
+    return c.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']").first.bounding_box()["y"]
+
+
+def _shot(c, name: str) -> None:
+    STATES.mkdir(parents=True, exist_ok=True)
+    c.screenshot(path=str(STATES / f"{name}.png"))
+
+
+def _dismiss_toasts(page) -> None:
+    for toast in page.locator(".jp-toast-button", has_text="No").all():
+        toast.click()
+        toast.wait_for(state="hidden", timeout=5_000)
+
+
+def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
+    """Issue 20 in a real front end: each state screenshotted (docs/images/states/) and its layout checked:
+    the dashboard above the stream from the start, no row wrapping at 1000 px, the live table and the final
+    one the same size and columns, a progress bar per rank, a failure's exception, a pool cell without a
+    dashboard of its own while the start cell's view follows it, an ended pool shown as ended."""
+    from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as pw:
-        browser, page = _open(pw, pool_lab)
+        browser, page = _open(pw, states_lab)
         try:
-            _run_first_cell(page, expect)  # %load_ext nbddp
-            page.keyboard.press("Shift+Enter")  # %ddp start
-            wait_for_text(page, ["nbddp pool · 2 ranks", "0 cell(s) run"])
-            page.keyboard.press("Shift+Enter")  # a 3 s pool cell
-            busy = wait_for_text(page, ["busy: Cell In[3]"])  # the start cell's output, during the later cell
-            assert re.search(r"0\s+\d+\s+cpu\s+busy", busy), busy
-            done = wait_for_text(page, ["1 cell(s) run", "Cell In[3] ·", "· ok"])  # after it, between cells
-            assert "busy" not in done and re.search(r"1\s+\d+\s+cpu\s+idle", done), done
-        finally:
-            browser.close()
-
-
-def test_dashboard_in_jupyterlab(lab):
-    from playwright.sync_api import expect, sync_playwright  # noqa: I001
-
-    with sync_playwright() as pw:
-        browser, page = _open(pw, lab)
-        try:
-            _run_first_cell(page, expect)  # %load_ext nbddp
-            page.keyboard.press("Shift+Enter")  # the %%ddp cell
-            live = wait_for_text(page, ["USS (private)", "rank 0 step", "rank 1 step"])  # last lines
-            assert re.search(r"0\s+cpu\s+running", live) and re.search(r"1\s+cpu\s+running", live), live
-            for toast in page.locator(".jp-toast-button", has_text="No").all():
-                toast.click()
-                toast.wait_for(state="hidden", timeout=5_000)
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT))
-            streamed = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+            _run_first_cell(page, expect)  # %load_ext nbddp, the 200 MB tensor
+            _dismiss_toasts(page)
+            # -- a one-shot cell, running then done ----------------------------------------------------------
+            run_cell(page, 1)
+            one = cell(page, 1)
+            live_text = wait_for_text(page, ["· running ·", "rank 0 step 1", "rank 1 step 1", "private memory"], index=1)
+            assert re.search(r"0\s+running", live_text) and re.search(r"1\s+running", live_text), live_text
+            live = _layout(one)
+            assert live["top"] < _stream_top(one), "the dashboard sits above the stream"
+            assert max(live["rows"]) < 24, f"a row wraps at {WIDTH} px: {live['rows']}"
+            _shot(one, "one-shot-running")
+            one.screenshot(path=str(SCREENSHOT))
+            streamed = one.locator(".jp-OutputArea").inner_text()
             assert "[rank0]:rank 0 step 0" in streamed and "[rank1]:rank 1 step 0" in streamed
-            summary = wait_for_text(page, ["peak RSS", "· finished ·"])
-            assert re.search(r"0\s+cpu\s+finished\s+0", summary) and re.search(r"1\s+cpu\s+finished\s+0", summary)
+            wait_for_text(page, ["· finished ·"], index=1)
+            done = _layout(one)
+            assert done["headers"] == live["headers"] and abs(done["height"] - live["height"]) < 2, (live, done)
+            assert one.locator(".nbddp-run").count() == 1 and done["top"] == live["top"], "nothing jumps"
+            _shot(one, "one-shot-done")
+            # -- tqdm mid-run: a bar per rank, the dashboard's progress column ---------------------------------
+            run_cell(page, 2)
+            bars = cell(page, 2).locator(".nbddp-bar")
+            deadline = time.monotonic() + 60
+            widths = []
+            while time.monotonic() < deadline:
+                widths = [float(w.rstrip("%")) for w in bars.locator("span span").evaluate_all(
+                    "spans => spans.map(s => s.style.width)")]
+                if len(widths) == 2 and all(10 <= w <= 90 for w in widths):
+                    break
+                page.wait_for_timeout(100)
+            assert len(widths) == 2 and all(10 <= w <= 90 for w in widths), widths
+            mid = wait_for_text(page, ["progress"], index=2)
+            rows = _layout(cell(page, 2))["rows"]
+            assert max(rows) < 24, f"a row wraps at {WIDTH} px (a bar as the last line): {rows}"
+            labels = sorted(t.split()[0] for t in bars.all_inner_texts())
+            assert labels == ["[rank0]", "[rank1]"], labels
+            assert max(bars.evaluate_all("bs => bs.map(b => b.getBoundingClientRect().height)")) < 24, "a bar wraps"
+            assert mid.count("Epoch 1 starting") == 1 and "[rank0-1]:Epoch 1 starting" in mid, mid
+            _shot(cell(page, 2), "tqdm-mid-run")
+            wait_for_text(page, ["· finished ·"], index=2)
+            assert bars.locator("span span").evaluate_all("spans => spans.map(s => s.style.width)") == ["100%"] * 2
+            # -- a failure: the failed rank's exception, the rank done before it "finished" -------------------
+            run_cell(page, 3)
+            failed = wait_for_text(page, ["· failed ·", "ValueError: a corrupt sample on rank 1"], index=3)
+            assert re.search(r"0\s+finished", failed) and re.search(r"1\s+failed", failed), failed
+            assert max(_layout(cell(page, 3))["rows"]) < 24, "the exception fits its row"
+            _shot(cell(page, 3), "failure")
+            # -- a pool: its cell has no dashboard; the start cell's view follows it ------------------------
+            run_cell(page, 4)  # %ddp start
+            wait_for_text(page, ["nbddp pool · 2 ranks", "0 cells run"], index=4)
+            run_cell(page, 5)  # a 3 s pool cell
+            busy = wait_for_text(page, ["busy: Cell In[6]"], index=4)
+            heights = cell(page, 4).locator(".nbddp-pool tr").evaluate_all(
+                "rows => rows.map(r => r.getBoundingClientRect().height)")
+            assert heights and max(heights) < 24, f"a row of the pool's view wraps at {WIDTH} px: {heights}"
+            assert re.search(r"0\s+\d+\s+cpu\s+busy", busy), busy
+            wait_for_text(page, ["rank 1 step 1"], index=5)
+            assert cell(page, 5).locator(".nbddp-run").count() == 0, "a pool cell has no dashboard of its own"
+            _shot(cell(page, 4), "pool-view-running")
+            _shot(cell(page, 5), "pool-cell-running")
+            line = wait_for_text(page, ["nbddp pool · cell on ranks 0-1", "· ok"], index=5)
+            assert line.rstrip().splitlines()[-1].startswith("nbddp pool · cell on ranks 0-1"), line
+            done = wait_for_text(page, ["1 cell run", "Cell In[6] ·", "· ok"], index=4)
+            assert "busy" not in done and re.search(r"1\s+\d+\s+cpu\s+idle", done), done
+            # -- an ended pool ---------------------------------------------------------------------------------
+            run_cell(page, 6)  # %ddp stop
+            ended = wait_for_text(page, ["· stopped · was up", "1 cell run"], index=4)
+            assert "idle" not in ended and "busy" not in ended, ended
+            _shot(cell(page, 4), "pool-ended")
         finally:
             browser.close()

@@ -39,7 +39,7 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
     start = k.ok("%ddp start --devices 2")
     did = pool_display(start)
     first = next(d for d in start.displays if d["transient"]["display_id"] == did)["data"]
-    assert "<table>" in first["text/html"] and "idle" in first["text/plain"] and "0 cells run" in first["text/plain"]
+    assert "<table" in first["text/html"] and "idle" in first["text/plain"] and "0 cells run" in first["text/plain"]
     try:
         # a long cell: the dashboard shows every rank busy with it, while it runs
         busy = []

@@ -31,9 +31,11 @@ DUMP_LINE = re.compile(r"\s*(File \"|Thread 0x|Current thread 0x|Stack \(most re
 LAST_CHARS = 160  # of a rank's last line kept (its start: a log dict keeps its first keys)
 LINE_BYTES = 4 * LAST_CHARS  # of an unfinished line kept (UTF-8: at most 4 bytes a character)
 DUMP_LINES = 64  # lines looked back over for one that is not a stack dump's
-TABLE = "border-collapse:collapse;font-size:12px;line-height:1.4;white-space:nowrap"
-CELL = "padding:1px 10px 1px 0;text-align:left;border:none"
-LAST = "max-width:560px;overflow:hidden;text-overflow:ellipsis;font-family:monospace"
+# one line a row at any width: every cell keeps to one line, and the last line column takes what is left
+# (max-width:0 on a cell of a 100 %-wide table lets it shrink), cut with an ellipsis (its start kept)
+TABLE = "border-collapse:collapse;font-size:12px;line-height:1.4;width:100%;table-layout:auto"
+CELL = "padding:1px 10px 1px 0;text-align:left;border:none;white-space:nowrap;background:none"
+LAST = "width:100%;max-width:0;overflow:hidden;text-overflow:ellipsis;font-family:monospace"
 
 
 class RunView:
@@ -213,7 +215,8 @@ class RunView:
     def render_html(self) -> str:
         cols, rows = self.rows()
         esc = html.escape
-        head = "".join(f"<th style='{CELL};font-weight:600;color:#555'>{esc(c)}</th>" for c in cols)
+        head = "".join(f"<th style='{CELL};font-weight:600;color:#555'>{esc(c)}</th>" for c in cols[:-1])
+        head += f"<th style='{CELL};{LAST};font-family:inherit;font-weight:600;color:#555'>{esc(cols[-1])}</th>"
         body = []
         for row in rows:
             cells = []

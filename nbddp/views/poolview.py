@@ -17,6 +17,7 @@ import time
 import uuid
 
 from ..wire.messages import Error, Exit, Result
+from .dashboard import CELL
 from .monitor import Monitor, duration, mb, uptime
 
 REFRESH_S = 1.0  # between cells: sample and redraw if changed
@@ -25,6 +26,7 @@ SERIES_MAX = 512  # points kept per series; past that every other one goes, so t
 SPARK_WIDTH = 40
 CELLS_SHOWN = 8
 BARS = "▁▂▃▄▅▆▇█"
+SMALL_TABLE = "border-collapse:collapse;font-size:12px;line-height:1.4"
 
 
 class LifeSeries:
@@ -237,17 +239,19 @@ class PoolView:
         return "\n".join(lines)
 
     def render_html(self) -> str:
+        """The dashboard's style (dashboard.py): small, one line a row at any width."""
         def table(rows):
-            head = "".join(f"<th style='text-align:left;padding:2px 8px'>{html.escape(c)}</th>" for c in rows[0])
-            body = "".join("<tr>" + "".join(f"<td style='text-align:left;padding:2px 8px'>{html.escape(c)}</td>"
-                                            for c in r) + "</tr>" for r in rows[1:])
-            return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+            head = "".join(f"<th style='{CELL};font-weight:600;color:#555'>{html.escape(c)}</th>" for c in rows[0])
+            body = "".join("<tr>" + "".join(f"<td style='{CELL}'>{html.escape(c)}</td>" for c in r) + "</tr>"
+                           for r in rows[1:])
+            return f"<table style='{SMALL_TABLE}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-        parts = [f"<div class='nbddp-pool'><div><b>{html.escape(self.title())}</b></div>", table(self.rows())]
+        parts = [f"<div class='nbddp-pool' style='font-size:12px'><div><b>{html.escape(self.title())}</b></div>",
+                 table(self.rows())]
         if self.gpu_util:
             parts.append(table(self.gpu_rows()))
         if self.cells:
             parts.append("<div style='color:#444'>" + "<br>".join(html.escape(c) for c in self.cell_rows()) + "</div>")
-        parts.append(f"<div style='color:#666'>logs: {html.escape(str(self.run_dir.path))}</div></div>")
+        parts.append(f"<div style='color:#888'>logs: {html.escape(str(self.run_dir.path))}</div></div>")
         return "".join(parts)
 

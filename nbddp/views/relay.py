@@ -185,7 +185,7 @@ class Relay:
         merging = prefix and ranks_output == "all" and world_size > 1
         self.merger = Merger(range(world_size), self._write) if merging else None
         live = getattr(sink, "live", None)
-        self.bars = Bars(sink, prefix) if live is not None and live() else None
+        self.bars = Bars(sink, prefix, self._holding) if live is not None and live() else None
 
     def on_Output(self, event) -> None:
         rank, stream, data = event.rank, event.stream, event.data
@@ -249,7 +249,7 @@ class Relay:
         for rank, stream in list(self._partial):
             self._flush(rank, stream)
         if self.bars is not None:
-            self.bars.close()
+            self.bars.close(self._before_bar)
         if self.merger is not None:
             self.merger.release(everything=True)
         self.sink.close()
@@ -258,6 +258,10 @@ class Relay:
         """A bar's output goes below what its rank wrote before it."""
         if self.merger is not None:
             self.merger.release(everything=True)
+
+    def _holding(self, rank: int) -> bool:
+        """Whether lines of ``rank`` wait to be merged (its new bar waits for them: at most MERGE_S)."""
+        return self.merger is not None and bool(self.merger.held[rank])
 
     def _flush(self, rank: int, stream: str, redraw_cleared: bool = False) -> None:
         tail = self._partial.pop((rank, stream), b"")
@@ -335,48 +339,54 @@ class Relay:
 
 class Bars:
     """Each rank's tqdm bars as progress bars in the cell: one output per bar, redrawn by display id at most
-    every BAR_EVERY_S (the engine wakes for a redraw that waited), its final state always."""
+    every BAR_EVERY_S (the engine wakes for a redraw that waited), its final state always. A new bar waits
+    while lines its rank wrote before it wait to be merged, so it goes below them."""
 
-    def __init__(self, sink, prefix: bool):
-        self.sink, self.prefix = sink, prefix
+    def __init__(self, sink, prefix: bool, holding):
+        self.sink, self.prefix, self.holding = sink, prefix, holding
         self.open: dict[tuple[int, str], list] = {}  # (rank, stream) -> [display id, text, drawn at, waiting]
 
     def draw(self, rank: int, stream: str, text: str, before) -> None:
         key, now = (rank, stream), time.monotonic()
-        bar = self.open.get(key)
-        if bar is None:
-            before()
-            self.open[key] = [self.sink.bar(rank, None, self._data(rank, text, final=False)), text, now, False]
-        elif now - bar[2] >= BAR_EVERY_S:
-            self.sink.bar(rank, bar[0], self._data(rank, text, final=False))
-            bar[1:] = [text, now, False]
-        else:
-            bar[1], bar[3] = text, True
+        bar = self.open.setdefault(key, [None, text, 0.0, True])
+        bar[1], bar[3] = text, True
+        if bar[0] is None and self.holding(rank):
+            return  # shown once its rank's earlier lines are out (due)
+        if now - bar[2] >= BAR_EVERY_S:
+            self._show(rank, bar, now)
+
+    def _show(self, rank: int, bar: list, now: float) -> None:
+        bar[0] = self.sink.bar(rank, bar[0], self._data(rank, bar[1], final=False))
+        bar[2:] = [now, False]
 
     def done(self, rank: int, stream: str, text: str, before) -> None:
         """The bar's line ended: its last state stays, as a static bar (a new output if it was never drawn)."""
         bar = self.open.pop((rank, stream), None)
-        if bar is None:
+        if bar is None or bar[0] is None:
             before()
         self.sink.bar(rank, bar[0] if bar else None, self._data(rank, text, final=True))
 
     def cleared(self, rank: int, stream: str) -> None:
         bar = self.open.pop((rank, stream))
-        self.sink.bar(rank, bar[0], {"text/plain": ""})
+        if bar[0] is not None:
+            self.sink.bar(rank, bar[0], {"text/plain": ""})
 
     def due(self) -> float | None:
         now, due = time.monotonic(), []
         for (rank, _), bar in self.open.items():
-            if bar[3] and now - bar[2] >= BAR_EVERY_S:
-                self.sink.bar(rank, bar[0], self._data(rank, bar[1], final=False))
-                bar[2:] = [now, False]
-            elif bar[3]:
+            if not bar[3]:
+                continue
+            if bar[0] is None and self.holding(rank):
+                due.append(now + 0.05)  # (the merger's own wait ends about then)
+            elif now - bar[2] >= BAR_EVERY_S:
+                self._show(rank, bar, now)
+            else:
                 due.append(bar[2] + BAR_EVERY_S)
         return min(due) if due else None
 
-    def close(self) -> None:
+    def close(self, before) -> None:
         for (rank, stream), bar in list(self.open.items()):
-            self.done(rank, stream, bar[1], lambda: None)
+            self.done(rank, stream, bar[1], before)
 
     def _data(self, rank: int, text: str, final: bool) -> dict:
         m = BAR.match(text)
@@ -384,11 +394,12 @@ class Bars:
         colour = "#1565c0" if not final else "#2e7d32" if pct == 100 else "#ef6c00"
         label = f"[rank{rank}]" if self.prefix else ""
         esc = html.escape
-        bar = (f"<span style='display:inline-block;width:220px;height:10px;background:#e0e0e0;vertical-align:middle;"
-               f"border-radius:2px'><span style='display:block;width:{pct}%;height:100%;background:{colour};"
+        bar = (f"<span style='display:inline-block;width:160px;height:10px;background:#e0e0e0;vertical-align:middle;"
+               f"border-radius:2px'><span style='display:inline-block;width:{pct}%;height:100%;background:{colour};"
                "border-radius:2px'></span></span>")
         return {"text/plain": (label + ":" if label else "") + text,
-                "text/html": f"<div class='nbddp-bar' style='font-family:monospace;font-size:12px;white-space:pre'>"
+                "text/html": f"<div class='nbddp-bar' style='font-family:monospace;font-size:12px;white-space:pre;"
+                             "overflow:hidden;text-overflow:ellipsis'>"
                              f"{esc(label)} {esc(m.group('desc'))}{bar} {pct}%{esc(m.group('rest'))}</div>"}
 
 
