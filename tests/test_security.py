@@ -14,7 +14,8 @@ dist.barrier()          # both ranks are up and connected: gloo's sockets exist 
 if rank == 0:
     kernel = psutil.Process(os.getppid())
     tree = [kernel, *kernel.children(recursive=True)]
-    found = [(p.pid, c.laddr.ip, c.laddr.port) for p in tree for c in p.net_connections('inet')
+    found = [(p.pid, c.laddr.ip, c.laddr.port) for p in tree
+             for c in getattr(p, 'net_connections', getattr(p, 'connections', None))('inet')  # psutil < 6: connections
              if c.status == psutil.CONN_LISTEN or c.type == socket.SOCK_DGRAM]
     print('LISTEN', json.dumps({'pids': [p.pid for p in tree], 'ranks': len(kernel.children()), 'sockets': found}))
 dist.barrier()          # keep rank 1 alive until rank 0 has looked
