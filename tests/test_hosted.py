@@ -80,19 +80,19 @@ class Compiler7:
 def shell7(*codes):
     history = types.SimpleNamespace(input_hist_parsed=[""], input_hist_raw=[""])
     shell = types.SimpleNamespace(compile=Compiler7(), history_manager=history)
-    for code in codes:  # cells run before %load_ext nbddp
-        history.input_hist_parsed.append(code)
-        history.input_hist_raw.append(code)
+    for code in codes:  # cells run before %load_ext nbddp; IPython's history keeps them without trailing newlines
+        history.input_hist_parsed.append(code.rstrip("\n"))
+        history.input_hist_raw.append(code.rstrip("\n"))
         shell.compile.cache(code, len(history.input_hist_parsed) - 1, raw_code=code)
     return shell
 
 
 def test_cells_are_numbered_where_ipython_keeps_no_map():
-    shell = shell7("import torch\n", "x = torch.ones(2)\n")
+    shell = shell7("import torch", "x = torch.ones(2)\n")
     earlier = shell.compile.get_code_name("x = torch.ones(2)\n", "", 2)
     cells.track(shell)
     cells.track(shell)  # %reload_ext: still one recorder
-    assert cells.numbers(shell) == {shell.compile.get_code_name("import torch\n", "", 1): 1, earlier: 2}
+    assert cells.numbers(shell) == {shell.compile.get_code_name("import torch", "", 1): 1, earlier: 2}
     shell.history_manager.input_hist_parsed.append("y = 1\n")  # IPython stores a cell before running it
     assert cells.running(shell) == 3
     name = shell.compile.cache("y = 1\n", cells.running(shell), raw_code="y = 1\n")

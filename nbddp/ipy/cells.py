@@ -37,7 +37,7 @@ def track(shell) -> None:
     compiler = getattr(shell, "compile", None)
     if compiler is None or hasattr(compiler, "_filename_map") or hasattr(compiler, OWN_MAP):
         return  # IPython's own, or already tracked (%reload_ext)
-    known: dict = {}
+    known = _cells_run(shell, compiler)
     cache = compiler.cache
 
     def cache_and_record(transformed_code, number=0, raw_code=None):
@@ -45,15 +45,25 @@ def track(shell) -> None:
         known[name] = number
         return name
 
-    history = getattr(shell, "history_manager", None)
-    parsed, raw = (getattr(history, "input_hist_parsed", []), getattr(history, "input_hist_raw", []))
-    for number, (code, raw_code) in enumerate(zip(parsed, raw)):
-        if number and code:
-            try:
-                name = compiler.get_code_name(raw_code, code, number)
-            except Exception:  # noqa: BLE001 - a compiler that names cells otherwise: those stay unlabelled
-                break
-            if name in linecache.cache:
-                known[name] = number
     compiler.cache = cache_and_record
     setattr(compiler, OWN_MAP, known)
+
+
+def _cells_run(shell, compiler) -> dict:
+    """The cells run before ``track``, named as the compiler named them when it cached them."""
+    history = getattr(shell, "history_manager", None)
+    parsed, raw = (getattr(history, "input_hist_parsed", []), getattr(history, "input_hist_raw", []))
+    found = {}
+    for number, (code, raw_code) in enumerate(zip(parsed, raw)):
+        if not (number and code):
+            continue
+        # the history keeps a cell without its trailing newlines; ipykernel named it by its code as sent
+        for sent in (raw_code, raw_code + "\n", raw_code + "\n\n"):
+            try:
+                name = compiler.get_code_name(sent, code, number)
+            except Exception:  # noqa: BLE001 - a compiler that names cells otherwise: those stay unlabelled
+                return found
+            if name in linecache.cache:
+                found[name] = number
+                break
+    return found
