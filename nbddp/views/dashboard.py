@@ -86,8 +86,8 @@ class RunView:
         end = data.rfind(b"\n")
         current = before + data if end < 0 else data[end + 1:]
         self._current[key] = current if b"\r" in current else current[:LINE_BYTES]
-        if self._note(event.rank, current):
-            return
+        if b"\r" in current and self._note(event.rank, current):  # an unfinished line counts once redrawn (a
+            return  # bar); another may be a stack dump's first bytes ("  File"): it counts once it ends
         for _ in range(DUMP_LINES):  # back over the lines this output ended
             if end < 0:
                 return
