@@ -56,6 +56,7 @@ def _run(kc, code: str, timeout: float) -> bool:
     msg_id = kc.execute(code)
     deadline = time.monotonic() + timeout
     failed = False
+    live: dict[str, str] = {}  # display id -> its latest text (the dashboard): a terminal shows its final state
     while time.monotonic() < deadline:
         try:
             msg = kc.get_iopub_msg(timeout=deadline - time.monotonic())
@@ -68,12 +69,16 @@ def _run(kc, code: str, timeout: float) -> bool:
             (sys.stderr if content["name"] == "stderr" else sys.stdout).write(content["text"])
         elif kind == "execute_result":
             print(f"Out: {content['data'].get('text/plain')}")
+        elif kind in ("display_data", "update_display_data") and content.get("transient", {}).get("display_id"):
+            live[content["transient"]["display_id"]] = content["data"].get("text/plain", "")
         elif kind == "display_data" and "text/plain" in content["data"] and "text/html" in content["data"]:
             print(content["data"]["text/plain"])
         elif kind == "error":
             print("\n".join(content["traceback"]), file=sys.stderr)
             failed = True
         elif kind == "status" and content["execution_state"] == "idle":
+            for text in live.values():
+                print(text)
             return failed
     print(f"cell did not finish within {timeout}s", file=sys.stderr)
     return True
