@@ -31,12 +31,12 @@ class CellResult:
         return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(self.error["traceback"]))
 
 
-def said(stdout: str, rank: int, text: str) -> bool:
-    """Whether ``rank`` printed the line ``text``: alone (``[rank1]:text``) or merged with ranks that
-    printed it too (``[rank0-1]:text``, ``[rank0,2]:text``)."""
+def said(stdout: str, rank: int, text: str, start: bool = False) -> bool:
+    """Whether ``rank`` printed the line ``text`` (``start``: a line starting with it): alone
+    (``[rank1]:text``) or merged with ranks that printed it too (``[rank0-1]:text``, ``[rank0,2]:text``)."""
     import re
 
-    for spec in re.findall(rf"^\[rank([0-9,\-–]+)\]:{re.escape(text)}$", stdout, re.M):
+    for spec in re.findall(rf"^\[rank([0-9,\-–]+)\]:{re.escape(text)}{'' if start else '$'}", stdout, re.M):
         for part in spec.split(","):
             lo, _, hi = part.replace("–", "-").partition("-")
             if int(lo) <= rank <= int(hi or lo):

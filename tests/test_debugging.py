@@ -172,3 +172,9 @@ def test_diff_compares_the_shard_each_rank_holds_for_fsdp2(clean_kernel):
         assert "net" in who and "Sequential" in who, who
     finally:
         clean_kernel.ok("%ddp stop", timeout=60)
+
+
+def test_a_spawned_rank_says_why_it_cannot_read_the_input_box(clean_kernel):
+    res = clean_kernel.converse("%%ddp --devices 2 --start-method spawn\ninput('x? ')\n", answers(), timeout=120)
+    assert res.prompts == [], res.prompts
+    assert "StdinNotImplementedError" in res.error_text and "no command pipe" in res.error_text, res.error_text

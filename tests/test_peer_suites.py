@@ -66,6 +66,7 @@ def test_fsdp2_and_distributed_checkpoint_in_a_cell(clean_kernel, tmp_path):
         "print('shard rows', shard_rows, 'loss', round(loss.item(), 3))\n",
         timeout=240,
     )
-    assert said(res.stdout, 0, "shard rows 16") and said(res.stdout, 1, "shard rows 16"), res.stdout
+    assert said(res.stdout, 0, "shard rows 16 ", start=True) and said(res.stdout, 1, "shard rows 16 ", start=True), \
+        res.stdout
     assert clean_kernel.value("tuple(full['0.weight'].shape)") == (32, 16)
     assert (ckpt / ".metadata").exists()
