@@ -459,7 +459,7 @@ def merging_relay(world_size=2):
 
     sink = Sink()
     return Relay(sink, ranks_output="all", prefix=True, max_lines=100, max_line_chars=1000, max_output_mb=1,
-                 world_size=world_size), sink
+                 ranks=range(world_size)), sink
 
 
 def test_the_merger_keeps_each_ranks_order_and_waits_only_for_ranks_still_writing():
@@ -484,6 +484,20 @@ def test_the_merger_keeps_each_ranks_order_and_waits_only_for_ranks_still_writin
         ("stdout", "[rank0]:loss 0\n"), ("stdout", "[rank1]:loss 1\n"), ("stdout", "[rank2]:Epoch 1\n"),
         ("stdout", "[rank0-1]:Epoch 2\n"), ("stdout", "[rank2]:loss 2\n"),
     ], sink.written
+
+
+def test_only_the_ranks_running_the_cell_are_merged_and_waited_for():
+    """A pool cell on some ranks (--ranks 0,2): rank 1 is not waited for; its stray output goes straight out."""
+    from nbddp.kernel.supervisor import Output
+    from nbddp.views.relay import Relay
+
+    sink = Sink()
+    relay = Relay(sink, ranks_output="all", prefix=True, max_lines=100, max_line_chars=1000, max_output_mb=1,
+                  ranks=(0, 2))
+    relay.on_Output(Output(1, "stdout", b"from a thread on rank 1\n"))
+    relay.on_Output(Output(0, "stdout", b"same\n"))
+    relay.on_Output(Output(2, "stdout", b"same\n"))
+    assert sink.written == [("stdout", "[rank1]:from a thread on rank 1\n"), ("stdout", "[rank0,2]:same\n")]
 
 
 def test_a_line_no_other_rank_prints_waits_at_most_the_window():

@@ -80,10 +80,10 @@ def returned(per_rank: list) -> list:
             for res in per_rank]
 
 
-def new_relay(config, run_id: str, world_size: int = 1) -> Relay:
-    """The cell's relay, with the config's output options."""
+def new_relay(config, run_id: str, ranks=(0,)) -> Relay:
+    """The cell's relay, with the config's output options; ``ranks``: those running the cell."""
     return Relay(CellSink(run_id), ranks_output=config.ranks_output, prefix=config.prefix, max_lines=config.max_lines,
-                 max_line_chars=config.max_line_chars, max_output_mb=config.max_output_mb, world_size=world_size)
+                 max_line_chars=config.max_line_chars, max_output_mb=config.max_output_mb, ranks=ranks)
 
 
 class CellRun:
@@ -130,7 +130,7 @@ class CellRun:
         gang, sup = self.gang, self.gang.sup
         start = time.monotonic()
         self.relay = relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}",
-                                       gang.world_size)
+                                       self.ranks)
         self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
         sup.bus = Bus([*gang.lifelong(), self, self.prompts, self.stacks, *([self.observer] if self.observer else [])])
         sup.tick = getattr(gang.view or self.observer, "interval", None)  # a pool's view, or the cell's dashboard

@@ -166,7 +166,7 @@ class Relay:
     With the prefix on and every rank shown, identical lines are merged (``Merger``)."""
 
     def __init__(self, sink, *, ranks_output: str, prefix: bool, max_lines: int, max_line_chars: int,
-                 max_output_mb: float, world_size: int = 1):
+                 max_output_mb: float, ranks=(0,)):
         self.sink = sink
         self.max_lines = max_lines  # per rank shown in the cell; the log keeps everything
         self.max_line_chars = max_line_chars
@@ -182,8 +182,8 @@ class Relay:
         self._closed: dict[int, int] = {}  # rank -> how many of its two streams closed
         # an unfinished line this long (bytes) holds more than max_line_chars characters (UTF-8: <= 4 bytes each)
         self._partial_limit = min(MAX_PARTIAL, 4 * max_line_chars + 4)
-        merging = prefix and ranks_output == "all" and world_size > 1
-        self.merger = Merger(range(world_size), self._write) if merging else None
+        merging = prefix and ranks_output == "all" and len(ranks) > 1  # among the ranks running the cell
+        self.merger = Merger(ranks, self._write) if merging else None
         live = getattr(sink, "live", None)
         self.bars = Bars(sink, prefix, self._holding) if live is not None and live() else None
 
@@ -261,7 +261,7 @@ class Relay:
 
     def _holding(self, rank: int) -> bool:
         """Whether lines of ``rank`` wait to be merged (its new bar waits for them: at most MERGE_S)."""
-        return self.merger is not None and bool(self.merger.held[rank])
+        return self.merger is not None and bool(self.merger.held.get(rank))
 
     def _flush(self, rank: int, stream: str, redraw_cleared: bool = False) -> None:
         tail = self._partial.pop((rank, stream), b"")
@@ -310,9 +310,9 @@ class Relay:
             chars = sum(map(len, lines)) + len(lines)
         self._shown_lines[rank] = self._shown_lines.get(rank, 0) + len(lines)
         self._shown_chars[rank] = self._shown_chars.get(rank, 0) + chars
-        if self.merger is not None:
+        if self.merger is not None and rank in self.merger.held:
             self.merger.add(rank, stream, lines)
-        else:
+        else:  # (a rank not running the cell, printing from a thread of its own, is not waited for)
             self._write((rank,), stream, lines)
 
     def _write(self, ranks: tuple, stream: str, lines: list[str]) -> None:
