@@ -510,3 +510,32 @@ def test_a_line_no_other_rank_prints_waits_at_most_the_window():
     relay.on_Output(Output(0, "stdout", b"only rank 0 says this\n"))
     time.sleep(MERGE_S + 0.05)
     assert relay.release_due() is None and sink.written == [("stdout", "[rank0]:only rank 0 says this\n")]
+
+
+def test_the_nbval_sanitizer_makes_a_runs_first_and_last_views_alike():
+    """notebooks/nbval-sanitize.cfg: nbval compares a view's first state (it ignores display updates) with
+    the saved last one; timings, memory and bars in whichever order the ranks start them differ per run."""
+    import pathlib
+    import re as regex
+
+    from nbval.plugin import get_sanitize_patterns
+
+    cfg = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "nbval-sanitize.cfg"
+    patterns = get_sanitize_patterns(cfg.read_text())
+
+    def clean(text):
+        for pattern, replace in patterns:
+            text = regex.sub(pattern, replace, text)
+        return text
+
+    first = ("nbddp · 2 ranks · cpu/gloo · starting · 0.0 s\nrank  state     time   last line\n0     starting  0.0 s\n"
+             "logs: /root/.cache/nbddp/runs/20261122-185432.716641152-25640-74edef")
+    last = ("nbddp · 2 ranks · cpu/gloo · finished · 1.9 s\nrank  state     time   private memory  last line\n"
+            "0     finished  1.9 s  76 MB           epoch 2\nlogs: /tmp/x/20261122-190121.161910023-3769-73e176")
+    assert clean(first) == clean(last) == "NBDDP-DASHBOARD"
+    assert clean("nbddp pool · cell on ranks 0-1 · 1.7 ms · ok") == clean("nbddp pool · cell on ranks 0-1 · 2.3 s · ok")
+    assert clean("nbddp pool · cell on ranks 0-1 · 1.7 ms · ok").endswith("· ok")
+    bars = ["[rank1]:epoch 1:   0%|          | 0/20 [00:00<?, ?it/s]", "[rank0]:epoch 1: 100%|##########| 20/20 [00:01]"]
+    assert clean(bars[0]) == clean(bars[1]) == "[rankN]:epoch 1: PROGRESS-BAR"
+    assert clean("ready in 0.07 s, 12 MB, Cell In[12], pid 4242") == "ready in TIME s, N MB, Cell In[N], pid PID"
+    assert clean("[rank0-1]:epoch 0 mean loss 0.4686") == "[rank0-1]:epoch 0 mean loss 0.4686", "the user's own output stays"
