@@ -42,15 +42,16 @@ def new_kernel(env=None) -> Kernel:
 
 
 def relay(k: Kernel, lines_per_rank: int) -> dict:
-    """Lines/s from the ranks through the kernel to this client, and the kernel-only anchor."""
+    """Lines/s from the ranks through the kernel to this client, and the kernel-only anchor. Each rank's
+    lines are its own (the relay shows a line every rank printed alike once)."""
     k.ok("%%ddp --devices 2\nfor i in range(100):\n    print(i)\n")  # warm-up
     t0 = time.perf_counter()
-    res = k.ok(f"%%ddp --devices 2 --max-lines {lines_per_rank}\nfor i in range({lines_per_rank}):\n    print(f'line {{i}}')\n",
+    res = k.ok(f"%%ddp --devices 2 --max-lines {lines_per_rank}\nfor i in range({lines_per_rank}):\n    print(f'{{rank}} line {{i}}')\n",
                timeout=300)
     ours = time.perf_counter() - t0
     got = res.stdout.count("\n")
     t0 = time.perf_counter()
-    res2 = k.ok(f"import sys\nsys.stdout.write(''.join(f'[rank{{i % 2}}]:line {{i}}\\n' for i in range({2 * lines_per_rank})))",
+    res2 = k.ok(f"import sys\nsys.stdout.write(''.join(f'[rank{{i % 2}}]:{{i % 2}} line {{i}}\\n' for i in range({2 * lines_per_rank})))",
                 timeout=300)
     anchor = time.perf_counter() - t0
     trivial = min(k.run("%%ddp --devices 2\npass").seconds for _ in range(3))

@@ -142,7 +142,8 @@ def test_an_interrupt_ends_a_ranks_wait_for_input(clean_kernel):
     res = clean_kernel.converse("%%ddp --devices 2\nif rank == 0:\n    input('waiting? ')\nprint('never')\n",
                                 lambda prompt: interrupt(prompt), timeout=60)
     assert res.prompts == ["[rank0] waiting? "], res.prompts
-    assert "KeyboardInterrupt" in res.error_text and "rank(s) 0 ran the cell" in res.error_text, res.error_text
+    text = res.error_text  # (rank 1 may or may not have finished its cell when the interrupt came)
+    assert "KeyboardInterrupt" in text and "rank 0 was at Cell In[" in text and "input('waiting? ')" in text, text
 
 
 def test_a_pause_in_pdb_does_not_trip_the_timeout(clean_kernel):

@@ -26,7 +26,7 @@ from .relay import latest_redraw, progress, rank_span
 STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
                  "stopped": "#ef6c00", "interrupted": "#ef6c00"}
 # a stack dump's lines (faulthandler at an interrupt or --timeout, a traceback) are not a rank's last line
-DUMP_LINE = re.compile(r"\s*(File \"|Thread 0x|Current thread 0x|Stack \(most recent call first\)|"
+DUMP_LINE = re.compile(r"\s*(File( \"|\s*$)|Thread 0x|Current thread 0x|Stack \(most recent call first\)|"
                        r"Traceback \(most recent call last\)|Fatal Python error|<no Python frame>)")
 LAST_CHARS = 160  # of a rank's last line kept (its start: a log dict keeps its first keys)
 LINE_BYTES = 4 * LAST_CHARS  # of an unfinished line kept (UTF-8: at most 4 bytes a character)
