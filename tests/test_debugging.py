@@ -126,6 +126,8 @@ def test_who_and_diff_show_where_ranks_disagree(clean_kernel):
         off = clean_kernel.ok("%ddp diff model.state_dict()", timeout=60).stdout
         assert "1 of 2 entries differs" in off and "module.bias" in off and "module.weight" not in off, off
         assert "largest relative gap" in off, off
+        optim = clean_kernel.ok("%ddp diff opt.state_dict()", timeout=60).stdout
+        assert "2 ranks: all" in optim and "agree" in optim, optim  # SGD's param groups, the same on both
         rng = clean_kernel.ok("%ddp diff torch.get_rng_state()", timeout=60).stdout
         assert "1 of 1 entry differs" in rng, rng  # rank 1 drew numbers rank 0 did not
         bad = clean_kernel.run("%ddp diff no_such_name", timeout=60)
@@ -179,3 +181,18 @@ def test_a_spawned_rank_says_why_it_cannot_read_the_input_box(clean_kernel):
     res = clean_kernel.converse("%%ddp --devices 2 --start-method spawn\ninput('x? ')\n", answers(), timeout=120)
     assert res.prompts == [], res.prompts
     assert "StdinNotImplementedError" in res.error_text and "no command pipe" in res.error_text, res.error_text
+
+
+def test_pdb_on_opens_post_mortem_in_a_pool_rank_and_the_pool_lives_on(clean_kernel):
+    clean_kernel.ok("%ddp start --devices 2", timeout=60)
+    clean_kernel.ok("%pdb on")
+    try:
+        res = clean_kernel.converse("%%ddp\nfactor = 3 + rank\nif rank == 0:\n    1 / 0\n", answers("p factor", "c"),
+                                    timeout=60)
+        assert pdb_prompts(res.prompts, 0) == 2 and "[rank0]:3" in res.stdout, (res.prompts, res.stdout)
+        assert "ZeroDivisionError" in res.error_text and "The pool and its state survived" in res.error_text
+        after = clean_kernel.ok("%%ddp --gather f\nf = factor\n", timeout=60)
+        assert clean_kernel.value("f") == [3, 4], after.stdout
+    finally:
+        clean_kernel.ok("%pdb off")
+        clean_kernel.ok("%ddp stop", timeout=60)
