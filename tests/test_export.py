@@ -9,6 +9,7 @@ import pytest
 
 from nbddp.export.script import export_cells
 from nbddp.export.pysyntax import to_python
+from torchrun import torchrun
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,8 +29,7 @@ def test_exported_notebook_under_torchrun_prints_the_cells_result(tmp_path):
     script = tmp_path / "train.py"
     bindir = Path(sys.executable).parent
     subprocess.run([bindir / "nbddp", "export", NOTEBOOK, "-o", script], check=True, timeout=60)
-    run = subprocess.run([bindir / "torchrun", "--standalone", "--nproc-per-node", "2", script],
-                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    run = torchrun(script, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == cell_result(NOTEBOOK)
 
@@ -105,8 +105,7 @@ def test_an_exported_session_prints_under_torchrun_what_the_notebook_printed(ker
     assert "get_ipython" not in text and "%%ddp?" not in text and "pinfo" not in text
     bindir = Path(sys.executable).parent
     logs = tmp_path / "logs"  # one file per rank: torchrun's shared stdout interleaves ranks mid-line
-    run = subprocess.run([bindir / "torchrun", "--standalone", "--nproc-per-node", "2", "--redirects", "1",
-                          "--log-dir", logs, script], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    run = torchrun(script, timeout=240, cwd=tmp_path, log_dir=logs)
     assert run.returncode == 0, run.stderr[-3000:]
     printed = "".join(p.read_text() for p in sorted(logs.rglob("stdout.log")))
     assert _lines(printed) == notebook, (printed, shown)
@@ -209,9 +208,7 @@ def test_the_readmes_example_exported_from_a_session_runs_under_torchrun(runs_di
     assert re.search(r"\n_nbddp_show\(loss\.item\(\)\) +# rank 0's last expression", text)
     bindir = Path(sys.executable).parent
     logs = tmp_path / "logs"
-    run = subprocess.run([bindir / "torchrun", "--standalone", "--nproc-per-node", "2", "--redirects", "1",
-                          "--log-dir", logs, script], check=False, capture_output=True, text=True, timeout=280,
-                         cwd=tmp_path)
+    run = torchrun(script, timeout=280, cwd=tmp_path, log_dir=logs)
     assert run.returncode == 0, run.stderr[-3000:]
     out = {int(p.parent.name): p.read_text() for p in logs.rglob("stdout.log")}
     assert re.fullmatch(r"loss \d\.\d{3}\n\d\.\d+(e-\d+)?\n", out[0]), out

@@ -6,13 +6,12 @@ nbddp's default on two cores, torchrun's OMP_NUM_THREADS=1); every rank's losses
 weight sums must be equal. transformers' Trainer (a tiny random BERT built from a config: no download),
 Lightning Fabric's `ddp`, peft LoRA in DDP, and torch.compile of a DDP model both ways round."""
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from test_libraries import HF_SETUP, hf_args
+from torchrun import torchrun
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -142,9 +141,7 @@ def under_torchrun(tmp_path_factory):
     script.write_text("\n".join(parts))
     logs = tmp / "logs"
     t0 = time.monotonic()
-    run = subprocess.run([Path(sys.executable).parent / "torchrun", "--standalone", "--nproc-per-node", "2",
-                          "--redirects", "3", "--log-dir", logs, script], check=False, capture_output=True,
-                         text=True, timeout=500, cwd=tmp)
+    run = torchrun(script, timeout=500, cwd=tmp, log_dir=logs, redirects=3)
     seconds = time.monotonic() - t0
     per_rank = {int(p.parent.name): p for p in logs.rglob("stdout.log")}
     assert run.returncode == 0, run.stderr[-3000:] + "".join(p.read_text()[-3000:] for p in logs.rglob("stderr.log"))

@@ -6,6 +6,7 @@ import time
 import psutil
 import pytest
 
+from torchrun import torchrun
 from kernel import Kernel, said
 
 pytestmark = pytest.mark.timeout(240)
@@ -229,9 +230,6 @@ def test_100_start_cell_stop_cycles_leave_the_kernel_flat(clean_kernel):
 
 def test_a_pool_session_exports_to_one_torchrun_script(tmp_path):
     """The cells of a pool session, in order, become one script: state carries from cell to cell there too."""
-    import subprocess
-    import sys
-    from pathlib import Path
 
     k = Kernel(env={})
     try:
@@ -249,9 +247,7 @@ def test_a_pool_session_exports_to_one_torchrun_script(tmp_path):
     text = script.read_text()
     assert "ddp start" not in text and "ddp stop" not in text, "the pool's own line magics are the notebook's only"
     logs = tmp_path / "logs"
-    run = subprocess.run([Path(sys.executable).parent / "torchrun", "--standalone", "--nproc-per-node", "2",
-                          "--redirects", "1", "--log-dir", logs, script], capture_output=True, text=True,
-                         timeout=240, cwd=tmp_path)
+    run = torchrun(script, timeout=240, cwd=tmp_path, log_dir=logs)
     assert run.returncode == 0, run.stderr[-3000:]
     printed = "".join(p.read_text() for p in sorted(logs.rglob("stdout.log")))
 

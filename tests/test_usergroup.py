@@ -3,12 +3,12 @@
 Real kernel, real forks, real torchrun; the tutorial script is pytorch/examples' own (tests/peers)."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from kernel import said
+from torchrun import torchrun
 
 pytestmark = pytest.mark.timeout(300)
 PEERS = Path(__file__).resolve().parent / "peers"
@@ -47,8 +47,7 @@ def _tutorial_lines(text: str) -> list[str]:
 def test_pytorch_examples_torchrun_tutorial_runs_unchanged_in_a_cell(clean_kernel, tmp_path):
     script = _cpu_tutorial(tmp_path)
     (tmp_path / "torchrun").mkdir()
-    run = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", script, "2", "1"],
-                         capture_output=True, text=True, timeout=240, cwd=tmp_path / "torchrun")
+    run = torchrun(script, 2, 1, timeout=240, cwd=tmp_path / "torchrun")
     assert run.returncode == 0, run.stderr[-3000:]
     (tmp_path / "cell").mkdir()
     res = clean_kernel.ok(
@@ -104,8 +103,7 @@ def test_the_torchrun_environment_and_record_match_torchrun(clean_kernel, tmp_pa
     dump = tmp_path / "dump.py"
     dump.write_text("import os\nif os.environ['RANK'] == '0':\n    " + ENV_DUMP.replace("\n", "\n    "))
     base = set(os.environ)
-    run = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", dump],
-                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    run = torchrun(dump, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     torchrun_keys = set(json.loads(run.stdout.strip().splitlines()[-1])) - base - {"COLUMNS", "LINES"}  # terminal size
     res = clean_kernel.ok("%%ddp --devices 2 --ranks-output 0 --no-prefix\n" + ENV_DUMP, timeout=120)
