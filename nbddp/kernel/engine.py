@@ -191,7 +191,8 @@ class CellRun:
             now = time.monotonic()
             marks = [t for t in (wake_at, self.first_error and self.first_error + PEER_GRACE_S,
                                  self.interrupted_at and self.interrupted_at + HEALTH_S,
-                                 self._probe_due(), self.prompts.due(), self.relay and self.relay.release_due()) if t and t > now]
+                                 self._probe_due(), self.prompts.due(),
+                                 self.relay and self.relay.release_due()) if t and t > now]
             return min(marks) if marks else None
 
         over = self._cell_over if self.gang.persistent else self._one_shot_over
