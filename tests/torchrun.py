@@ -2,7 +2,8 @@
 
 torch's gloo teardown can abort a script that finished its work, at exit: SIGABRT, "terminate called
 without an active exception" (about 1 run in 25 here; torch's own race, the one behind issue 21's hang).
-A run that torchrun reports ended that way (``exitcode: -6``) is run once more; any other failure stands."""
+A run that torchrun reports ended that way (``exitcode: -6``) is run once more, from the same files (what
+the first run made in ``cwd`` is removed); any other failure stands."""
 from __future__ import annotations
 
 import shutil
@@ -17,7 +18,10 @@ ABORTED = "exitcode: -6"
 def torchrun(script, *args, cwd, timeout: float, log_dir: Path | None = None, redirects: int = 1):
     """``torchrun --standalone --nproc-per-node 2 [--redirects R --log-dir D] script args...``."""
     logs = ["--redirects", str(redirects), "--log-dir", str(log_dir)] if log_dir is not None else []
+    before = set(Path(cwd).iterdir())
     for _ in range(2):
+        for made in set(Path(cwd).iterdir()) - before:  # the retry starts where the first run did (a script
+            shutil.rmtree(made) if made.is_dir() else made.unlink()  # resumes from a snapshot it finds there)
         if log_dir is not None:
             shutil.rmtree(log_dir, ignore_errors=True)  # the retry's logs only
         run = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", *logs, script, *map(str, args)],
