@@ -207,7 +207,7 @@ class CellRun:
         """A rank's prompt whose turn it is, asked in the notebook (this waits for the user); the engine's
         clocks move on by that pause, so a debugging session trips no deadline or health rule."""
         if self.interrupted_at is not None:  # the ranks were told to stop: nothing more to ask
-            self.prompts.waiting.clear()
+            self.prompts.drop()
             return
         paused = self.prompts.serve()
         if paused:

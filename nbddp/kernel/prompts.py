@@ -37,6 +37,10 @@ class Prompts:
         if self.holder == event.rank:
             self.holder = None
 
+    def drop(self) -> None:
+        """The ranks were told to stop: no prompt still waiting is asked."""
+        self.waiting.clear()
+
     def due(self) -> float | None:
         """When the next prompt can be asked (the holder's at once, another's after the hold); None if none."""
         if not self.waiting:
