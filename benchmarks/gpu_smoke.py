@@ -9,12 +9,20 @@ machine without network). Adapts to the GPUs present; each check runs in a fresh
   - gloo, 2 ranks sharing GPU 0: --accelerator cpu ranks that put their tensors on cuda:0;
   - NVML dashboard: the live widget shows a row per GPU with utilisation;
   - free-GPU picking: with another process holding memory on GPU 0, --devices auto skips it and says why;
+  - a pool on the GPU: %ddp start --devices 1, cells that build and train a model, a failing cell, the model
+    kept, %ddp stop leaving no rank behind;
+  - stepping into a GPU rank: input(), breakpoint() and %pdb post-mortem answered from the notebook's input box;
+  - progress bars: tqdm in a GPU rank draws one bar, at 100% in the end;
   - step time: the same DDP loop as a %%ddp cell and under torchrun, steps/s ratio;
   - with 2+ GPUs, also NCCL across all of them.
 Prints a PASS/FAIL table; exits 1 on any FAIL. Without a GPU it says so in one line and exits 2.
+--out DIR: also writes there, per check, the transcript of every cell it ran (smoke-<check>.txt), the live
+dashboard's last HTML (dashboard.html) and the results (smoke.json).
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import shutil
@@ -59,22 +67,51 @@ def gpu_count() -> int:
 def plan_checks(gpus: int) -> list[tuple[str, object]]:
     checks = [("CUDA guard: torch", check_guard_torch), ("CUDA guard: other library", check_guard_library),
               ("NCCL, 1 rank", check_nccl_one), ("gloo, 2 ranks on GPU 0", check_gloo_shared),
-              ("NVML dashboard", lambda: check_dashboard(gpus)), ("free-GPU picking", lambda: check_free(gpus))]
+              ("NVML dashboard", lambda: check_dashboard(gpus)), ("free-GPU picking", lambda: check_free(gpus)),
+              ("pool on the GPU", check_pool), ("debugging a GPU rank", check_debugging),
+              ("progress bar on a GPU rank", check_bars)]
     if gpus >= 2:
         checks.append((f"NCCL across {gpus} GPUs", lambda: check_nccl_all(gpus)))
     checks.append(("step time vs torchrun", lambda: check_step_time(min(gpus, 2))))
     return checks
 
 
+OUT: Path | None = None  # --out
+TRANSCRIPT: list[str] = []  # every cell the current check ran, with what came back
+
+
 def fresh_kernel(extra_path: str | None = None):
     from kernel import Kernel
+
+    class Recorded(Kernel):
+        def collect(self, msg_id, timeout=60, on_message=None, between=None):
+            res = super().collect(msg_id, timeout, on_message, between)
+            TRANSCRIPT.append(f"--- {res.seconds:.2f} s, status {res.status}\n[stdout]\n{res.stdout}\n[stderr]\n"
+                              f"{res.stderr}\n[error]\n{res.error_text if res.error else ''}")
+            return res
+
+        def execute(self, code):
+            TRANSCRIPT.append(f"=== cell\n{code}")
+            return super().execute(code)
+
+        def converse(self, code, answer, timeout=60):
+            TRANSCRIPT.append(f"=== cell (answered from the input box)\n{code}")
+            res = super().converse(code, answer, timeout)
+            TRANSCRIPT.append(f"[prompts] {res.prompts}")
+            return res
 
     env = {"NBDDP_RUNS_DIR": tempfile.mkdtemp()}
     if extra_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), extra_path) if p)
-    k = Kernel(env=env)
+    k = Recorded(env=env)
     k.ok("%load_ext nbddp\nimport torch, nbddp")
     return k
+
+
+def answers(*lines):
+    """A front end that types ``lines`` in order into the input box."""
+    left = list(lines)
+    return lambda prompt: left.pop(0) if left else "c"
 
 
 def check_guard_torch() -> tuple[bool, str]:
@@ -148,6 +185,8 @@ def check_dashboard(gpus: int) -> tuple[bool, str]:
                    "t0 = time.time()\nwhile time.time() - t0 < 4:\n    x = x @ x / x.norm()\ntorch.cuda.synchronize()\n")
         states = [c["data"].get("state", {}).get("value", "") for c in res.comms]
         live = [s for s in states if "util history" in s]
+        if OUT and live:
+            (OUT / "dashboard.html").write_text(live[-1])
         ok = bool(live) and all(f"cuda:{i}" in live[-1] for i in range(n)) and re.search(r"\d+%", live[-1]) is not None
         return ok, f"{n} GPU row(s) with utilisation in the live widget" if ok else "no GPU rows seen"
     finally:
@@ -189,6 +228,71 @@ def check_free(gpus: int) -> tuple[bool, str]:
         k.shutdown()
 
 
+def check_pool() -> tuple[bool, str]:
+    k = fresh_kernel()
+    try:
+        k.ok("%ddp start --devices 1", timeout=180)
+        first = k.ok("%%ddp\nimport torch.distributed as dist\nmodel = torch.nn.Linear(64, 64).to(device)\n"
+                     "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nsteps = 0\n"
+                     "print('built', dist.get_backend(), next(model.parameters()).device)\n")
+        train = ("%%ddp\nfor _ in range(5):\n    opt.zero_grad()\n"
+                 "    model(torch.randn(8, 64, device=device)).square().mean().backward()\n    opt.step()\n"
+                 "    steps += 1\nprint('steps', steps)\n")
+        k.ok(train)
+        bad = k.run("%%ddp\nx = torch.ones(3, device=device)\nraise ValueError('a bad batch')\n")
+        k.ok(train)
+        kept = k.ok("%%ddp\nt = torch.ones(1, device=device)\ndist.all_reduce(t)\n"
+                    "print('kept', steps, model.weight.device, t.item())\n")
+        ranks = [p.pid for p in k.process().children(recursive=True)]
+        k.ok("%ddp stop", timeout=60)
+        left = [p.pid for p in k.process().children(recursive=True)]
+        ok = ("[rank0]:built nccl cuda:0" in first.stdout and bad.error is not None
+              and "ValueError: a bad batch" in bad.error_text and "[rank0]:kept 10 cuda:0 1.0" in kept.stdout
+              and ranks and not left)
+        return ok, (f"3 cells on a live NCCL rank, a failing cell in between, model kept (10 steps on cuda:0); "
+                    f"{len(ranks)} process(es) while up, {len(left)} after %ddp stop")
+    finally:
+        k.shutdown()
+
+
+def check_debugging() -> tuple[bool, str]:
+    k = fresh_kernel()
+    try:
+        res = k.converse("%%ddp --devices 1\nt = torch.ones(2, device=device) * 3\nname = input('name? ')\n"
+                         "breakpoint()\nprint('got', name, t.sum().item())\n", answers("gpu", "p t.device", "c"),
+                         timeout=120)
+        stepped = (res.error is None and res.prompts[:1] == ["[rank0] name? "] and len(res.prompts) == 3
+                   and "[rank0]:got gpu 6.0" in res.stdout and "device(type='cuda', index=0)" in res.stdout)
+        k.ok("%pdb on")
+        pm = k.converse("%%ddp --devices 1\ndef f():\n    g = torch.full((1,), 7.0, device=device)\n"
+                        "    return {}[1]\nf()\n", answers("p g.device, g.item()", "c"), timeout=120)
+        post = ("KeyError: 1" in pm.error_text and "(device(type='cuda', index=0), 7.0)" in pm.stdout
+                and "post-mortem" in pm.stderr)
+        return stepped and post, (f"input + breakpoint on cuda:0: {'ok' if stepped else 'FAILED'}; "
+                                  f"%pdb post-mortem in the failed GPU rank: {'ok' if post else 'FAILED'}")
+    finally:
+        k.shutdown()
+
+
+def check_bars() -> tuple[bool, str]:
+    k = fresh_kernel()
+    try:
+        res = k.ok("%%ddp --devices 1\nfrom tqdm.auto import tqdm\nx = torch.randn(1024, 1024, device=device)\n"
+                   "for i in tqdm(range(50), mininterval=0, desc='gpu'):\n    x = x @ x / x.norm()\n"
+                   "torch.cuda.synchronize()\n", timeout=120)
+        last = {}
+        for d in res.displays:
+            did = d.get("transient", {}).get("display_id", "")
+            if "-bar" in did:
+                last[did] = d["data"]
+        bars = list(last.values())
+        ok = (len(bars) == 1 and bars[0]["text/plain"].startswith("[rank0]:gpu: 100%") and "50/50" in bars[0]["text/plain"]
+              and "nbddp-bar" in bars[0]["text/html"] and "%|" not in res.stderr)
+        return ok, bars[0]["text/plain"] if bars else "no bar drawn"
+    finally:
+        k.shutdown()
+
+
 def check_step_time(n: int) -> tuple[bool, str]:
     k = fresh_kernel()
     try:
@@ -202,13 +306,22 @@ def check_step_time(n: int) -> tuple[bool, str]:
                       "if dist.get_rank() == 0:\n    print('STEPS', steps_per_s)\ndist.destroy_process_group()\n")
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(n), str(script)], capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, check=False)
+    TRANSCRIPT.append(f"=== torchrun, exit {out.returncode}\n{out.stdout}\n{out.stderr}")
+    if "STEPS" not in out.stdout:
+        return False, f"torchrun failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}"
     theirs = float(out.stdout.split("STEPS")[1].split()[0])
     ratio = ours / theirs
     return ratio >= 0.98, f"{n} rank(s): %%ddp {ours:.1f} steps/s, torchrun {theirs:.1f} steps/s, ratio {ratio:.3f}"
 
 
 def main() -> int:
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="write transcripts, the dashboard's HTML and smoke.json here")
+    OUT = ap.parse_args().out
+    if OUT:
+        OUT.mkdir(parents=True, exist_ok=True)
     gpus = gpu_count()
     if gpus == 0:
         print("gpu_smoke: no GPU here (NVML sees none: no NVIDIA GPU, no driver, or nvidia-ml-py not installed); "
@@ -220,16 +333,29 @@ def main() -> int:
     except ImportError as e:
         print(f"gpu_smoke: {e.name} is not installed; docs/gpu.md says which wheels to carry.", file=sys.stderr)
         return NO_GPU_EXIT
-    failed = 0
-    print(f"{gpus} GPU(s): {', '.join(__import__('nbddp').nvml.backend().names())}")
+    import time
+    import traceback
+
+    from nbddp.hw import nvml
+
+    failed, results = 0, []
+    print(f"{gpus} GPU(s): {', '.join(nvml.backend().names())}")
     print(f"{'check':28} result  detail")
     for name, fn in plan_checks(gpus):
+        TRANSCRIPT.clear()
+        t0 = time.perf_counter()
         try:
             ok, detail = fn()
         except Exception as e:  # noqa: BLE001 - report every check
             ok, detail = False, f"{type(e).__name__}: {e}"
+            TRANSCRIPT.append(traceback.format_exc())
         failed += not ok
+        results.append({"check": name, "ok": ok, "detail": detail, "seconds": time.perf_counter() - t0})
         print(f"{name:28} {'PASS' if ok else 'FAIL'}    {detail}", flush=True)
+        if OUT:
+            (OUT / f"smoke-{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.txt").write_text("\n".join(TRANSCRIPT))
+    if OUT:
+        (OUT / "smoke.json").write_text(json.dumps({"gpus": nvml.backend().names(), "checks": results}, indent=1))
     return 1 if failed else 0
 
 

@@ -22,7 +22,8 @@ def smoke():
 def test_one_gpu_plan(smoke):
     names = [n for n, _ in smoke.plan_checks(1)]
     assert names == ["CUDA guard: torch", "CUDA guard: other library", "NCCL, 1 rank", "gloo, 2 ranks on GPU 0",
-                     "NVML dashboard", "free-GPU picking", "step time vs torchrun"]
+                     "NVML dashboard", "free-GPU picking", "pool on the GPU", "debugging a GPU rank",
+                     "progress bar on a GPU rank", "step time vs torchrun"]
 
 
 def test_more_gpus_add_nccl_across_them(smoke):
