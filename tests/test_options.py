@@ -19,6 +19,8 @@ BAD = [
     ("--max-output-mb -1", "--max-output-mb -1.0: need a size in MiB >= 0"),
     ("--max-value-mb 0", "--max-value-mb 0.0: need a size in MiB > 0"),
     ("--seed -3", "--seed -3: need a whole number >= 0"),
+    ("--nodes 0", "--nodes 0: need a whole number >= 1"),
+    ("--cluster slurm", "--cluster 'slurm': need ray, or ray:ADDRESS"),
 ]
 
 
@@ -35,7 +37,8 @@ def test_config_and_the_magic_derive_from_the_one_table():
         assert " ".join(o.help.split()[:4]) in " ".join(doc.split()), o.name
     for title in options.GROUPS.values():
         assert title in doc
-    assert set(options.POOL_FIXED) == {"devices", "accelerator", "backend", "start_method", "threads", "seed"}
+    assert set(options.POOL_FIXED) == {"devices", "accelerator", "backend", "start_method", "threads", "seed",
+                                       "cluster", "nodes"}
 
 
 @pytest.mark.parametrize("line", ["-d3", "-d 3", "--devices=3", "--devices 3", "--threads 1 -d3"])

@@ -55,6 +55,9 @@ def refusals(config, *, pool: bool = False) -> None:
                          "the notebook's data); spawn works for one-shot %%ddp cells only.\nNothing ran: drop "
                          "--start-method from %ddp start, or %ddp stop and run the cell one-shot with it.")
     options.check(config)
+    if config.cluster and not pool or config.nodes > 1 and not config.cluster:
+        raise UsageError("--cluster and --nodes start a pool across the nodes of a Ray cluster: %ddp start "
+                         "--cluster ray --nodes N --devices D (then %%ddp cells run on it). Nothing ran.")
     devices.parse_devices(config.devices)
 
 

@@ -26,7 +26,6 @@ collective             ranks are stopped                           and makes a f
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -306,10 +305,7 @@ class CellRun:
             self.interrupted_at = time.monotonic()
             for p in self.gang.sup.live():
                 if p.rank in self.ranks and p.rank not in self.replies:
-                    try:
-                        os.kill(p.pid, INTERRUPT)
-                    except ProcessLookupError:
-                        pass
+                    p.signal(INTERRUPT, group=False)
 
     def _stop_at_interrupt(self, announced: bool) -> list[int]:
         """Jupyter's interrupt: which ranks ran the cell; one-shot ranks are asked for their stacks and
@@ -397,7 +393,7 @@ class CellRun:
         code = {messages.Result: 0, messages.Error: 1}.get(type(rec), getattr(rec, "code", None))
         records = {type(rec): rec, **({messages.Done: messages.Done()} if isinstance(rec, messages.Result) else {})}
         return failure.exit_record(rank, records if rec is not None else {}, code=code,
-                                   stopped=self.interrupted_at is not None or rec is None)
+                                   stopped=self.interrupted_at is not None or rec is None, node=self.gang.node_of(rank))
 
     def _with_fate(self, err: RankFailure, survived: bool | None) -> RankFailure:
         """A pool's failure says what became of the pool."""

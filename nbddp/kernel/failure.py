@@ -41,6 +41,11 @@ class RankExit:
     order: int = 0  # order in which the parent saw it end
     max_rss: int = 0  # peak resident set size in bytes, from wait4
     seen: float = float("inf")  # time.time() when the parent saw it end
+    node: str = ""  # a cluster pool's: the node it ran on (failures name it)
+
+    @property
+    def where(self) -> str:
+        return f" on node {self.node}" if self.node else ""
 
     @property
     def ok(self) -> bool:
@@ -91,8 +96,8 @@ class RankExit:
         phase = self.phase
         where = f" while {PHASES[phase]}" if phase and phase != "cell" else ""
         if self.left_early:
-            return f"rank {self.rank} left early: it {self.describe()} while the other ranks went on"
-        return f"rank {self.rank} failed{where}: {self.describe()}"
+            return f"rank {self.rank}{self.where} left early: it {self.describe()} while the other ranks went on"
+        return f"rank {self.rank}{self.where} failed{where}: {self.describe()}"
 
 
 def exit_record(rank: int, records: dict, *, code: int | None, stopped: bool, **more) -> RankExit:

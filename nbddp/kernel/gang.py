@@ -66,6 +66,10 @@ class Gang:
             for read, _ in pipes.values():
                 os.close(read)
 
+    def node_of(self, rank: int) -> str:
+        """The node a rank runs on, as failures name it: none on one machine (a cluster pool's gang says)."""
+        return ""
+
     @property
     def alive(self) -> bool:
         return self.sup is not None and len(self.sup.live()) == self.world_size
@@ -100,7 +104,7 @@ class Gang:
             return
         dead = [p.exit for p in self.sup.procs if p.exit is not None and not p.exit.stopped]
         cause = failure.root_cause(dead) or (dead[0] if dead else None)  # not a peer that died of its loss
-        self.why = why if why == "stopped" or cause is None else f"rank {cause.rank} exited ({cause.describe()})"
+        self.why = why if why == "stopped" or cause is None else f"rank {cause.rank}{cause.where} exited ({cause.describe()})"
         if self.view is not None:
             self.view.finish(self.why if why == "stopped" else f"ended: {self.why}")
         sup, self.sup = self.sup, None

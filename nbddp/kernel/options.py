@@ -104,6 +104,16 @@ OPTIONS = (
            ok=lambda v: v is None or _whole(0)(v),
            help="Reproducible randomness: rank r's torch, random and numpy generators are seeded from N and r. "
            "Default: fresh entropy per rank and run, as under torchrun; the notebook's own are never touched."),
+    Option("cluster", ("--cluster",), None, scope=LAUNCH, group="ranks", metavar="ray[:ADDRESS]",
+           need="ray, or ray:ADDRESS (a Ray cluster's address; not a ray:// client address)",
+           ok=lambda v: v is None or (v == "ray" or v.startswith("ray:")) and not v.startswith("ray:ray://"),
+           help="A pool across the nodes of a Ray cluster (pools only): the kernel's node runs ranks "
+           "0..D-1, forked from the kernel; an agent on each other node forks its ranks. ray: the cluster the "
+           "notebook connected to with ray.init (or this machine's); ray:ADDRESS connects to that one. See "
+           "docs/ray.md."),
+    Option("nodes", ("--nodes",), 1, scope=LAUNCH, group="ranks", type=int, metavar="N", need="a whole number >= 1",
+           ok=_whole(1), help="Nodes of the --cluster a pool spans, --devices ranks on each (node 0 is the "
+           "kernel's). Default 1."),
     Option("ranks", ("--ranks",), (), scope=NAMES, group="pool", type=_rank_list, metavar="R[,R...]",
            help="Run the cell on these ranks of the pool only (0 or 0,2), to look at or fix one rank's state; a "
            "collective called there fails fast, and the pool lives on. Its last expression and --out come from "

@@ -47,7 +47,12 @@ class Pool:
     def start(self) -> "Pool":
         plan = checks.preflight(self.config, pool=True)
         with checks.one_at_a_time():
-            gang = self.gang = Gang(self.config, plan, persistent=True, view_for=view_for_pool)
+            if self.config.cluster:  # ranks on several nodes (imports Ray only then)
+                from ..cluster.clustergang import ClusterGang
+
+                gang = self.gang = ClusterGang(self.config, plan, view_for=view_for_pool, namespace=self.namespace)
+            else:
+                gang = self.gang = Gang(self.config, plan, persistent=True, view_for=view_for_pool)
             self.view = gang.view
             try:
                 gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
@@ -139,6 +144,8 @@ class Pool:
             sys.stderr.flush()  # before the ranks' output, where it belongs
         if ranks and updates and self.alive:  # the ranks left out get the notebook's latest values too
             self.gang.command(messages.Update(updates), ranks=[r for r in range(world) if r not in ranks])
+        if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start
+            self.gang.send_missing(self.reads, self.namespace or {}, self.rank_assigned)
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config),
                                updates, post_mortem=post_mortem, lead=ranks[0] if ranks else 0)
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]

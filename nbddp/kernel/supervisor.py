@@ -110,6 +110,17 @@ class RankProc:
     published: dict = field(default_factory=lambda: {"stdout": 0, "stderr": 0})  # bytes published per stream
     exit: failure.RankExit | None = None
     stop_sent: bool = False
+    here: bool = True  # a process of this machine (a cluster pool's rank on another node is not: remote.py)
+
+    def signal(self, sig: int, group: bool = True) -> None:
+        """``sig`` to the rank (and, ``group``, the processes it started)."""
+        if group:
+            _signal_group(self.pid, sig)
+        else:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def fd_of(self, stream: str) -> int | None:
         return next((fd for fd, s in self.fds.items() if s == stream), None)
@@ -139,12 +150,19 @@ class Supervisor:
         for fd, kind in proc.fds.items():
             os.set_blocking(fd, False)  # the kernel's ends only: a drain must never wait
             self.sel.register(fd, selectors.EVENT_READ, (proc, kind))
-        self.sel.register(proc.exit_fd, selectors.EVENT_READ, (proc, "exit"))
+        if proc.exit_fd >= 0:
+            self.sel.register(proc.exit_fd, selectors.EVENT_READ, (proc, "exit"))
+
+    def watch(self, fd: int, callback) -> None:
+        """``callback()`` whenever ``fd`` is readable, in the loop (a cluster pool's events from other nodes)."""
+        os.set_blocking(fd, False)
+        self.sel.register(fd, selectors.EVENT_READ, (callback, "source"))
 
     def announce(self) -> None:
         """Tell the subscribers about every rank, once all are forked."""
         for proc in self.procs:
-            self.bus.publish(Started(proc.rank, proc.pid))
+            if proc.here:  # (a pid on another machine means nothing to this one's monitor)
+                self.bus.publish(Started(proc.rank, proc.pid))
 
     def all_fds(self) -> list[int]:
         return [fd for p in self.procs for fd in (*p.fds, p.exit_fd)]
@@ -181,6 +199,9 @@ class Supervisor:
                 next_tick = now + self.tick
 
     def _event(self, proc: RankProc, kind: str, fd: int) -> None:
+        if kind == "source":
+            proc()  # a watched fd's callback
+            return
         if (kind == "exit" and proc.exit is not None) or (kind != "exit" and fd not in proc.fds):
             return  # closed earlier in this same batch of events (the rank's exit drained it)
         if kind == "exit":
@@ -275,13 +296,13 @@ class Supervisor:
         for p in self.live():
             if not p.stop_sent:
                 p.stop_sent = True
-                _signal_group(p.pid, signal.SIGTERM)
+                p.signal(signal.SIGTERM)
         if self.kill_at is None:
             self.kill_at = time.monotonic() + GRACE_S
 
     def _kill_live(self) -> None:
         for p in self.live():
-            _signal_group(p.pid, signal.SIGKILL)
+            p.signal(signal.SIGKILL)
         self.kill_at = None
 
     def _expire(self, now: float) -> None:
@@ -296,7 +317,7 @@ class Supervisor:
         ranks = [p.rank for p in asked]
         self.bus.publish(StacksRequested(ranks))
         for p in asked:
-            _signal_group(p.pid, signal.SIGUSR1)
+            p.signal(signal.SIGUSR1)
         now = time.monotonic()
         self._stacks_until = now + STACK_QUIET_S
         self._stacks_end = now + STACK_MAX_S
@@ -305,7 +326,7 @@ class Supervisor:
     def signal_live(self, sig: int) -> None:
         """Every live rank and the processes it started (its process group)."""
         for p in self.live():
-            _signal_group(p.pid, sig)
+            p.signal(sig)
 
     def reap(self) -> None:
         """After an interrupt or an error in the parent: wait for every rank, escalating to SIGKILL."""

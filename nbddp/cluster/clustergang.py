@@ -1,0 +1,205 @@
+"""In the kernel: a pool's gang across the nodes of a Ray cluster (``%ddp start --cluster ray --nodes N``).
+
+Node 0 is the kernel's: its ranks 0..D-1 are forked from the kernel as in any pool (copy-on-write). Each
+other node's ranks are forked by its agent (agent.py). To the rest of nbddp it is a ``Gang``: the same
+supervisor (remote ranks are ``remote.RemoteProc``s fed by their agents' streams), the same commands
+(a remote node's go through its agent, one copy of the cell per node), the same close.
+
+The process group meets on the kernel's store (relaystore.py) over pipes: no store port is opened.
+Notebook values: the kernel's node shares the notebook copy-on-write; the other nodes start with nothing
+of it, so a name a cell reads that the notebook had when the pool started is sent to them by value once
+(``send_missing``), and a name the notebook rebinds later is sent to every node as in any pool.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import cloudpickle
+
+from ..errors import UsageError
+from ..ipy.cellcode import notebook_name
+from ..kernel import checks, rendezvous, starters
+from ..kernel.gang import STOP_S, Gang
+from ..kernel.sending import _reads
+from ..kernel.supervisor import GRACE_S
+from ..rank.worker import RankSpec
+from ..wire import framing, messages
+from . import placement, relaystore, remote
+
+START_S = 120.0  # every agent must have forked its ranks by then
+
+
+class ClusterGang(Gang):
+    def __init__(self, config, plan, *, view_for=None, namespace=None):
+        if plan.accelerator == "cuda":  # another node's ranks see the GPUs Ray gave its agent as 0..D-1
+            others = tuple(range(plan.world_size))
+        else:
+            others = plan.device_ids
+        self.per_node, self.nodes = plan.world_size, config.nodes
+        super().__init__(config, dataclasses.replace(plan, device_ids=plan.device_ids + others * (config.nodes - 1)),
+                         persistent=True, view_for=view_for)
+        self.namespace = namespace or {}
+        self.unsent = {k for k in self.namespace if notebook_name(k)}  # what the other nodes lack
+        self.extra: dict[str, bytes] = {}  # ... sent with the next cell
+        self.store = relaystore.Store()
+        self.local = relaystore.LocalStores(self.store)
+        self.links: list[remote.Link] = []
+        self.streams: remote.Streams | None = None
+        self.node_names: dict[int, str] = {}
+        self.pg = self.ray = None
+        self.actors: list = []
+
+    def node_of(self, rank: int) -> str:
+        return self.node_names.get(rank, "")
+
+    # -- start -------------------------------------------------------------------------------------------
+    def start(self, job_for, deadline: float | None = None) -> None:
+        config, D = self.config, self.per_node
+        self.started = True
+        self.ray = ray = placement.connect(config.cluster)
+        self.pg, nodes = placement.reserve(ray, config.nodes, D, self.plan.accelerator)
+        self.actors = placement.agents(ray, self.pg, nodes, D, self.plan.accelerator)
+        run_id, port = self.run_dir.run_id, rendezvous.free_port()
+        user_if = os.environ.get("NBDDP_IFNAME")
+        specs = [self._spec(r, nodes, run_id, port) for r in range(self.world_size)]
+        wheres = [a.where.remote() for a in self.actors]
+        starts = [a.start.remote(specs[n.index * D:(n.index + 1) * D], user_if)
+                  for a, n in zip(self.actors, nodes[1:])]
+        ifname = user_if or placement.ifname_for(nodes[0].ip) or rendezvous.loopback_ifname()
+        for r in range(D):
+            self.node_names[r] = nodes[0].label
+        self._fork_local(job_for, specs[:D], ifname, deadline)
+        self.streams = remote.Streams(self.sup, self.store)
+        try:
+            for n, where in zip(nodes[1:], ray.get(wheres, timeout=START_S)):
+                n.host = where["host"]
+            pids_per_node = ray.get(starts, timeout=START_S)
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(f"the agents on the other nodes did not start their ranks: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}\nIs nbddp installed on every node, with "
+                             "the same Python, torch and Ray? Nothing is left running.") from None
+        for actor, n, pids in zip(self.actors, nodes[1:], pids_per_node):
+            ranks = sorted(pids)
+            link = remote.Link(actor, n.label, ranks)
+            self.links.append(link)
+            for r in ranks:
+                self.node_names[r] = n.label
+                proc = remote.RemoteProc(r, pids[r], -1, node=n.label, link=link, here=False)
+                self.sup.add(proc)
+                self.streams.procs[r] = proc
+            self.streams.follow(link)
+
+    def _spec(self, rank: int, nodes, run_id: str, port: int) -> RankSpec:
+        D, node = self.per_node, rank // self.per_node
+        env = rendezvous.torchrun_env(rank=rank, world_size=self.world_size, run_id=run_id, master_port=port,
+                                      threads=self.config.threads, ifname="")
+        env.pop("GLOO_SOCKET_IFNAME")  # the node's own interface (its agent's, or the kernel's)
+        env.update(LOCAL_RANK=str(rank % D), LOCAL_WORLD_SIZE=str(D), GROUP_RANK=str(node), NODE_RANK=str(node),
+                   GROUP_WORLD_SIZE=str(self.nodes), MASTER_ADDR=nodes[0].ip)
+        return RankSpec(rank=rank, world_size=self.world_size, accelerator=self.plan.accelerator,
+                        backend=self.plan.backend, device_id=self.plan.device_ids[rank], threads=self.config.threads,
+                        seed=self.config.seed, store_path="", parent_pid=os.getpid(), env=env)
+
+    def _fork_local(self, job_for, specs, ifname: str, deadline) -> None:
+        """The kernel's node's ranks, forked from the kernel as in any pool, each with its store pipes."""
+        pipes = {s.rank: os.pipe() for s in specs}
+        self._cmd = {r: w for r, (_, w) in pipes.items()}
+        self._starter = starters.ForkStarter(self.run_dir)
+        ours = []  # the kernel's ends of the store pipes: no rank inherits them
+        try:
+            checks.before_fork(self.config)
+            job = job_for(pipes)
+            with starters.sigint_deferred() as interrupted:
+                for spec in specs:
+                    req_r, req_w = os.pipe()
+                    rep_r, rep_w = os.pipe()
+                    env = dict(spec.env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
+                    if spec.backend == "nccl":
+                        from ..hw import nccl
+                        from ..ipy.session import session_kind
+
+                        env.update({k: v for k, v in nccl.rank_env(ifname, session_kind()).items()
+                                    if k not in os.environ and k != "NCCL_SOCKET_IFNAME"})
+                    spec = dataclasses.replace(spec, store_fds=(req_w, rep_r), env=env)
+                    inherited = [*self.sup.all_fds(), *ours, req_r, rep_w, self.local.wake_r, self.local.wake_w]
+                    self.sup.add(self._starter.start(spec, job, inherited))
+                    os.close(req_w)
+                    os.close(rep_r)
+                    ours += [req_r, rep_w]
+                    self.local.add(req_r, rep_w)
+                    if interrupted or (deadline is not None and time.monotonic() >= deadline):
+                        break
+        finally:
+            for read, _ in pipes.values():
+                os.close(read)
+            self.local.start()
+
+    # -- commands -------------------------------------------------------------------------------------------
+    def send_missing(self, reads, namespace: dict, rank_assigned: set) -> None:
+        """The notebook values the other nodes' ranks lack that the pool's cells read (with what a notebook
+        function among them reads), pickled once, for the next cell's command."""
+        pending = sorted(n for n in reads if n in self.unsent and n not in rank_assigned)
+        while pending:
+            name = pending.pop(0)
+            if name in self.extra or name not in namespace or not notebook_name(name):
+                continue
+            self.unsent.discard(name)
+            pending += sorted(_reads(namespace[name]) & self.unsent)
+            try:
+                self.extra[name] = cloudpickle.dumps(namespace[name])
+            except Exception as e:  # noqa: BLE001
+                raise UsageError(f"`{name}` must be sent to the pool's ranks on the other nodes (they do not share "
+                                 f"the notebook's memory), but it cannot be pickled: {type(e).__name__}: {e}\n"
+                                 "Nothing ran. Create it inside a %%ddp cell.") from None
+
+    def command(self, cmd, ranks=None) -> None:
+        super().command(cmd, ranks=[r for r in (range(self.world_size) if ranks is None else ranks) if r in self._cmd])
+        if isinstance(cmd, messages.RunCell) and self.extra:
+            self.unsent -= set(cmd.updates)
+            cmd = dataclasses.replace(cmd, updates={**self.extra, **cmd.updates})
+            self.extra = {}
+        frame = framing.encode(cmd)
+        for link in self.links:
+            mine = [r for r in link.ranks if ranks is None or r in ranks]
+            if mine:
+                link.control("command", frame, mine)
+
+    # -- end ----------------------------------------------------------------------------------------------------
+    def close(self, why: str = "torn down") -> None:
+        if self.sup is not None and self.streams is not None:
+            theirs = [p for p in self.sup.procs if not p.here]
+            if any(p.exit is None for p in theirs):  # the agents stop their ranks; bounded: a hung agent is killed
+                end = time.monotonic() + GRACE_S + STOP_S
+                self.sup.stop_all()
+                try:
+                    self.sup.wait(None, until=lambda: all(p.exit is not None for p in theirs) or time.monotonic() >= end,
+                                  wake_at=end)
+                except KeyboardInterrupt:
+                    pass
+            for link in self.links:
+                link.lost = link.lost or "closed"
+            for p in theirs:
+                if p.exit is None:
+                    self.streams._exited(p, remote.lost_exit(p.rank, f"node {p.node} did not report its end"))
+        try:
+            super().close(why)
+        finally:
+            self.local.close()
+            if self.streams is not None:
+                self.streams.close()
+            if self.ray is not None:
+                for actor in self.actors:
+                    try:
+                        self.ray.kill(actor)
+                    except Exception:  # noqa: BLE001
+                        pass
+                if self.pg is not None:
+                    from ray.util.placement_group import remove_placement_group
+
+                    try:
+                        remove_placement_group(self.pg)
+                    except Exception:  # noqa: BLE001
+                        pass
+            self.actors, self.pg = [], None

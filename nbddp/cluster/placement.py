@@ -1,0 +1,129 @@
+"""In the kernel: the Ray cluster a pool spans, and where its ranks go.
+
+``connect``: the Ray cluster the notebook is connected to (``ray.init(address=...)``), or the one
+``--cluster ray:ADDRESS`` names; a Ray Client connection (``ray://``) is refused, since an agent's
+forked ranks must reach the kernel's node directly (gloo, NCCL) and the client proxies only Ray calls.
+``reserve``: one placement-group bundle per node (``STRICT_SPREAD``: N distinct nodes), the first pinned
+to the kernel's node; a bundle holds the node's ranks' devices (D GPUs, or D CPUs for CPU ranks), so Ray's
+accounting sees them. ``agents``: one agent actor (agent.py) in each other node's bundle.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+READY_S = 60.0  # the placement group must be placed by then
+NEED_RAY = ("--cluster ray needs Ray in the kernel and on every node: pip install 'nbddp[ray]' (the same "
+            "versions of Python, torch, Ray and nbddp everywhere).")
+
+
+@dataclass
+class Node:
+    index: int  # node rank: 0 is the kernel's
+    node_id: str
+    ip: str
+    host: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.index} ({self.host or self.ip}, ray {self.node_id[:8]})"
+
+
+def connect(cluster: str):
+    """The ``ray`` module, connected. ``cluster``: "ray" (the notebook's connection, else RAY_ADDRESS or
+    the cluster this machine is part of) or "ray:ADDRESS"."""
+    address = cluster.partition(":")[2] or None
+    if (address or os.environ.get("RAY_ADDRESS", "")).startswith("ray://"):
+        raise UsageError(client_refusal(address or os.environ["RAY_ADDRESS"]))
+    try:
+        import ray
+    except ImportError:
+        raise UsageError(NEED_RAY) from None
+    if ray.is_initialized():
+        if _client_mode(ray):
+            raise UsageError(client_refusal("this notebook's ray.init(\"ray://...\")"))
+        return ray
+    try:
+        ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
+    except ConnectionError as e:
+        raise UsageError(f"--cluster {cluster}: no Ray cluster to join ({e}).\nStart one (`ray start --head` here, "
+                         "`ray start --address HEAD:6379` on the other nodes), or connect the notebook first with "
+                         "ray.init(address=...). Nothing ran.") from None
+    return ray
+
+
+def client_refusal(address: str) -> str:
+    return (f"{address}: a Ray Client connection (ray://) cannot host a pool. The kernel forks its node's ranks "
+            "and they exchange tensors with the other nodes' ranks directly (gloo/NCCL), so the kernel must run "
+            "on a node of the cluster. Run the notebook on a cluster node and connect with "
+            "ray.init(address='auto') or --cluster ray:HEAD_IP:6379. Nothing ran.")
+
+
+def _client_mode(ray) -> bool:
+    try:
+        return ray.util.client.ray.is_connected()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def reserve(ray, nodes: int, per_node: int, accelerator: str):
+    """(placement group, [Node] in node-rank order): one bundle per node, node 0 the kernel's."""
+    from ray.util.placement_group import (
+        placement_group,
+        placement_group_table,
+        remove_placement_group,
+    )
+
+    me = ray.get_runtime_context().get_node_id()
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if len(alive) < nodes:
+        raise UsageError(f"--nodes {nodes}: the Ray cluster has {len(alive)} node(s) alive. Add nodes (ray start "
+                         f"--address ...), or ask for --nodes {len(alive)}. Nothing ran.")
+    bundle = {"GPU": per_node} if accelerator == "cuda" else {"CPU": per_node}
+    pg = placement_group([bundle] * nodes, strategy="STRICT_SPREAD",
+                         bundle_label_selector=[{"ray.io/node-id": me}] + [{}] * (nodes - 1))
+    ready, _ = ray.wait([pg.ready()], timeout=READY_S)
+    if not ready:
+        remove_placement_group(pg)
+        have = [f"{n['NodeManagerAddress']} ({_resources(n)})" for n in alive]
+        raise UsageError(f"--nodes {nodes} --devices {per_node}: Ray could not place {bundle} on {nodes} different "
+                         f"nodes (this kernel's among them) within {READY_S:g} s. Nodes alive: {'; '.join(have)}. "
+                         "Nothing ran.")
+    where = placement_group_table(pg)["bundles_to_node_id"]
+    by_id = {n["NodeID"]: n for n in alive}
+    out = [Node(i, where[i], by_id.get(where[i], {}).get("NodeManagerAddress", "?")) for i in range(nodes)]
+    out[0].host = socket.gethostname()
+    return pg, out
+
+
+def _resources(n: dict) -> str:
+    r = n.get("Resources", {})
+    return ", ".join(f"{k} {r[k]:g}" for k in ("CPU", "GPU") if k in r) or "no CPU or GPU"
+
+
+def agents(ray, pg, nodes: list, per_node: int, accelerator: str) -> list:
+    """One agent actor in each other node's bundle (owned by the kernel: Ray ends them if the kernel dies)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from .agent import Agent
+
+    actor = ray.remote(Agent)
+    res = {"num_gpus": per_node, "num_cpus": 0} if accelerator == "cuda" else {"num_cpus": per_node}
+    return [actor.options(**res, max_concurrency=8, max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=n.index)).remote(n.index) for n in nodes[1:]]
+
+
+def ifname_for(ip: str) -> str | None:
+    """The interface that carries ``ip`` on this machine (where the ranks' collective traffic goes)."""
+    try:
+        import psutil
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+                return name
+    except Exception:  # noqa: BLE001
+        pass
+    return None

@@ -1,0 +1,162 @@
+"""In the kernel: the ranks on other nodes, as the supervisor sees them, fed by their agents' event streams.
+
+Each agent's ``events`` stream is read by a thread of its own (``Streams``): store requests are answered
+there at once (relaystore.Store: the ranks' rendezvous never waits for the kernel's main thread), every
+other event is queued and a byte written to a wake pipe the supervisor watches (``Supervisor.watch``), so
+the main thread's one loop publishes them on the same bus as local ranks' events, in each rank's order:
+the relay, the logs, the dashboard and the failure rules cannot tell the two apart. A stream that ends
+before its ranks have (the agent's actor died, its node was lost) ends those ranks with a record naming
+the node.
+
+Signals (an interrupt, ``--timeout``'s stacks, a teardown) go to a remote rank through its agent
+(``RemoteProc.signal``), never ``ray.cancel`` (which cannot interrupt a running actor method).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+import time
+
+from ..kernel import failure
+from ..kernel.supervisor import Exited, Message, Output, RankProc, StacksRequested  # noqa: F401
+from ..wire import messages
+
+LOST = "NodeLost"
+
+
+@dataclasses.dataclass
+class RemoteProc(RankProc):
+    """A rank on another node: no pipes here; its agent signals it."""
+
+    node: str = ""
+    link: object = None  # the node's Link
+
+    def signal(self, sig: int, group: bool = True) -> None:
+        self.link.control("signal", self.rank, int(sig), group)
+
+
+class Link:
+    """The kernel's end of one agent: its calls in order (a sequence number each)."""
+
+    def __init__(self, actor, node: str, ranks: list[int]):
+        self.actor, self.node, self.ranks = actor, node, ranks
+        self.seq = 0
+        self.lock = threading.Lock()
+        self.lost: str | None = None
+
+    def control(self, op: str, *args) -> None:
+        if self.lost:
+            return
+        with self.lock:
+            self.seq += 1
+            try:
+                self.actor.control.remote(self.seq, op, *args)
+            except Exception:  # noqa: BLE001 - the agent is gone: its stream's end says so
+                pass
+
+
+class Streams:
+    """Every agent's event stream, read by one thread each, delivered on the kernel's main thread."""
+
+    def __init__(self, sup, store):
+        self.sup, self.store = sup, store
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake_r, self.wake_w = os.pipe()
+        self.threads: list[threading.Thread] = []
+        self.procs: dict[int, RemoteProc] = {}
+        sup.watch(self.wake_r, self.deliver)
+
+    def follow(self, link: Link) -> None:
+        gen = link.actor.events.options(num_returns="streaming").remote()
+        t = threading.Thread(target=self._read, args=(link, gen), name=f"nbddp-node-{link.node}", daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def _read(self, link: Link, gen) -> None:
+        import ray
+
+        why = None
+        try:
+            for ref in gen:
+                batch = ray.get(ref)
+                rest = []
+                for item in batch:
+                    if type(item) is tuple and item[0] == "store":
+                        _, rank, request = item
+                        self.store.handle(request, lambda frame, r=rank: link.control("store_reply", r, frame))
+                    else:
+                        rest.append(item)
+                if rest:
+                    self.events.put(rest)
+                    self._wake()
+        except Exception as e:  # noqa: BLE001 - the actor died, or its node went away
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        link.lost = why or "its agent's stream ended"
+        self.events.put([("ended", link, why)])
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:
+            pass
+
+    def deliver(self) -> None:
+        """On the main thread (the supervisor's loop): publish what the streams brought."""
+        try:
+            while os.read(self.wake_r, 1 << 16):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        while True:
+            try:
+                batch = self.events.get_nowait()
+            except queue.Empty:
+                return
+            for event in batch:
+                self._apply(event)
+
+    def _apply(self, event) -> None:
+        sup = self.sup
+        if type(event) is tuple:  # an agent's stream ended: its ranks still alive are lost with it
+            _, link, why = event
+            for rank in link.ranks:
+                proc = self.procs[rank]
+                if proc.exit is None:
+                    self._exited(proc, lost_exit(rank, f"node {link.node} lost (ranks {', '.join(map(str, link.ranks))})"
+                                                 + (f": {why}" if why else ""), stopped=proc.stop_sent))
+            return
+        proc = self.procs.get(event.rank)
+        if proc is None or proc.exit is not None:
+            return
+        if isinstance(event, Output) and event.stream == "stderr" and sup._stacks_until is not None:
+            sup._stacks_until = time.monotonic() + 0.3  # a stack dump still arriving
+        if isinstance(event, Message):
+            proc.records[type(event.record)] = event.record
+        if isinstance(event, Exited):
+            self._exited(proc, event.exit)
+            return
+        sup.bus.publish(event)
+
+    def _exited(self, proc: RemoteProc, exit_: failure.RankExit) -> None:
+        sup = self.sup
+        sup._seen += 1
+        proc.exit = dataclasses.replace(exit_, order=sup._seen, node=proc.node)
+        sup.bus.publish(Exited(proc.rank, proc.exit))
+        if failure.failed(proc.exit) and not proc.stop_sent:
+            sup.stop_all()
+
+    def close(self) -> None:
+        for fd in (self.wake_r, self.wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def lost_exit(rank: int, why: str, stopped: bool = False) -> failure.RankExit:
+    """The exit record of a rank whose node or agent was lost: gone, and nobody saw how."""
+    return failure.RankExit(rank, None, error=messages.Error("cell", LOST, why, "", time.time()), seen=time.time(),
+                            stopped=stopped)

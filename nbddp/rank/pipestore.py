@@ -1,0 +1,144 @@
+"""In a rank of a cluster pool: the process group's store, reached over two pipes instead of a port.
+
+A pool across nodes (``%ddp start --cluster ray``) cannot meet through a FileStore (the nodes share no
+disk) and opens no store port: each rank gets a request pipe and a reply pipe, and every store operation
+is one framed request answered by the kernel's store (nbddp/cluster/relaystore.py), directly for the
+kernel's own ranks and through the node's agent over Ray for the others. ``PipeStore`` is a
+``torch.distributed.Store`` written in Python, so gloo and NCCL bootstrap through it as through any store.
+
+Requests carry an id; a reply to a request that timed out here is dropped when it arrives late.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import pickle
+import select
+import struct
+import threading
+import time
+
+LENGTH = struct.Struct("<Q")
+BLOCKING = {"get", "wait", "multi_get"}  # the kernel answers once the keys exist
+
+
+def encode(obj) -> bytes:
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return LENGTH.pack(len(payload)) + payload
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class Frames:
+    """Whole frames out of bytes as they arrive."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        self.buf += data
+        out = []
+        while len(self.buf) >= LENGTH.size:
+            (n,) = LENGTH.unpack_from(self.buf)
+            if len(self.buf) < LENGTH.size + n:
+                break
+            out.append(pickle.loads(bytes(self.buf[LENGTH.size:LENGTH.size + n])))
+            del self.buf[:LENGTH.size + n]
+        return out
+
+
+_kept: list = []  # the store object must outlive every group made on it (torch holds only its C++ half)
+
+
+def connect(request_fd: int, reply_fd: int, timeout_s: float):
+    store = _store_class()(request_fd, reply_fd, timeout_s)
+    _kept.append(store)
+    return store
+
+
+@functools.lru_cache(maxsize=1)
+def _store_class():
+    import torch.distributed as dist
+
+    class PipeStore(dist.Store):
+        def __init__(self, request_fd: int, reply_fd: int, timeout_s: float):
+            super().__init__()
+            self.request_fd, self.reply_fd, self.timeout_s = request_fd, reply_fd, timeout_s
+            self.lock = threading.Lock()
+            self.frames = Frames()
+            self.next_id = 0
+
+        def _call(self, op: str, *args, timeout_s: float | None = None):
+            with self.lock:
+                self.next_id += 1
+                rid = self.next_id
+                write_all(self.request_fd, encode((rid, op, args)))
+                end = time.monotonic() + (timeout_s or self.timeout_s)
+                while True:
+                    for got, ok, value in self.frames.feed(b""):
+                        if got == rid:
+                            if not ok:
+                                raise dist.DistStoreError(value)
+                            return value
+                    left = end - time.monotonic()
+                    if left <= 0 or not select.select([self.reply_fd], [], [], left)[0]:
+                        raise dist.DistStoreError(f"store {op}{args!r} timed out after "
+                                                  f"{timeout_s or self.timeout_s:g} s (nbddp's cluster store)")
+                    data = os.read(self.reply_fd, 1 << 16)
+                    if not data:
+                        raise dist.DistStoreError("nbddp's cluster store is gone (the kernel or the agent ended)")
+                    self.frames.buf += data
+
+        def set(self, key, value):
+            self._call("set", key, _bytes(value))
+
+        def get(self, key):
+            return self._call("get", key)
+
+        def add(self, key, amount):
+            return self._call("add", key, int(amount))
+
+        def compare_set(self, key, expected, desired):
+            return self._call("compare_set", key, _bytes(expected), _bytes(desired))
+
+        def append(self, key, value):
+            self._call("append", key, _bytes(value))
+
+        def multi_get(self, keys):
+            return self._call("multi_get", list(keys))
+
+        def multi_set(self, keys, values):
+            self._call("multi_set", list(keys), [_bytes(v) for v in values])
+
+        def wait(self, keys, timeout=None):
+            seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
+            self._call("wait", list(keys), timeout_s=seconds or None)
+
+        def check(self, keys):
+            return self._call("check", list(keys))
+
+        def delete_key(self, key):
+            return self._call("delete_key", key)
+
+        def num_keys(self):
+            return self._call("num_keys")
+
+        def list_keys(self):
+            return self._call("list_keys")
+
+        def has_extended_api(self):
+            return False
+
+        def clone(self):
+            return self  # one connection, its calls serialised by the lock
+
+    return PipeStore
+
+
+def _bytes(v) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode() if not isinstance(v, (bytearray, memoryview)) else bytes(v)

@@ -1,0 +1,187 @@
+"""Issue 24 through a real kernel: a pool across the nodes of a Ray cluster. The cluster is several raylets
+on this one host (ray.cluster_utils.Cluster), shared by the module; ranks are CPU gloo ranks."""
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+from kernel import Kernel, said
+
+ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'nbddp[ray]'")
+from ray.cluster_utils import Cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Three raylets on this host: the head (the kernel's node) and two more, one CPU each."""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    extra = [c.add_node(num_cpus=1), c.add_node(num_cpus=1)]
+    c.wait_for_nodes()
+    yield c, extra
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rk(cluster, runs_dir):
+    """A kernel connected to the cluster, nbddp loaded."""
+    c, _ = cluster
+    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
+    k.ok(f"%load_ext nbddp\nimport torch, os, sys\nimport ray\nray.init(address={c.address!r}, "
+         "logging_level='ERROR', log_to_driver=False)\nNone")
+    yield k
+    k.shutdown()
+
+
+def ranks_alive(pids) -> list:
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_gone(pids, within: float = 20.0) -> list:
+    end = time.monotonic() + within
+    while ranks_alive(pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    return ranks_alive(pids)
+
+
+@pytest.fixture
+def pool(rk):
+    """A 2-node pool, one rank per node; stopped after the test, its ranks checked gone by pid."""
+    res = rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+    assert "pool of 2 rank(s) on cpu/gloo ready" in res.stdout, res.stdout + res.stderr
+    rk.ok("%%ddp --gather pid\npid = os.getpid()\n")
+    pids = rk.value("pid")
+    yield rk, pids
+    rk.run("%ddp stop", timeout=60)
+    assert not wait_gone(pids), "a rank outlived its pool"
+
+
+def test_cells_keep_state_all_reduce_spans_nodes_and_output_keeps_each_ranks_order(pool):
+    k, pids = pool
+    assert pids[0] in [p.pid for p in k.process().children()], "rank 0 is forked from the kernel"
+    assert pids[1] not in [p.pid for p in k.process().children(recursive=True)], "rank 1 is the agent's"
+    k.ok("%%ddp\nimport torch.distributed as dist\nt = torch.ones(3) * (rank + 1)\n")
+    res = k.ok("%%ddp --gather where total\nwhere = (os.environ['NODE_RANK'], os.environ['LOCAL_RANK'], "
+               "os.environ['GROUP_RANK'], os.environ['LOCAL_WORLD_SIZE'], local_rank, world_size)\n"
+               "dist.all_reduce(t)\ntotal = t.tolist()\nfor i in range(200):\n    print(f'line {i}')\n"
+               "import sys\nprint('to stderr', file=sys.stderr)\nrank * 10\n")
+    assert k.value("where") == [("0", "0", "0", "1", 0, 2), ("1", "0", "1", "1", 0, 2)]
+    assert k.value("total") == [[3.0] * 3] * 2
+    assert res.result == "0", "the last expression comes from rank 0"
+    for r in (0, 1):  # each rank's lines whole, prefixed, in its own order
+        mine = [int(m) for m in re.findall(rf"^\[rank(?:{r}|0-1)\]:line (\d+)$", res.stdout, re.MULTILINE)]
+        assert mine == list(range(200)), (r, mine[:5])
+        assert said(res.stderr, r, "to stderr"), res.stderr
+
+
+def test_a_notebook_name_reaches_the_other_node_and_a_rebound_one_is_sent_again(pool):
+    k, _ = pool
+    k.ok("lr = 0.5\ndef scaled(x):\n    return x * lr\n")  # new since the pool started
+    res = k.ok("%%ddp --gather seen\nseen = (scaled(2), lr)\n")
+    assert k.value("seen") == [(1.0, 0.5)] * 2, res.stderr
+    k.ok("lr = 0.25")
+    res = k.ok("%%ddp --gather seen\nseen = (scaled(2), lr)\n")
+    assert "sent lr (float" in res.stderr, res.stderr
+    assert k.value("seen") == [(0.5, 0.25)] * 2
+    k.ok("%%ddp\nlr = lr * (rank + 2)\n")  # the ranks' own value stays theirs, on every node
+    k.ok("%%ddp --gather mine\nmine = lr\n")
+    assert k.value("mine") == [0.5, 0.75]
+
+
+def test_a_name_the_notebook_had_before_the_pool_started_reaches_the_other_node(rk):
+    rk.ok("before = {'a': torch.arange(4)}")
+    rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+    try:
+        rk.ok("%%ddp --gather got\ngot = before['a'].sum().item()\n")
+        assert rk.value("got") == [6, 6]
+    finally:
+        rk.ok("%ddp stop", timeout=60)
+
+
+def test_an_exception_on_the_other_node_names_rank_and_node_and_the_pool_lives(pool):
+    k, _ = pool
+    k.ok("%%ddp\nkept = rank + 40\n")
+    res = k.run("%%ddp\nif rank == 1:\n    raise ValueError('bad shard')\n", timeout=60)
+    assert res.error and res.error["ename"] == "RankFailure"
+    text = res.error_text
+    assert re.search(r"rank 1 on node 1 \(\S+, ray [0-9a-f]{8}\) failed: ValueError: bad shard", text), text
+    assert "The pool and its state survived" in text, text
+    k.ok("%%ddp --gather kept2\nkept2 = kept\n")
+    assert k.value("kept2") == [40, 41]
+
+
+def test_an_interrupt_reaches_the_other_nodes_rank_and_the_pool_lives(pool):
+    k, pids = pool
+    res = k.interrupt_when("%%ddp\nimport time\nprint('up', flush=True)\nwhile True:\n    time.sleep(0.01)\n",
+                           "up", 2, timeout=60)
+    assert res.error and res.error["ename"] == "KeyboardInterrupt", res
+    assert "every rank stopped its cell; the pool and its state survived" in res.error_text, res.error_text
+    assert re.search(r"ranks 0, 1 were at Cell In\[\d+\], line 5.*time\.sleep", res.error_text), res.error_text
+    k.ok("%%ddp --gather back\nback = rank\n")
+    assert k.value("back") == [0, 1]
+    assert not [p for p in pids if p not in ranks_alive(pids)], "the same ranks live on"
+
+
+def test_a_killed_rank_on_the_other_node_ends_the_pool_naming_the_node(pool):
+    k, pids = pool
+    res = k.run("%%ddp\nimport signal, time\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                "dist.all_reduce(torch.ones(1))\n", timeout=60)
+    text = res.error_text
+    assert re.search(r"rank 1 on node 1 \(.*\) failed: killed by SIGKILL", text), text
+    assert "The pool has ended" in text, text
+    assert not wait_gone(pids), "every rank is gone"
+    status = k.ok("%ddp status").stdout
+    assert re.search(r"ended: rank 1 on node 1 .* exited \(killed by SIGKILL", status), status
+
+
+def test_refusals_say_why(rk):
+    res = rk.run("%ddp start --cluster ray:ray://10.0.0.1:10001 --nodes 2")
+    assert "ray://" in res.error_text and "Nothing ran" in res.error_text, res.error_text
+    res = rk.run("%%ddp --cluster ray --nodes 2\nprint('x')\n")
+    assert "%ddp start --cluster ray --nodes N" in res.error_text and "x" not in res.stdout, res.error_text
+    res = rk.run("%ddp start --cluster ray --nodes 9 --devices 1", timeout=60)
+    assert "--nodes 9: the Ray cluster has 3 node(s) alive" in res.error_text, res.error_text
+
+
+def test_a_node_removed_ends_the_pool_naming_the_node(cluster, rk):
+    c, extra = cluster
+    rk.ok("%ddp start --cluster ray --nodes 3 --devices 1", timeout=120)
+    rk.ok("%%ddp --gather pid node\npid = os.getpid()\nnode = os.environ['NODE_RANK']\n")
+    pids = rk.value("pid")
+    label = rk.value("[m for m in get_ipython().magics_manager.registry.values() if hasattr(m, 'pool')][0]"
+                     ".pool.gang.node_of(2)")
+    victim = next((n for n in extra if f"ray {n.node_id[:8]})" in label), None)  # the raylet that hosts node 2
+    assert victim is not None, (label, [n.node_id for n in extra])
+    t0 = time.monotonic()
+    res_id = rk.execute("%%ddp\nimport time\nwhile True:\n    time.sleep(0.05)\n")
+    c.remove_node(victim)
+    res = rk.collect(res_id, timeout=60)
+    took = time.monotonic() - t0
+    text = res.error_text
+    assert re.search(r"rank 2 on node 2 \(.*\) failed: NodeLost: node 2 \(.*\) lost \(ranks 2\)", text), text
+    assert "The pool has ended" in text, text
+    assert not wait_gone(pids), "no rank is left on any node"
+    assert took < 30, took
+    rk.run("%ddp stop", timeout=60)
+    extra.remove(victim)
+    extra.append(c.add_node(num_cpus=1))
+    c.wait_for_nodes()
+
+
+def test_kernel_death_leaves_no_rank_on_any_node(cluster, runs_dir):
+    c, _ = cluster
+    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
+    try:
+        k.ok(f"%load_ext nbddp\nimport os\nimport ray\nray.init(address={c.address!r}, logging_level='ERROR', "
+             "log_to_driver=False)\nNone")
+        k.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+        k.ok("%%ddp --gather pid\npid = os.getpid()\n")
+        pids = k.value("pid")
+        assert len(ranks_alive(pids)) == 2
+        os.kill(k.pid, signal.SIGKILL)
+        assert not wait_gone(pids, 30), "a rank outlived the kernel"
+    finally:
+        k.shutdown()
