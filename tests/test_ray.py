@@ -125,6 +125,27 @@ def test_an_interrupt_reaches_the_other_nodes_rank_and_the_pool_lives(pool):
     assert not [p for p in pids if p not in ranks_alive(pids)], "the same ranks live on"
 
 
+def test_timeout_brings_the_other_nodes_stack_back_and_the_pool_lives(pool):
+    k, _ = pool
+    res = k.run("%%ddp --timeout 2\nimport time\ndef wait_here():\n    while True:\n        time.sleep(0.01)\n"
+                "wait_here()\n", timeout=60)
+    assert "--timeout 2s expired" in res.error_text, res.error_text
+    assert "ranks 0, 1 were here:" in res.error_text and "wait_here" in res.error_text, res.error_text
+    assert "The pool and its state survived" in res.error_text
+    assert said(k.ok("%%ddp\nprint('ok')\n").stdout, 1, "ok")
+
+
+def test_a_dead_agent_ends_the_pool_naming_the_node_and_its_ranks_go_with_it(pool):
+    k, pids = pool
+    agent = psutil.Process(pids[1]).parent()  # the agent forked rank 1
+    agent.kill()
+    res = k.run("%%ddp\nprint('after')\n", timeout=60)
+    text = res.error_text
+    assert re.search(r"rank 1 on node 1 \(.*\) failed: NodeLost: node 1 \(.*\) lost \(ranks 1\): ActorDiedError", text) \
+        or "the pool has ended: rank 1 on node 1" in text, text  # (lost during the cell, or before it)
+    assert not wait_gone(pids), "rank 1 died with its agent, rank 0 was stopped"
+
+
 def test_a_killed_rank_on_the_other_node_ends_the_pool_naming_the_node(pool):
     k, pids = pool
     res = k.run("%%ddp\nimport signal, time\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"

@@ -9,8 +9,8 @@ ranks goes into one ordered queue, which the kernel reads through ``events``, a 
 in batches (as many as have accumulated while the last batch travelled).
 
 The kernel's calls (``control``: a command for the ranks' command pipes, a signal, a store reply, stop)
-carry a sequence number and run in that order on the supervisor's thread, whatever order Ray's threads
-deliver them in.
+carry a sequence number and are applied in that order, whatever order Ray's threads deliver them in: at
+once on the calling thread (a pipe write or a signal), a stop on the supervisor's thread.
 """
 from __future__ import annotations
 
@@ -34,8 +34,10 @@ class Agent:
         self.queue: list = []  # events not yet streamed to the kernel
         self.cond = threading.Condition()
         self.finished = False
-        self.controls: dict[int, tuple] = {}  # seq -> (op, args): applied in order by the supervisor's thread
+        self.controls: dict[int, tuple] = {}  # seq -> (op, args): applied in sequence order
         self.applied = 0
+        self.order = threading.Lock()
+        self.stopping = False
         self.wake_r, self.wake_w = os.pipe()
         self.sup: Supervisor | None = None
         self.cmd: dict[int, int] = {}  # rank -> its command pipe's write end
@@ -73,7 +75,7 @@ class Agent:
             run_dir = rendezvous.new_run_dir()
             logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
             self.sup = sup = Supervisor(Bus([logs, self]))
-            sup.watch(self.wake_r, self._apply)
+            sup.watch(self.wake_r, self._wake)
             starter = ForkStarter(run_dir)
             for spec in specs:
                 cmd_r, cmd_w = os.pipe()
@@ -161,27 +163,29 @@ class Agent:
 
     # -- the kernel's calls, in their order ------------------------------------------------------------------------
     def control(self, seq: int, op: str, *args) -> None:
-        with self.cond:
+        """Applied here, in sequence order (a call that arrives early waits in ``controls`` for the ones
+        before it); a stop goes through the supervisor's thread, which owns the escalation clock."""
+        with self.order:
             self.controls[seq] = (op, args)
-        try:
-            os.write(self.wake_w, b"x")
-        except OSError:
-            pass
+            while (item := self.controls.pop(self.applied + 1, None)) is not None:
+                self.applied += 1
+                op, args = item
+                if op == "stop":
+                    self.stopping = True
+                    os.write(self.wake_w, b"x")
+                else:
+                    getattr(self, "_" + op)(*args)
 
-    def _apply(self) -> None:
+    def _wake(self) -> None:
+        """On the supervisor's thread: a stop the kernel asked for."""
         try:
             while os.read(self.wake_r, 4096):
                 pass
         except BlockingIOError:
             pass
-        while True:
-            with self.cond:
-                item = self.controls.pop(self.applied + 1, None)
-            if item is None:
-                return
-            self.applied += 1
-            op, args = item
-            getattr(self, "_" + op)(*args)
+        if self.stopping:
+            self.stopping = False
+            self.sup.stop_all()
 
     def _command(self, frame: bytes, ranks) -> None:
         for rank in ranks:
@@ -208,9 +212,6 @@ class Agent:
                     p.stop_sent = True  # its exit record says nbddp stopped it
                 p.signal(sig, group)
 
-    def _stop(self) -> None:
-        """Every rank: SIGTERM, SIGKILL after the grace (the kernel's teardown)."""
-        self.sup.stop_all()
 
 
 def _open_fds() -> list[int]:
