@@ -61,6 +61,10 @@ def relay(k: Kernel, lines_per_rank: int) -> dict:
 
 def run(quick: bool, only: str | None = None) -> dict:
     runs = 3 if quick else 7
+    if only == "ray":  # issue 24's section: a Ray cluster of two raylets, its own kernel
+        import bench_ray
+
+        return {**json.loads((HERE / "results.json").read_text()), "ray": bench_ray.measure(quick)}
     if only:  # one section again, the others kept from the last full run
         results = json.loads((HERE / "results.json").read_text())
         k = new_kernel()
@@ -98,6 +102,14 @@ def run(quick: bool, only: str | None = None) -> dict:
             print("done: memory", label, flush=True)
         finally:
             k.shutdown()
+    try:
+        import bench_ray
+        import ray  # noqa: F401 - the optional extra nbddp[ray]
+    except ImportError:
+        print("skipped: ray (pip install 'nbddp[ray]')", flush=True)
+    else:
+        results["ray"] = bench_ray.measure(quick)
+        print("done: ray", flush=True)
     return results
 
 
@@ -289,6 +301,10 @@ def report(r: dict) -> str:
     lines += ["", f"THP on = `THP_MEM_ALLOC_ENABLE=1`, which `%load_ext nbddp` sets before the notebook allocates; "
               "THP off = a kernel started with `THP_MEM_ALLOC_ENABLE=0`. "
               f"Target at {big} GB ≤ 1.5× the empty kernel's launch: {m_ratio:.2f}× — {verdict(m_ratio <= 1.5)}.", ""]
+    if "ray" in r:
+        import bench_ray
+
+        lines += [bench_ray.BEGIN, bench_ray.section(r["ray"]).rstrip("\n"), bench_ray.END, ""]
     return "\n".join(lines) + "\n"
 
 

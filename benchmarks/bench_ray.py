@@ -1,0 +1,212 @@
+"""Issue 24's figures: a pool across two Ray nodes against the one-machine pool and ipyparallel, in one run.
+
+python benchmarks/bench_ray.py [--quick]   (benchmarks/run.py runs it too, when Ray is installed)
+
+Two raylets on this host (ray.cluster_utils.Cluster), 2 CPU ranks, gloo, inside one real ipykernel. Rounds
+alternate a local pool (``%ddp start --devices 2``) and a Ray pool (``--cluster ray --nodes 2 --devices 1``:
+rank 0 forked from the kernel, rank 1 by the agent on the other raylet); in each, the trivial all_reduce
+cell and ipyparallel's ``%%px --block`` (2 engines in a gloo group) alternate. Startup is what
+``%ddp start --cluster ray`` reports after ``ray.init``. The relay figure is lines/s as a client sees them,
+every line printed by a rank on each node, with the local pool's and the kernel's own printing as anchors.
+Writes results.json's "ray" entry and the Ray section of results.md (the rest of the file is left as is).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from kernel import Kernel  # noqa: E402
+
+BEGIN, END = "<!-- ray:begin -->", "<!-- ray:end -->"
+
+KERNEL_SETUP = r'''
+%load_ext nbddp
+import json, os, statistics, tempfile, time
+import torch, torch.distributed as dist
+import ipyparallel as ipp
+import ray
+ray.init(address={address!r}, logging_level="ERROR", log_to_driver=False)
+def bench(name, value):
+    print("BENCH " + json.dumps({{"name": name, "value": value}}), flush=True)
+cluster = ipp.Cluster(n=2, log_level=40)
+rc = cluster.start_and_connect_sync()
+rc.wait_for_engines(2, timeout=120)
+view = rc[:]
+view.activate()
+view.scatter("engine_rank", [0, 1], flatten=True, block=True)
+view.execute("import torch, torch.distributed as dist\ntorch.set_num_threads(1)\n"
+             f"dist.init_process_group('gloo', init_method='file://{{tempfile.mkdtemp()}}/store', rank=engine_rank, "
+             "world_size=2)", block=True)
+CELL = "t = torch.ones(1)\ndist.all_reduce(t)\n"
+def timed(magic, line):
+    t0 = time.perf_counter()
+    get_ipython().run_cell_magic(magic, line, CELL + ";")
+    return time.perf_counter() - t0
+def block(name, n):
+    """n pool cells and n %%px cells, alternating which goes first."""
+    for _ in range(3):
+        timed("ddp", ""); timed("px", "--block")
+    pool, px = [], []
+    for i in range(n):
+        pair = [(pool, "ddp", ""), (px, "px", "--block")]
+        for times, magic, line in (pair if i % 2 else pair[::-1]):
+            times.append(timed(magic, line))
+    bench(name, {{"pool": pool, "px": px}})
+None
+'''
+
+TEARDOWN = r'''
+view.execute("dist.destroy_process_group()", block=True)
+cluster.stop_cluster_sync()
+ray.shutdown()
+'''
+
+
+def measures(res) -> dict:
+    out = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("BENCH "):
+            item = json.loads(line[6:])
+            out[item["name"]] = item["value"]
+    return out
+
+
+def started(res) -> float:
+    m = re.search(r"ready in ([\d.]+) s", res.stdout)
+    assert m, res.stdout + res.stderr
+    return float(m.group(1))
+
+
+def relay(k: Kernel, lines: int, runs: int = 3) -> float:
+    """Lines/s a client sees (median of ``runs``): each rank prints ``lines`` lines of its own."""
+    k.ok("%%ddp\nfor i in range(100):\n    print(rank, i)\n")  # warm-up
+    rates = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        res = k.ok(f"%%ddp --max-lines {lines}\nfor i in range({lines}):\n    print(f'{{rank}} line {{i}}')\n",
+                   timeout=300)
+        seconds = time.perf_counter() - t0
+        got = res.stdout.count("\n")
+        assert got >= 2 * lines, got
+        rates.append(got / seconds)
+    return statistics.median(rates)
+
+
+def measure(quick: bool = False) -> dict:
+    from ray.cluster_utils import Cluster
+
+    rounds, n, lines = (2, 10, 20_000) if quick else (3, 30, 100_000)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    k = Kernel(env={"NBDDP_RUNS_DIR": tempfile.mkdtemp()})
+    out = {"local": [], "ray": [], "px": [], "startup_s": [], "relay_ray": 0.0, "relay_local": 0.0}
+    try:
+        k.ok(KERNEL_SETUP.format(address=c.address), timeout=300)
+        for r in range(rounds):
+            k.ok("%ddp start --devices 2", timeout=120)
+            got = measures(k.ok(f"block('local', {n})", timeout=600))["local"]
+            out["local"] += got["pool"]
+            out["px"] += got["px"]
+            if r == rounds - 1:
+                out["relay_local"] = relay(k, lines)
+            k.ok("%ddp stop", timeout=60)
+            out["startup_s"].append(started(k.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)))
+            got = measures(k.ok(f"block('ray', {n})", timeout=600))["ray"]
+            out["ray"] += got["pool"]
+            out["px"] += got["px"]
+            if r == rounds - 1:
+                out["relay_ray"] = relay(k, lines)
+            k.ok("%ddp stop", timeout=60)
+            print(f"round {r + 1}/{rounds} done", flush=True)
+        t0 = time.perf_counter()  # the anchor: the kernel itself printing as many prefixed lines
+        res = k.ok(f"import sys\nsys.stdout.write(''.join(f'[rank{{i % 2}}]:{{i % 2}} line {{i}}\\n' "
+                   f"for i in range({2 * lines})))", timeout=300)
+        out["relay_kernel"] = res.stdout.count("\n") / (time.perf_counter() - t0)
+        k.ok(TEARDOWN, timeout=120)
+    finally:
+        k.shutdown()
+        c.shutdown()
+    import ray
+
+    out.update(lines=2 * lines, cells=len(out["ray"]), ray_version=ray.__version__)
+    return out
+
+
+def section(r: dict) -> str:
+    med = {key: statistics.median(r[key]) for key in ("local", "ray", "px")}
+    ratio, vs_px = med["ray"] / med["local"], med["ray"] / med["px"]
+    start = statistics.median(r["startup_s"])
+    rows = [
+        f"## 8. A pool across two Ray nodes (`%ddp start --cluster ray --nodes 2 --devices 1`), Ray {r['ray_version']}",
+        "",
+        "Two raylets on this host (`ray.cluster_utils.Cluster`); rank 0 forked from the kernel, rank 1 by the agent "
+        "on the other raylet; the same trivial all_reduce cell as section 1c, medians of "
+        f"{r['cells']} cells each, local and Ray pools in alternating rounds, `%%px --block` interleaved with both.",
+        "",
+        "| what answers the cell | median | × local pool |",
+        "|---|---|---|",
+        f"| nbddp pool across 2 Ray nodes | {med['ray'] * 1000:.2f} ms | {ratio:.2f}× |",
+        f"| nbddp local pool (`--devices 2`), same run | {med['local'] * 1000:.2f} ms | 1.00× |",
+        f"| ipyparallel `%%px --block`, same run | {med['px'] * 1000:.2f} ms | {med['px'] / med['local']:.2f}× |",
+        "",
+        "| measure | figure |",
+        "|---|---|",
+        f"| startup: `%ddp start --cluster ray --nodes 2` after `ray.init`, as it reports (median of "
+        f"{len(r['startup_s'])}) | {start:.2f} s ({', '.join(f'{s:.2f}' for s in r['startup_s'])}) |",
+        f"| relay across nodes: 2 ranks × {r['lines'] // 2:,} lines, one rank per node, to the client "
+        f"(median of 3) | {r['relay_ray']:,.0f} lines/s |",
+        f"| anchor: the local pool, same cell | {r['relay_local']:,.0f} lines/s |",
+        f"| anchor: the kernel itself printing the same lines | {r['relay_kernel']:,.0f} lines/s |",
+        "",
+        f"Targets (issue 24): the cell ≤ 1.5× the local pool's — {ratio:.2f}×, {_verdict(ratio <= 1.5)}; below "
+        f"`%%px --block` — {vs_px:.2f}×, {_verdict(vs_px < 1)}; startup < 3 s — {start:.2f} s, "
+        f"{_verdict(start < 3)}; relay > 500,000 lines/s across nodes — {r['relay_ray']:,.0f}, "
+        f"{_verdict(r['relay_ray'] > 500_000)}.",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def write(r: dict) -> str:
+    """results.json's "ray" entry and results.md's Ray section (between its markers, or appended)."""
+    path = HERE / "results.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results["ray"] = r
+    path.write_text(json.dumps(results, indent=1))
+    text = section(r)
+    md = HERE / "results.md"
+    old = md.read_text() if md.exists() else ""
+    block = f"{BEGIN}\n{text}{END}\n"
+    if BEGIN in old and END in old:
+        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END) + 1:]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block
+    md.write_text(new)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer cells and lines (a smoke run)")
+    args = parser.parse_args()
+    t0 = time.monotonic()
+    r = measure(args.quick)
+    r["seconds"] = time.monotonic() - t0
+    print(write(r))
+
+
+if __name__ == "__main__":
+    main()
