@@ -95,8 +95,11 @@ def test_a_name_the_notebook_had_before_the_pool_started_reaches_the_other_node(
     rk.ok("before = {'a': torch.arange(4)}")
     rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
     try:
-        rk.ok("%%ddp --gather got\ngot = before['a'].sum().item()\n")
+        res = rk.ok("%%ddp --gather got\ngot = before['a'].sum().item()\n")
         assert rk.value("got") == [6, 6]
+        assert re.search(r"nbddp: sent before \(dict, \d+ B\) to the other nodes' ranks, once", res.stderr), res.stderr
+        again = rk.ok("%%ddp --gather got\ngot = before['a'].sum().item()\n")
+        assert "sent" not in again.stderr, "sent once"
     finally:
         rk.ok("%ddp stop", timeout=60)
 

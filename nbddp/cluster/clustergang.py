@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import types
 
 import cloudpickle
 
@@ -22,10 +23,10 @@ from ..errors import UsageError
 from ..ipy.cellcode import notebook_name
 from ..kernel import checks, rendezvous, starters
 from ..kernel.gang import STOP_S, Gang
-from ..kernel.sending import _reads
+from ..kernel.sending import _reads, _size
 from ..kernel.supervisor import GRACE_S
 from ..rank.worker import RankSpec
-from ..wire import framing, messages
+from ..wire import framing, messages, values
 from . import placement, relaystore, remote
 
 START_S = 120.0  # every agent must have forked its ranks by then
@@ -137,10 +138,11 @@ class ClusterGang(Gang):
             self.local.start()
 
     # -- commands -------------------------------------------------------------------------------------------
-    def send_missing(self, reads, namespace: dict, rank_assigned: set) -> None:
+    def send_missing(self, reads, namespace: dict, rank_assigned: set) -> list[str]:
         """The notebook values the other nodes' ranks lack that the pool's cells read (with what a notebook
-        function among them reads), pickled once, for the next cell's command."""
+        function among them reads), pickled once, for the next cell's command; what to say about them."""
         pending = sorted(n for n in reads if n in self.unsent and n not in rank_assigned)
+        sizes = []
         while pending:
             name = pending.pop(0)
             if name in self.extra or name not in namespace or not notebook_name(name):
@@ -153,6 +155,10 @@ class ClusterGang(Gang):
                 raise UsageError(f"`{name}` must be sent to the pool's ranks on the other nodes (they do not share "
                                  f"the notebook's memory), but it cannot be pickled: {type(e).__name__}: {e}\n"
                                  "Nothing ran. Create it inside a %%ddp cell.") from None
+            if not isinstance(namespace[name], types.ModuleType):  # a module travels by name
+                sizes.append(f"{name} ({values.describe(namespace[name])}, {_size(len(self.extra[name]))})")
+        said = f"sent {', '.join(sizes)} to the other nodes' ranks, once (they do not share the notebook's memory)"
+        return [said] if sizes else []
 
     def command(self, cmd, ranks=None) -> None:
         super().command(cmd, ranks=[r for r in (range(self.world_size) if ranks is None else ranks) if r in self._cmd])

@@ -137,6 +137,8 @@ class Pool:
             raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
         self.reads |= code or set()  # a function a cell defined reads its globals when a later cell calls it
         updates, said = self.synced.changes(self.reads, self.namespace or {}, self.rank_assigned)
+        if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start
+            said += self.gang.send_missing(self.reads, self.namespace or {}, self.rank_assigned)
         self.rank_assigned -= set(updates)
         for line in said:
             print(f"nbddp: {line}", file=sys.stderr)
@@ -144,8 +146,6 @@ class Pool:
             sys.stderr.flush()  # before the ranks' output, where it belongs
         if ranks and updates and self.alive:  # the ranks left out get the notebook's latest values too
             self.gang.command(messages.Update(updates), ranks=[r for r in range(world) if r not in ranks])
-        if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start
-            self.gang.send_missing(self.reads, self.namespace or {}, self.rank_assigned)
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config),
                                updates, post_mortem=post_mortem, lead=ranks[0] if ranks else 0)
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
