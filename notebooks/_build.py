@@ -298,6 +298,26 @@ NOTEBOOKS = {
         code('%ddp who'),
         code('%ddp stop'),
     ],
+    "10-ray-cluster.ipynb": [
+        md("# A pool across machines, on Ray\n\n`%ddp start --cluster ray --nodes N --devices D` starts a pool whose ranks span the nodes of a Ray cluster: this kernel's node runs ranks 0..D-1, forked from the kernel as in any pool; each other node runs its ranks, forked by an agent nbddp places there. Cells, output, values and failures work as in a pool on one machine. See docs/ray.md for starting Ray on real machines (SLURM included) and the security notes.\n\nThis tutorial runs anywhere: it starts a Ray cluster of **two raylets on this one machine** (`ray.cluster_utils.Cluster`), which Ray treats as two nodes. On a real cluster, replace the next cell with `ray.init(address='auto')`."),
+        code("%load_ext nbddp\nimport torch\nimport ray\nfrom ray.cluster_utils import Cluster\n\ncluster = Cluster(initialize_head=True, head_node_args={'num_cpus': 1})  # node 0: this kernel's\ncluster.add_node(num_cpus=1)                                             # node 1\nray.init(address=cluster.address, logging_level='ERROR', log_to_driver=False)\nlen([n for n in ray.nodes() if n['Alive']])"),
+        md("The notebook's data, built before the pool starts. The kernel's node shares it copy-on-write; the other node does not share this kernel's memory, so a name a cell reads is sent there once, and nbddp says so."),
+        code("torch.manual_seed(0)\nX = torch.randn(4096, 16)\nY = X @ torch.randn(16, 1) + 0.1 * torch.randn(4096, 1)"),
+        code("%ddp start --cluster ray --nodes 2 --devices 1 --seed 0"),
+        md("Each rank knows its node: the environment is torchrun's for 2 nodes (`NODE_RANK`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`). An `all_reduce` spans the nodes."),
+        code("%%ddp --gather where\nimport os, torch.distributed as dist\nt = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nwhere = {'rank': rank, 'node': os.environ['NODE_RANK'], 'local_rank': local_rank, 'sum': t.item()}\nprint(f\"node {os.environ['NODE_RANK']} says hello\")"),
+        code("# NBVAL_CHECK_OUTPUT\nwhere"),
+        md("Train a DDP model across the two nodes. `X` and `Y` reach node 1 once, with this cell; the model and optimizer live in the ranks for the next cells."),
+        code("%%ddp\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))\nopt = torch.optim.SGD(model.parameters(), lr=0.05)\nlosses = []\nfor i in range(0, 2048, 64):\n    xb, yb = X[rank::world_size][i:i + 64], Y[rank::world_size][i:i + 64]\n    opt.zero_grad()\n    loss = torch.nn.functional.mse_loss(model(xb), yb)\n    loss.backward(); opt.step()\n    losses.append(loss.item())"),
+        code("%%ddp --gather w\nw = model.module.weight.detach().clone()"),
+        code("# NBVAL_CHECK_OUTPUT\nlen(w), torch.equal(w[0], w[1])  # the replicas agree across nodes"),
+        md("A failure on the other node names the rank and its node, and the pool lives on, with its state."),
+        code("%%ddp\n# NBVAL_RAISES_EXCEPTION\nif rank == 1:\n    raise ValueError('a corrupt shard on node 1')"),
+        code("%%ddp --gather n\nn = len(losses)"),
+        code("# NBVAL_CHECK_OUTPUT\nn"),
+        code("%ddp stop"),
+        code("ray.shutdown()\ncluster.shutdown()"),
+    ],
 }
 
 
