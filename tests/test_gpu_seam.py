@@ -96,6 +96,24 @@ def test_a_loaded_driver_is_fine_until_a_cell_initialises_it(fresh, runs_dir):
     assert f"CUDA was initialised in this kernel by In [{n}]: y = 2" in text
 
 
+def test_device_files_nvml_opened_are_no_cuda_context(fresh, standin, runs_dir):
+    """Seen on an H100: NVML (nbddp's dashboard, torch's NVML-based is_available) opens the same device
+    files as cuInit, and torch 2.11 maps the driver on import. Neither may refuse a GPU cell."""
+    k = fresh()
+    k.ok("import gpulib_lazy  # the driver mapped, as `import torch` does with torch 2.11's CUDA wheels\n")
+    ctl = standin.devdir / "nvidiactl"
+    k.ok(f"with nbddp.hw.driverwatch.not_cuda():  # as the NVML seam opens them\n    nvml_fd = open({str(ctl)!r}, 'w')\n")
+    assert k.value("guard.watch.devices") == [] and k.value("guard.watch.initialised is None")
+    assert k.value("guard.refusal() is None")
+    k.ok(f"other_fd = open({str(ctl)!r}, 'a')  # NVML opened by someone else (torch's own check, pynvml)\n")
+    assert k.value("guard.watch.devices") == [str(ctl)]  # a sighting, kept to name the cell if it comes to that
+    assert k.value("guard.refusal() is None"), "an open device file alone is no context: the probe decides"
+    k.ok("y = 2\ngpulib_lazy.init()\n")
+    n = cell_number(k)
+    text = refused(k, runs_dir)
+    assert f"CUDA was initialised in this kernel by In [{n}]: y = 2" in text  # not the cell that opened NVML
+
+
 def test_the_fork_probe_catches_an_initialisation_no_device_file_shows(fresh, runs_dir):
     k = fresh(device_file=False)  # cuInit that opens no device file nbddp can see
     k.ok("import gpulib_ctypes\n")
@@ -169,3 +187,25 @@ guard.refusal = lambda: nbddp.CudaInitialisedError('stand-in guard: stop before 
         in res.stderr + res.stdout
     assert res.error["ename"] == "CudaInitialisedError" and set(runs_dir.iterdir()) == before
     k.ok("del guard.built, guard.refusal; nbddp.hw.nvml.use(nbddp.hw.nvml.Nvml())")
+
+
+def test_a_gpu_rank_leaves_after_synchronising_without_nccl_teardown(monkeypatch):
+    """On an H100, destroy_process_group cost a one-shot NCCL cell ~0.5 s of its ~1.2 s; a rank whose queued
+    work is finished leaves with os._exit and the driver frees the rest (as Lightning's ranks do)."""
+    import torch.distributed as dist
+
+    from nbddp.hw import cuda
+    from nbddp.rank import worker
+
+    calls = []
+
+    class StandIn:
+        def synchronize(self):
+            calls.append("synchronize")
+
+    monkeypatch.setattr(cuda, "_backend", StandIn())
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
+    spec = worker.RankSpec(0, 1, "cuda", "nccl", 0, 1, "/nonexistent/store", 1)
+    worker._leave_group(spec, told=True)
+    assert calls == ["synchronize"]

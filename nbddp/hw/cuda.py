@@ -6,13 +6,16 @@ process with a CUDA context cannot use the GPU). So this module only *watches*: 
 context), wraps torch's lazy CUDA init to record which cell and line created the context (and which
 library, when a library called it), and has ``driverwatch`` note after each cell whether the driver
 library got mapped or a driver device opened, by which cell and module. Before a GPU fork, ``refusal()``
-turns that into a ``CudaInitialisedError``; only where the driver is mapped but no device is open does a
-throwaway forked child try ``cuInit`` to tell "loaded" from "initialised". Tests swap the whole seam with
-``use(stand_in)``.
+decides: torch's own record first; otherwise, wherever the driver is mapped, a throwaway forked child
+tries ``cuInit`` (once per cell), which fails only if this process holds a context. The watcher's
+sightings then name the cell and module. A mapped driver or an open device file alone proves nothing:
+torch 2.11's CUDA wheels map the driver on import, and NVML opens the same device files (seen on an
+H100). Tests swap the whole seam with ``use(stand_in)``.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import traceback
@@ -87,6 +90,9 @@ class Cuda:
             return original()
 
         tc._lazy_init = _lazy_init
+        for name in NVML_CALLS:  # torch's NVML-based is_available opens the driver's device files
+            if callable(call := getattr(tc, name, None)):
+                setattr(tc, name, _not_cuda(call))
         self._wrapped = True
 
     def _site_from_stack(self, frames) -> InitSite:
@@ -118,8 +124,6 @@ class Cuda:
             site = self.site
             imp = site.code if site and site.code.startswith(("import ", "from ")) else None
             return _refusal(str(site) if site else None, site.module if site else None, imp, torch=True)
-        if w.initialised is not None:
-            return _refusal_for(w.initialised, w)
         if w.library is None and driverwatch.driver_mapped() is None:
             return None  # the driver was never loaded here: nothing can have initialised it
         count = getattr(self._shell, "execution_count", None)
@@ -127,8 +131,10 @@ class Cuda:
             return None
         if self._forked_child_can_init():
             self._probed_at = count
+            w.no_context()
             return None
-        return _refusal_for(w.loaded, w) if w.loaded else _refusal(None, None, None)
+        sighting = w.initialised or w.loaded  # where a device file opened, else where the driver was loaded
+        return _refusal_for(sighting, w) if sighting else _refusal(None, None, None)
 
     def initialised_in_kernel(self) -> bool:
         """True when the kernel holds a CUDA context (torch's or anyone's). Never creates one."""
@@ -171,6 +177,17 @@ class Cuda:
             return torch.version.cuda is not None
         except ImportError:
             return False
+
+
+NVML_CALLS = ("_raw_device_count_nvml", "_raw_device_uuid_nvml")  # torch.cuda's, under PYTORCH_NVML_BASED_CUDA_CHECK
+
+
+def _not_cuda(call):
+    def wrapped(*args, **kwargs):
+        with driverwatch.not_cuda():
+            return call(*args, **kwargs)
+
+    return functools.wraps(call)(wrapped)
 
 
 def _library_of(frames, cell_files) -> str | None:

@@ -2,14 +2,19 @@
 
 After each cell: is the driver library (``libcuda.so*``) mapped into the kernel (``/proc/self/maps``,
 ~0.5 ms with torch loaded), and is a driver device (``/dev/nvidia*``) open (``cuInit`` opens
-``/dev/nvidiactl``)? The first cell where either became true is remembered, with the module that did it
-where that can be told: an audit hook sees ``ctypes`` load the driver (numba, the stand-ins, many small
+``/dev/nvidiactl``)? Neither proves a CUDA context: torch 2.11's CUDA wheels map the driver on ``import
+torch``, and NVML (nbddp's dashboard and free-GPU picking, torch's NVML-based ``is_available``) opens the
+same device files as ``cuInit`` (both seen on an H100). So they only *name* the cell; whether a context
+exists is decided by the CUDA seam's forked probe. Device files NVML opened through nbddp's seam
+(``not_cuda``) are not counted. The first cell where either became true is remembered, with the module
+that did it where that can be told: an audit hook sees ``ctypes`` load the driver (numba, the stand-ins, many small
 bindings) and, while the driver is not loaded yet, checks at each import whether it has just appeared
 (``dlopen(RTLD_NOLOAD)``: never loads anything), which names packages that load it from C. Failing both,
 the packages the cell newly imported are the suspects. Linux only (elsewhere there is no CUDA driver).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -56,9 +61,9 @@ def driver_mapped(maps: str = "/proc/self/maps") -> str | None:
     return data[start:end if end >= 0 else len(data)].decode(errors="replace")
 
 
-def open_devices(prefixes=DEVICE_PREFIXES) -> list[str]:
-    """Driver device files this process holds open (cheap: only called once the library is mapped)."""
-    found = []
+def device_fds(prefixes=DEVICE_PREFIXES) -> dict[int, str]:
+    """The driver device files this process holds open, by descriptor."""
+    found = {}
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
@@ -69,8 +74,29 @@ def open_devices(prefixes=DEVICE_PREFIXES) -> list[str]:
         except OSError:
             continue
         if target.startswith(tuple(prefixes)):
-            found.append(target)
-    return sorted(set(found))
+            found[int(fd)] = target
+    return found
+
+
+_not_cuda: dict[int, str] = {}  # descriptors NVML opened (through not_cuda): not a sign of a CUDA context
+
+
+@contextlib.contextmanager
+def not_cuda():
+    """Device files opened inside this block are not CUDA's (NVML opens /dev/nvidiactl and /dev/nvidiaN
+    too): ``open_devices`` leaves them out while they stay open."""
+    prefixes = Watcher.device_prefixes
+    before = device_fds(prefixes)
+    try:
+        yield
+    finally:
+        _not_cuda.update({fd: t for fd, t in device_fds(prefixes).items() if before.get(fd) != t})
+
+
+def open_devices(prefixes=DEVICE_PREFIXES) -> list[str]:
+    """Driver device files this process holds open, other than NVML's (cheap: only called once the
+    library is mapped)."""
+    return sorted({t for fd, t in device_fds(prefixes).items() if _not_cuda.get(fd) != t})
 
 
 def _loaded_now() -> bool:
@@ -162,6 +188,12 @@ class Watcher:
         self.devices = open_devices(self.device_prefixes)
         if self.devices:
             self.initialised = self.loaded if self.loaded.cell == cell else self._sighting(cell, source)
+
+    def no_context(self) -> None:
+        """The probe found no CUDA context: the device files open now are someone's NVML, not CUDA's.
+        Forget them, so a later ``cuInit`` is named by its own cell."""
+        _not_cuda.update(device_fds(self.device_prefixes))
+        self.initialised, self.devices = None, []
 
     def _sighting(self, cell: str, source: str) -> Sighting:
         # No event after the load: the cell's last import did it.

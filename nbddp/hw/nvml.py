@@ -9,6 +9,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from . import driverwatch
+
 
 @dataclass(frozen=True)
 class GpuSample:
@@ -51,7 +53,8 @@ class Nvml:
                 try:
                     import pynvml
 
-                    pynvml.nvmlInit()
+                    with driverwatch.not_cuda():  # NVML opens the driver's device files, as cuInit does
+                        pynvml.nvmlInit()
                     count = pynvml.nvmlDeviceGetCount()
                     self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _visible(count)]
                     self._ok = True
