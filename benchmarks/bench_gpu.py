@@ -303,6 +303,11 @@ def section(r: dict) -> str:
                   "| launcher | median | × raw fork |", "|---|---|---|"]
         lines += [f"| {k} | {ms(v)} | {v / raw:.2f}× |" for k, v in rt.items()]
         lines.append("")
+    if "before" in r:
+        b = r["before"]["round_trip"]
+        lines += [f"Before this issue's fix the ranks destroyed their NCCL group on leaving (and so did the raw fork "
+                  f"anchor): nbddp {ms(b['nbddp %%ddp'])}, raw fork {ms(b['raw fork'])}, Lightning "
+                  f"{ms(b['Lightning ddp_notebook'])}, same machine, earlier run.", ""]
     if "pool" in r:
         p = r["pool"]
         lines += ["### Pool cell on the GPU (one all_reduce, synchronised)", "",
@@ -332,10 +337,32 @@ def section(r: dict) -> str:
                   f"| a 10 GiB CPU tensor | {ms(big['nbddp %%ddp'])} | {ms(big['raw fork'])} |", "",
                   (f"10 GiB / empty: nbddp {big['nbddp %%ddp'] / empty['nbddp %%ddp']:.2f}×, raw fork "
                   f"{big['raw fork'] / empty['raw fork']:.2f}×."), ""]
+    if "launch_bound" in r:
+        lb = r["launch_bound"]["steps_per_s"]
+        lines += ["The same loop at batch 256 is bound by the CPU launching kernels, where noise is larger: 1000 steps, "
+                  "3 interleaved rounds, steps/s: " + "; ".join(f"{k} {', '.join(f'{v:.0f}' for v in vs)}"
+                                                               for k, vs in lb.items()) +
+                  ". No systematic gap (the rank sees no audit events per step).", ""]
+    if "smoke" in r:
+        lines += ["### `python benchmarks/gpu_smoke.py` on this machine", "", "| check | result | detail |", "|---|---|---|"]
+        lines += [f"| {c['check']} | {'PASS' if c['ok'] else 'FAIL'} | {c['detail'].replace('|', '/')} |"
+                  for c in r["smoke"]["checks"]]
+        lines += ["", "The live views on this GPU (their HTML, rendered in headless Chromium): the one-shot cell's dashboard "
+                  "and the pool's view with GPU utilisation and memory over its life.", "",
+                  "![a GPU cell's dashboard](../docs/images/gpu-dashboard.png)", "",
+                  "![the pool's view on a GPU](../docs/images/gpu-pool.png)", ""]
     errors = [k for k in r if k.endswith("_error")]
     if errors:
         lines += ["Failed to measure: " + ", ".join(e.removesuffix("_error") for e in errors) + ".", ""]
     return "\n".join(lines)
+
+
+def render(results_md: Path = HERE / "results.md") -> None:
+    """Put the saved GPU section into results.md (replacing an older one)."""
+    text = results_md.read_text()
+    head, sep, rest = text.partition("## GPU (issue 22)")
+    tail = rest[rest.find("\n## "):] if sep and "\n## " in rest else ""
+    results_md.write_text(head.rstrip() + "\n\n" + section(json.loads(SAVED.read_text())).rstrip() + "\n" + tail)
 
 
 def main() -> int:
@@ -343,7 +370,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write bench_gpu.json here (default: benchmarks/results_gpu.json)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="+", choices=["round_trip", "pool", "training", "dashboard", "memory"])
+    ap.add_argument("--render", action="store_true", help="only write the saved figures into results.md")
     args = ap.parse_args()
+    if args.render:
+        render()
+        return 0
     results = run(args.quick, args.only)
     target = args.out / "bench_gpu.json" if args.out else SAVED
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -348,6 +348,10 @@ def main() -> None:
     (HERE / "results.json").write_text(json.dumps(r, indent=1))
     text = report(r) + f"\nThe whole suite took {time.monotonic() - t0:.0f} s.\n"
     (HERE / "results.md").write_text(text)
+    import bench_gpu
+
+    if bench_gpu.SAVED.exists():  # the GPU figures, measured on a GPU machine (issue 22), kept across CPU runs
+        bench_gpu.render()
     plot(r, ROOT / "docs" / "images" / "benchmarks.png")
     print(text)
 
