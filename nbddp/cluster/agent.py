@@ -1,12 +1,12 @@
 """On each other node of a cluster pool, inside a Ray actor: forks the node's ranks and streams their events.
 
 One ``Agent`` per node (placement.py puts it in the node's bundle of the pool's placement group). It
-never initialises CUDA: it forks its ranks with nbddp's own starter (pipes, typed channel, parent-death
-signal, 0700 run directory, 0600 logs on this node) and supervises them with nbddp's own supervisor, on
-one thread of its own (it forks and lives as long as its ranks: a parent-death signal follows the thread
-that forked). Whatever the supervisor publishes (output, records, exits) and every store request of its
-ranks goes into one ordered queue, which the kernel reads through ``events``, a streaming actor method,
-in batches (as many as have accumulated while the last batch travelled).
+never initialises CUDA: ``events``, a streaming actor method, forks its ranks with nbddp's own starter
+(pipes, typed channel, parent-death signal, 0700 run directory, 0600 logs on this node; from a thread of
+its own that lives as long as they do, since a parent-death signal follows the thread that forked) and
+supervises them with nbddp's own supervisor on the stream's thread. Whatever the supervisor publishes (output, records, exits) and every
+store request of its ranks is yielded to the kernel in order, in batches (as many as accumulated while
+the last batch travelled).
 
 The kernel's calls (``control``: a command for the ranks' command pipes, a signal, a store reply, stop)
 carry a sequence number and are applied in that order, whatever order Ray's threads deliver them in: at
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -32,8 +33,6 @@ class Agent:
     def __init__(self, node_rank: int):
         self.node_rank = node_rank
         self.queue: list = []  # events not yet streamed to the kernel
-        self.cond = threading.Condition()
-        self.finished = False
         self.controls: dict[int, tuple] = {}  # seq -> (op, args): applied in sequence order
         self.applied = 0
         self.order = threading.Lock()
@@ -43,8 +42,6 @@ class Agent:
         self.cmd: dict[int, int] = {}  # rank -> its command pipe's write end
         self.replies: dict[int, int] = {}  # rank -> its store reply pipe's write end
         self.requests: dict[int, tuple[int, Frames]] = {}  # request fd -> (rank, frames)
-        self.pids: dict[int, int] = {}
-        self.error: BaseException | None = None
 
     def where(self) -> dict:
         """This node as the kernel names it."""
@@ -54,89 +51,69 @@ class Agent:
         return {"node_id": ctx.get_node_id(), "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
                 "pid": os.getpid()}
 
-    # -- start ---------------------------------------------------------------------------------------------
-    def start(self, specs: list, ifname: str | None) -> dict[int, int]:
-        """Fork the node's ranks (``specs``: worker.RankSpec each, the kernel's view of them); returns
-        rank -> pid once every rank is forked."""
-        if not ifname:  # the interface that carries this node's Ray address
-            from .placement import ifname_for
-
-            ifname = ifname_for(self.where()["ip"])
-        started = threading.Event()
-        thread = threading.Thread(target=self._life, args=(specs, ifname, started), name="nbddp-agent", daemon=True)
-        thread.start()
-        started.wait()
-        if self.error is not None:
-            raise self.error
-        return dict(self.pids)
-
-    def _life(self, specs, ifname, started) -> None:
+    # -- the node's ranks, their life on this one thread -----------------------------------------------------------
+    def events(self, specs: list, ifname: str | None):
+        """The stream the kernel reads: forks the node's ranks (``specs``: a worker.RankSpec each) and
+        supervises them on this thread until every one has exited; yields rank -> pid first, then lists of
+        events, each pickled, in order."""
+        run_dir = rendezvous.new_run_dir()
+        logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
+        self.sup = sup = Supervisor(Bus([logs, self]))
+        done = threading.Event()
         try:
-            run_dir = rendezvous.new_run_dir()
-            logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
-            self.sup = sup = Supervisor(Bus([logs, self]))
             sup.watch(self.wake_r, self._wake)
-            starter = ForkStarter(run_dir)
-            for spec in specs:
-                cmd_r, cmd_w = os.pipe()
-                req_r, req_w = os.pipe()
-                rep_r, rep_w = os.pipe()
-                env = dict(spec.env, TORCHELASTIC_ERROR_FILE=str(run_dir.path / f"rank{spec.rank}.error.json"))
-                if ifname:
-                    env.setdefault("GLOO_SOCKET_IFNAME", ifname)
-                    env.setdefault("NCCL_SOCKET_IFNAME", ifname)
-                spec = dataclasses.replace(spec, parent_pid=os.getpid(), store_fds=(req_w, rep_r),
-                                           store_path=str(run_dir.store), env=env)
-                keep = {0, 1, 2, cmd_r, cmd_w, req_w, rep_r}
-                # the rank holds none of this process's descriptors (Ray's sockets among them)
-                inherited = [fd for fd in _open_fds() if fd not in keep]
-                proc = starter.start(spec, Server(cmd_pipes={spec.rank: (cmd_r, cmd_w)}), inherited)
-                for fd in (cmd_r, req_w, rep_r):
-                    os.close(fd)
-                sup.add(proc)
-                self.pids[spec.rank] = proc.pid
-                self.cmd[spec.rank] = cmd_w
-                self.replies[spec.rank] = rep_w
-                self.requests[req_r] = (spec.rank, Frames())
-                sup.watch(req_r, lambda fd=req_r: self._store_request(fd))
-        except BaseException as e:  # noqa: BLE001 - the kernel's start() raises it
-            self.error = e
-            started.set()
-            self._finish()
-            return
-        started.set()
-        try:
-            sup.wait(None)
+            if not ifname:  # the interface that carries this node's Ray address
+                from .placement import ifname_for
+
+                ifname = ifname_for(self.where()["ip"])
+            yield pickle.dumps(self._fork_all(specs, run_dir, ifname, done))
+            while sup.live() or self.queue:
+                sup.wait(None, until=lambda: bool(self.queue))
+                batch, self.queue = self.queue, []
+                if batch:
+                    yield pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)  # bytes: Ray's cheapest path
         finally:
+            sup.stop_all()  # (the kernel let go of the stream: nothing of this pool may stay)
+            sup.reap()
             sup.close()
             logs.close()
             run_dir.release_store()
             for fd in (*self.cmd.values(), *self.replies.values(), *self.requests):
                 _close(fd)
-            self._finish()
+            done.set()
 
-    def _finish(self) -> None:
-        with self.cond:
-            self.finished = True
-            self.cond.notify_all()
+    def _fork_all(self, specs, run_dir, ifname, done: threading.Event) -> dict[int, int]:
+        """rank -> pid, forked on a thread of nbddp's own that lives until ``done``: a parent-death signal
+        follows the thread that forked, and a rank's stack then starts at nbddp's frames, not Ray's."""
+        out: dict = {}
+        forked = threading.Event()
 
-    # -- the supervisor's events, queued for the kernel ---------------------------------------------------------
-    def _push(self, item) -> None:
-        with self.cond:
-            self.queue.append(item)
-            self.cond.notify_all()
+        def forker():
+            try:
+                out["pids"] = {spec.rank: _fork(self, spec, run_dir, ifname) for spec in specs}
+            except BaseException as e:  # noqa: BLE001 - raised on the stream's thread
+                out["error"] = e
+            forked.set()
+            done.wait()
 
+        threading.Thread(target=forker, name="nbddp-agent-forker", daemon=True).start()
+        forked.wait()
+        if "error" in out:
+            raise out["error"]
+        return out["pids"]
+
+    # -- the supervisor's events, queued for the kernel (all on the stream's thread) --------------------------------
     def on_Output(self, event) -> None:
-        self._push(event)
+        self.queue.append(event)
 
     def on_OutputClosed(self, event) -> None:
-        self._push(event)
+        self.queue.append(event)
 
     def on_Message(self, event) -> None:
-        self._push(event)
+        self.queue.append(event)
 
     def on_Exited(self, event) -> None:
-        self._push(event)
+        self.queue.append(event)
 
     def _store_request(self, fd: int) -> None:
         rank, frames = self.requests[fd]
@@ -148,18 +125,7 @@ class Agent:
             self.sup.sel.unregister(fd)
             return
         for request in frames.feed(data):
-            self._push(("store", rank, request))
-
-    def events(self):
-        """The stream the kernel reads: lists of events, in order, until every rank has exited."""
-        while True:
-            with self.cond:
-                self.cond.wait_for(lambda: self.queue or self.finished)
-                batch, self.queue = self.queue, []
-                done = self.finished and not batch
-            if done:
-                return
-            yield batch
+            self.queue.append(("store", rank, request))
 
     # -- the kernel's calls, in their order ------------------------------------------------------------------------
     def control(self, seq: int, op: str, *args) -> None:
@@ -212,6 +178,32 @@ class Agent:
                     p.stop_sent = True  # its exit record says nbddp stopped it
                 p.signal(sig, group)
 
+
+
+def _fork(agent: Agent, spec, run_dir, ifname) -> int:
+    """One rank of the node, forked and supervised. A function, not a method: Ray wraps an actor class's
+    methods, and a frame of its wrapper would sit under the rank's every stack."""
+    cmd_r, cmd_w = os.pipe()
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    env = dict(spec.env, TORCHELASTIC_ERROR_FILE=str(run_dir.path / f"rank{spec.rank}.error.json"))
+    if ifname:
+        env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        env.setdefault("NCCL_SOCKET_IFNAME", ifname)
+    spec = dataclasses.replace(spec, parent_pid=os.getpid(), store_fds=(req_w, rep_r),
+                               store_path=str(run_dir.store), env=env)
+    keep = {0, 1, 2, cmd_r, cmd_w, req_w, rep_r}
+    # the rank holds none of this process's descriptors (Ray's sockets among them)
+    inherited = [fd for fd in _open_fds() if fd not in keep]
+    proc = ForkStarter(run_dir).start(spec, Server(cmd_pipes={spec.rank: (cmd_r, cmd_w)}), inherited)
+    for fd in (cmd_r, req_w, rep_r):
+        os.close(fd)
+    agent.sup.add(proc)
+    agent.cmd[spec.rank] = cmd_w
+    agent.replies[spec.rank] = rep_w
+    agent.requests[req_r] = (spec.rank, Frames())
+    agent.sup.watch(req_r, lambda fd=req_r: agent._store_request(fd))
+    return proc.pid
 
 
 def _open_fds() -> list[int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import time
 import types
 
@@ -66,8 +67,8 @@ class ClusterGang(Gang):
         user_if = os.environ.get("NBDDP_IFNAME")
         specs = [self._spec(r, nodes, run_id, port) for r in range(self.world_size)]
         wheres = [a.where.remote() for a in self.actors]
-        starts = [a.start.remote(specs[n.index * D:(n.index + 1) * D], user_if)
-                  for a, n in zip(self.actors, nodes[1:])]
+        streams = [a.events.options(num_returns="streaming").remote(specs[n.index * D:(n.index + 1) * D], user_if)
+                   for a, n in zip(self.actors, nodes[1:])]  # each begins with its ranks' pids
         ifname = user_if or placement.ifname_for(nodes[0].ip) or rendezvous.loopback_ifname()
         for r in range(D):
             self.node_names[r] = nodes[0].label
@@ -76,12 +77,17 @@ class ClusterGang(Gang):
         try:
             for n, where in zip(nodes[1:], ray.get(wheres, timeout=START_S)):
                 n.host = where["host"]
-            pids_per_node = ray.get(starts, timeout=START_S)
+            pids_per_node = []
+            for gen in streams:
+                ready, _ = ray.wait([gen], timeout=START_S)
+                if not ready:
+                    raise TimeoutError(f"no answer within {START_S:g} s")
+                pids_per_node.append(pickle.loads(ray.get(next(gen))))
         except Exception as e:  # noqa: BLE001
             raise UsageError(f"the agents on the other nodes did not start their ranks: {type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}\nIs nbddp installed on every node, with "
                              "the same Python, torch and Ray? Nothing is left running.") from None
-        for actor, n, pids in zip(self.actors, nodes[1:], pids_per_node):
+        for actor, n, pids, gen in zip(self.actors, nodes[1:], pids_per_node, streams):
             ranks = sorted(pids)
             link = remote.Link(actor, n.label, ranks)
             self.links.append(link)
@@ -90,7 +96,7 @@ class ClusterGang(Gang):
                 proc = remote.RemoteProc(r, pids[r], -1, node=n.label, link=link, here=False)
                 self.sup.add(proc)
                 self.streams.procs[r] = proc
-            self.streams.follow(link)
+            self.streams.follow(link, gen)
 
     def _spec(self, rank: int, nodes, run_id: str, port: int) -> RankSpec:
         D, node = self.per_node, rank // self.per_node

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import queue
 import threading
 import time
@@ -68,8 +69,8 @@ class Streams:
         self.procs: dict[int, RemoteProc] = {}
         sup.watch(self.wake_r, self.deliver)
 
-    def follow(self, link: Link) -> None:
-        gen = link.actor.events.options(num_returns="streaming").remote()
+    def follow(self, link: Link, gen) -> None:
+        """Read ``gen``, the agent's ``events`` stream (past its first item), on a thread of its own."""
         t = threading.Thread(target=self._read, args=(link, gen), name=f"nbddp-node-{link.node}", daemon=True)
         self.threads.append(t)
         t.start()
@@ -80,7 +81,7 @@ class Streams:
         why = None
         try:
             for ref in gen:
-                batch = ray.get(ref)
+                batch = pickle.loads(ray.get(ref))
                 rest = []
                 for item in batch:
                     if type(item) is tuple and item[0] == "store":
