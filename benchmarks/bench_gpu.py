@@ -26,6 +26,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SAVED = HERE / "results_gpu.json"
+sys.path.insert(0, str(HERE))
+
+import kernel_code as kc
 
 SETUP = r'''
 %load_ext nbddp
@@ -93,48 +96,8 @@ bench("round_trip", {k: statistics.median(v) for k, v in times.items()})
 bench("round_trip_all", times)
 '''
 
-POOL = r'''
-# the floor: one rank forked once from this kernel into an NCCL group, woken by one byte on a pipe; a cell is
-# one all_reduce on the GPU, synchronised, one byte back. Nothing of nbddp in it.
-def _floor_rank(store_path, cmd_r, reply_w):
-    code = 1
-    try:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
-        t = torch.ones(1, device="cuda")
-        dist.all_reduce(t); torch.cuda.synchronize()
-        os.write(reply_w, b"r")
-        while os.read(cmd_r, 1) == b"g":
-            t = torch.ones(1, device="cuda")
-            dist.all_reduce(t)
-            torch.cuda.synchronize()
-            os.write(reply_w, b"d")
-        dist.destroy_process_group()
-        code = 0
-    except BaseException as e:
-        os.write(2, f"floor rank: {e!r}\n".encode())
-    finally:
-        os._exit(code)
-
-def _floor_read(fd, timeout=120):
-    if not select.select([fd], [], [], timeout)[0] or not os.read(fd, 1):
-        raise RuntimeError("the floor rank did not answer")
-
-d = tempfile.mkdtemp()
-c_r, c_w = os.pipe(); r_r, r_w = os.pipe()
-floor_pid = os.fork()
-if floor_pid == 0:
-    os.close(c_w); os.close(r_r)
-    _floor_rank(os.path.join(d, "store"), c_r, r_w)
-os.close(c_r); os.close(r_w)
-_floor_read(r_r)
-
-def floor_cell():
-    t0 = time.perf_counter()
-    os.write(c_w, b"g")
-    _floor_read(r_r)
-    return time.perf_counter() - t0
-
+POOL = kc.FLOOR_CODE + r'''
+FLOOR = floor_start(1, "nccl")  # forked before the pool: its rank holds none of the pool's fds
 CELL = "t = torch.ones(1, device=device)\ndist.all_reduce(t)\ntorch.cuda.synchronize()\n;"
 def pool_cell():
     t0 = time.perf_counter()
@@ -152,9 +115,7 @@ for i in range({runs}):
     for times, cell in (order if i % 2 else order[::-1]):
         times.append(cell())
 get_ipython().run_line_magic("ddp", "stop")
-os.write(c_w, b"q")
-os.waitpid(floor_pid, 0)
-shutil.rmtree(d, ignore_errors=True)
+floor_stop(FLOOR)
 bench("pool", {"pool": statistics.median(pool), "floor": statistics.median(floor), "start_s": start_s,
                "pool_all": pool, "floor_all": floor})
 '''
@@ -201,20 +162,11 @@ bench("training", {"cell": statistics.median(cell), "torchrun": statistics.media
                    "torchrun_all": run})
 '''
 
-DASHBOARD = r'''
-import nbddp.views.dashboard as D
+DASHBOARD = kc.TICKS_CODE + r'''
 from nbddp.hw import nvml
-ticks = []
-_tick = D.RunView.tick
-def timed_tick(self):
-    t0 = time.perf_counter(); _tick(self); ticks.append(time.perf_counter() - t0)
-D.RunView.tick = timed_tick
-try:
-    get_ipython().run_cell_magic("ddp", "--devices 1", "import time\nx = torch.randn(4096, 4096, device=device)\n"
-                                 "t0 = time.time()\nwhile time.time() - t0 < 6.5:\n    x = x @ x / x.norm()\n"
-                                 "torch.cuda.synchronize()\n")
-finally:
-    D.RunView.tick = _tick
+ticks = dashboard_ticks("--devices 1", "import time\nx = torch.randn(4096, 4096, device=device)\n"
+                        "t0 = time.time()\nwhile time.time() - t0 < 6.5:\n    x = x @ x / x.norm()\n"
+                        "torch.cuda.synchronize()\n")
 nv = nvml.backend()
 nv.sample([0])
 samples = []

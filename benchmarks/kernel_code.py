@@ -223,17 +223,23 @@ hidden = get_ipython().run_cell_magic("ddp", "--devices 2 --ranks-output none", 
 bench("slowdown", {"shown": summary(shown), "hidden": summary(hidden)})
 '''
 
-DASHBOARD_COST = r'''
-import nbddp.views.dashboard as D
-ticks = []
-_tick = D.RunView.tick
-def timed_tick(self):
-    t0 = time.perf_counter(); _tick(self); ticks.append(time.perf_counter() - t0)
-D.RunView.tick = timed_tick
-try:
-    get_ipython().run_cell_magic("ddp", "--devices 2", "import time\nx = torch.zeros(2**20)\ntime.sleep(6.5)")
-finally:
-    D.RunView.tick = _tick
+TICKS_CODE = r'''
+def dashboard_ticks(line, body):
+    """How long each of the live dashboard's ticks took while a %%ddp cell ran (also benchmarks/bench_gpu.py)."""
+    import nbddp.views.dashboard as D
+    ticks, tick = [], D.RunView.tick
+    def timed_tick(self):
+        t0 = time.perf_counter(); tick(self); ticks.append(time.perf_counter() - t0)
+    D.RunView.tick = timed_tick
+    try:
+        get_ipython().run_cell_magic("ddp", line, body)
+    finally:
+        D.RunView.tick = tick
+    return ticks
+'''
+
+DASHBOARD_COST = TICKS_CODE + r'''
+ticks = dashboard_ticks("--devices 2", "import time\nx = torch.zeros(2**20)\ntime.sleep(6.5)")
 bench("dashboard", {"ticks": len(ticks), "mean_s": statistics.mean(ticks), "max_s": max(ticks)})
 '''
 
@@ -251,24 +257,31 @@ for gb in (0, 0.5, 2, 4, 8):
 bench("memory", res)
 '''
 
-POOL = r"""
-import ipyparallel as ipp, io, contextlib, select
+FLOOR_CODE = r"""
+import select
 
-# the floor: 2 ranks forked once from this kernel, in a gloo group, each waiting on a command pipe; a cell is
-# one byte to each rank, one all_reduce, one byte back from each. Nothing of nbddp in it.
+# the floor: ranks forked once from this kernel into a process group (gloo on CPU, or NCCL on the GPUs), each
+# waiting on a command pipe; a cell is one byte to each rank, one all_reduce (synchronised on a GPU), one byte
+# back from each. Nothing of nbddp in it. benchmarks/bench_gpu.py measures its pool against it too.
 FLOOR_GO, FLOOR_QUIT = b"g", b"q"
 
-def _floor_rank(rank, store_path, cmd_r, reply_w):
+def _floor_rank(rank, world, backend, store_path, cmd_r, reply_w):
     code = 1
     try:
-        torch.set_num_threads(1)
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        store = dist.FileStore(store_path, 2)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        cuda = backend == "nccl"
+        if cuda:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         os.write(reply_w, b"r")  # ready
         while os.read(cmd_r, 1) == FLOOR_GO:  # FLOOR_QUIT, or EOF if the kernel is gone: leave
-            t = torch.ones(1)  # the same work as the pool's and %%px's cell
+            t = torch.ones(1, device="cuda" if cuda else "cpu")  # the same work as the pool's (and %%px's) cell
             dist.all_reduce(t)
+            if cuda:
+                torch.cuda.synchronize()
             os.write(reply_w, b"d")
         dist.destroy_process_group()
         code = 0
@@ -284,17 +297,17 @@ def _floor_read(fds, timeout=60):
         if not os.read(fd, 1):
             raise RuntimeError("a floor rank died")
 
-def floor_start():
+def floor_start(world=2, backend="gloo"):
     d = tempfile.mkdtemp()
     pids, cmd, reply = [], [], []
-    for rank in range(2):
+    for rank in range(world):
         c_r, c_w = os.pipe()
         r_r, r_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            for fd in cmd + reply + [c_w, r_r]:  # the kernel's ends, and the other rank's
+            for fd in cmd + reply + [c_w, r_r]:  # the kernel's ends, and the other ranks'
                 os.close(fd)
-            _floor_rank(rank, os.path.join(d, "store"), c_r, r_w)
+            _floor_rank(rank, world, backend, os.path.join(d, "store"), c_r, r_w)
         os.close(c_r); os.close(r_w)
         pids.append(pid); cmd.append(c_w); reply.append(r_r)
     try:
@@ -330,8 +343,12 @@ def floor_stop(floor):
     for fd in cmd + reply:
         os.close(fd)
     shutil.rmtree(d, ignore_errors=True)
-    if codes != [0, 0]:
+    if any(codes):
         raise RuntimeError(f"floor ranks exited with {codes}")
+"""
+
+POOL = FLOOR_CODE + r"""
+import ipyparallel as ipp, io, contextlib
 
 FLOOR = floor_start()  # forked first, before ipyparallel and the pool: the floor's ranks hold none of their fds
 cluster = ipp.Cluster(n=2, log_level=40)
