@@ -161,6 +161,13 @@ def test_a_killed_rank_on_the_other_node_ends_the_pool_naming_the_node(pool):
     assert re.search(r"ended: rank 1 on node 1 .* exited \(killed by SIGKILL", status), status
 
 
+def test_the_python_api_runs_a_function_on_every_node(rk):
+    res = rk.ok("import nbddp, torch.distributed as dist\ndef total(x):\n    t = torch.ones(1) * x * (dist.get_rank() + 1)\n"
+                "    dist.all_reduce(t)\n    return t.item(), os.environ['NODE_RANK']\n"
+                "with nbddp.Pool(cluster='ray', nodes=2, devices=1) as p:\n    print(p.run(total, 2))\n", timeout=120)
+    assert "[(6.0, '0'), (6.0, '1')]" in res.stdout, res.stdout + res.stderr
+
+
 def test_refusals_say_why(rk):
     res = rk.run("%ddp start --cluster ray:ray://10.0.0.1:10001 --nodes 2")
     assert "ray://" in res.error_text and "Nothing ran" in res.error_text, res.error_text
