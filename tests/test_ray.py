@@ -75,6 +75,9 @@ def test_cells_keep_state_all_reduce_spans_nodes_and_output_keeps_each_ranks_ord
         mine = [int(m) for m in re.findall(rf"^\[rank(?:{r}|0-1)\]:line (\d+)$", res.stdout, re.MULTILINE)]
         assert mine == list(range(200)), (r, mine[:5])
         assert said(res.stderr, r, "to stderr"), res.stderr
+    status = k.ok("%ddp status").displays[-1]["data"]["text/plain"]  # the pool's dashboard: each rank's node
+    assert re.search(r"^0\s+\d+\s+cpu node 0 \(\S+\)\s+idle", status, re.M), status
+    assert re.search(r"^1\s+-\s+cpu node 1 \(\S+\)\s+idle", status, re.M), status
 
 
 def test_a_notebook_name_reaches_the_other_node_and_a_rebound_one_is_sent_again(pool):

@@ -97,6 +97,9 @@ class ClusterGang(Gang):
                 self.sup.add(proc)
                 self.streams.procs[r] = proc
             self.streams.follow(link, gen)
+        if self.view is not None:  # the dashboard's device column names each rank's node
+            self.view.nodes = {r: f"node {n.index} ({n.host or n.ip})" for n in nodes
+                               for r in range(n.index * D, (n.index + 1) * D)}
 
     def _spec(self, rank: int, nodes, run_id: str, port: int) -> RankSpec:
         D, node = self.per_node, rank // self.per_node

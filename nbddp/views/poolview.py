@@ -69,6 +69,7 @@ class PoolView:
         self.gpu_mem = {i: LifeSeries() for i in self.monitor.gpus}
         self.state = {r: "idle" for r in range(plan.world_size)}
         self.pids: dict[int, int] = {}
+        self.nodes: dict[int, str] = {}  # a pool across nodes (--cluster): rank -> its node, as the device column says
         self.cells: collections.deque = collections.deque(maxlen=CELLS_SHOWN)  # (label, seconds, outcome)
         self.cells_run = 0
         self.running: str | None = None
@@ -195,8 +196,8 @@ class PoolView:
             rows = [["rank", "pid", "device", "state", "RSS over the pool's life"]]
             for r in range(self.plan.world_size):
                 dev = self.plan.device_ids[r]
-                rows.append([str(r), str(self.pids.get(r, "-")), f"cuda:{dev}" if dev is not None else "cpu",
-                             self.state[r], self._life(self.rss[r])])
+                rows.append([str(r), str(self.pids.get(r, "-")), self._device(r, dev), self.state[r],
+                             self._life(self.rss[r])])
             return rows
         rows = [["rank", "pid", "device", "state", "RSS", "USS (private)", "RSS over the pool's life"]]
         for r in range(self.plan.world_size):
@@ -205,9 +206,13 @@ class PoolView:
             state = self.state[r]
             if state == "busy" and self.running:
                 state = f"busy: {self.running} {time.monotonic() - self.cell_t0:.0f} s"
-            rows.append([str(r), str(self.pids.get(r, "-")), f"cuda:{dev}" if dev is not None else "cpu",
-                         state, mb(s.rss) if s else "-", mb(s.uss) if s and s.uss else "-", self._life(self.rss[r])])
+            rows.append([str(r), str(self.pids.get(r, "-")), self._device(r, dev), state, mb(s.rss) if s else "-",
+                         mb(s.uss) if s and s.uss else "-", self._life(self.rss[r])])
         return rows
+
+    def _device(self, rank: int, dev) -> str:
+        where = f"cuda:{dev}" if dev is not None else "cpu"
+        return f"{where} {self.nodes[rank]}" if rank in self.nodes else where
 
     @staticmethod
     def _life(series: LifeSeries) -> str:
