@@ -202,19 +202,19 @@ class ClusterGang(Gang):
             super().close(why)
         finally:
             self.local.close()
-            if self.streams is not None:
-                self.streams.close()
             if self.ray is not None:
                 for actor in self.actors:
                     try:
                         self.ray.kill(actor)
                     except Exception:  # noqa: BLE001
                         pass
-                if self.pg is not None:
-                    from ray.util.placement_group import remove_placement_group
+            if self.streams is not None:
+                self.streams.close()  # once its readers ended (a killed agent's stream ends at once)
+            if self.pg is not None:
+                from ray.util.placement_group import remove_placement_group
 
-                    try:
-                        remove_placement_group(self.pg)
-                    except Exception:  # noqa: BLE001
-                        pass
+                try:
+                    remove_placement_group(self.pg)
+                except Exception:  # noqa: BLE001
+                    pass
             self.actors, self.pg = [], None

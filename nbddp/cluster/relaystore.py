@@ -94,7 +94,7 @@ class LocalStores:
 
     def __init__(self, store: Store):
         self.store = store
-        self.pipes: dict[int, tuple[int, int, Frames]] = {}  # request fd -> (reply fd, rank, frames)
+        self.pipes: dict[int, tuple[int, Frames]] = {}  # request fd -> (reply fd, frames)
         self.wake_r, self.wake_w = os.pipe()
         self.thread: threading.Thread | None = None
         self.closed = False
@@ -125,6 +125,8 @@ class LocalStores:
         os.write(self.wake_w, b"x")
         if self.thread is not None:
             self.thread.join(5)
+            if self.thread.is_alive():
+                return  # (its descriptors stay open rather than be reused under it)
         for fd in (*self.pipes, *(r for r, _ in self.pipes.values()), self.wake_r, self.wake_w):
             try:
                 os.close(fd)

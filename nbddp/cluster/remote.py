@@ -149,7 +149,14 @@ class Streams:
         if failure.failed(proc.exit) and not proc.stop_sent:
             sup.stop_all()
 
-    def close(self) -> None:
+    def close(self, within: float = 5.0) -> None:
+        """The wake pipe is closed once every reader has ended: a reader still running could otherwise
+        write into whatever reused the descriptor (left open if one is still there after ``within``)."""
+        end = time.monotonic() + within
+        for t in self.threads:
+            t.join(max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in self.threads):
+            return
         for fd in (self.wake_r, self.wake_w):
             try:
                 os.close(fd)
