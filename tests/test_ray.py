@@ -164,6 +164,25 @@ def test_a_killed_rank_on_the_other_node_ends_the_pool_naming_the_node(pool):
     assert re.search(r"ended: rank 1 on node 1 .* exited \(killed by SIGKILL", status), status
 
 
+def test_collective_traffic_goes_on_the_nodes_interface_or_the_one_the_user_names(rk):
+    rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+    try:
+        rk.ok("%%ddp --gather ifname\nifname = os.environ['GLOO_SOCKET_IFNAME']\n")
+        default = rk.value("ifname")
+        assert default[0] == default[1] != "lo", default  # the interface of the node's Ray address
+    finally:
+        rk.ok("%ddp stop", timeout=60)
+    rk.ok("os.environ['NBDDP_IFNAME'] = 'lo'")
+    try:
+        rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+        rk.ok("%%ddp --gather ifname\nimport torch.distributed as dist\ndist.all_reduce(torch.ones(1))\n"
+              "ifname = os.environ['GLOO_SOCKET_IFNAME']\n")
+        assert rk.value("ifname") == ["lo", "lo"]
+    finally:
+        rk.ok("%ddp stop", timeout=60)
+        rk.ok("del os.environ['NBDDP_IFNAME']")
+
+
 def test_the_python_api_runs_a_function_on_every_node(rk):
     res = rk.ok("import nbddp, torch.distributed as dist\ndef total(x):\n    t = torch.ones(1) * x * (dist.get_rank() + 1)\n"
                 "    dist.all_reduce(t)\n    return t.item(), os.environ['NODE_RANK']\n"
