@@ -112,21 +112,18 @@ def measure(quick: bool = False) -> dict:
     out = {"local": [], "ray": [], "px": [], "startup_s": [], "relay_ray": 0.0, "relay_local": 0.0}
     try:
         k.ok(KERNEL_SETUP.format(address=c.address), timeout=300)
+        pools = (("local", "--devices 2"), ("ray", "--cluster ray --nodes 2 --devices 1"))
         for r in range(rounds):
-            k.ok("%ddp start --devices 2", timeout=120)
-            got = measures(k.ok(f"block('local', {n})", timeout=600))["local"]
-            out["local"] += got["pool"]
-            out["px"] += got["px"]
-            if r == rounds - 1:
-                out["relay_local"] = relay(k, lines)
-            k.ok("%ddp stop", timeout=60)
-            out["startup_s"].append(started(k.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)))
-            got = measures(k.ok(f"block('ray', {n})", timeout=600))["ray"]
-            out["ray"] += got["pool"]
-            out["px"] += got["px"]
-            if r == rounds - 1:
-                out["relay_ray"] = relay(k, lines)
-            k.ok("%ddp stop", timeout=60)
+            for name, options in pools:
+                res = k.ok(f"%ddp start {options}", timeout=120)
+                if name == "ray":
+                    out["startup_s"].append(started(res))
+                got = measures(k.ok(f"block({name!r}, {n})", timeout=600))[name]
+                out[name] += got["pool"]
+                out["px"] += got["px"]
+                if r == rounds - 1:
+                    out[f"relay_{name}"] = relay(k, lines)
+                k.ok("%ddp stop", timeout=60)
             print(f"round {r + 1}/{rounds} done", flush=True)
         t0 = time.perf_counter()  # the anchor: the kernel itself printing as many prefixed lines
         res = k.ok(f"import sys\nsys.stdout.write(''.join(f'[rank{{i % 2}}]:{{i % 2}} line {{i}}\\n' "

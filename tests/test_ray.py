@@ -107,6 +107,16 @@ def test_a_name_the_notebook_had_before_the_pool_started_reaches_the_other_node(
         rk.ok("%ddp stop", timeout=60)
 
 
+def test_input_on_the_other_nodes_rank_is_asked_in_the_notebook(pool):
+    k, _ = pool
+    res = k.converse("%%ddp --gather got\ngot = input('name? ') if rank == 1 else None\nprint('got', got)\n",
+                     lambda prompt: "ada", timeout=60)
+    assert res.error is None, res.error_text
+    assert res.prompts == ["[rank1] name? "], res.prompts
+    assert said(res.stdout, 1, "got ada"), res.stdout
+    assert k.value("got") == [None, "ada"]
+
+
 def test_an_exception_on_the_other_node_names_rank_and_node_and_the_pool_lives(pool):
     k, _ = pool
     k.ok("%%ddp\nkept = rank + 40\n")

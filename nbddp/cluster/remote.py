@@ -21,7 +21,7 @@ import threading
 import time
 
 from ..kernel import failure
-from ..kernel.supervisor import Exited, Message, Output, RankProc, StacksRequested  # noqa: F401
+from ..kernel.supervisor import STACK_QUIET_S, Exited, Message, Output, RankProc
 from ..wire import messages
 
 LOST = "NodeLost"
@@ -133,7 +133,7 @@ class Streams:
         if proc is None or proc.exit is not None:
             return
         if isinstance(event, Output) and event.stream == "stderr" and sup._stacks_until is not None:
-            sup._stacks_until = time.monotonic() + 0.3  # a stack dump still arriving
+            sup._stacks_until = time.monotonic() + STACK_QUIET_S  # a stack dump still arriving
         if isinstance(event, Message):
             proc.records[type(event.record)] = event.record
         if isinstance(event, Exited):
