@@ -76,8 +76,8 @@ def test_cells_keep_state_all_reduce_spans_nodes_and_output_keeps_each_ranks_ord
         assert mine == list(range(200)), (r, mine[:5])
         assert said(res.stderr, r, "to stderr"), res.stderr
     status = k.ok("%ddp status").displays[-1]["data"]["text/plain"]  # the pool's dashboard: each rank's node
-    assert re.search(r"^0\s+\d+\s+cpu node 0 \(\S+\)\s+idle", status, re.M), status
-    assert re.search(r"^1\s+-\s+cpu node 1 \(\S+\)\s+idle", status, re.M), status
+    assert re.search(r"^0\s+\d+\s+cpu node 0 \(\S+\)\s+idle", status, re.MULTILINE), status
+    assert re.search(r"^1\s+-\s+cpu node 1 \(\S+\)\s+idle", status, re.MULTILINE), status
 
 
 def test_a_notebook_name_reaches_the_other_node_and_a_rebound_one_is_sent_again(pool):
@@ -103,6 +103,19 @@ def test_a_name_the_notebook_had_before_the_pool_started_reaches_the_other_node(
         assert re.search(r"nbddp: sent before \(dict, \d+ B\) to the other nodes' ranks, once", res.stderr), res.stderr
         again = rk.ok("%%ddp --gather got\ngot = before['a'].sum().item()\n")
         assert "sent" not in again.stderr, "sent once"
+    finally:
+        rk.ok("%ddp stop", timeout=60)
+
+
+def test_a_ranks_cell_leaves_the_values_owed_to_the_other_nodes_ranks_they_get_them_still(rk):
+    rk.ok("owed = {'a': torch.arange(5)}")  # the notebook had it at the start: only node 0 shares it
+    rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+    try:
+        res = rk.ok("%%ddp --ranks 0\nfirst = owed['a'].sum().item()\n")
+        assert "sent owed (dict" in res.stderr, res.stderr
+        res = rk.run("%%ddp --gather got\ngot = owed['a'].sum().item()\n", timeout=60)
+        assert res.error is None, res.error_text  # (rank 1 had a NameError: its copy went with --ranks 0's cell only)
+        assert rk.value("got") == [10, 10]
     finally:
         rk.ok("%ddp stop", timeout=60)
 

@@ -45,6 +45,7 @@ class ClusterGang(Gang):
         self.namespace = namespace or {}
         self.unsent = {k for k in self.namespace if notebook_name(k)}  # what the other nodes lack
         self.extra: dict[str, bytes] = {}  # ... sent with the next cell
+        self.given: set[int] = set()  # the remote ranks that had ``extra`` already (an Update to --ranks' others)
         self.store = relaystore.Store()
         self.local = relaystore.LocalStores(self.store)
         self.links: list[remote.Link] = []
@@ -170,16 +171,30 @@ class ClusterGang(Gang):
         return [said] if sizes else []
 
     def command(self, cmd, ranks=None) -> None:
-        super().command(cmd, ranks=[r for r in (range(self.world_size) if ranks is None else ranks) if r in self._cmd])
-        if isinstance(cmd, messages.RunCell) and self.extra:
+        """As any gang's; the values ``send_missing`` pickled go with the next cell or update to each
+        other node's rank that has not had them, and a cell's ranks left out (``--ranks``) get them in
+        an ``Update`` of their own: each remote rank gets them once, whichever ranks run the cell."""
+        wanted = set(range(self.world_size) if ranks is None else ranks)
+        super().command(cmd, ranks=[r for r in sorted(wanted) if r in self._cmd])
+        carries = isinstance(cmd, (messages.RunCell, messages.Update))
+        if carries:
             self.unsent -= set(cmd.updates)
-            cmd = dataclasses.replace(cmd, updates={**self.extra, **cmd.updates})
-            self.extra = {}
-        frame = framing.encode(cmd)
         for link in self.links:
-            mine = [r for r in link.ranks if ranks is None or r in ranks]
-            if mine:
-                link.control("command", frame, mine)
+            sends: dict[str, list[int]] = {}  # what each of the node's ranks gets: the command, with the values or not
+            for r in link.ranks:
+                owed = carries and bool(self.extra) and r not in self.given
+                if r in wanted:
+                    sends.setdefault("with" if owed else "plain", []).append(r)
+                elif owed and isinstance(cmd, messages.RunCell):
+                    sends.setdefault("update", []).append(r)
+            for kind, mine in sends.items():
+                out = messages.Update({}) if kind == "update" else cmd
+                if kind != "plain":
+                    out = dataclasses.replace(out, updates={**self.extra, **out.updates})
+                    self.given.update(mine)
+                link.control("command", framing.encode(out), mine)
+        if isinstance(cmd, messages.RunCell):  # every remote rank has had them now
+            self.extra, self.given = {}, set()
 
     # -- end ----------------------------------------------------------------------------------------------------
     def close(self, why: str = "torn down") -> None:
