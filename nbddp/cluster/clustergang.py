@@ -53,6 +53,7 @@ class ClusterGang(Gang):
         self.node_names: dict[int, str] = {}
         self.pg = self.ray = None
         self.actors: list = []
+        self.closed = False
 
     def node_of(self, rank: int) -> str:
         return self.node_names.get(rank, "")
@@ -198,6 +199,10 @@ class ClusterGang(Gang):
 
     # -- end ----------------------------------------------------------------------------------------------------
     def close(self, why: str = "torn down") -> None:
+        """Once: a second call (an interrupt during the health check closes, then the cell's end) does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         if self.sup is not None and self.streams is not None:
             theirs = [p for p in self.sup.procs if not p.here]
             if any(p.exit is None for p in theirs):  # the agents stop their ranks; bounded: a hung agent is killed

@@ -121,8 +121,12 @@ class LocalStores:
                     self.store.handle(request, lambda frame, out=reply_fd: _reply(out, frame))
 
     def close(self) -> None:
+        """Ends the thread, then closes its descriptors, once (a second call closes nothing: the numbers
+        may be someone else's by then)."""
+        if self.wake_w < 0:
+            return
         self.closed = True
-        os.write(self.wake_w, b"x")
+        _reply(self.wake_w, b"x")
         if self.thread is not None:
             self.thread.join(5)
             if self.thread.is_alive():
@@ -132,7 +136,7 @@ class LocalStores:
                 os.close(fd)
             except OSError:
                 pass
-        self.pipes = {}
+        self.pipes, self.wake_r, self.wake_w = {}, -1, -1
 
 
 def _read(fd: int) -> bytes:

@@ -151,7 +151,10 @@ class Streams:
 
     def close(self, within: float = 5.0) -> None:
         """The wake pipe is closed once every reader has ended: a reader still running could otherwise
-        write into whatever reused the descriptor (left open if one is still there after ``within``)."""
+        write into whatever reused the descriptor (left open if one is still there after ``within``). Once:
+        a second call closes nothing."""
+        if self.wake_w < 0:
+            return
         end = time.monotonic() + within
         for t in self.threads:
             t.join(max(0.0, end - time.monotonic()))
@@ -162,6 +165,7 @@ class Streams:
                 os.close(fd)
             except OSError:
                 pass
+        self.wake_r = self.wake_w = -1
 
 
 def lost_exit(rank: int, why: str, stopped: bool = False) -> failure.RankExit:

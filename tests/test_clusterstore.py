@@ -1,0 +1,45 @@
+"""A cluster pool's pieces that need no Ray: the kernel's store and its threads (nbddp/cluster/relaystore.py,
+remote.Streams), and the ranks' pipe store (nbddp/rank/pipestore.py)."""
+import os
+
+import pytest
+
+from nbddp.cluster import relaystore, remote
+from nbddp.kernel.supervisor import Bus, Supervisor
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _still_works(r: int, w: int) -> bool:
+    os.write(w, b"x")
+    return os.read(r, 1) == b"x"
+
+
+def test_local_stores_close_twice_closes_nothing_that_reused_its_descriptors():
+    stores = relaystore.LocalStores(relaystore.Store())
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    stores.add(req_r, rep_w)
+    stores.start()
+    stores.close()
+    r, w = os.pipe()  # takes numbers the close just freed
+    try:
+        stores.close()  # (an interrupt during the health check closes the gang, then the cell's end again)
+        assert _still_works(r, w)
+    finally:
+        for fd in (r, w, req_w, rep_r):
+            os.close(fd)
+
+
+def test_streams_close_twice_closes_nothing_that_reused_its_descriptors():
+    sup = Supervisor(Bus([]))
+    streams = remote.Streams(sup, relaystore.Store())
+    sup.close()
+    streams.close()
+    r, w = os.pipe()
+    try:
+        streams.close()
+        assert _still_works(r, w)
+    finally:
+        os.close(r)
+        os.close(w)
