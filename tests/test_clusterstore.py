@@ -1,6 +1,7 @@
 """A cluster pool's pieces that need no Ray: the kernel's store and its threads (nbddp/cluster/relaystore.py,
 remote.Streams), and the ranks' pipe store (nbddp/rank/pipestore.py)."""
 import os
+import select
 
 import pytest
 
@@ -43,3 +44,18 @@ def test_streams_close_twice_closes_nothing_that_reused_its_descriptors():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_ranks_store_pipes_are_closed_here_when_it_is_gone():
+    stores = relaystore.LocalStores(relaystore.Store())
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    stores.add(req_r, rep_w)
+    stores.start()
+    try:
+        os.close(req_w)  # the rank exits: its request pipe's end reaches EOF
+        assert select.select([rep_r], [], [], 10)[0], "the reply pipe's kernel end is still open"
+        assert os.read(rep_r, 1) == b""
+    finally:
+        stores.close()
+        os.close(rep_r)

@@ -114,8 +114,13 @@ class LocalStores:
                     return
                 data = _read(fd)
                 reply_fd, frames = self.pipes[fd]
-                if not data:  # the rank is gone
+                if not data:  # the rank is gone: its two pipes' ends here with it
                     self.pipes.pop(fd)
+                    for end in (fd, reply_fd):
+                        try:
+                            os.close(end)
+                        except OSError:
+                            pass
                     continue
                 for request in frames.feed(data):
                     self.store.handle(request, lambda frame, out=reply_fd: _reply(out, frame))
