@@ -187,6 +187,33 @@ def test_a_killed_rank_on_the_other_node_ends_the_pool_naming_the_node(pool):
     assert re.search(r"ended: rank 1 on node 1 .* exited \(killed by SIGKILL", status), status
 
 
+PLACEMENT_GROUPS = "sorted({g['state'] for g in ray.util.placement_group_table().values()})"
+
+
+def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_agent_nor_group(rk):
+    rk.ok("import signal\nfrom nbddp.cluster import relaystore\n_wait, _close = ray.wait, relaystore.LocalStores.close\n"
+          "def interrupted(f):\n    def call(*a, **k):\n        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, now\n"
+          "        return f(*a, **k)\n    return call\n")
+    rk.ok("ray.wait = interrupted(_wait)")  # while Ray places the pool's group
+    try:
+        res = rk.run("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+    finally:
+        rk.ok("ray.wait = _wait")
+    assert res.error and res.error["ename"] == "KeyboardInterrupt", res
+    assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "the placement group outlived the interrupted start"
+    rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+    rk.ok("%%ddp --gather pid\npid = os.getpid()\n")
+    pids = rk.value("pid")
+    agent = psutil.Process(pids[1]).parent().pid
+    rk.ok("relaystore.LocalStores.close = interrupted(_close)")  # while the teardown joins the store's thread
+    try:
+        rk.run("%ddp stop", timeout=60)
+    finally:
+        rk.ok("relaystore.LocalStores.close = _close")
+    assert not wait_gone([*pids, agent]), "a rank or the agent outlived the interrupted teardown"
+    assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "the placement group outlived the interrupted teardown"
+
+
 def test_collective_traffic_goes_on_the_nodes_interface_or_the_one_the_user_names(rk):
     rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
     try:

@@ -203,38 +203,47 @@ class ClusterGang(Gang):
         if self.closed:
             return
         self.closed = True
-        if self.sup is not None and self.streams is not None:
-            theirs = [p for p in self.sup.procs if not p.here]
-            if any(p.exit is None for p in theirs):  # the agents stop their ranks; bounded: a hung agent is killed
-                end = time.monotonic() + GRACE_S + STOP_S
-                self.sup.stop_all()
-                try:
-                    self.sup.wait(None, until=lambda: all(p.exit is not None for p in theirs) or time.monotonic() >= end,
-                                  wake_at=end)
-                except KeyboardInterrupt:
-                    pass
-            for link in self.links:
-                link.lost = link.lost or "closed"
-            for p in theirs:
-                if p.exit is None:
-                    self.streams._exited(p, remote.lost_exit(p.rank, f"node {p.node} did not report its end"))
         try:
-            super().close(why)
+            self._stop_remote()
         finally:
-            self.local.close()
-            if self.ray is not None:
-                for actor in self.actors:
-                    try:
-                        self.ray.kill(actor)
-                    except Exception:  # noqa: BLE001
-                        pass
-            if self.streams is not None:
-                self.streams.close()  # once its readers ended (a killed agent's stream ends at once)
-            if self.pg is not None:
-                from ray.util.placement_group import remove_placement_group
+            try:
+                super().close(why)
+            finally:
+                with starters.sigint_deferred() as interrupted:  # an interrupt must not leave agents or the group
+                    self._release()
+                    interrupted.clear()  # (what it asks for is this very teardown)
 
+    def _stop_remote(self) -> None:
+        """The agents stop their ranks; bounded: a hung agent is killed after."""
+        if self.sup is None or self.streams is None:
+            return
+        theirs = [p for p in self.sup.procs if not p.here]
+        if any(p.exit is None for p in theirs):
+            end = time.monotonic() + GRACE_S + STOP_S
+            self.sup.stop_all()
+            try:
+                self.sup.wait(None, until=lambda: all(p.exit is not None for p in theirs) or time.monotonic() >= end,
+                              wake_at=end)
+            except KeyboardInterrupt:
+                pass
+        for link in self.links:
+            link.lost = link.lost or "closed"
+        for p in theirs:
+            if p.exit is None:
+                self.streams._exited(p, remote.lost_exit(p.rank, f"node {p.node} did not report its end"))
+
+    def _release(self) -> None:
+        """The agents killed first (their ranks die with them), the placement group removed, then the
+        threads' descriptors closed once the threads have ended."""
+        if self.ray is not None:
+            for actor in self.actors:
                 try:
-                    remove_placement_group(self.pg)
-                except Exception:  # noqa: BLE001
+                    self.ray.kill(actor)
+                except Exception:  # noqa: BLE001, S110 - already gone
                     pass
-            self.actors, self.pg = [], None
+        if self.pg is not None:
+            placement.release(self.pg)
+        self.actors, self.pg = [], None
+        self.local.close()
+        if self.streams is not None:
+            self.streams.close()  # once its readers ended (a killed agent's stream ends at once)

@@ -71,11 +71,7 @@ def _client_mode(ray) -> bool:
 
 def reserve(ray, nodes: int, per_node: int, accelerator: str):
     """(placement group, [Node] in node-rank order): one bundle per node, node 0 the kernel's."""
-    from ray.util.placement_group import (
-        placement_group,
-        placement_group_table,
-        remove_placement_group,
-    )
+    from ray.util.placement_group import placement_group, placement_group_table
 
     me = ray.get_runtime_context().get_node_id()
     alive = [n for n in ray.nodes() if n.get("Alive")]
@@ -85,18 +81,36 @@ def reserve(ray, nodes: int, per_node: int, accelerator: str):
     bundle = {"GPU": per_node} if accelerator == "cuda" else {"CPU": per_node}
     pg = placement_group([bundle] * nodes, strategy="STRICT_SPREAD",
                          bundle_label_selector=[{"ray.io/node-id": me}] + [{}] * (nodes - 1))
-    ready, _ = ray.wait([pg.ready()], timeout=READY_S)
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=READY_S)
+    except BaseException:  # an interrupt while it is placed: the group must not outlive the attempt
+        release(pg)
+        raise
     if not ready:
-        remove_placement_group(pg)
+        release(pg)
         have = [f"{n['NodeManagerAddress']} ({_resources(n)})" for n in alive]
         raise UsageError(f"--nodes {nodes} --devices {per_node}: Ray could not place {bundle} on {nodes} different "
                          f"nodes (this kernel's among them) within {READY_S:g} s. Nodes alive: {'; '.join(have)}. "
                          "Nothing ran.")
-    where = placement_group_table(pg)["bundles_to_node_id"]
+    try:
+        where = placement_group_table(pg)["bundles_to_node_id"]
+    except BaseException:
+        release(pg)
+        raise
     by_id = {n["NodeID"]: n for n in alive}
     out = [Node(i, where[i], by_id.get(where[i], {}).get("NodeManagerAddress", "?")) for i in range(nodes)]
     out[0].host = socket.gethostname()
     return pg, out
+
+
+def release(pg) -> None:
+    """The placement group removed (with whatever still runs in it)."""
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001, S110 - Ray is gone, and the group with it
+        pass
 
 
 def _resources(n: dict) -> str:
@@ -124,6 +138,6 @@ def ifname_for(ip: str) -> str | None:
         for name, addrs in psutil.net_if_addrs().items():
             if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
                 return name
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001, S110 - no psutil, or no interfaces to read
         pass
     return None
