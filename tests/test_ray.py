@@ -233,6 +233,19 @@ def test_collective_traffic_goes_on_the_nodes_interface_or_the_one_the_user_name
         rk.ok("del os.environ['NBDDP_IFNAME']")
 
 
+def test_no_interface_for_the_nodes_ray_address_is_refused_naming_nbddp_ifname(rk):
+    rk.ok("from nbddp.cluster import placement\n_ifname_for = placement.ifname_for\n"
+          "placement.ifname_for = lambda ip: None")  # as where Ray's address is a NAT'd or a DNS name's
+    try:
+        res = rk.run("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+    finally:
+        rk.ok("placement.ifname_for = _ifname_for")
+    text = res.error_text
+    assert re.search(r"the kernel's node \(node 0\): its Ray address \S+ is on none of its network interfaces", text), text
+    assert "NBDDP_IFNAME" in text and "Nothing ran" in text, text
+    assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "the refused start left its placement group"
+
+
 def test_the_python_api_runs_a_function_on_every_node(rk):
     res = rk.ok("import nbddp, torch.distributed as dist\ndef total(x):\n    t = torch.ones(1) * x * (dist.get_rank() + 1)\n"
                 "    dist.all_reduce(t)\n    return t.item(), os.environ['NODE_RANK']\n"

@@ -64,14 +64,17 @@ class ClusterGang(Gang):
         self.started = True
         self.ray = ray = placement.connect(config.cluster)
         self.pg, nodes = placement.reserve(ray, config.nodes, D, self.plan.accelerator)
+        user_if = os.environ.get("NBDDP_IFNAME")
+        ifname = user_if or placement.ifname_for(nodes[0].ip)
+        if not ifname and config.nodes > 1:  # gloo would advertise whatever the host name resolves to
+            raise UsageError(placement.no_interface(nodes[0].ip, "the kernel's node (node 0)"))
+        ifname = ifname or rendezvous.loopback_ifname()
         self.actors = placement.agents(ray, self.pg, nodes, D, self.plan.accelerator)
         run_id, port = self.run_dir.run_id, rendezvous.free_port()
-        user_if = os.environ.get("NBDDP_IFNAME")
         specs = [self._spec(r, nodes, run_id, port) for r in range(self.world_size)]
         wheres = [a.where.remote() for a in self.actors]
         streams = [a.events.options(num_returns="streaming").remote(specs[n.index * D:(n.index + 1) * D], user_if)
                    for a, n in zip(self.actors, nodes[1:])]  # each begins with its ranks' pids
-        ifname = user_if or placement.ifname_for(nodes[0].ip) or rendezvous.loopback_ifname()
         for r in range(D):
             self.node_names[r] = nodes[0].label
         self._fork_local(job_for, specs[:D], ifname, deadline)

@@ -141,3 +141,12 @@ def ifname_for(ip: str) -> str | None:
     except Exception:  # noqa: BLE001, S110 - no psutil, or no interfaces to read
         pass
     return None
+
+
+def no_interface(ip: str, where: str) -> str:
+    """Why a pool cannot pin its collective traffic on ``where``, whose Ray address is ``ip``."""
+    return (f"{where}: its Ray address {ip} is on none of its network interfaces, so nbddp cannot tell gloo/NCCL "
+            "which interface the other nodes reach it on (left to guess, gloo may advertise an address such as "
+            "127.0.1.1 and the rendezvous hangs). Set NBDDP_IFNAME in the kernel's environment to that interface "
+            "(e.g. os.environ['NBDDP_IFNAME'] = 'eth0'; `ip -br addr` lists them), then %ddp start again. "
+            "Nothing ran.")
