@@ -31,6 +31,9 @@ from ..rank.server import Server
 
 class Agent:
     def __init__(self, node_rank: int):
+        from ..rank.worker import warm_start
+
+        warm_start()  # what ranks import (torch...), once here while the kernel forks its own: shared by the forks
         self.node_rank = node_rank
         self.queue: list = []  # events not yet streamed to the kernel
         self.controls: dict[int, tuple] = {}  # seq -> (op, args): applied in sequence order
