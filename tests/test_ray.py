@@ -214,6 +214,32 @@ def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_
     assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "the placement group outlived the interrupted teardown"
 
 
+def test_stop_and_a_failed_start_leave_no_agent_actor_group_or_process(rk):
+    rk.ok("from nbddp.cluster import placement\n_agents, made = placement.agents, []\n"
+          "def recorded(*a, **k):  # each agent and its process, as the pool made them\n"
+          "    actors = _agents(*a, **k)\n"
+          "    made.extend((x, ray.get(x.where.remote(), timeout=60)['pid']) for x in actors)\n"
+          "    return actors\n"
+          "def agents_alive():\n    alive = 0\n    for x, _ in made:\n        try:\n"
+          "            ray.get(x.where.remote(), timeout=30)\n            alive += 1\n"
+          "        except ray.exceptions.RayActorError:\n            pass\n    return alive\n"
+          "placement.agents = recorded\n")
+    try:
+        rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+        rk.ok("%%ddp\nprint('up')\n")
+        rk.ok("%ddp stop", timeout=60)
+        rk.ok("os.environ['NBDDP_IFNAME'] = 'nbddp-none0'")  # no such interface: gloo fails, the start fails
+        res = rk.run("%ddp start --cluster ray --nodes 2 --devices 1", timeout=180)
+        assert "Unable to find address for: nbddp-none0" in res.error_text, res.error_text
+    finally:
+        rk.ok("placement.agents = _agents\nos.environ.pop('NBDDP_IFNAME', None)")
+    pids = rk.value("[pid for _, pid in made]")
+    assert len(pids) == 2, pids
+    assert not wait_gone(pids), "an agent's process outlived its pool"
+    assert rk.value("agents_alive()") == 0, "an Agent actor outlived its pool"
+    assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "a placement group outlived its pool"
+
+
 def test_collective_traffic_goes_on_the_nodes_interface_or_the_one_the_user_names(rk):
     rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
     try:
