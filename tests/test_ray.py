@@ -16,8 +16,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """Three raylets on this host: the head (the kernel's node) and two more, one CPU each."""
+def cluster(runs_dir):
+    """Three raylets on this host: the head (the kernel's node) and two more, one CPU each. After runs_dir:
+    the raylets, and so the agents, inherit NBDDP_RUNS_DIR (their run directories go there)."""
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     extra = [c.add_node(num_cpus=1), c.add_node(num_cpus=1)]
     c.wait_for_nodes()
@@ -214,7 +215,7 @@ def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_
     assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "the placement group outlived the interrupted teardown"
 
 
-def test_stop_and_a_failed_start_leave_no_agent_actor_group_or_process(rk):
+def test_stop_and_a_failed_start_leave_no_agent_actor_group_or_process(rk, runs_dir):
     rk.ok("from nbddp.cluster import placement\n_agents, made = placement.agents, []\n"
           "def recorded(*a, **k):  # each agent and its process, as the pool made them\n"
           "    actors = _agents(*a, **k)\n"
@@ -238,6 +239,8 @@ def test_stop_and_a_failed_start_leave_no_agent_actor_group_or_process(rk):
     assert not wait_gone(pids), "an agent's process outlived its pool"
     assert rk.value("agents_alive()") == 0, "an Agent actor outlived its pool"
     assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "a placement group outlived its pool"
+    agents_runs = [d for d in runs_dir.iterdir() if (d / "rank1.log").exists() and not (d / "rank0.log").exists()]
+    assert agents_runs, "the agents' run directories go where NBDDP_RUNS_DIR says (the raylets inherit it)"
 
 
 def test_collective_traffic_goes_on_the_nodes_interface_or_the_one_the_user_names(rk):
@@ -245,7 +248,9 @@ def test_collective_traffic_goes_on_the_nodes_interface_or_the_one_the_user_name
     try:
         rk.ok("%%ddp --gather ifname\nifname = os.environ['GLOO_SOCKET_IFNAME']\n")
         default = rk.value("ifname")
-        assert default[0] == default[1] != "lo", default  # the interface of the node's Ray address
+        ip = rk.value("ray.util.get_node_ip_address()")  # (127.0.0.1 where Ray found no other)
+        carries = [n for n, addrs in psutil.net_if_addrs().items() if any(a.address == ip for a in addrs)]
+        assert default[0] == default[1] in carries, (default, ip, carries)  # the interface of the node's Ray address
     finally:
         rk.ok("%ddp stop", timeout=60)
     rk.ok("os.environ['NBDDP_IFNAME'] = 'lo'")
@@ -290,27 +295,32 @@ def test_refusals_say_why(rk):
 
 def test_a_node_removed_ends_the_pool_naming_the_node(cluster, rk):
     c, extra = cluster
+    victim = None
     rk.ok("%ddp start --cluster ray --nodes 3 --devices 1", timeout=120)
-    rk.ok("%%ddp --gather pid node\npid = os.getpid()\nnode = os.environ['NODE_RANK']\n")
-    pids = rk.value("pid")
-    label = rk.value("[m for m in get_ipython().magics_manager.registry.values() if hasattr(m, 'pool')][0]"
-                     ".pool.gang.node_of(2)")
-    victim = next((n for n in extra if f"ray {n.node_id[:8]})" in label), None)  # the raylet that hosts node 2
-    assert victim is not None, (label, [n.node_id for n in extra])
-    t0 = time.monotonic()
-    res_id = rk.execute("%%ddp\nimport time\nwhile True:\n    time.sleep(0.05)\n")
-    c.remove_node(victim)
-    res = rk.collect(res_id, timeout=60)
-    took = time.monotonic() - t0
-    text = res.error_text
-    assert re.search(r"rank 2 on node 2 \(.*\) failed: NodeLost: node 2 \(.*\) lost \(ranks 2\)", text), text
-    assert "The pool has ended" in text, text
-    assert not wait_gone(pids), "no rank is left on any node"
-    assert took < 30, took
-    rk.run("%ddp stop", timeout=60)
-    extra.remove(victim)
-    extra.append(c.add_node(num_cpus=1))
-    c.wait_for_nodes()
+    try:
+        rk.ok("%%ddp --gather pid node\npid = os.getpid()\nnode = os.environ['NODE_RANK']\n")
+        pids = rk.value("pid")
+        label = rk.value("[m for m in get_ipython().magics_manager.registry.values() if hasattr(m, 'pool')][0]"
+                         ".pool.gang.node_of(2)")
+        host = next((n for n in extra if f"ray {n.node_id[:8]})" in label), None)  # the raylet that hosts node 2
+        assert host is not None, (label, [n.node_id for n in extra])
+        t0 = time.monotonic()
+        res_id = rk.execute("%%ddp\nimport time\nwhile True:\n    time.sleep(0.05)\n")
+        c.remove_node(host)
+        victim = host
+        res = rk.collect(res_id, timeout=60)
+        took = time.monotonic() - t0
+        text = res.error_text
+        assert re.search(r"rank 2 on node 2 \(.*\) failed: NodeLost: node 2 \(.*\) lost \(ranks 2\)", text), text
+        assert "The pool has ended" in text, text
+        assert not wait_gone(pids), "no rank is left on any node"
+        assert took < 30, took
+    finally:  # whatever failed, the next test finds no pool and three raylets
+        rk.run("%ddp stop", timeout=60)
+        if victim is not None:
+            extra.remove(victim)
+            extra.append(c.add_node(num_cpus=1))
+            c.wait_for_nodes()
 
 
 def test_kernel_death_leaves_no_rank_on_any_node(cluster, runs_dir):
