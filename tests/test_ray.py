@@ -176,6 +176,17 @@ def test_a_dead_agent_ends_the_pool_naming_the_node_and_its_ranks_go_with_it(poo
     assert not wait_gone(pids), "rank 1 died with its agent, rank 0 was stopped"
 
 
+def test_a_call_the_agent_cannot_apply_ends_the_pool_with_its_reason(pool):
+    k, pids = pool
+    k.ok("[m for m in get_ipython().magics_manager.registry.values() if hasattr(m, 'pool')][0]"
+         ".pool.gang.links[0].control('no_such_op')")  # as a store reply or command the agent fails to apply
+    res = k.run("%%ddp\nprint('after')\n", timeout=60)
+    text = res.error_text
+    assert re.search(r"node 1 \(.*\) lost \(ranks 1\): its agent could not apply the kernel's 'no_such_op': "
+                     r"AttributeError", text), text
+    assert not wait_gone(pids), "every rank is gone"
+
+
 def test_a_killed_rank_on_the_other_node_ends_the_pool_naming_the_node(pool):
     k, pids = pool
     res = k.run("%%ddp\nimport signal, time\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"

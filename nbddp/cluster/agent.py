@@ -143,7 +143,20 @@ class Agent:
                     self.stopping = True
                     os.write(self.wake_w, b"x")
                 else:
-                    getattr(self, "_" + op)(*args)
+                    try:
+                        getattr(self, "_" + op)(*args)
+                    except Exception as e:  # noqa: BLE001 - nobody reads this call's result: the stream says it
+                        self._failed(op, e)
+
+    def _failed(self, op: str, e: BaseException) -> None:
+        """A kernel's call this agent could not apply: said on the stream (the kernel ends the node with it;
+        left in a Ray reference nobody reads, it would leave a cell waiting for a command that never came)."""
+        first = str(e).splitlines()[0] if str(e) else ""
+        self.queue.append(("error", f"its agent could not apply the kernel's {op!r}: {type(e).__name__}: {first}"))
+        try:
+            os.write(self.wake_w, b"x")  # the supervisor's thread wakes and streams it
+        except OSError:
+            pass
 
     def _wake(self) -> None:
         """On the supervisor's thread: a stop the kernel asked for."""

@@ -87,6 +87,9 @@ class Streams:
                     if type(item) is tuple and item[0] == "store":
                         _, rank, request = item
                         self.store.handle(request, lambda frame, r=rank: link.control("store_reply", r, frame))
+                    elif type(item) is tuple and item[0] == "error":  # the agent failed a call: the node is lost
+                        link.lost = item[1]
+                        rest.append(("ended", link, item[1]))
                     else:
                         rest.append(item)
                 if rest:
