@@ -8,15 +8,17 @@ supervises them with nbddp's own supervisor on the stream's thread. Whatever the
 store request of its ranks is yielded to the kernel in order, in batches (as many as accumulated while
 the last batch travelled).
 
-The kernel's calls (``control``: a command for the ranks' command pipes, a signal, a store reply, stop)
-carry a sequence number and are applied in that order, whatever order Ray's threads deliver them in: at
-once on the calling thread (a pipe write or a signal), a stop on the supervisor's thread.
+The kernel's calls (``control``: a command for the ranks' command pipes, a store reply, a signal) carry a
+sequence number and are applied in that order, whatever order Ray's threads deliver them in: a pipe write
+at once on the calling thread; a signal on the supervisor's thread (woken through a pipe), the one that
+reaps, so a rank already reaped (its pid maybe reused) is never signalled.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import pickle
+import queue
 import signal
 import socket
 import threading
@@ -39,7 +41,7 @@ class Agent:
         self.controls: dict[int, tuple] = {}  # seq -> (op, args): applied in sequence order
         self.applied = 0
         self.order = threading.Lock()
-        self.stopping = False
+        self.signals: queue.SimpleQueue = queue.SimpleQueue()  # (rank, signal, group) for the supervisor's thread
         self.wake_r, self.wake_w = os.pipe()
         self.sup: Supervisor | None = None
         self.cmd: dict[int, int] = {}  # rank -> its command pipe's write end
@@ -132,21 +134,17 @@ class Agent:
 
     # -- the kernel's calls, in their order ------------------------------------------------------------------------
     def control(self, seq: int, op: str, *args) -> None:
-        """Applied here, in sequence order (a call that arrives early waits in ``controls`` for the ones
-        before it); a stop goes through the supervisor's thread, which owns the escalation clock."""
+        """Applied in sequence order (a call that arrives early waits in ``controls`` for the ones before
+        it): here, or for a signal, handed to the supervisor's thread."""
         with self.order:
             self.controls[seq] = (op, args)
             while (item := self.controls.pop(self.applied + 1, None)) is not None:
                 self.applied += 1
                 op, args = item
-                if op == "stop":
-                    self.stopping = True
-                    os.write(self.wake_w, b"x")
-                else:
-                    try:
-                        getattr(self, "_" + op)(*args)
-                    except Exception as e:  # noqa: BLE001 - nobody reads this call's result: the stream says it
-                        self._failed(op, e)
+                try:
+                    getattr(self, "_" + op)(*args)
+                except Exception as e:  # noqa: BLE001 - nobody reads this call's result: the stream says it
+                    self._failed(op, e)
 
     def _failed(self, op: str, e: BaseException) -> None:
         """A kernel's call this agent could not apply: said on the stream (the kernel ends the node with it;
@@ -159,15 +157,25 @@ class Agent:
             pass
 
     def _wake(self) -> None:
-        """On the supervisor's thread: a stop the kernel asked for."""
+        """On the supervisor's thread: the signals the kernel sent, in order, to the ranks not reaped yet."""
         try:
             while os.read(self.wake_r, 4096):
                 pass
         except BlockingIOError:
             pass
-        if self.stopping:
-            self.stopping = False
-            self.sup.stop_all()
+        while True:  # (no lock shared with control(): it may block on a full command pipe)
+            try:
+                rank, sig, group = self.signals.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                for p in self.sup.live():
+                    if p.rank == rank:
+                        if sig in (signal.SIGTERM, signal.SIGKILL):
+                            p.stop_sent = True  # its exit record says nbddp stopped it
+                        p.signal(sig, group)
+            except Exception as e:  # noqa: BLE001
+                self._failed("signal", e)
 
     def _command(self, frame: bytes, ranks) -> None:
         for rank in ranks:
@@ -188,12 +196,9 @@ class Agent:
                 pass
 
     def _signal(self, rank: int, sig: int, group: bool) -> None:
-        for p in self.sup.live():
-            if p.rank == rank:
-                if sig in (signal.SIGTERM, signal.SIGKILL):
-                    p.stop_sent = True  # its exit record says nbddp stopped it
-                p.signal(sig, group)
-
+        """For the supervisor's thread: this one may not see a rank's reaping."""
+        self.signals.put((rank, sig, group))
+        os.write(self.wake_w, b"x")
 
 
 def _fork(agent: Agent, spec, run_dir, ifname) -> int:
