@@ -49,12 +49,14 @@ class Agent:
         self.requests: dict[int, tuple[int, Frames]] = {}  # request fd -> (rank, frames)
 
     def where(self) -> dict:
-        """This node as the kernel names it."""
+        """This node as the kernel names it, and the interface that carries its Ray address (None: none does)."""
         import ray
 
-        ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
-                "pid": os.getpid()}
+        from .placement import ifname_for
+
+        ctx, ip = ray.get_runtime_context(), ray.util.get_node_ip_address()
+        return {"node_id": ctx.get_node_id(), "host": socket.gethostname(), "ip": ip, "pid": os.getpid(),
+                "ifname": ifname_for(ip)}
 
     # -- the node's ranks, their life on this one thread -----------------------------------------------------------
     def events(self, specs: list, ifname: str | None):
@@ -67,10 +69,7 @@ class Agent:
         done = threading.Event()
         try:
             sup.watch(self.wake_r, self._wake)
-            if not ifname:  # the interface that carries this node's Ray address
-                from .placement import ifname_for
-
-                ifname = ifname_for(self.where()["ip"])
+            ifname = ifname or self.where()["ifname"]  # (none: the kernel refuses the pool)
             yield pickle.dumps(self._fork_all(specs, run_dir, ifname, done))
             while sup.live() or self.queue:
                 sup.wait(None, until=lambda: bool(self.queue))

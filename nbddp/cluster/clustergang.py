@@ -79,9 +79,12 @@ class ClusterGang(Gang):
             self.node_names[r] = nodes[0].label
         self._fork_local(job_for, specs[:D], ifname, deadline)
         self.streams = remote.Streams(self.sup, self.store)
+        no_interface = []  # nodes whose Ray address is on none of their interfaces (NBDDP_IFNAME unset)
         try:
             for n, where in zip(nodes[1:], ray.get(wheres, timeout=START_S)):
                 n.host = where["host"]
+                if not (user_if or where["ifname"]):
+                    no_interface.append(n)
             pids_per_node = []
             for gen in streams:
                 ready, _ = ray.wait([gen], timeout=START_S)
@@ -92,6 +95,9 @@ class ClusterGang(Gang):
             raise UsageError(f"the agents on the other nodes did not start their ranks: {type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}\nIs nbddp installed on every node, with "
                              "the same Python, torch and Ray? Nothing is left running.") from None
+        if no_interface:  # their ranks' gloo would advertise whatever their host name resolves to
+            n = no_interface[0]
+            raise UsageError(placement.no_interface(n.ip, f"node {n.label}"))
         for actor, n, pids, gen in zip(self.actors, nodes[1:], pids_per_node, streams):
             ranks = sorted(pids)
             link = remote.Link(actor, n.label, ranks)
