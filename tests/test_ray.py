@@ -121,6 +121,20 @@ def test_a_ranks_cell_leaves_the_values_owed_to_the_other_nodes_ranks_they_get_t
         rk.ok("%ddp stop", timeout=60)
 
 
+def test_a_name_that_could_not_be_pickled_is_sent_once_it_can_be(rk):
+    rk.ok("import threading\nheld = {'n': 3, 'lock': threading.Lock()}")
+    rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+    try:
+        res = rk.run("%%ddp\nprint(held['n'])\n", timeout=60)
+        assert "`held` must be sent to the pool's ranks on the other nodes" in res.error_text, res.error_text
+        rk.ok("del held['lock']")  # changed in place: not rebound, so only the missing-name rule sends it
+        res = rk.run("%%ddp --gather got\ngot = held['n']\n", timeout=60)
+        assert res.error is None, res.error_text  # (rank 1 had a NameError: the failed pickle had marked it sent)
+        assert rk.value("got") == [3, 3]
+    finally:
+        rk.ok("%ddp stop", timeout=60)
+
+
 def test_input_on_the_other_nodes_rank_is_asked_in_the_notebook(pool):
     k, _ = pool
     res = k.converse("%%ddp --gather got\ngot = input('name? ') if rank == 1 else None\nprint('got', got)\n",

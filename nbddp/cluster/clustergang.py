@@ -167,14 +167,14 @@ class ClusterGang(Gang):
             name = pending.pop(0)
             if name in self.extra or name not in namespace or not notebook_name(name):
                 continue
-            self.unsent.discard(name)
-            pending += sorted(_reads(namespace[name]) & self.unsent)
             try:
                 self.extra[name] = cloudpickle.dumps(namespace[name])
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - still owed: the next cell that reads it tries again
                 raise UsageError(f"`{name}` must be sent to the pool's ranks on the other nodes (they do not share "
                                  f"the notebook's memory), but it cannot be pickled: {type(e).__name__}: {e}\n"
                                  "Nothing ran. Create it inside a %%ddp cell.") from None
+            self.unsent.discard(name)
+            pending += sorted(_reads(namespace[name]) & self.unsent)
             if not isinstance(namespace[name], types.ModuleType):  # a module travels by name
                 sizes.append(f"{name} ({values.describe(namespace[name])}, {_size(len(self.extra[name]))})")
         said = f"sent {', '.join(sizes)} to the other nodes' ranks, once (they do not share the notebook's memory)"
