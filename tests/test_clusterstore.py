@@ -6,7 +6,7 @@ import select
 import pytest
 
 from nbddp.cluster import relaystore, remote
-from nbddp.kernel.supervisor import Bus, Supervisor
+from nbddp.kernel.supervisor import Bus, Output, Supervisor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,3 +59,28 @@ def test_a_ranks_store_pipes_are_closed_here_when_it_is_gone():
     finally:
         stores.close()
         os.close(rep_r)
+
+
+def test_an_interrupt_in_a_subscriber_loses_none_of_the_other_events_of_a_batch():
+    seen = []
+
+    class Interrupted:  # the relay, say, when Ctrl-C lands while it writes
+        def on_Output(self, event):
+            seen.append(event.data)
+            if len(seen) == 1:
+                raise KeyboardInterrupt
+
+    sup = Supervisor(Bus([Interrupted()]))
+    streams = remote.Streams(sup, relaystore.Store())
+    streams.procs[1] = remote.RemoteProc(1, 4242, -1, here=False)
+    try:
+        streams.events.put([Output(1, "stdout", b"a"), Output(1, "stdout", b"b"), Output(1, "stdout", b"c")])
+        streams._wake()
+        with pytest.raises(KeyboardInterrupt):
+            streams.deliver()
+        assert select.select([streams.wake_r], [], [], 0)[0], "the rest is due on the loop's next turn"
+        streams.deliver()
+        assert seen == [b"a", b"b", b"c"]
+    finally:
+        streams.close()
+        sup.close()

@@ -13,6 +13,7 @@ Signals (an interrupt, ``--timeout``'s stacks, a teardown) go to a remote rank t
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import pickle
@@ -64,6 +65,7 @@ class Streams:
     def __init__(self, sup, store):
         self.sup, self.store = sup, store
         self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending: collections.deque = collections.deque()  # taken from ``events``, not yet published
         self.wake_r, self.wake_w = os.pipe()
         self.threads: list[threading.Thread] = []
         self.procs: dict[int, RemoteProc] = {}
@@ -116,11 +118,15 @@ class Streams:
             pass
         while True:
             try:
-                batch = self.events.get_nowait()
+                self.pending.extend(self.events.get_nowait())
             except queue.Empty:
-                return
-            for event in batch:
-                self._apply(event)
+                break
+        try:
+            while self.pending:  # one at a time: an interrupt in a subscriber loses none of the rest
+                self._apply(self.pending.popleft())
+        finally:
+            if self.pending:
+                self._wake()  # the rest on the loop's next turn
 
     def _apply(self, event) -> None:
         sup = self.sup
