@@ -2,6 +2,7 @@
 remote.Streams), and the ranks' pipe store (nbddp/rank/pipestore.py)."""
 import os
 import select
+import threading
 
 import pytest
 
@@ -81,6 +82,28 @@ def test_an_interrupt_in_a_subscriber_loses_none_of_the_other_events_of_a_batch(
         assert select.select([streams.wake_r], [], [], 0)[0], "the rest is due on the loop's next turn"
         streams.deliver()
         assert seen == [b"a", b"b", b"c"]
+    finally:
+        streams.close()
+        sup.close()
+
+
+def test_a_wake_nobody_drains_yet_never_blocks_the_stream_reader_or_the_agent():
+    from nbddp.cluster.agent import Agent
+
+    sup = Supervisor(Bus([]))
+    streams = remote.Streams(sup, relaystore.Store())
+    agent = Agent(1)
+
+    def many():
+        for _ in range(100_000):  # > 64 KiB of wakes while the kernel's main thread is elsewhere
+            streams._wake()
+            agent._signal(1, 0, False)
+
+    t = threading.Thread(target=many, daemon=True)
+    t.start()
+    t.join(30)
+    try:
+        assert not t.is_alive(), "a wake blocked on a full pipe (the node's store requests would stop being served)"
     finally:
         streams.close()
         sup.close()

@@ -43,6 +43,7 @@ class Agent:
         self.order = threading.Lock()
         self.signals: queue.SimpleQueue = queue.SimpleQueue()  # (rank, signal, group) for the supervisor's thread
         self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)  # a full pipe is a wake already due: control() never blocks on it
         self.sup: Supervisor | None = None
         self.cmd: dict[int, int] = {}  # rank -> its command pipe's write end
         self.replies: dict[int, int] = {}  # rank -> its store reply pipe's write end
@@ -150,9 +151,12 @@ class Agent:
         left in a Ray reference nobody reads, it would leave a cell waiting for a command that never came)."""
         first = str(e).splitlines()[0] if str(e) else ""
         self.queue.append(("error", f"its agent could not apply the kernel's {op!r}: {type(e).__name__}: {first}"))
+        self._poke()  # the supervisor's thread wakes and streams it
+
+    def _poke(self) -> None:
         try:
-            os.write(self.wake_w, b"x")  # the supervisor's thread wakes and streams it
-        except OSError:
+            os.write(self.wake_w, b"x")
+        except OSError:  # BlockingIOError: full, a wake is due anyway
             pass
 
     def _wake(self) -> None:
@@ -197,7 +201,7 @@ class Agent:
     def _signal(self, rank: int, sig: int, group: bool) -> None:
         """For the supervisor's thread: this one may not see a rank's reaping."""
         self.signals.put((rank, sig, group))
-        os.write(self.wake_w, b"x")
+        self._poke()
 
 
 def _fork(agent: Agent, spec, run_dir, ifname) -> int:

@@ -67,6 +67,7 @@ class Streams:
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.pending: collections.deque = collections.deque()  # taken from ``events``, not yet published
         self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)  # a full pipe is a wake already due: a reader never blocks on it
         self.threads: list[threading.Thread] = []
         self.procs: dict[int, RemoteProc] = {}
         sup.watch(self.wake_r, self.deliver)
