@@ -268,6 +268,15 @@ def test_stop_and_a_failed_start_leave_no_agent_actor_group_or_process(rk, runs_
     assert agents_runs, "the agents' run directories go where NBDDP_RUNS_DIR says (the raylets inherit it)"
 
 
+def test_a_killed_rank_on_the_kernels_node_is_named_with_its_node(pool):
+    k, pids = pool
+    res = k.run("%%ddp\nimport signal\nimport torch.distributed as dist\nif rank == 0:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                "dist.all_reduce(torch.ones(1))\n", timeout=60)
+    text = res.error_text
+    assert re.search(r"rank 0 on node 0 \(\S+, ray [0-9a-f]{8}\) failed: killed by SIGKILL", text), text
+    assert not wait_gone(pids), "every rank is gone"
+
+
 def test_collective_traffic_goes_on_the_nodes_interface_or_the_one_the_user_names(rk):
     rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
     try:

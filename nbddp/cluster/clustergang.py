@@ -145,7 +145,9 @@ class ClusterGang(Gang):
                                     if k not in os.environ and k != "NCCL_SOCKET_IFNAME"})
                     spec = dataclasses.replace(spec, store_fds=(req_w, rep_r), env=env)
                     inherited = [*self.sup.all_fds(), *ours, req_r, rep_w, self.local.wake_r, self.local.wake_w]
-                    self.sup.add(self._starter.start(spec, job, inherited))
+                    proc = self._starter.start(spec, job, inherited)
+                    proc.node = self.node_names[spec.rank]  # its exit names node 0 as the others' name theirs
+                    self.sup.add(proc)
                     os.close(req_w)
                     os.close(rep_r)
                     ours += [req_r, rep_w]

@@ -32,7 +32,6 @@ LOST = "NodeLost"
 class RemoteProc(RankProc):
     """A rank on another node: no pipes here; its agent signals it."""
 
-    node: str = ""
     link: object = None  # the node's Link
 
     def signal(self, sig: int, group: bool = True) -> None:

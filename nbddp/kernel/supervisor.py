@@ -111,6 +111,7 @@ class RankProc:
     exit: failure.RankExit | None = None
     stop_sent: bool = False
     here: bool = True  # a process of this machine (a cluster pool's rank on another node is not: remote.py)
+    node: str = ""  # a cluster pool's: the node it runs on, as its exit record names it
 
     def signal(self, sig: int, group: bool = True) -> None:
         """``sig`` to the rank (and, ``group``, the processes it started)."""
@@ -285,7 +286,7 @@ class Supervisor:
         proc.exit = failure.exit_record(
             proc.rank, proc.records, code=os.waitstatus_to_exitcode(status),
             stopped=proc.stop_sent or proc.rank in self.timed_out, order=self._seen,
-            max_rss=usage.ru_maxrss * 1024, seen=time.time(),
+            max_rss=usage.ru_maxrss * 1024, seen=time.time(), node=proc.node,
         )
         self.bus.publish(Exited(proc.rank, proc.exit))
         if failure.failed(proc.exit) and not proc.stop_sent:
