@@ -325,6 +325,17 @@ def test_refusals_say_why(rk):
     assert "%ddp start --cluster ray --nodes N" in res.error_text and "x" not in res.stdout, res.error_text
     res = rk.run("%ddp start --cluster ray --nodes 9 --devices 1", timeout=60)
     assert "--nodes 9: the Ray cluster has 3 node(s) alive" in res.error_text, res.error_text
+    res = rk.run("%ddp start --cluster ray:10.255.255.1:6379 --nodes 2 --devices 1", timeout=60)  # not ours
+    assert re.search(r"already connected to the Ray cluster at \S+:\d+", res.error_text), res.error_text
+    joined = rk.value("ray.get_runtime_context().gcs_address")
+    rk.ok(f"%ddp start --cluster ray:{joined} --nodes 2 --devices 1", timeout=120)  # the one it is connected to
+    rk.ok("%ddp stop", timeout=60)
+    rk.ok("os.environ['RAY_ADDRESS'] = 'ray://10.0.0.1:10001'")
+    try:
+        res = rk.run("%ddp start --cluster ray --nodes 2 --devices 1")
+    finally:
+        rk.ok("del os.environ['RAY_ADDRESS']")
+    assert "ray://10.0.0.1:10001: a Ray Client connection (ray://) cannot host a pool" in res.error_text, res.error_text
 
 
 def test_a_node_removed_ends_the_pool_naming_the_node(cluster, rk):

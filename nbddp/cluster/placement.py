@@ -45,6 +45,11 @@ def connect(cluster: str):
     if ray.is_initialized():
         if _client_mode(ray):
             raise UsageError(client_refusal("this notebook's ray.init(\"ray://...\")"))
+        joined = ray.get_runtime_context().gcs_address
+        if address and address != "auto" and _resolved(address) != _resolved(joined):
+            raise UsageError(f"--cluster {cluster}: this kernel is already connected to the Ray cluster at {joined}, "
+                             "and a process joins one Ray cluster only. Use --cluster ray for that one, or "
+                             "ray.shutdown() first. Nothing ran.")
         return ray
     try:
         ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
@@ -53,6 +58,16 @@ def connect(cluster: str):
                          "`ray start --address HEAD:6379` on the other nodes), or connect the notebook first with "
                          "ray.init(address=...). Nothing ran.") from None
     return ray
+
+
+def _resolved(address: str) -> str:
+    """HOST:PORT with the host as an IP address (the port 6379 if none)."""
+    host, _, port = address.rpartition(":") if ":" in address else (address, "", "6379")
+    try:
+        host = socket.gethostbyname(host)
+    except OSError:
+        pass  # compared as written
+    return f"{host}:{port}"
 
 
 def client_refusal(address: str) -> str:
