@@ -17,12 +17,18 @@ def _still_works(r: int, w: int) -> bool:
     return os.read(r, 1) == b"x"
 
 
-def test_local_stores_close_twice_closes_nothing_that_reused_its_descriptors():
+def _serving_one_rank():
+    """LocalStores serving one rank's two pipes: (stores, the rank's request end, the rank's reply end)."""
     stores = relaystore.LocalStores(relaystore.Store())
     req_r, req_w = os.pipe()
     rep_r, rep_w = os.pipe()
     stores.add(req_r, rep_w)
     stores.start()
+    return stores, req_w, rep_r
+
+
+def test_local_stores_close_twice_closes_nothing_that_reused_its_descriptors():
+    stores, req_w, rep_r = _serving_one_rank()
     stores.close()
     r, w = os.pipe()  # takes numbers the close just freed
     try:
@@ -48,11 +54,7 @@ def test_streams_close_twice_closes_nothing_that_reused_its_descriptors():
 
 
 def test_a_ranks_store_pipes_are_closed_here_when_it_is_gone():
-    stores = relaystore.LocalStores(relaystore.Store())
-    req_r, req_w = os.pipe()
-    rep_r, rep_w = os.pipe()
-    stores.add(req_r, rep_w)
-    stores.start()
+    stores, req_w, rep_r = _serving_one_rank()
     try:
         os.close(req_w)  # the rank exits: its request pipe's end reaches EOF
         assert select.select([rep_r], [], [], 10)[0], "the reply pipe's kernel end is still open"

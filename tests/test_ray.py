@@ -201,19 +201,20 @@ def test_a_call_the_agent_cannot_apply_ends_the_pool_with_its_reason(pool):
     assert not wait_gone(pids), "every rank is gone"
 
 
-def test_a_killed_rank_on_the_other_node_ends_the_pool_naming_the_node(pool):
+PLACEMENT_GROUPS = "sorted({g['state'] for g in ray.util.placement_group_table().values()})"
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["the-other-node", "the-kernels-node"])
+def test_a_killed_rank_ends_the_pool_naming_rank_and_node(pool, victim):
     k, pids = pool
-    res = k.run("%%ddp\nimport signal, time\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-                "dist.all_reduce(torch.ones(1))\n", timeout=60)
+    res = k.run(f"%%ddp\nimport signal\nimport torch.distributed as dist\nif rank == {victim}:\n"
+                "    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(torch.ones(1))\n", timeout=60)
     text = res.error_text
-    assert re.search(r"rank 1 on node 1 \(.*\) failed: killed by SIGKILL", text), text
+    assert re.search(rf"rank {victim} on node {victim} \(\S+, ray [0-9a-f]{{8}}\) failed: killed by SIGKILL", text), text
     assert "The pool has ended" in text, text
     assert not wait_gone(pids), "every rank is gone"
     status = k.ok("%ddp status").stdout
-    assert re.search(r"ended: rank 1 on node 1 .* exited \(killed by SIGKILL", status), status
-
-
-PLACEMENT_GROUPS = "sorted({g['state'] for g in ray.util.placement_group_table().values()})"
+    assert re.search(rf"ended: rank {victim} on node {victim} .* exited \(killed by SIGKILL", status), status
 
 
 def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_agent_nor_group(rk):
@@ -266,15 +267,6 @@ def test_stop_and_a_failed_start_leave_no_agent_actor_group_or_process(rk, runs_
     assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "a placement group outlived its pool"
     agents_runs = [d for d in runs_dir.iterdir() if (d / "rank1.log").exists() and not (d / "rank0.log").exists()]
     assert agents_runs, "the agents' run directories go where NBDDP_RUNS_DIR says (the raylets inherit it)"
-
-
-def test_a_killed_rank_on_the_kernels_node_is_named_with_its_node(pool):
-    k, pids = pool
-    res = k.run("%%ddp\nimport signal\nimport torch.distributed as dist\nif rank == 0:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-                "dist.all_reduce(torch.ones(1))\n", timeout=60)
-    text = res.error_text
-    assert re.search(r"rank 0 on node 0 \(\S+, ray [0-9a-f]{8}\) failed: killed by SIGKILL", text), text
-    assert not wait_gone(pids), "every rank is gone"
 
 
 def test_collective_traffic_goes_on_the_nodes_interface_or_the_one_the_user_names(rk):
