@@ -8,6 +8,7 @@ import pytest
 
 from nbddp.cluster import relaystore, remote
 from nbddp.kernel.supervisor import Bus, Output, Supervisor
+from nbddp.wire import framing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,3 +110,43 @@ def test_a_wake_nobody_drains_yet_never_blocks_the_stream_reader_or_the_agent():
     finally:
         streams.close()
         sup.close()
+
+
+def _answered(store, op, *args):
+    """Store.handle's answer to one request, None while it waits."""
+    got = []
+    store.handle((1, op, args), got.append)
+    return framing.Reader().feed(got[0])[0][0][1:] if got else None
+
+
+def test_the_store_answers_as_torch_expects_and_a_wait_once_its_keys_are_set():
+    store = relaystore.Store()
+    assert _answered(store, "add", "n", 2) == (True, 2)
+    assert _answered(store, "add", "n", 3) == (True, 5)
+    assert _answered(store, "compare_set", "k", b"", b"first") == (True, b"first")  # missing, expected empty: set
+    assert _answered(store, "compare_set", "k", b"other", b"second") == (True, b"first")  # mismatch: the current
+    waiting = []
+    store.handle((7, "wait", (["late"],)), waiting.append)
+    assert not waiting, "answered before its key was set"
+    store.handle((8, "set", ("late", b"v")), lambda frame: None)
+    assert [r for r, _ in framing.Reader().feed(waiting[0])] == [(7, True, None)]
+    ok, why = _answered(store, "no_such_op")
+    assert not ok and "AttributeError" in why
+
+
+def test_a_pipe_store_call_times_out_and_its_late_reply_is_dropped():
+    from nbddp.rank import pipestore
+
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    store = pipestore.connect(req_w, rep_r, 0.2)
+    try:
+        with pytest.raises(Exception, match="timed out after 0.2 s"):
+            store.get("k")  # nobody answers
+        os.write(rep_w, framing.encode((1, True, b"late")) + framing.encode((2, True, 5)))
+        assert store.add("n", 5) == 5, "the timed-out get's reply was taken for the add's"
+        asked = [r for r, _ in framing.Reader().feed(os.read(req_r, 1 << 16))]
+        assert [(rid, op) for rid, op, _ in asked] == [(1, "get"), (2, "add")]
+    finally:
+        for fd in (req_r, req_w, rep_r, rep_w):
+            os.close(fd)

@@ -27,8 +27,8 @@ from ..kernel import rendezvous
 from ..kernel.logs import RankLogs
 from ..kernel.starters import ForkStarter
 from ..kernel.supervisor import Bus, Supervisor
-from ..rank.pipestore import Frames, write_all
 from ..rank.server import Server
+from ..wire.framing import Reader, write_all
 
 
 class Agent:
@@ -47,7 +47,7 @@ class Agent:
         self.sup: Supervisor | None = None
         self.cmd: dict[int, int] = {}  # rank -> its command pipe's write end
         self.replies: dict[int, int] = {}  # rank -> its store reply pipe's write end
-        self.requests: dict[int, tuple[int, Frames]] = {}  # request fd -> (rank, frames)
+        self.requests: dict[int, tuple[int, Reader]] = {}  # request fd -> (rank, its frames)
 
     def where(self) -> dict:
         """This node as the kernel names it, and the interface that carries its Ray address (None: none does)."""
@@ -129,7 +129,7 @@ class Agent:
         if not data:
             self.sup.sel.unregister(fd)
             return
-        for request in frames.feed(data):
+        for request, _ in frames.feed(data):
             self.queue.append(("store", rank, request))
 
     # -- the kernel's calls, in their order ------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def _fork(agent: Agent, spec, run_dir, ifname) -> int:
     agent.sup.add(proc)
     agent.cmd[spec.rank] = cmd_w
     agent.replies[spec.rank] = rep_w
-    agent.requests[req_r] = (spec.rank, Frames())
+    agent.requests[req_r] = (spec.rank, Reader())
     agent.sup.watch(req_r, lambda fd=req_r: agent._store_request(fd))
     return proc.pid
 

@@ -1,6 +1,6 @@
 """In the kernel: the one store of a cluster pool's process group, answering every rank without a port.
 
-Requests arrive as frames (rank/pipestore.py): the kernel's own ranks' on their store pipes, read by
+Requests arrive as frames (wire/framing.py's, sent by rank/pipestore.py): the kernel's own ranks' on their store pipes, read by
 ``LocalStores`` (one thread), the other nodes' ranks' through their agent's event stream (remote.py).
 ``Store.handle`` answers at once, or, for ``get``/``wait`` of keys not set yet, once another rank sets
 them; every answer goes back through the ``reply`` function the request came with. Thread-safe: the
@@ -12,7 +12,7 @@ import os
 import select
 import threading
 
-from ..rank.pipestore import Frames, encode, write_all
+from ..wire.framing import Reader, encode, write_all
 
 
 class Store:
@@ -94,13 +94,13 @@ class LocalStores:
 
     def __init__(self, store: Store):
         self.store = store
-        self.pipes: dict[int, tuple[int, Frames]] = {}  # request fd -> (reply fd, frames)
+        self.pipes: dict[int, tuple[int, Reader]] = {}  # request fd -> (reply fd, its frames)
         self.wake_r, self.wake_w = os.pipe()
         self.thread: threading.Thread | None = None
         self.closed = False
 
     def add(self, request_fd: int, reply_fd: int) -> None:
-        self.pipes[request_fd] = (reply_fd, Frames())
+        self.pipes[request_fd] = (reply_fd, Reader())
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._serve, name="nbddp-store", daemon=True)
@@ -122,7 +122,7 @@ class LocalStores:
                         except OSError:
                             pass
                     continue
-                for request in frames.feed(data):
+                for request, _ in frames.feed(data):
                     self.store.handle(request, lambda frame, out=reply_fd: _reply(out, frame))
 
     def close(self) -> None:

@@ -78,10 +78,8 @@ class Gang:
         """One framed command on every live rank's pipe (or those of ``ranks``)."""
         frame = framing.encode(cmd)
         for fd in (self._cmd.values() if ranks is None else [self._cmd[r] for r in ranks if r in self._cmd]):
-            view = memoryview(frame)
             try:
-                while view:
-                    view = view[os.write(fd, view):]
+                framing.write_all(fd, frame)
             except BrokenPipeError:
                 pass  # that rank is gone; the supervisor reports how
 

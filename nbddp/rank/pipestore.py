@@ -13,43 +13,13 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import pickle
 import select
-import struct
 import threading
 import time
 
-LENGTH = struct.Struct("<Q")
+from ..wire.framing import Reader, encode, write_all
+
 BLOCKING = {"get", "wait", "multi_get"}  # the kernel answers once the keys exist
-
-
-def encode(obj) -> bytes:
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return LENGTH.pack(len(payload)) + payload
-
-
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-class Frames:
-    """Whole frames out of bytes as they arrive."""
-
-    def __init__(self):
-        self.buf = bytearray()
-
-    def feed(self, data: bytes) -> list:
-        self.buf += data
-        out = []
-        while len(self.buf) >= LENGTH.size:
-            (n,) = LENGTH.unpack_from(self.buf)
-            if len(self.buf) < LENGTH.size + n:
-                break
-            out.append(pickle.loads(bytes(self.buf[LENGTH.size:LENGTH.size + n])))
-            del self.buf[:LENGTH.size + n]
-        return out
 
 
 _kept: list = []  # the store object must outlive every group made on it (torch holds only its C++ half)
@@ -70,7 +40,7 @@ def _store_class():
             super().__init__()
             self.request_fd, self.reply_fd, self.timeout_s = request_fd, reply_fd, timeout_s
             self.lock = threading.Lock()
-            self.frames = Frames()
+            self.reader = Reader()  # the replies, framed as the kernel's channel frames its records
             self.next_id = 0
 
         def _call(self, op: str, *args, timeout_s: float | None = None):
@@ -79,8 +49,9 @@ def _store_class():
                 rid = self.next_id
                 write_all(self.request_fd, encode((rid, op, args)))
                 end = time.monotonic() + (timeout_s or self.timeout_s)
+                replies = self.reader.feed(b"")
                 while True:
-                    for got, ok, value in self.frames.feed(b""):
+                    for (got, ok, value), _ in replies:  # (a late reply to a request that timed out: dropped)
                         if got == rid:
                             if not ok:
                                 raise dist.DistStoreError(value)
@@ -92,7 +63,7 @@ def _store_class():
                     data = os.read(self.reply_fd, 1 << 16)
                     if not data:
                         raise dist.DistStoreError("nbddp's cluster store is gone (the kernel or the agent ended)")
-                    self.frames.buf += data
+                    replies = self.reader.feed(data)
 
         def set(self, key, value):
             self._call("set", key, _bytes(value))

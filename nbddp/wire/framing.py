@@ -25,6 +25,13 @@ def encode(record, marks: tuple[int, int] = (0, 0)) -> bytes:
     return HEADER.pack(len(payload), *marks) + payload
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """``data`` whole on a pipe (a write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 class Writer:
     """The rank's end. ``send`` is safe from any thread (a display from a callback thread, say).
     ``marks()``: how many bytes the rank has written to stdout and stderr so far; each frame carries
@@ -43,10 +50,8 @@ class Writer:
         self._write(HEADER.pack(len(_MARK), *self.marks()) + _MARK)
 
     def _write(self, frame: bytes) -> None:
-        view = memoryview(frame)
         with self._lock:
-            while view:
-                view = view[os.write(self.fd, view):]
+            write_all(self.fd, frame)
 
     def close(self) -> None:
         try:
