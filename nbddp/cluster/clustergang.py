@@ -129,31 +129,26 @@ class ClusterGang(Gang):
         self._cmd = {r: w for r, (_, w) in pipes.items()}
         self._starter = starters.ForkStarter(self.run_dir)
         ours = []  # the kernel's ends of the store pipes: no rank inherits them
+
+        def prepare(spec):
+            req_r, req_w = os.pipe()
+            rep_r, rep_w = os.pipe()
+            env = starters.nccl_env(dict(spec.env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname),
+                                    spec.backend, ifname)
+
+            def forked(proc):
+                proc.node = self.node_names[spec.rank]  # its exit names node 0 as the others' name theirs
+                os.close(req_w)
+                os.close(rep_r)
+                ours.extend((req_r, rep_w))
+                self.local.add(req_r, rep_w)
+
+            return (dataclasses.replace(spec, store_fds=(req_w, rep_r), env=env),
+                    [*ours, req_r, rep_w, self.local.wake_r, self.local.wake_w], forked)
+
         try:
             checks.before_fork(self.config)
-            job = job_for(pipes)
-            with starters.sigint_deferred() as interrupted:
-                for spec in specs:
-                    req_r, req_w = os.pipe()
-                    rep_r, rep_w = os.pipe()
-                    env = dict(spec.env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname)
-                    if spec.backend == "nccl":
-                        from ..hw import nccl
-                        from ..ipy.session import session_kind
-
-                        env.update({k: v for k, v in nccl.rank_env(ifname, session_kind()).items()
-                                    if k not in os.environ and k != "NCCL_SOCKET_IFNAME"})
-                    spec = dataclasses.replace(spec, store_fds=(req_w, rep_r), env=env)
-                    inherited = [*self.sup.all_fds(), *ours, req_r, rep_w, self.local.wake_r, self.local.wake_w]
-                    proc = self._starter.start(spec, job, inherited)
-                    proc.node = self.node_names[spec.rank]  # its exit names node 0 as the others' name theirs
-                    self.sup.add(proc)
-                    os.close(req_w)
-                    os.close(rep_r)
-                    ours += [req_r, rep_w]
-                    self.local.add(req_r, rep_w)
-                    if interrupted or (deadline is not None and time.monotonic() >= deadline):
-                        break
+            starters.fork_specs(self.sup, self._starter, job_for(pipes), specs, deadline, prepare)
         finally:
             for read, _ in pipes.values():
                 os.close(read)

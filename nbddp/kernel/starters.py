@@ -50,9 +50,20 @@ def fork_ranks(sup: Supervisor, starter, job, config, plan: devices.Plan, run_di
         )
         for rank, dev in enumerate(plan.device_ids)
     ]
+    fork_specs(sup, starter, job, specs, deadline)
+
+
+def fork_specs(sup: Supervisor, starter, job, specs, deadline: float | None = None, prepare=None) -> None:
+    """One rank per spec, each registered with the supervisor as soon as it exists, an interrupt held
+    back meanwhile. ``prepare(spec)``, if given: (the spec to fork, descriptors of the kernel's the rank
+    must not inherit besides the supervisor's, a function given the forked RankProc before it is added)."""
     with sigint_deferred() as interrupted:  # a rank forked is registered before an interrupt is raised
         for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
-            sup.add(starter.start(spec, job, sup.all_fds()))
+            spec, theirs, forked = prepare(spec) if prepare else (spec, (), None)
+            proc = starter.start(spec, job, [*sup.all_fds(), *theirs])
+            if forked:
+                forked(proc)
+            sup.add(proc)
             if interrupted or (deadline is not None and time.monotonic() >= deadline):
                 break  # an interrupt is raised on leaving; the supervisor then finds the deadline passed
 
@@ -82,11 +93,18 @@ def _rank_env(plan, rank, run_id, port, threads, ifname) -> dict:
     env = rendezvous.torchrun_env(
         rank=rank, world_size=plan.world_size, run_id=run_id, master_port=port, threads=threads, ifname=ifname
     )
-    if plan.backend == "nccl":
+    return nccl_env(env, plan.backend, ifname)
+
+
+def nccl_env(env: dict, backend: str, ifname: str) -> dict:
+    """``env`` with what an NCCL rank needs, its sockets on ``ifname`` (what ``env`` or the kernel's
+    environment already says wins)."""
+    if backend == "nccl":
         from ..hw import nccl
         from ..ipy.session import session_kind
 
-        env.update({k: v for k, v in nccl.rank_env(ifname, session_kind()).items() if k not in os.environ})
+        env.update({k: v for k, v in nccl.rank_env(ifname, session_kind()).items()
+                    if k not in os.environ and k not in env})
     return env
 
 
