@@ -169,6 +169,47 @@ def test_an_interrupt_reaches_the_other_nodes_rank_and_the_pool_lives(pool):
     assert not [p for p in pids if p not in ranks_alive(pids)], "the same ranks live on"
 
 
+@pytest.mark.parametrize("stuck", [0, 1], ids=["kernels-node-stuck", "other-node-stuck"])
+def test_an_interrupt_frees_a_rank_stuck_in_a_collective_across_nodes_and_the_pool_lives(pool, stuck):
+    k, _ = pool
+    k.ok("%%ddp\nkept = rank + 100\n")
+    res = k.interrupt_when(f"%%ddp\nimport time, torch.distributed as dist\nprint('up', flush=True)\n"
+                           f"if rank == {stuck}:\n    dist.barrier()\nelse:\n    while True:\n        time.sleep(0.01)\n",
+                           "up", 2, timeout=60)
+    assert res.error and res.error["ename"] == "KeyboardInterrupt", res
+    assert f"its process group was made anew to free rank(s) {stuck} from a collective" in res.error_text, res.error_text
+    k.ok("%%ddp --gather kept\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2\n")
+    assert k.value("kept") == [100, 101]
+
+
+def test_a_display_is_rich_from_the_kernels_node_and_text_from_the_other_node(pool):
+    """As docs/ray.md says: another node's ranks run outside any IPython shell (as spawned ranks do)."""
+    k, _ = pool
+    res = k.ok("%%ddp\nfrom IPython.display import HTML, display\nprint('before', flush=True)\n"
+               "display(HTML(f'<b>from rank {rank}</b>'))\nprint('after')\n", timeout=60)
+    html = [d["data"].get("text/html", "") for d in res.displays]
+    assert any("<b>from rank 0</b>" in h for h in html), html
+    assert said(res.stdout, 1, "<IPython.core.display.HTML object>"), res.stdout
+    lines = [line for line in res.stdout.splitlines() if line.startswith("[rank1]:")]
+    assert lines == ["[rank1]:before", "[rank1]:<IPython.core.display.HTML object>", "[rank1]:after"], lines
+
+
+def test_who_diff_and_restart_on_a_pool_across_nodes(pool):
+    k, _ = pool
+    k.ok("%%ddp\nw = torch.zeros(3 + rank)\nsteps = 5\n")
+    who = k.ok("%ddp who", timeout=60).stdout
+    rows = {line.split()[0]: line for line in who.splitlines()[2:]}
+    assert "≠ rank 0: (3,) float32 cpu; rank 1: (4,) float32 cpu" in rows["w"], who
+    assert rows["steps"].split()[1:] == ["int", "5"], who
+    same = k.ok("%ddp diff {'a': torch.ones(2)}", timeout=60).stdout
+    assert "2 ranks: all" in same and "agree" in same, same
+    res = k.ok("%ddp restart", timeout=120)
+    assert "pool of 2 rank(s) on cpu/gloo ready" in res.stdout, res.stdout + res.stderr
+    k.ok("%%ddp --gather node\nimport torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+         "node = (os.environ['NODE_RANK'], t.item(), 'w' in globals())\n")
+    assert k.value("node") == [("0", 2.0, False), ("1", 2.0, False)], "a fresh pool across the same nodes"
+
+
 def test_timeout_brings_the_other_nodes_stack_back_and_the_pool_lives(pool):
     k, _ = pool
     res = k.run("%%ddp --timeout 2\nimport time\ndef wait_here():\n    while True:\n        time.sleep(0.01)\n"
