@@ -54,7 +54,7 @@ class Link:
             self.seq += 1
             try:
                 self.actor.control.remote(self.seq, op, *args)
-            except Exception:  # noqa: BLE001 - the agent is gone: its stream's end says so
+            except Exception:  # noqa: BLE001, S110 - the agent is gone: its stream's end says so
                 pass
 
 
