@@ -150,3 +150,21 @@ def test_a_pipe_store_call_times_out_and_its_late_reply_is_dropped():
     finally:
         for fd in (req_r, req_w, rep_r, rep_w):
             os.close(fd)
+
+
+def test_a_cluster_pools_dashboard_samples_only_this_machines_gpus(tmp_path, monkeypatch):
+    """Ranks on node 0 use GPUs 4 and 5 here; node 1's ranks see theirs as 0 and 1: not this machine's."""
+    from nbddp.cluster.clustergang import ClusterGang
+    from nbddp.kernel import devices, options
+    from nbddp.views.poolview import PoolView
+
+    monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
+    gang = ClusterGang(options.config({"cluster": "ray", "nodes": 2}), devices.Plan("cuda", "nccl", (4, 5)),
+                       view_for=lambda plan, run_dir: PoolView(plan, run_dir, shown=False))
+    try:
+        assert sorted(gang.view.monitor.gpus) == [4, 5]
+        assert gang.view.plan.device_ids == (4, 5, 0, 1)  # the device column still names each rank's own
+        assert gang.view._device(2, 0) == "cuda:0"
+    finally:
+        gang.local.close()
+        gang.close()

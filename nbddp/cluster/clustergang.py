@@ -41,7 +41,7 @@ class ClusterGang(Gang):
             others = plan.device_ids
         self.per_node, self.nodes = plan.world_size, config.nodes
         super().__init__(config, dataclasses.replace(plan, device_ids=plan.device_ids + others * (config.nodes - 1)),
-                         persistent=True, view_for=view_for)
+                         persistent=True, view_for=view_for and self._view_here(view_for))
         self.namespace = namespace or {}
         self.unsent = {k for k in self.namespace if notebook_name(k)}  # what the other nodes lack
         self.extra: dict[str, bytes] = {}  # ... sent with the next cell
@@ -57,6 +57,17 @@ class ClusterGang(Gang):
 
     def node_of(self, rank: int) -> str:
         return self.node_names.get(rank, "")
+
+    def _view_here(self, view_for):
+        """The pool's dashboard, its GPU monitor on this machine's GPUs only: another node's ranks' device
+        ids name that node's GPUs, and sampled here they would show the kernel's GPUs 0..D-1 as theirs."""
+        def view(plan, run_dir):
+            here = plan.device_ids[:self.per_node] + (None,) * (plan.world_size - self.per_node)
+            shown = view_for(dataclasses.replace(plan, device_ids=here), run_dir)
+            shown.plan = plan  # its device column: each rank's own device
+            return shown
+
+        return view
 
     # -- start -------------------------------------------------------------------------------------------
     def start(self, job_for, deadline: float | None = None) -> None:
