@@ -49,14 +49,8 @@ def _raw_job(rank, world, path):
     torch.cuda.synchronize()
     os._exit(0)  # as nbddp's and Lightning's ranks leave: no NCCL teardown
 
-def raw_round_trip(n=1):
-    d = tempfile.mkdtemp()
-    t0 = time.perf_counter()
-    tmp.start_processes(_raw_job, args=(n, os.path.join(d, "store")), nprocs=n, start_method="fork")
-    dt = time.perf_counter() - t0
-    shutil.rmtree(d)
-    return dt
-
+RAW_RANKS = 1
+''' + kc.RAW_ROUND_TRIP_CODE + r'''
 def nbddp_round_trip(n=1):
     t0 = time.perf_counter()
     get_ipython().run_cell_magic("ddp", f"--devices {n}", ONE_SHOT)

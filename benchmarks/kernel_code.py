@@ -1,5 +1,16 @@
 """Code the benchmark runs inside a real ipykernel (sent as a cell); each measure prints one BENCH line."""
 
+RAW_ROUND_TRIP_CODE = r'''
+def raw_round_trip(n=RAW_RANKS):
+    """The anchor: ranks forked by torch.multiprocessing, meeting on a FileStore, each running _raw_job."""
+    d = tempfile.mkdtemp()
+    t0 = time.perf_counter()
+    tmp.start_processes(_raw_job, args=(n, os.path.join(d, "store")), nprocs=n, start_method="fork")
+    dt = time.perf_counter() - t0
+    shutil.rmtree(d)
+    return dt
+'''
+
 SETUP = r'''
 %load_ext nbddp
 import json, os, pickle, shutil, statistics, subprocess, sys, tempfile, time
@@ -15,14 +26,8 @@ def _raw_job(rank, world, path):
     dist.all_reduce(t)
     dist.destroy_process_group()
 
-def raw_round_trip(n=2):
-    d = tempfile.mkdtemp()
-    t0 = time.perf_counter()
-    tmp.start_processes(_raw_job, args=(n, os.path.join(d, "store")), nprocs=n, start_method="fork")
-    dt = time.perf_counter() - t0
-    shutil.rmtree(d)
-    return dt
-
+RAW_RANKS = 2
+''' + RAW_ROUND_TRIP_CODE + r'''
 def nbddp_round_trip(n=2, extra=""):
     t0 = time.perf_counter()
     get_ipython().run_cell_magic("ddp", f"--devices {n} {extra}", "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
