@@ -65,6 +65,21 @@ def test_other_ranks_displays_are_labelled_and_ranks_output_governs_them(clean_k
     assert [d["data"]["text/html"] for d in only0.displays if "<i>" in d["data"].get("text/html", "")] == ["<i>from 0</i>"]
 
 
+@pytest.mark.timeout(180)
+def test_a_spawned_ranks_displays_are_rich_too(clean_kernel):
+    """A spawned rank runs outside any IPython shell, where display() prints only repr: it gets a quiet
+    shell of its own (the same holds for a Ray pool's ranks on other nodes, forked by their agent)."""
+    res = clean_kernel.ok("%%ddp --devices 2 --start-method spawn\nfrom IPython.display import HTML, display\n"
+                          "print('before', flush=True)\ndisplay(HTML(f'<i>from {rank}</i>'))\nprint('after')\n",
+                          timeout=150)
+    html = sorted(d["data"]["text/html"] for d in res.displays if "<i>" in d["data"].get("text/html", ""))
+    assert html == ["<i>from 0</i>", "<i>from 1</i>"], res.displays
+    assert "HTML object" not in res.stdout, res.stdout
+    for r in (0, 1):
+        mine = [line for line in res.stdout.splitlines() if line.startswith(f"[rank{r}]:") or line.startswith("[rank0-1]:")]
+        assert mine[-2:] == [f"[rank{r}]: display", f"[rank{r}]:after"], res.stdout
+
+
 def test_clear_output_from_a_rank_clears_only_what_that_rank_displayed(clean_kernel):
     k = clean_kernel
     res, seen = sequence(k, (

@@ -29,6 +29,7 @@ def redirect_in_rank(kernel_streams=(), chan=None) -> None:
     """``kernel_streams``: what sys.stdout/sys.stderr were in the kernel at fork time; ``chan``: the
     rank's channel, which carries its rich outputs (display, plots) to the cell."""
     _redirect_outstreams(kernel_streams)
+    _shell_for_displays(chan)
     _rank_display(chan)
     _rank_pager()
     _dummy_comms()
@@ -55,6 +56,22 @@ def _redirect_outstreams(kernel_streams) -> None:
 
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # a model only the rank has: never sent
+
+
+def _shell_for_displays(chan) -> None:
+    """A rank outside any IPython shell (spawned, or forked on another node by a Ray agent): there
+    IPython's ``display()`` only prints ``repr``. A quiet shell of its own (no history file) gives it the
+    formatter, so rich output reaches the cell as from a rank forked from the kernel."""
+    if chan is None or running_shell() is not None:
+        return
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+    except ImportError:  # no IPython here: display() is not there either
+        return
+    config = Config()
+    config.HistoryManager.enabled = False
+    InteractiveShell.instance(config=config)
 
 
 def _rank_display(chan) -> None:
