@@ -28,7 +28,8 @@ ROOT = HERE.parent
 SAVED = HERE / "results_gpu.json"
 sys.path.insert(0, str(HERE))
 
-import kernel_code as kc
+import kernel_code as kc  # noqa: E402  (the floor, shared with the CPU benchmark)
+from gpu_smoke import LOOP, train_script  # noqa: E402  (the DDP loop the smoke test times too)
 
 SETUP = r'''
 %load_ext nbddp
@@ -114,31 +115,10 @@ bench("pool", {"pool": statistics.median(pool), "floor": statistics.median(floor
                "pool_all": pool, "floor_all": floor})
 '''
 
-LOOP = """import time, torch, torch.distributed as dist
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
-    torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).to(device), device_ids=[device.index])
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-x = torch.randn(1024, 4096, device=device)
-def step():
-    opt.zero_grad(); model(x).square().mean().backward(); opt.step()
-for _ in range(30):
-    step()
-torch.cuda.synchronize(); dist.barrier()
-t0 = time.perf_counter()
-for _ in range(STEPS):
-    step()
-torch.cuda.synchronize(); dist.barrier()
-steps_per_s = STEPS / (time.perf_counter() - t0)
-"""
-
 TRAINING = r'''
 script = os.path.join(tempfile.mkdtemp(), "train.py")
 with open(script, "w") as f:
-    f.write("import os, torch, torch.distributed as dist\nlocal_rank = int(os.environ['LOCAL_RANK'])\n"
-            "torch.cuda.set_device(local_rank)\ndevice = torch.device('cuda', local_rank)\n"
-            "dist.init_process_group('nccl')\nSTEPS = {steps}\n" + LOOP_SRC +
-            "if dist.get_rank() == 0:\n    print('STEPS', steps_per_s)\ndist.destroy_process_group()\n")
+    f.write(SCRIPT_SRC)
 torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
 def theirs():
     out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "1", script], capture_output=True, text=True,
@@ -211,7 +191,7 @@ def run(quick: bool, only: list[str] | None = None) -> dict:
     steps = 100 if quick else 300
     cells = [("round_trip", ROUND_TRIP.replace("{runs}", str(runs))),
              ("pool", POOL.replace("{runs}", str(10 * runs))),
-             ("training", f"LOOP_SRC = {LOOP!r}\n" + TRAINING.replace("{runs}", str(max(3, runs // 2)))
+             ("training", f"LOOP_SRC = {LOOP!r}\nSCRIPT_SRC = {train_script(steps)!r}\n" + TRAINING.replace("{runs}", str(max(3, runs // 2)))
               .replace("{steps}", str(steps))),
              ("dashboard", DASHBOARD), ("memory", MEMORY.replace("{runs}", str(runs)))]
     for name, code in [c for c in cells if not only or c[0] in only]:  # each in a fresh kernel: an anchor that touched CUDA there cannot spoil the next

@@ -42,15 +42,24 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x = torch.randn(1024, 4096, device=device)  # GPU-bound, as training is (batch 256 is launch-bound: see results.md)
 def step():
     opt.zero_grad(); model(x).square().mean().backward(); opt.step()
-for _ in range(20):
+for _ in range(30):
     step()
 torch.cuda.synchronize(); dist.barrier()
 t0 = time.perf_counter()
-for _ in range(300):
+for _ in range(STEPS):
     step()
 torch.cuda.synchronize(); dist.barrier()
-steps_per_s = 300 / (time.perf_counter() - t0)
-"""
+steps_per_s = STEPS / (time.perf_counter() - t0)
+"""  # the DDP loop timed in a %%ddp cell and under torchrun, here and in benchmarks/bench_gpu.py; STEPS given first
+
+
+def train_script(steps: int) -> str:
+    """``LOOP`` as a torchrun script: rank 0 prints ``STEPS <steps/s>``."""
+    return ("import os, torch, torch.distributed as dist\nlocal_rank = int(os.environ['LOCAL_RANK'])\n"
+            "torch.cuda.set_device(local_rank)\ndevice = torch.device('cuda', local_rank)\n"
+            f"dist.init_process_group('nccl')\nSTEPS = {steps}\n" + LOOP +
+            "if dist.get_rank() == 0:\n    print('STEPS', steps_per_s)\ndist.destroy_process_group()\n")
+
 
 # A CUDA user that is not torch: loads the driver and initialises it on import (like pycuda.autoinit).
 CUDA_LIBRARY = "import ctypes\n_rc = ctypes.CDLL('libcuda.so.1').cuInit(0)\nassert _rc == 0, _rc\n"
@@ -317,17 +326,16 @@ def check_bars() -> tuple[bool, str]:
 def check_step_time(n: int, rounds: int = 2) -> tuple[bool, str]:
     """The same loop in a %%ddp cell and under torchrun, interleaved, best of ``rounds`` each (a GPU's clocks
     and a shared machine drift: a single short run each once read 0.90 where longer interleaved ones read 1.00)."""
+    steps = 300
     script = Path(tempfile.mkdtemp()) / "train.py"
-    script.write_text("import os, torch, torch.distributed as dist\nlocal_rank = int(os.environ['LOCAL_RANK'])\n"
-                      "torch.cuda.set_device(local_rank)\ndevice = torch.device('cuda', local_rank)\n"
-                      "dist.init_process_group('nccl')\n" + LOOP +
-                      "if dist.get_rank() == 0:\n    print('STEPS', steps_per_s)\ndist.destroy_process_group()\n")
+    script.write_text(train_script(steps))
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     ours, theirs = [], []
     k = fresh_kernel()
     try:
         for _ in range(rounds):
-            ours.append(float(k.ok(f"%%ddp --devices {n} --ranks-output none\n" + LOOP + "steps_per_s", timeout=600).result))
+            ours.append(float(k.ok(f"%%ddp --devices {n} --ranks-output none\nSTEPS = {steps}\n" + LOOP + "steps_per_s",
+                                   timeout=600).result))
             out = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(n), str(script)],
                                  capture_output=True, text=True, timeout=600, check=False)
             TRANSCRIPT.append(f"=== torchrun, exit {out.returncode}\n{out.stdout}\n{out.stderr}")
