@@ -35,7 +35,8 @@ class Agent:
     def __init__(self, node_rank: int):
         from ..rank.worker import warm_start
 
-        warm_start()  # what ranks import (torch...), once here while the kernel forks its own: shared by the forks
+        warm_start(outside_shell=True)  # what ranks import (torch...), once here while the kernel forks its own:
+        # shared by the forks, the IPython shell they make for displays included
         self.node_rank = node_rank
         self.queue: list = []  # events not yet streamed to the kernel
         self.controls: dict[int, tuple] = {}  # seq -> (op, args): applied in sequence order

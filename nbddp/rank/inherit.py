@@ -58,6 +58,9 @@ def _redirect_outstreams(kernel_streams) -> None:
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # a model only the rank has: never sent
 
 
+SHELL_IMPORTS = ("IPython.core.interactiveshell", "traitlets.config")  # ~0.12 s: warm them where ranks fork
+
+
 def _shell_for_displays(chan) -> None:
     """A rank outside any IPython shell (spawned, or forked on another node by a Ray agent): there
     IPython's ``display()`` only prints ``repr``. A quiet shell of its own (no history file) gives it the

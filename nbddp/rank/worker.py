@@ -60,11 +60,15 @@ RANK_IMPORTS = ("torch", "torch.distributed", "torch.multiprocessing", "nbddp.ra
                 "nbddp.rank.server", "nbddp.rank.libstate")
 
 
-def warm_start() -> None:
-    """Import what ranks need, in the kernel (no CUDA call: ``import torch`` never initialises it)."""
+def warm_start(outside_shell: bool = False) -> None:
+    """Import what ranks need, in the kernel (no CUDA call: ``import torch`` never initialises it).
+    ``outside_shell``: in a process that is no IPython kernel (a Ray agent), also what its forked ranks
+    import to get a shell for their displays (``inherit.SHELL_IMPORTS``), once for all of them."""
     import importlib
 
-    for name in RANK_IMPORTS:
+    from .inherit import SHELL_IMPORTS
+
+    for name in RANK_IMPORTS + (SHELL_IMPORTS if outside_shell else ()):
         importlib.import_module(name)
 
 
