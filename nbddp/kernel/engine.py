@@ -128,27 +128,20 @@ class CellRun:
     def run(self, job_for=None, *, command=None) -> Outcome:
         gang, sup = self.gang, self.gang.sup
         start = time.monotonic()
-        self.relay = relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}",
-                                       self.ranks)
-        self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
-        sup.bus = Bus([*gang.lifelong(), self, self.prompts, self.stacks, *([self.observer] if self.observer else [])])
-        sup.tick = getattr(gang.view or self.observer, "interval", None)  # a pool's view, or the cell's dashboard
-        sup.new_cell()
-        sup.after_stacks = self._timeout_rule
-        for p in sup.procs:  # what a rank said in earlier cells must not explain how this one ends
-            p.records.clear()
         deadline = self.deadline = None if self.config.timeout is None else start + self.config.timeout
-        if gang.view is not None:
-            gang.view.cell_began(self.label)
         error, announced, running = None, gang.started, []
         try:
+            # a frame half written, or a cell half wired, would leave the ranks out of step: an interrupt
+            # is raised once both are done. A pool's ranks get the command first and run it while the
+            # kernel wires the cell's subscribers (nothing is read before the wait)
+            with starters.sigint_deferred():
+                if gang.started:
+                    gang.command(command, ranks=self.ranks if self.some else None)
+                self._wire(sup)
             if not gang.started:
                 gang.start(job_for, deadline)
-            else:
-                with starters.sigint_deferred():  # a frame half written would leave the ranks out of step
-                    gang.command(command, ranks=self.ranks if self.some else None)
-                if self.some:  # the ranks left out are idle: as if they had answered at once
-                    self.last_reply = time.monotonic()
+            elif self.some:  # the ranks left out are idle: as if they had answered at once
+                self.last_reply = time.monotonic()
             if self.observer:  # after the forks: its display costs overlap the ranks' start-up
                 self.observer.begin(gang.plan, gang.run_dir)
             if announced:  # a live gang: only the cell's own dashboard has not met the ranks
@@ -166,7 +159,8 @@ class CellRun:
             gang.close(f"torn down: nbddp failed in the kernel ({type(e).__name__}: {e})")
             raise
         finally:
-            relay.close_all()
+            if self.relay is not None:
+                self.relay.close_all()
             if self.observer:
                 self.observer.finish(error)
             if not gang.persistent:
@@ -184,6 +178,21 @@ class CellRun:
         if gang.view is not None:
             gang.view.cell_ended("ok")
         return outcome
+
+    def _wire(self, sup) -> None:
+        """The cell's subscribers on the supervisor's bus, and the supervisor's per-cell state."""
+        gang = self.gang
+        self.relay = relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}",
+                                       self.ranks)
+        self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
+        sup.bus = Bus([*gang.lifelong(), self, self.prompts, self.stacks, *([self.observer] if self.observer else [])])
+        sup.tick = getattr(gang.view or self.observer, "interval", None)  # a pool's view, or the cell's dashboard
+        sup.new_cell()
+        sup.after_stacks = self._timeout_rule
+        for p in sup.procs:  # what a rank said in earlier cells must not explain how this one ends
+            p.records.clear()
+        if gang.view is not None:
+            gang.view.cell_began(self.label)
 
     def _wait(self, deadline, until=None, wake_at=None) -> None:
         def wake():  # the next moment a rule acts (a past one has acted: waking for it again would spin)

@@ -16,7 +16,6 @@ from ..views.display import line_for_pool_cell, view_for_session
 from ..wire import messages, values
 from . import checks, engine, options, sending
 
-
 COMPILED_KEPT = 64
 
 
@@ -72,7 +71,7 @@ class DDPMagics(Magics):
         self.pool = None  # %ddp start's Pool, while one runs
         self.pool_options = ""
         self._pdb_back = False  # %pdb was on and a cell's traceback was shown without it (_ranks_debug_themselves)
-        self._compiled: dict[str, tuple] = {}  # a cell's text -> (source, names it reads), the latest kept
+        self._compiled: dict[str, tuple] = {}  # cell text -> (source, names read, execution count, file name)
         if shell is not None:
             self.unregister_events(shell)  # %reload_ext: one recorder, not two
             for event, handler in (("pre_run_cell", self._record), ("post_run_cell", self._ran)):
@@ -177,15 +176,18 @@ class DDPMagics(Magics):
         known = self._compiled.get(cell)
         source = known[0] if known else "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line
         number = cells.running(shell)  # one rule on every IPython: execution_count differs
+        if known and known[2] == number:  # registered already (ipykernel hashes the cell in pure Python)
+            return source, known[3], known[1]
         filename = shell.compile.cache(source, number, raw_code=cell)
         if known:
+            self._compiled[cell] = (source, known[1], number, filename)
             return source, filename, known[1]
         # a syntax error launches nothing, and shows as IPython shows it (Cell In[n], the line, the caret)
         body, last = cellcode.split_last_expression(source, filename, tracebacks.cell_labels(shell))
         names = cellcode.names_used(body) | (cellcode.names_used(last) if last else set())
         if len(self._compiled) >= COMPILED_KEPT:
             self._compiled.pop(next(iter(self._compiled)))
-        self._compiled[cell] = (source, names)
+        self._compiled[cell] = (source, names, number, filename)
         return source, filename, names
 
     def _in_pool(self, given: dict, outs, gathers, cell, ranks=None):

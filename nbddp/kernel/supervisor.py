@@ -11,14 +11,14 @@ and the timeout report subscribe (a method ``on_<Event>``) and never reach into 
 """
 from __future__ import annotations
 
+import functools
 import os
 import selectors
 import signal
 import time
 from dataclasses import dataclass, field
 
-from ..wire import framing
-from ..wire import messages
+from ..wire import framing, messages
 from . import failure
 
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
@@ -82,14 +82,22 @@ class Bus:
             self.subscribe(sub)
 
     def subscribe(self, sub) -> None:
-        for cls in EVENTS:
-            handler = getattr(sub, f"on_{cls.__name__}", None)
+        for cls, name in _handled(type(sub)):  # (a pool cell wires ~7 subscribers: looked up once per class)
+            handler = getattr(sub, name, None)
             if handler is not None:
                 self._handlers[cls].append(handler)
 
     def publish(self, event) -> None:
         for handler in self._handlers[type(event)]:
             handler(event)
+
+
+@functools.cache
+def _handled(kind: type) -> tuple:
+    """The events a subscriber class may handle, each with its method's name: those it defines, or every
+    event for a class that answers some by ``__getattr__`` (failure.StackCapture, in front of a relay)."""
+    dynamic = hasattr(kind, "__getattr__")
+    return tuple((cls, f"on_{cls.__name__}") for cls in EVENTS if dynamic or hasattr(kind, f"on_{cls.__name__}"))
 
 
 # records a rank sends after flushing its streams: its text written before them is shown before them

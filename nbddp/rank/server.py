@@ -21,7 +21,7 @@ import time
 import cloudpickle
 
 from ..wire import messages, values
-from . import debug, jobs, stdin, usergroup
+from . import debug, jobs, libstate, stdin, usergroup
 from .commands import CommandPipe
 from .jobs import CellJob, fresh_namespace
 from .stdio import flush_streams
@@ -52,8 +52,7 @@ class Server:
         ns = self.namespace if self.namespace is not None else fresh_namespace()
         ctx = dataclasses.replace(ctx, namespace=ns)
         if self.namespace is not None:  # forked: what libraries cached in the kernel becomes the rank's own
-            from .libstate import after_fork
-            after_fork(ns, ctx)
+            libstate.after_fork(ns, ctx)
         # what the kernel has too (by reference on the way back); spawn: cloudpickle's class tracking
         notebook = values.notebook_objects(ns) if self.namespace is not None else None
         busy = []
@@ -153,8 +152,7 @@ def _receive(cmd, ns: dict, ctx, notebook) -> None:
         ns[name] = jobs.in_namespace(cloudpickle.loads(blob), ns)
         if notebook is not None:  # the notebook has this very value under this name
             notebook[id(ns[name])] = (name, ns[name])
-    from .libstate import before_cell  # what libraries cached in the kernel becomes the rank's own
-    before_cell(ns, cmd, ctx)
+    libstate.before_cell(ns, cmd, ctx)  # what libraries cached in the kernel becomes the rank's own
 
 
 def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool) -> messages.Result:
@@ -165,12 +163,17 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool) -> me
                   post_mortem=cmd.post_mortem, lead=cmd.lead)
     if not track:
         return job.run_in(ns, ctx, notebook)
-    before = {k: id(v) for k, v in ns.items()}
+    before = _identities(ns)
     try:
         result = job.run_in(ns, ctx, notebook)
     finally:
-        assigned = tuple(k for k, v in ns.items() if before.get(k) != id(v) and k not in INJECTED)
+        assigned = tuple(sorted(k for k, _ in _identities(ns).items() - before.items() if k not in INJECTED))
         if notebook is not None:  # the rank's own now: they travel by value
             for name in assigned:
                 notebook.pop(id(ns[name]), None)
-    return dataclasses.replace(result, assigned=assigned)
+    return messages.Result(result.value, result.outs, result.gathers, assigned)
+
+
+def _identities(ns: dict) -> dict:
+    """name -> id of its value, built in C: a notebook's namespace has hundreds of names, a cell binds few."""
+    return dict(zip(ns, map(id, ns.values())))

@@ -86,7 +86,14 @@ def notebook_objects(namespace: dict) -> dict[int, tuple]:
             and not k.startswith("_")}
 
 
+# what pickle writes the same way with or without nbddp's reducers: a cell's usual last value
+# (t.item(), a loss, a count) skips building a CloudPickler (~50 us)
+PLAIN = (int, float, bool, complex, str, bytes, type(None))
+
+
 def dumps(obj, notebook: dict | None = None) -> bytes:
+    if type(obj) in PLAIN:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     buf = io.BytesIO()
     _CPUPickler(buf, notebook).dump(obj)
     return buf.getvalue()
