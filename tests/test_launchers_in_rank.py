@@ -81,6 +81,43 @@ def test_mp_spawn_with_another_count_says_what_to_write(clean_kernel):
     assert res.seconds < 30
 
 
+def test_a_launcher_a_library_bound_before_the_cell_runs_on_the_cells_ranks(clean_kernel):
+    # a library imported in the notebook that did `from torch.multiprocessing import spawn`: the kernel
+    # finds the binding before the fork (inherit.found), the rank patches it without walking sys.modules
+    clean_kernel.ok("import sys, types, torch.multiprocessing\n"
+                    "lib = types.ModuleType('accelerate_shim'); lib.spawn = torch.multiprocessing.spawn\n"
+                    "sys.modules['accelerate_shim'] = lib\n"
+                    "def hello(rank):\n    print('hello from', rank)\n")
+    res = clean_kernel.ok("%%ddp --devices 2\nimport accelerate_shim\naccelerate_shim.spawn(hello, nprocs=2)\n",
+                          timeout=120)
+    for r in (0, 1):
+        assert f"[rank{r}]:hello from {r}" in res.stdout, res.stdout
+    assert "runs hello(rank, ...) on this cell's 2 ranks" in res.stderr
+
+
+def test_what_a_rank_patches_is_found_before_the_fork_and_again_after_an_import():
+    import sys
+    import types
+
+    import torch.multiprocessing
+
+    from nbddp.rank import inherit
+
+    lib = types.ModuleType("accelerate_before")
+    lib.start_processes = torch.multiprocessing.start_processes
+    sys.modules[lib.__name__] = lib
+    try:
+        inherit.before_fork()
+        assert ("accelerate_before", "start_processes") in inherit.found("launchers")
+        late = types.ModuleType("accelerate_after")  # imported after the scan: found by a walk of its own
+        late.spawn = torch.multiprocessing.spawn
+        sys.modules[late.__name__] = late
+        assert ("accelerate_after", "spawn") in inherit.found("launchers")
+    finally:
+        sys.modules.pop("accelerate_before", None)
+        sys.modules.pop("accelerate_after", None)
+
+
 def test_lightning_ddp_notebook_fails_within_seconds_naming_strategy_ddp(clean_kernel):
     res = clean_kernel.run(
         "%%ddp --devices 2 --timeout 100\n"

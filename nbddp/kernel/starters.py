@@ -13,6 +13,7 @@ import threading
 import time
 import warnings
 
+from ..rank import inherit
 from ..rank.stdio import LIBC
 from ..rank.worker import RankSpec, fork_main
 from ..wire import values
@@ -123,6 +124,7 @@ class ForkStarter:
         chan_r, chan_w = os.pipe()
         life_r, life_w = _life_pipe()
         LIBC.fflush(None)  # C-level buffers would otherwise be written again by the child
+        inherit.before_fork()  # what the rank patches, found here: it would fault copying pages there
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child; fork_main never returns (life_w stays open)
             fork_main(spec, job, out_fd=out_w, err_fd=err_w, chan_fd=chan_w,

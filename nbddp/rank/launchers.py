@@ -21,6 +21,7 @@ import shlex
 import sys
 
 from ..ipy.session import running_shell
+from . import inherit
 
 _state: dict = {}
 
@@ -41,29 +42,26 @@ def install(rank: int, world_size: int) -> None:
 
 
 # -- torch.multiprocessing.spawn / start_processes ---------------------------------------------------
-_LAUNCHER_LIBS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "transformers")
 def _patch_torch_multiprocessing() -> None:
     import torch.multiprocessing as mp
     import torch.multiprocessing.spawn as spawn_mod
 
+    bound = inherit.found("launchers")  # what libraries bound to them, asked before they are patched
     originals = {mp.spawn: _spawn, mp.start_processes: _start_processes}
     for mod in (mp, spawn_mod):
         mod.spawn, mod.start_processes = _spawn, _start_processes
-    # `from torch.multiprocessing import spawn` done earlier: in the notebook, or in a launcher library.
-    # Only those are scanned: walking every module's dict cost ~5 ms per rank (copy-on-write faults).
-    for mod_name, mod in list(sys.modules.items()):
-        if mod_name != "__main__" and not mod_name.startswith(_LAUNCHER_LIBS):
-            continue
-        d = getattr(mod, "__dict__", None)
+    # `from torch.multiprocessing import spawn` done earlier: in the notebook, or in a launcher library
+    # (found before the fork: walking every module here costs milliseconds per rank in copy-on-write faults)
+    for mod_name, name in [*bound, *(("__main__", n) for n in inherit.LAUNCHER_NAMES)]:
+        d = getattr(sys.modules.get(mod_name), "__dict__", None)
         if not isinstance(d, dict):
             continue
-        for name in ("spawn", "start_processes"):
-            value = d.get(name)
-            try:
-                if value in originals:
-                    d[name] = originals[value]
-            except TypeError:  # unhashable
-                pass
+        value = d.get(name)
+        try:
+            if value in originals:
+                d[name] = originals[value]
+        except TypeError:  # unhashable
+            pass
 
 
 def _spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
