@@ -138,12 +138,12 @@ class CellRun:
                 if gang.started:
                     gang.command(command, ranks=self.ranks if self.some else None)
                 self._wire(sup)
+            if self.observer:  # before the forks: shown while ranks start, ipykernel's display waits on its
+                self.observer.begin(gang.plan, gang.run_dir)  # IO thread, which starting ranks starve of CPU
             if not gang.started:
                 gang.start(job_for, deadline)
             elif self.some:  # the ranks left out are idle: as if they had answered at once
                 self.last_reply = time.monotonic()
-            if self.observer:  # after the forks: its display costs overlap the ranks' start-up
-                self.observer.begin(gang.plan, gang.run_dir)
             if announced:  # a live gang: only the cell's own dashboard has not met the ranks
                 for p in sup.procs if self.observer else ():
                     self.observer.on_Started(Started(p.rank, p.pid))
