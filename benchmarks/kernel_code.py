@@ -373,7 +373,7 @@ def px_cell():
     return time.perf_counter() - t0
 def pool_cell():
     t0 = time.perf_counter()
-    get_ipython().run_cell_magic("ddp", "", CELL + ";")
+    get_ipython().run_cell_magic("ddp", "", CELL.rstrip() + ";")  # silenced (a ";" line of its own is IPython's autoquote)
     return time.perf_counter() - t0
 get_ipython().run_line_magic("ddp", "start --devices 2")
 for _ in range(5):

@@ -160,6 +160,8 @@ DEFAULTS = Config()
 
 def config(options: dict, base=None):
     """A Config from keyword options (``base``'s values for the rest), unknown names refused."""
+    if not options:  # a pool's cell without options of its own (no copy: a Config is frozen)
+        return base or DEFAULTS
     unknown = sorted(set(options) - set(API))
     if unknown:
         raise UsageError(f"unknown option(s) {', '.join(unknown)}; the options are: {', '.join(API)}.")
