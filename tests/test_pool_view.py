@@ -65,8 +65,11 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         assert all(t >= 64 for t in top), f"the 64 MiB each rank allocated shows in its history: {after}"
         # a quick cell adds a line too; a failed one says so
         kinds = []
-        quick = k.collect(k.execute("%%ddp\nprint(rank)\n"), on_message=lambda kind, _: kinds.append(kind))
-        assert [m for m in kinds if m in ("stream", "display_data")][-1] == "display_data", kinds  # summary last
+        quick = k.collect(k.execute("%%ddp\nprint(rank)\nrank + 40\n"), on_message=lambda kind, _: kinds.append(kind))
+        # the summary after the ranks' text and before Out[] (it is sent on ipykernel's IO thread, in order)
+        assert [m for m in kinds if m in ("stream", "display_data", "execute_result")][-2:] == \
+            ["display_data", "execute_result"], kinds
+        assert quick.result == "40", quick
         line = quick.displays[-1]["data"]["text/plain"]
         assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · [\d.]+ ms · ok", line), quick.displays
         assert sorted(quick.stdout.splitlines()) == ["[rank0]:0", "[rank1]:1"]

@@ -77,7 +77,9 @@ def test_a_spawned_ranks_displays_are_rich_too(clean_kernel):
     assert "HTML object" not in res.stdout, res.stdout
     for r in (0, 1):
         mine = [line for line in res.stdout.splitlines() if line.startswith(f"[rank{r}]:") or line.startswith("[rank0-1]:")]
-        assert mine[-2:] == [f"[rank{r}]: display", f"[rank{r}]:after"], res.stdout
+        # (a line both ranks printed alike at once may show once, as [rank0-1]:after)
+        assert mine[-2][-len(" display"):] == " display" and mine[-1] in (f"[rank{r}]:after", "[rank0-1]:after"), \
+            res.stdout
 
 
 def test_clear_output_from_a_rank_clears_only_what_that_rank_displayed(clean_kernel):

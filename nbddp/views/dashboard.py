@@ -310,8 +310,9 @@ def _signal_name(signum: int) -> str:
 
 def _publish_line(line: str, flush: bool) -> None:
     """A one-line static summary, straight onto the kernel's iopub socket: IPython's display machinery
-    costs ~0.8 ms a call, this ~0.15 ms (measured). The cell's text, when there is any, goes first (a
-    flush waits for ipykernel's IO thread: ~0.1 ms a stream)."""
+    costs ~0.8 ms a call; this hands the message to ipykernel's IO thread, which makes and sends it
+    (0.13-0.17 ms less on a pool cell than making it here, measured interleaved). The cell's text, when
+    there is any, goes first (a flush waits for ipykernel's IO thread: ~0.1 ms a stream)."""
     data = {"text/plain": line, "text/html": f"<div style='color:#888;font-size:smaller'>{html.escape(line)}</div>"}
     pub = getattr(running_shell(), "display_pub", None)
     session, socket = getattr(pub, "session", None), getattr(pub, "pub_socket", None)
@@ -323,8 +324,19 @@ def _publish_line(line: str, flush: bool) -> None:
     if flush:
         sys.stdout.flush()
         sys.stderr.flush()
-    session.send(socket, "display_data", {"data": data, "metadata": {}, "transient": {}},
-                 parent=pub.parent_header, ident=pub.topic)
+    content, parent, ident = {"data": data, "metadata": {}, "transient": {}}, pub.parent_header, pub.topic
+    io_thread = getattr(socket, "io_thread", None)
+    if callable(getattr(io_thread, "schedule", None)) and hasattr(io_thread, "socket"):
+        # made and sent on ipykernel's IO thread (straight onto its socket: in order with what is queued
+        # there, the cell's Out[] after it), as ipykernel's own stream output is: off the cell's path
+        def send():
+            if io_thread.socket is not None:  # (None once the kernel is shutting down)
+                session.send(io_thread.socket, "display_data", content, parent=parent, ident=ident)
+
+        io_thread.schedule(send)
+    else:
+        session.send(socket, "display_data", content, parent=parent, ident=ident)
+
 
 
 class _Display:
