@@ -81,6 +81,16 @@ def test_cells_keep_state_all_reduce_spans_nodes_and_output_keeps_each_ranks_ord
     assert re.search(r"^1\s+-\s+cpu node 1 \(\S+\)\s+idle", status, re.MULTILINE), status
 
 
+def test_a_large_answer_and_much_output_from_the_other_node_arrive_whole(pool):
+    k, _ = pool  # a cell's answer over Ray's inline limit (100 KB) comes back through Ray's object store
+    res = k.ok("%%ddp --gather blob --max-lines 30000\nfor i in range(20000):\n    print(f'{rank} line {i}')\n"
+               "blob = bytes(2_000_000 + rank)\n", timeout=120)
+    assert k.value("[len(b) for b in blob]") == [2_000_000, 2_000_001]
+    for rank in (0, 1):
+        assert [int(line.split()[-1]) for line in res.stdout.splitlines() if line.startswith(f"[rank{rank}]:")] \
+            == list(range(20000)), f"rank {rank}'s lines, whole and in order"
+
+
 def test_a_notebook_name_reaches_the_other_node_and_a_rebound_one_is_sent_again(pool):
     k, _ = pool
     k.ok("lr = 0.5\ndef scaled(x):\n    return x * lr\n")  # new since the pool started
@@ -211,6 +221,22 @@ def test_who_diff_and_restart_on_a_pool_across_nodes(pool):
     assert k.value("node") == [("0", 2.0, False), ("1", 2.0, False)], "a fresh pool across the same nodes"
 
 
+def test_a_later_pool_uses_the_agents_kept_from_the_last_one(rk):
+    def parents():  # each other node's rank's agent
+        rk.ok("%%ddp --gather pid\npid = os.getpid()\n")
+        return [psutil.Process(pid).parent().pid for pid in rk.value("pid")[1:]]
+
+    rk.ok("%ddp start --cluster ray --nodes 3 --devices 1", timeout=120)  # every raylet: the same ones next time
+    try:
+        first = parents()
+        rk.ok("%ddp stop", timeout=60)
+        assert all(ranks_alive([a]) and not psutil.Process(a).children() for a in first), "kept, idle"
+        rk.ok("%ddp start --cluster ray --nodes 3 --devices 1", timeout=120)
+        assert sorted(parents()) == sorted(first), "the later pool's ranks were forked by the kept agents"
+    finally:
+        rk.run("%ddp stop", timeout=60)
+
+
 def test_timeout_brings_the_other_nodes_stack_back_and_the_pool_lives(pool):
     k, _ = pool
     res = k.run("%%ddp --timeout 2\nimport time\ndef wait_here():\n    while True:\n        time.sleep(0.01)\n"
@@ -259,7 +285,7 @@ def test_a_killed_rank_ends_the_pool_naming_rank_and_node(pool, victim):
     assert re.search(rf"ended: rank {victim} on node {victim} .* exited \(killed by SIGKILL", status), status
 
 
-def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_agent_nor_group(rk):
+def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_rank_nor_group(rk):
     rk.ok("import signal\nfrom nbddp.cluster import relaystore\n_wait, _close = ray.wait, relaystore.LocalStores.close\n"
           "def interrupted(f):\n    def call(*a, **k):\n        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, now\n"
           "        return f(*a, **k)\n    return call\n")
@@ -279,13 +305,14 @@ def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_
         rk.run("%ddp stop", timeout=60)
     finally:
         rk.ok("relaystore.LocalStores.close = _close")
-    assert not wait_gone([*pids, agent]), "a rank or the agent outlived the interrupted teardown"
+    assert not wait_gone(pids), "a rank outlived the interrupted teardown"
+    assert not ranks_alive([agent]) or not psutil.Process(agent).children(), "the agent kept a rank"
     assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "the placement group outlived the interrupted teardown"
 
 
-def test_stop_and_a_failed_start_leave_no_agent_actor_group_or_process(rk, runs_dir):
+def test_stop_and_a_failed_start_leave_no_rank_nor_group_the_agents_kept_idle_until_released(rk, runs_dir):
     rk.ok("from nbddp.cluster import placement\n_agents, made = placement.agents, []\n"
-          "def recorded(*a, **k):  # each agent and its process, as the pool made them\n"
+          "def recorded(*a, **k):  # each agent and its process, as the pool found or made them\n"
           "    actors = _agents(*a, **k)\n"
           "    made.extend((x, ray.get(x.where.remote(), timeout=60)['pid']) for x in actors)\n"
           "    return actors\n"
@@ -297,6 +324,9 @@ def test_stop_and_a_failed_start_leave_no_agent_actor_group_or_process(rk, runs_
         rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
         rk.ok("%%ddp\nprint('up')\n")
         rk.ok("%ddp stop", timeout=60)
+        kept = rk.value("made[0][1]")
+        assert ranks_alive([kept]) and not psutil.Process(kept).children(), "the agent is kept, idle, rankless"
+        assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "a placement group outlived its pool"
         rk.ok("os.environ['NBDDP_IFNAME'] = 'nbddp-none0'")  # no such interface: gloo fails, the start fails
         res = rk.run("%ddp start --cluster ray --nodes 2 --devices 1", timeout=180)
         assert "Unable to find address for: nbddp-none0" in res.error_text, res.error_text
@@ -304,9 +334,11 @@ def test_stop_and_a_failed_start_leave_no_agent_actor_group_or_process(rk, runs_
         rk.ok("placement.agents = _agents\nos.environ.pop('NBDDP_IFNAME', None)")
     pids = rk.value("[pid for _, pid in made]")
     assert len(pids) == 2, pids
-    assert not wait_gone(pids), "an agent's process outlived its pool"
-    assert rk.value("agents_alive()") == 0, "an Agent actor outlived its pool"
+    assert all(not psutil.Process(p).children() for p in ranks_alive(pids)), "an agent kept a rank"
     assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "a placement group outlived its pool"
+    assert rk.value("placement.release_agents()") >= 1
+    assert not wait_gone(pids), "a released agent's process lives on"
+    assert rk.value("agents_alive()") == 0, "a released Agent actor lives on"
     agents_runs = [d for d in runs_dir.iterdir() if (d / "rank1.log").exists() and not (d / "rank0.log").exists()]
     assert agents_runs, "the agents' run directories go where NBDDP_RUNS_DIR says (the raylets inherit it)"
 
@@ -412,7 +444,9 @@ def test_kernel_death_leaves_no_rank_on_any_node(cluster, runs_dir):
         k.ok("%%ddp --gather pid\npid = os.getpid()\n")
         pids = k.value("pid")
         assert len(ranks_alive(pids)) == 2
+        agent = psutil.Process(pids[1]).parent().pid  # kept between pools, but not beyond its kernel
         os.kill(k.pid, signal.SIGKILL)
         assert not wait_gone(pids, 30), "a rank outlived the kernel"
+        assert not wait_gone([agent], 30), "the agent outlived the kernel"
     finally:
         k.shutdown()

@@ -31,6 +31,7 @@ from ..wire import framing, messages, values
 from . import placement, relaystore, remote
 
 START_S = 120.0  # every agent must have forked its ranks by then
+KEEP_S = 2.0  # how long the close waits for a kept agent's stream to end (its ranks have exited)
 
 
 class ClusterGang(Gang):
@@ -54,6 +55,7 @@ class ClusterGang(Gang):
         self.pg = self.ray = None
         self.actors: list = []
         self.closed = False
+        self.reported: set[int] = set()  # the other nodes' ranks whose end their agent reported (close)
 
     def node_of(self, rank: int) -> str:
         return self.node_names.get(rank, "")
@@ -84,7 +86,8 @@ class ClusterGang(Gang):
         run_id, port = self.run_dir.run_id, rendezvous.free_port()
         specs = [self._spec(r, nodes, run_id, port) for r in range(self.world_size)]
         wheres = [a.where.remote() for a in self.actors]
-        streams = [a.events.options(num_returns="streaming").remote(specs[n.index * D:(n.index + 1) * D], user_if)
+        streams = [a.events.options(num_returns="streaming").remote(run_id, specs[n.index * D:(n.index + 1) * D],
+                                                                   user_if)
                    for a, n in zip(self.actors, nodes[1:])]  # each begins with its ranks' pids
         for r in range(D):
             self.node_names[r] = nodes[0].label
@@ -111,7 +114,7 @@ class ClusterGang(Gang):
             raise UsageError(placement.no_interface(n.ip, f"node {n.label}"))
         for actor, n, pids, gen in zip(self.actors, nodes[1:], pids_per_node, streams):
             ranks = sorted(pids)
-            link = remote.Link(actor, n.label, ranks)
+            link = remote.Link(actor, n.label, ranks, run_id)
             self.links.append(link)
             for r in ranks:
                 self.node_names[r] = n.label
@@ -193,7 +196,6 @@ class ClusterGang(Gang):
         other node's rank that has not had them, and a cell's ranks left out (``--ranks``) get them in
         an ``Update`` of their own: each remote rank gets them once, whichever ranks run the cell."""
         wanted = set(range(self.world_size) if ranks is None else ranks)
-        super().command(cmd, ranks=[r for r in sorted(wanted) if r in self._cmd])
         carries = isinstance(cmd, (messages.RunCell, messages.Update))
         if carries:
             self.unsent -= set(cmd.updates)
@@ -210,7 +212,10 @@ class ClusterGang(Gang):
                 if kind != "plain":
                     out = dataclasses.replace(out, updates={**self.extra, **out.updates})
                     self.given.update(mine)
-                link.control("command", framing.encode(out), mine)
+                link.control("command", framing.encode(out), mine,
+                             answer=isinstance(cmd, messages.RunCell) and kind != "update")
+        # the kernel's node's ranks after: the other nodes' are the farther, their command goes first
+        super().command(cmd, ranks=[r for r in sorted(wanted) if r in self._cmd])
         if isinstance(cmd, messages.RunCell):  # every remote rank has had them now
             self.extra, self.given = {}, set()
 
@@ -243,6 +248,7 @@ class ClusterGang(Gang):
                               wake_at=end)
             except KeyboardInterrupt:
                 pass
+        self.reported = {p.rank for p in theirs if p.exit is not None and p.exit.code is not None}  # (a lost one's: None)
         for link in self.links:
             link.lost = link.lost or "closed"
         for p in theirs:
@@ -250,14 +256,19 @@ class ClusterGang(Gang):
                 self.streams._exited(p, remote.lost_exit(p.rank, f"node {p.node} did not report its end"))
 
     def _release(self) -> None:
-        """The agents killed first (their ranks die with them), the placement group removed, then the
-        threads' descriptors closed once the threads have ended."""
+        """The agents killed first (their ranks die with them), but for the ones kept for the next pool
+        (placement.agents) whose ranks all reported their end and whose stream ended after its last batch;
+        the placement group removed, then the threads' descriptors closed once the threads have ended."""
+        keep = []
+        if self.streams is not None:
+            keep = [link for link in self.links if placement.is_kept(link.actor) and set(link.ranks) <= self.reported]
+            if keep:
+                self.streams.join(KEEP_S)  # their streams end right after their ranks' exits
+            keep = [link.actor for link in keep if link.clean]
         if self.ray is not None:
             for actor in self.actors:
-                try:
-                    self.ray.kill(actor)
-                except Exception:  # noqa: BLE001, S110 - already gone
-                    pass
+                if not any(actor is a for a in keep):
+                    placement.forget(actor, self.ray)
         if self.pg is not None:
             placement.release(self.pg)
         self.actors, self.pg = [], None

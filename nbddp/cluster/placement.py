@@ -5,7 +5,8 @@
 forked ranks must reach the kernel's node directly (gloo, NCCL) and the client proxies only Ray calls.
 ``reserve``: one placement-group bundle per node (``STRICT_SPREAD``: N distinct nodes), the first pinned
 to the kernel's node; a bundle holds the node's ranks' devices (D GPUs, or D CPUs for CPU ranks), so Ray's
-accounting sees them. ``agents``: one agent actor (agent.py) in each other node's bundle.
+accounting sees them. ``agents``: one agent actor (agent.py) per other node: a CPU pool's kept for the
+kernel's next pool there, a GPU pool's in its node's bundle.
 """
 from __future__ import annotations
 
@@ -133,16 +134,80 @@ def _resources(n: dict) -> str:
     return ", ".join(f"{k} {r[k]:g}" for k in ("CPU", "GPU") if k in r) or "no CPU or GPU"
 
 
+KEPT: dict[tuple[str, str], object] = {}  # (Ray job, node id) -> the agent kept there between this kernel's pools
+
+
 def agents(ray, pg, nodes: list, per_node: int, accelerator: str) -> list:
-    """One agent actor in each other node's bundle (owned by the kernel: Ray ends them if the kernel dies)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    """One agent actor per other node (owned by the kernel: Ray ends them if the kernel dies).
+
+    A CPU pool's agent is kept between the kernel's pools (``KEPT``; placed on its node, holding none of
+    the bundle's resources, which stay reserved by the group for the ranks): the next pool on that node
+    finds it with torch imported, and starts in a fraction of a second instead of a Ray worker's start plus
+    torch's import. A GPU pool's agent sits in its bundle (Ray gives it the bundle's GPUs, its ranks' devices)
+    and ends with its pool."""
+    from ray.util.scheduling_strategies import (
+        NodeAffinitySchedulingStrategy,
+        PlacementGroupSchedulingStrategy,
+    )
 
     from .agent import Agent
 
     actor = ray.remote(Agent)
-    res = {"num_gpus": per_node, "num_cpus": 0} if accelerator == "cuda" else {"num_cpus": per_node}
-    return [actor.options(**res, max_concurrency=8, max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=n.index)).remote(n.index) for n in nodes[1:]]
+    if accelerator == "cuda":
+        return [actor.options(num_gpus=per_node, num_cpus=0, max_concurrency=8, max_restarts=0,
+                              scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                  pg, placement_group_bundle_index=n.index)).remote() for n in nodes[1:]]
+    job = ray.get_runtime_context().get_job_id()
+    for key in [k for k in KEPT if k[0] != job]:  # another Ray connection's: gone with it
+        del KEPT[key]
+    kept = {n.node_id: KEPT[job, n.node_id] for n in nodes[1:] if (job, n.node_id) in KEPT}
+    for node_id, dead in _dead(ray, kept).items():  # ended between pools (its node lost, killed)
+        forget(dead)
+        del kept[node_id]
+    for n in nodes[1:]:
+        if n.node_id not in kept:
+            kept[n.node_id] = KEPT[job, n.node_id] = actor.options(
+                num_cpus=0, max_concurrency=8, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote()
+    return [kept[n.node_id] for n in nodes[1:]]
+
+
+def _dead(ray, kept: dict) -> dict:
+    """The kept agents that no longer answer (node id -> agent): one call each, answered in ~1 ms."""
+    refs = {node_id: a.where.remote() for node_id, a in kept.items()}
+    dead = {}
+    for node_id, ref in refs.items():
+        try:
+            ray.get(ref, timeout=READY_S)
+        except Exception:  # noqa: BLE001 - RayActorError, GetTimeoutError: start a fresh one
+            dead[node_id] = kept[node_id]
+    return dead
+
+
+def is_kept(actor) -> bool:
+    return any(a is actor for a in KEPT.values())
+
+
+def forget(actor, ray=None) -> None:
+    """``actor`` no longer kept (killed too, when ``ray`` is given)."""
+    for key in [k for k, a in KEPT.items() if a is actor]:
+        del KEPT[key]
+    if ray is not None:
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001, S110 - already gone
+            pass
+
+
+def release_agents() -> int:
+    """End the agents this kernel keeps between pools (each holds a Ray worker with torch imported on its
+    node); the next pool starts fresh ones. How many there were."""
+    import ray
+
+    kept = list(KEPT.values())
+    for actor in kept:
+        forget(actor, ray)
+    return len(kept)
 
 
 def ifname_for(ip: str) -> str | None:
