@@ -41,3 +41,17 @@ def test_run_directories_and_logs_are_private(clean_kernel, runs_dir):
         assert stat.S_IMODE(os.stat(run).st_mode) == 0o700
         for f in run.iterdir():
             assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+
+
+def test_forked_ranks_meet_on_the_kernels_store_over_pipes(clean_kernel, runs_dir):
+    """No store file and no store port: the group's keys (its own, and a new_group's) go to the kernel's
+    store over each rank's pipes, which answers a wait when the key is set (a FileStore polls every 10 ms)."""
+    res = clean_kernel.ok("%%ddp --devices 2\nimport torch, torch.distributed as dist\n"
+                          "sub = dist.new_group([0, 1])\nt = torch.ones(1)\ndist.all_reduce(t, group=sub)\n"
+                          "store = dist.distributed_c10d._get_default_store()\n"
+                          "print('STORE', type(getattr(store, 'underlying_store', store)).__name__, t.item())\n")
+    for r in (0, 1):
+        assert f"[rank{r}]:STORE PipeStore 2.0" in res.stdout or "[rank0-1]:STORE PipeStore 2.0" in res.stdout, \
+            res.stdout
+    stores = [f for run in runs_dir.iterdir() for f in run.iterdir() if f.name.startswith("store")]
+    assert all(f.stat().st_size == 0 for f in stores), stores  # (spawned ranks' FileStore: unused here)

@@ -35,6 +35,7 @@ class Gang:
         self.why: str | None = None  # how it ended, once closed ("stopped", "rank 1 exited: ...")
         self._cmd: dict[int, int] = {}
         self._starter = None
+        self.local = None  # forked ranks: the kernel's store and the thread serving their store pipes
 
     def lifelong(self) -> list:
         """The subscribers every cell's bus starts with."""
@@ -58,13 +59,21 @@ class Gang:
         self._starter = (starters.ForkStarter if self.config.start_method == "fork"
                          else starters.SpawnStarter)(self.run_dir)
         self.started = True
+        prepare = None
+        if self.config.start_method == "fork":  # the process group meets on the kernel's store, over pipes
+            from ..cluster import relaystore
+
+            self.local = relaystore.LocalStores(relaystore.Store())
+            prepare = starters.store_pipes(self.local)
         try:
             checks.before_fork(self.config)
             starters.fork_ranks(self.sup, self._starter, job_for(pipes), self.config, self.plan, self.run_dir,
-                                deadline)
+                                deadline, prepare)
         finally:
             for read, _ in pipes.values():
                 os.close(read)
+            if self.local is not None:
+                self.local.start()
 
     def node_of(self, rank: int) -> str:
         """The node a rank runs on, as failures name it: none on one machine (a cluster pool's gang says)."""
@@ -115,6 +124,8 @@ class Gang:
             except OSError:
                 pass
         self._cmd = {}
+        if self.local is not None:
+            self.local.close()  # (once: a cluster gang closes it too)
         self.logs.close()
         self.run_dir.release_store()
         if self._starter is not None:

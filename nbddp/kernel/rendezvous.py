@@ -1,8 +1,9 @@
-"""Where ranks meet: a private run directory, a FileStore in it, and the torchrun environment.
+"""Where ranks meet: a private run directory, the torchrun environment, the loopback interface.
 
-On one machine nbddp needs no port at all: ranks rendezvous through a FileStore in a 0700 directory
-under the user's cache, and gloo/NCCL are pinned to the loopback interface, so nothing of a run
-listens on a non-loopback address and no rerun ever meets "address already in use".
+On one machine nbddp needs no port at all: forked ranks rendezvous on the kernel's store over pipes
+(starters.store_pipes), spawned ones through a FileStore in a 0700 directory under the user's cache,
+and gloo/NCCL are pinned to the loopback interface, so nothing of a run listens on a non-loopback
+address and no rerun ever meets "address already in use".
 """
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ def torchrun_env(
         "ROLE_WORLD_SIZE": str(world_size),
         "ROLE_NAME": "default",
         "MASTER_ADDR": "127.0.0.1",
-        # No store listens here (ranks use a FileStore); a free loopback port keeps code that reads
+        # No store listens here (ranks use the kernel's, or a FileStore); a free loopback port keeps code that reads
         # MASTER_PORT working without ever colliding with a previous run.
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RUN_ID": run_id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _signal
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -32,7 +33,7 @@ def _life_pipe() -> tuple[int, int] | tuple[None, None]:
 
 
 def fork_ranks(sup: Supervisor, starter, job, config, plan: devices.Plan, run_dir,
-               deadline: float | None = None) -> None:
+               deadline: float | None = None, prepare=None) -> None:
     """One rank per device, registered with the supervisor as soon as it exists. Past ``deadline``
     (--timeout) no more are forked: hundreds of CPU ranks on a few cores can take minutes to fork."""
     ifname = rendezvous.loopback_ifname()
@@ -52,7 +53,33 @@ def fork_ranks(sup: Supervisor, starter, job, config, plan: devices.Plan, run_di
         )
         for rank, dev in enumerate(plan.device_ids)
     ]
-    fork_specs(sup, starter, job, specs, deadline)
+    fork_specs(sup, starter, job, specs, deadline, prepare)
+
+
+def store_pipes(local, env=None, forked=None):
+    """A ``prepare`` for fork_specs: each forked rank reaches the kernel's store over two pipes of its own
+    (rank/pipestore.py), served by ``local`` (relaystore.LocalStores, a kernel thread), instead of a
+    FileStore, whose waits poll every 10 ms: a rendezvous that answers as soon as the key is set. No rank
+    inherits another's pipes. ``env(spec)``: the rank's environment, if it differs from the spec's;
+    ``forked(proc)``: called with each forked rank."""
+    ours = []  # the kernel's ends of the ranks' store pipes
+
+    def prepare(spec):
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+
+        def on_fork(proc):
+            os.close(req_w)
+            os.close(rep_r)
+            ours.extend((req_r, rep_w))
+            local.add(req_r, rep_w)
+            if forked is not None:
+                forked(proc)
+
+        spec = dataclasses.replace(spec, store_fds=(req_w, rep_r), env=env(spec) if env else spec.env)
+        return spec, [*ours, req_r, rep_w, local.wake_r, local.wake_w], on_fork
+
+    return prepare
 
 
 def fork_specs(sup: Supervisor, starter, job, specs, deadline: float | None = None, prepare=None) -> None:

@@ -1,9 +1,10 @@
-"""In a rank of a cluster pool: the process group's store, reached over two pipes instead of a port.
+"""In a forked rank: the process group's store, reached over two pipes instead of a port.
 
-A pool across nodes (``%ddp start --cluster ray``) cannot meet through a FileStore (the nodes share no
-disk) and opens no store port: each rank gets a request pipe and a reply pipe, and every store operation
-is one framed request answered by the kernel's store (nbddp/cluster/relaystore.py), directly for the
-kernel's own ranks and through the node's agent over Ray for the others. ``PipeStore`` is a
+Each forked rank gets a request pipe and a reply pipe, and every store operation is one framed request
+answered by the kernel's store (nbddp/cluster/relaystore.py, served by a kernel thread): it answers a
+wait as soon as the key is set, where a FileStore polls every 10 ms. A pool across nodes (``%ddp start
+--cluster ray``) cannot meet through a FileStore anyway (the nodes share no disk) and opens no store
+port: its other nodes' ranks reach the same store through their agent over Ray. ``PipeStore`` is a
 ``torch.distributed.Store`` written in Python, so gloo and NCCL bootstrap through it as through any store.
 
 Requests carry an id; a reply to a request that timed out here is dropped when it arrives late.
@@ -26,13 +27,13 @@ _kept: list = []  # the store object must outlive every group made on it (torch 
 
 
 def connect(request_fd: int, reply_fd: int, timeout_s: float):
-    store = _store_class()(request_fd, reply_fd, timeout_s)
+    store = store_class()(request_fd, reply_fd, timeout_s)
     _kept.append(store)
     return store
 
 
 @functools.lru_cache(maxsize=1)
-def _store_class():
+def store_class():
     import torch.distributed as dist
 
     class PipeStore(dist.Store):

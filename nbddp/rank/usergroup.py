@@ -9,7 +9,7 @@ nbddp's group when it asks for the same group (any ``init_method``, ``backend`` 
 ``rank``/``world_size`` -1 or this rank's). A second call by the user fails exactly as under torchrun.
 ``destroy_process_group()`` really destroys the group: what follows sees none, as under torchrun, and
 nbddp's teardown then leaves it alone (``group_alive()``). A later ``init_process_group`` builds a
-fresh group on nbddp's FileStore (a new key prefix per generation, so old keys never collide).
+fresh group on nbddp's store (a new key prefix per generation, so old keys never collide).
 
 A destroyed group's object is kept (``kept``) until the rank is idle (``release_destroyed``, before a
 pool's next command; a one-shot rank exits without freeing it). Freed at once, it can deadlock: torch's
@@ -36,7 +36,7 @@ def install(group_sockets=frozenset()) -> None:
     if _state:
         return
     _state.update(
-        store=c10d._get_default_store(),  # also keeps the FileStore (and its file) alive after a destroy
+        store=c10d._get_default_store(),  # also keeps nbddp's store alive after a destroy
         backend=str(dist.get_backend()),
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

@@ -39,7 +39,7 @@ class RankSpec:
     env: dict = field(default_factory=dict)
     seed: int | None = None
     pg_timeout_s: float = 1800.0
-    store_fds: tuple | None = None  # a cluster pool's rank: (request, reply) pipes to the kernel's store
+    store_fds: tuple | None = None  # a forked rank's (request, reply) pipes to the kernel's store (spawn: FileStore)
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class RankContext:
 # What every rank imports: imported once in the kernel by %load_ext (``warm_start``), so a fork shares
 # them and no rank pays seconds of ``import torch`` per cell. None of them touches CUDA.
 RANK_IMPORTS = ("torch", "torch.distributed", "torch.multiprocessing", "nbddp.rank.usergroup", "nbddp.rank.launchers",
-                "nbddp.rank.server", "nbddp.rank.libstate")
+                "nbddp.rank.server", "nbddp.rank.libstate", "nbddp.rank.pipestore")
 
 
 def warm_start(outside_shell: bool = False) -> None:
@@ -70,6 +70,9 @@ def warm_start(outside_shell: bool = False) -> None:
 
     for name in RANK_IMPORTS + (SHELL_IMPORTS if outside_shell else ()):
         importlib.import_module(name)
+    from .pipestore import store_class
+
+    store_class()  # the process group's store class (a torch.distributed.Store in Python), made once here
 
 
 def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, close_fds) -> None:
