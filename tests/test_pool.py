@@ -310,3 +310,28 @@ def test_a_notebook_function_brings_the_modules_it_imported_to_the_ranks(pool):
     res = k.ok("%%ddp --gather h\nh = hue()\n")
     assert k.value("h") == [0.0, 0.0], res.error_text
     assert "colorsys" not in res.stderr and "sent hue (function" in res.stderr, res.stderr
+
+
+def test_the_names_a_cell_bound_are_found_against_the_ranks_idle_snapshot():
+    """server._Bindings: rebound, new, deleted and re-added names, against a snapshot taken between commands."""
+    from nbddp.rank.server import _Bindings
+
+    ns = {"a": 1.5, "b": None, "c": None, "d": [1]}
+    bound = _Bindings(ns)
+    bound.snapshot()
+    bound.before_cell({})
+    assert bound.since() == []
+    ns["a"] = 2.5  # rebound
+    ns["e"] = object()  # new
+    assert bound.since() == ["a", "e"]
+    bound.snapshot()
+    del ns["b"]  # deleted: the values after it move up (c is None too, as b was)
+    ns["f"] = None
+    assert bound.since() == ["f"]
+    bound.snapshot()
+    del ns["c"]
+    ns["c"] = None  # deleted and bound again (to the same object): now last
+    assert bound.since() == []
+    ns["d"] = [2]
+    bound.before_cell({"d": b""})  # the notebook's value, brought by the command: not the cell's binding
+    assert bound.since() == []
