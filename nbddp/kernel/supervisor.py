@@ -132,7 +132,10 @@ class RankProc:
                 pass
 
     def fd_of(self, stream: str) -> int | None:
-        return next((fd for fd, s in self.fds.items() if s == stream), None)
+        for fd, kind in self.fds.items():
+            if kind == stream:
+                return fd
+        return None
 
 
 class Supervisor:
@@ -256,9 +259,10 @@ class Supervisor:
         """Publish what is held of ``stream``, up to byte ``mark`` of the rank's writes (None: all)."""
         held = proc.held[stream]
         if mark is not None:
-            fd = proc.fd_of(stream)
-            while fd is not None and proc.published[stream] + len(held) < mark and (data := _read(fd)):
-                held += data  # flushed before the record was sent: it is in the pipe
+            if proc.published[stream] + len(held) < mark:  # (a quiet rank's marks are all reached: no read)
+                fd = proc.fd_of(stream)
+                while fd is not None and proc.published[stream] + len(held) < mark and (data := _read(fd)):
+                    held += data  # flushed before the record was sent: it is in the pipe
             n = max(0, min(len(held), mark - proc.published[stream]))
         else:
             n = len(held)
