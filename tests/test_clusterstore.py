@@ -4,7 +4,6 @@ import os
 import pickle
 import select
 import threading
-import time
 
 import pytest
 
@@ -172,88 +171,19 @@ def test_a_cluster_pools_dashboard_samples_only_this_machines_gpus(tmp_path, mon
         gang.close()
 
 
-def _streams_seeing(seen: list):
-    class Relay:
-        def on_Output(self, event):
-            seen.append(event.data)
+def test_an_agent_applies_its_pools_calls_in_order_and_ignores_the_last_pools():
+    from nbddp.cluster.agent import Agent
 
-    sup = Supervisor(Bus([Relay()]))
-    streams = remote.Streams(sup, relaystore.Store())
-    streams.procs[1] = remote.RemoteProc(1, 4242, -1, here=False)
-    return sup, streams
-
-
-def test_batches_from_the_stream_and_from_the_calls_answers_are_published_in_the_agents_order():
-    seen = []
-    sup, streams = _streams_seeing(seen)
-    link = remote.Link(None, "1 (host, ray 0)", [1])
-    try:
-        out = [Output(1, "stdout", bytes([c])) for c in b"abcd"]
-        streams._batch(link, 1, [out[1]])  # a call's answer overtook batch 0, still on the stream
-        streams._batch(link, 2, [out[2]])
-        streams.deliver()
-        assert seen == [], "published before the batch before it"
-        streams._batch(link, 0, [out[0]])
-        streams._ended(link, 4, None)  # the stream's last item: 4 batches in all, batch 3 (an answer) not here yet
-        streams.deliver()
-        assert seen == [b"a", b"b", b"c"] and not link.finished, "the end before the last batch"
-        streams._answer(link, pickle.dumps((3, [out[3]])))
-        streams.deliver()
-        assert seen == [b"a", b"b", b"c", b"d"] and link.finished and link.clean
-        streams._batch(link, 4, [Output(1, "stdout", b"late")])  # after the end: dropped
-        streams.deliver()
-        assert seen[-1] == b"d"
-    finally:
-        streams.close()
-        sup.close()
-
-
-def test_a_stream_that_breaks_off_publishes_what_came_in_order_and_ends_its_node():
-    seen = []
-    sup, streams = _streams_seeing(seen)
-    link = remote.Link(None, "1 (host, ray 0)", [1])
-    try:
-        streams._batch(link, 2, [Output(1, "stdout", b"c")])
-        streams._batch(link, 0, [Output(1, "stdout", b"a")])
-        streams._ended(link, None, "ActorDiedError: gone")  # batch 1 never comes
-        streams.deliver()
-        assert seen == [b"a", b"c"] and link.finished and not link.clean
-        assert link.lost == "ActorDiedError: gone"
-        assert streams.procs[1].exit is not None and "lost (ranks 1): ActorDiedError" in streams.procs[1].exit.error.message
-    finally:
-        streams.close()
-        sup.close()
-
-
-def test_a_cells_command_brings_back_its_ranks_answers_and_the_stream_waits_for_it_but_not_for_the_store():
-    from nbddp.cluster.agent import ANSWER_S, Agent
-    from nbddp.kernel.supervisor import Message
-    from nbddp.wire import messages
-
-    agent = Agent()
+    agent = Agent()  # (kept between pools: each pool's calls carry its id)
     agent._reset("pool-1")
-    agent._command = lambda frame, ranks: None  # (no rank here: the command goes nowhere)
-    result = Message(1, messages.Result())
-    call = pickle.dumps(("pool-1", 1, "command", (b"frame", [1]), True))
+    written = []
+    agent._command = lambda frame, ranks: written.append(frame)
 
-    def answer_later():
-        agent.on_Output(Output(1, "stdout", b"before"))
-        assert not agent._due(), "the stream took what the waiting command brings back"
-        agent._queue(("store", 1, (1, "get", ("k",))), store=True)
-        assert agent._due(), "a store request waited for a cell's answer"
-        assert agent._take() is not None
-        agent.on_Message(result)
+    def call(pool, seq, frame):
+        agent.control(pickle.dumps((pool, seq, "command", (frame, [1]))))
 
-    timer = threading.Timer(0.05, answer_later)
-    timer.start()
-    got = agent.control(call)
-    timer.join()
-    assert got is not None, "the answer was left to the stream"
-    n, batch = pickle.loads(got)
-    assert n == 1 and batch == [result], "batch 0 was the store request (with the output before it)"
-    assert agent.waiting == 0 and not agent._due()
-    # an answer that takes longer is left to the stream, and a call of another pool is ignored
-    t0 = time.monotonic()
-    assert agent.control(pickle.dumps(("pool-1", 2, "command", (b"frame", [1]), True))) is None
-    assert time.monotonic() - t0 >= ANSWER_S * 0.9 and agent.waiting == 0
-    assert agent.control(pickle.dumps(("pool-0", 3, "no_such_op", (), False))) is None and agent.applied == 2
+    call("pool-1", 2, b"second")  # came before the first: waits for it
+    call("pool-0", 1, b"stale")  # the last pool's, late: ignored
+    assert written == []
+    call("pool-1", 1, b"first")
+    assert written == [b"first", b"second"]

@@ -13,17 +13,11 @@ sequence number and are applied in that order, whatever order Ray's threads deli
 at once on the calling thread; a signal on the supervisor's thread (woken through a pipe), the one that
 reaps, so a rank already reaped (its pid maybe reused) is never signalled.
 
-A cell's command waits (up to ``ANSWER_S``) for its ranks' answers and returns them itself: the call's
-reply comes back sooner than a streamed item (one Ray hop instead of a call plus the stream's report),
-and a trivial cell is answered on it. Every batch taken from the queue, by the stream or by such a call,
-is numbered, and the kernel puts them back in that order, so each rank's events stay in order.
-
 An agent outlives its pool when the kernel keeps it (CPU pools, placement.agents): ``events`` begins each
 pool afresh, and a call of a pool it no longer serves is ignored.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import pickle
@@ -37,12 +31,7 @@ from ..kernel.logs import RankLogs
 from ..kernel.starters import ForkStarter
 from ..kernel.supervisor import Bus, Supervisor
 from ..rank.server import Server
-from ..wire import messages
 from ..wire.framing import Reader, write_all
-
-ANSWER_S = 0.25  # how long a cell's command waits for its ranks' answers before leaving them to the stream
-HOLD_MAX = 64  # events the stream holds back for a waiting command at most (output flows; answers stay small)
-ANSWERS = (messages.Result, messages.Error, messages.Exit)  # a rank's answer to a cell
 
 
 class Agent:
@@ -52,7 +41,6 @@ class Agent:
         warm_start(outside_shell=True)  # what ranks import (torch...), once here while the kernel forks its own:
         # shared by the forks, the IPython shell they make for displays included
         self.order = threading.Lock()  # the kernel's calls, applied one at a time in sequence order
-        self.cv = threading.Condition()  # the queue, its batch count and the answers seen
         self.signals: queue.SimpleQueue = queue.SimpleQueue()  # (rank, signal, group) for the supervisor's thread
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)  # a full pipe is a wake already due: control() never blocks on it
@@ -61,12 +49,7 @@ class Agent:
     def _reset(self, pool) -> None:
         """A pool's state, afresh (``pool``: the kernel's id for it, carried by each of its calls)."""
         self.pool = pool
-        self.queue: list = []  # events not yet taken for the kernel
-        self.batches = 0  # batches taken: the kernel orders the stream's and the calls' by this number
-        self.store_queued = False  # a store request waits in the queue: the stream takes it at once
-        self.answers: collections.Counter = collections.Counter()  # rank -> answers (or its exit) queued
-        self.waiting = 0  # cells' commands waiting for answers: meanwhile the stream leaves the queue to them
-        self.expect: dict[int, tuple] = {}  # seq -> (ranks, their answers before it): what its call waits for
+        self.queue: list = []  # events not yet streamed to the kernel
         self.controls: dict[int, tuple] = {}  # seq -> (op, args): applied in sequence order
         self.applied = 0
         self.sup: Supervisor | None = None
@@ -90,10 +73,9 @@ class Agent:
     def events(self, pool: str, specs: list, ifname: str | None):
         """The stream the kernel reads for pool ``pool``: forks the node's ranks (``specs``: a worker.RankSpec
         each) and supervises them on this thread until every one has exited; yields rank -> pid first, then
-        numbered batches of events, (n, [event, ...]), each pickled, and last ("end", batches taken)."""
-        with self.order, self.cv:
+        lists of events, each pickled, in order."""
+        with self.order:
             self._reset(pool)
-            self.cv.notify_all()  # a call of the last pool still waiting gives up
         run_dir = rendezvous.new_run_dir()
         logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
         self.sup = sup = Supervisor(Bus([logs, self]))
@@ -103,10 +85,10 @@ class Agent:
             ifname = ifname or self.where()["ifname"]  # (none: the kernel refuses the pool)
             yield pickle.dumps(self._fork_all(specs, run_dir, ifname, done))
             while sup.live() or self.queue:
-                sup.wait(None, until=self._due)
-                if (batch := self._take()) is not None:
-                    yield batch  # bytes: Ray's cheapest path
-            yield pickle.dumps(("end", self.batches))  # (nothing queues once every rank has exited)
+                sup.wait(None, until=lambda: bool(self.queue))
+                batch, self.queue = self.queue, []
+                if batch:
+                    yield pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)  # bytes: Ray's cheapest path
         finally:
             sup.stop_all()  # (the kernel let go of the stream: nothing of this pool may stay)
             sup.reap()
@@ -116,37 +98,6 @@ class Agent:
             for fd in (*self.cmd.values(), *self.replies.values(), *self.requests):
                 _close(fd)
             done.set()
-
-    def _due(self) -> bool:
-        """Whether the stream takes the queue now: not while a cell's command waits for its answers
-        (it takes them itself, sooner), unless a store request waits (a rendezvous never waits) or the
-        cell's output piles up (``HOLD_MAX``)."""
-        return bool(self.queue) and (not self.waiting or self.store_queued or len(self.queue) >= HOLD_MAX)
-
-    def _take(self) -> bytes | None:
-        """The queue's events, numbered, pickled (None: nothing queued)."""
-        with self.cv:
-            taken = self._taken()
-        return taken and pickle.dumps(taken, protocol=pickle.HIGHEST_PROTOCOL)
-
-    def _taken(self) -> tuple | None:
-        """(n, the queue's events), the queue emptied (under ``cv``)."""
-        if not self.queue:
-            return None
-        batch, n = self.queue, self.batches
-        self.queue, self.batches, self.store_queued = [], n + 1, False
-        return n, batch
-
-    def _queue(self, item, answer: int | None = None, store: bool = False) -> None:
-        with self.cv:
-            self.queue.append(item)
-            if answer is not None:
-                self.answers[answer] += 1
-            self.store_queued = self.store_queued or store
-            if self.waiting:
-                self.cv.notify_all()
-                if len(self.queue) == HOLD_MAX:
-                    self._poke()  # (from a control's thread: the stream is due)
 
     def _fork_all(self, specs, run_dir, ifname, done: threading.Event) -> dict[int, int]:
         """rank -> pid, forked on a thread of nbddp's own that lives until ``done``: a parent-death signal
@@ -170,16 +121,16 @@ class Agent:
 
     # -- the supervisor's events, queued for the kernel (all on the stream's thread) --------------------------------
     def on_Output(self, event) -> None:
-        self._queue(event)
+        self.queue.append(event)
 
     def on_OutputClosed(self, event) -> None:
-        self._queue(event)
+        self.queue.append(event)
 
     def on_Message(self, event) -> None:
-        self._queue(event, answer=event.rank if isinstance(event.record, ANSWERS) else None)
+        self.queue.append(event)
 
     def on_Exited(self, event) -> None:
-        self._queue(event, answer=event.rank)
+        self.queue.append(event)
 
     def _store_request(self, fd: int) -> None:
         rank, frames = self.requests[fd]
@@ -191,54 +142,31 @@ class Agent:
             self.sup.sel.unregister(fd)
             return
         for request, _ in frames.feed(data):
-            self._queue(("store", rank, request), store=True)
+            self.queue.append(("store", rank, request))
 
     # -- the kernel's calls, in their order ------------------------------------------------------------------------
-    def control(self, call: bytes) -> bytes | None:
-        """``call``: pickled (pool, seq, op, args, answer). Applied in sequence order (a call that arrives
-        early waits in ``controls`` for the ones before it): here, or for a signal, handed to the
-        supervisor's thread. A cell's command (``answer``) applied by its own call then waits for the
-        ranks' answers and returns them, numbered and pickled (None: they took longer, the stream brings them)."""
-        pool, seq, op, args, answer = pickle.loads(call)
+    def control(self, call: bytes) -> None:
+        """``call``: pickled (pool, seq, op, args), one argument (Ray serialises each one separately).
+        Applied in sequence order (a call that arrives early waits in ``controls`` for the ones before
+        it): here, or for a signal, handed to the supervisor's thread."""
+        pool, seq, op, args = pickle.loads(call)
         with self.order:
             if pool != self.pool:
-                return None  # a call of a pool this agent serves no longer (or not yet)
+                return  # a call of a pool this agent serves no longer
             self.controls[seq] = (op, args)
             while (item := self.controls.pop(self.applied + 1, None)) is not None:
                 self.applied += 1
                 op, args = item
-                if answer and self.applied == seq:
-                    self._expect(seq, args[1])
                 try:
                     getattr(self, "_" + op)(*args)
                 except Exception as e:  # noqa: BLE001 - nobody reads this call's result: the stream says it
                     self._failed(op, e)
-        expected = self.expect.pop(seq, None)
-        return None if expected is None else self._answered(pool, *expected)
-
-    def _expect(self, seq: int, ranks) -> None:
-        """Before the command is written: what its call waits for; the stream holds back till then."""
-        with self.cv:
-            self.expect[seq] = (list(ranks), {r: self.answers[r] for r in ranks})
-            self.waiting += 1
-
-    def _answered(self, pool, ranks: list, before: dict) -> bytes | None:
-        with self.cv:
-            got = self.cv.wait_for(lambda: self.pool != pool or all(self.answers[r] > before[r] for r in ranks),
-                                   timeout=ANSWER_S)
-            if self.pool != pool:
-                return None
-            self.waiting -= 1
-            taken = self._taken() if got else None
-        self._poke()  # the stream takes whatever comes next (after the timeout: everything)
-        return taken and pickle.dumps(taken, protocol=pickle.HIGHEST_PROTOCOL)
 
     def _failed(self, op: str, e: BaseException) -> None:
         """A kernel's call this agent could not apply: said on the stream (the kernel ends the node with it;
         left in a Ray reference nobody reads, it would leave a cell waiting for a command that never came)."""
         first = str(e).splitlines()[0] if str(e) else ""
-        self._queue(("error", f"its agent could not apply the kernel's {op!r}: {type(e).__name__}: {first}"),
-                    store=True)  # (taken at once, like a store request)
+        self.queue.append(("error", f"its agent could not apply the kernel's {op!r}: {type(e).__name__}: {first}"))
         self._poke()  # the supervisor's thread wakes and streams it
 
     def _poke(self) -> None:

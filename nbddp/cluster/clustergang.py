@@ -212,8 +212,7 @@ class ClusterGang(Gang):
                 if kind != "plain":
                     out = dataclasses.replace(out, updates={**self.extra, **out.updates})
                     self.given.update(mine)
-                link.control("command", framing.encode(out), mine,
-                             answer=isinstance(cmd, messages.RunCell) and kind != "update")
+                link.control("command", framing.encode(out), mine)
         # the kernel's node's ranks after: the other nodes' are the farther, their command goes first
         super().command(cmd, ranks=[r for r in sorted(wanted) if r in self._cmd])
         if isinstance(cmd, messages.RunCell):  # every remote rank has had them now
