@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..cluster import relaystore  # (the kernel's store: no Ray in it)
 from ..wire import framing, messages
 from . import checks, failure, rendezvous, starters
 from .logs import RankLogs
@@ -61,8 +62,6 @@ class Gang:
         self.started = True
         prepare = None
         if self.config.start_method == "fork":  # the process group meets on the kernel's store, over pipes
-            from ..cluster import relaystore
-
             self.local = relaystore.LocalStores(relaystore.Store())
             prepare = starters.store_pipes(self.local)
         try:
