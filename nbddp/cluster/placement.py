@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..errors import UsageError
 
 READY_S = 60.0  # the placement group must be placed by then
+PREFER_S = 1.0  # ... on the nodes where agents are kept, if it can be there by then (else anywhere)
 NEED_RAY = ("--cluster ray needs Ray in the kernel and on every node: pip install 'nbddp[ray]' (the same "
             "versions of Python, torch, Ray and nbddp everywhere).")
 
@@ -86,28 +87,28 @@ def _client_mode(ray) -> bool:
 
 
 def reserve(ray, nodes: int, per_node: int, accelerator: str):
-    """(placement group, [Node] in node-rank order): one bundle per node, node 0 the kernel's."""
-    from ray.util.placement_group import placement_group, placement_group_table
-
+    """(placement group, [Node] in node-rank order): one bundle per node, node 0 the kernel's; the other
+    bundles on nodes where an agent is kept for this kernel (placement.agents) when they have the room
+    (tried for ``PREFER_S``), so that a later pool finds its agents."""
     me = ray.get_runtime_context().get_node_id()
     alive = [n for n in ray.nodes() if n.get("Alive")]
     if len(alive) < nodes:
         raise UsageError(f"--nodes {nodes}: the Ray cluster has {len(alive)} node(s) alive. Add nodes (ray start "
                          f"--address ...), or ask for --nodes {len(alive)}. Nothing ran.")
     bundle = {"GPU": per_node} if accelerator == "cuda" else {"CPU": per_node}
-    pg = placement_group([bundle] * nodes, strategy="STRICT_SPREAD",
-                         bundle_label_selector=[{"ray.io/node-id": me}] + [{}] * (nodes - 1))
-    try:
-        ready, _ = ray.wait([pg.ready()], timeout=READY_S)
-    except BaseException:  # an interrupt while it is placed: the group must not outlive the attempt
-        release(pg)
-        raise
-    if not ready:
-        release(pg)
+    job, up = ray.get_runtime_context().get_job_id(), {n["NodeID"] for n in alive}
+    kept = sorted(node for j, node in KEPT if j == job and node in up and node != me)[:nodes - 1]
+    pg = None
+    if accelerator != "cuda" and nodes > 1 and len(kept) == nodes - 1 and len(alive) > nodes:
+        pg = _placed(ray, [bundle] * nodes, [{"ray.io/node-id": node} for node in (me, *kept)], PREFER_S)
+    pg = pg or _placed(ray, [bundle] * nodes, [{"ray.io/node-id": me}] + [{}] * (nodes - 1), READY_S)
+    if pg is None:
         have = [f"{n['NodeManagerAddress']} ({_resources(n)})" for n in alive]
         raise UsageError(f"--nodes {nodes} --devices {per_node}: Ray could not place {bundle} on {nodes} different "
                          f"nodes (this kernel's among them) within {READY_S:g} s. Nodes alive: {'; '.join(have)}. "
                          "Nothing ran.")
+    from ray.util.placement_group import placement_group_table
+
     try:
         where = placement_group_table(pg)["bundles_to_node_id"]
     except BaseException:
@@ -117,6 +118,22 @@ def reserve(ray, nodes: int, per_node: int, accelerator: str):
     out = [Node(i, where[i], by_id.get(where[i], {}).get("NodeManagerAddress", "?")) for i in range(nodes)]
     out[0].host = socket.gethostname()
     return pg, out
+
+
+def _placed(ray, bundles: list, selectors: list, within: float):
+    """A STRICT_SPREAD group of ``bundles``, placed within ``within`` seconds (None: it was not, and is gone)."""
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group(bundles, strategy="STRICT_SPREAD", bundle_label_selector=selectors)
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=within)
+    except BaseException:  # an interrupt while it is placed: the group must not outlive the attempt
+        release(pg)
+        raise
+    if not ready:
+        release(pg)
+        return None
+    return pg
 
 
 def release(pg) -> None:
