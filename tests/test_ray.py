@@ -238,6 +238,20 @@ def test_a_later_pool_uses_the_agent_kept_from_the_last_one_placed_on_its_node(r
         rk.run("%ddp stop", timeout=60)
 
 
+def test_agents_prestarted_after_ray_init_are_the_first_pools(rk):
+    rk.ok("from nbddp.cluster import placement\nplacement.release_agents()")
+    assert rk.value("placement.prestart()") == 2, "one on each raylet but the kernel's"
+    assert rk.value("placement.prestart()") == 0, "started once"
+    agents = rk.value("sorted(ray.get([a.where.remote() for a in placement.KEPT.values()], timeout=120), "
+                      "key=lambda w: w['pid'])")
+    rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
+    try:
+        rk.ok("%%ddp --gather pid\npid = os.getpid()\n")
+        assert psutil.Process(rk.value("pid")[1]).parent().pid in [w["pid"] for w in agents]
+    finally:
+        rk.run("%ddp stop", timeout=60)
+
+
 def test_timeout_brings_the_other_nodes_stack_back_and_the_pool_lives(pool):
     k, _ = pool
     res = k.run("%%ddp --timeout 2\nimport time\ndef wait_here():\n    while True:\n        time.sleep(0.01)\n"

@@ -163,7 +163,6 @@ def agents(ray, pg, nodes: list, per_node: int, accelerator: str) -> list:
     torch's import. A GPU pool's agent sits in its bundle (Ray gives it the bundle's GPUs, its ranks' devices)
     and ends with its pool."""
     from ray.util.scheduling_strategies import (
-        NodeAffinitySchedulingStrategy,
         PlacementGroupSchedulingStrategy,
     )
 
@@ -175,18 +174,37 @@ def agents(ray, pg, nodes: list, per_node: int, accelerator: str) -> list:
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
                                   pg, placement_group_bundle_index=n.index)).remote() for n in nodes[1:]]
     job = ray.get_runtime_context().get_job_id()
-    for key in [k for k in KEPT if k[0] != job]:  # another Ray connection's: gone with it
-        del KEPT[key]
     kept = {n.node_id: KEPT[job, n.node_id] for n in nodes[1:] if (job, n.node_id) in KEPT}
     for node_id, dead in _dead(ray, kept).items():  # ended between pools (its node lost, killed)
         forget(dead)
         del kept[node_id]
-    for n in nodes[1:]:
-        if n.node_id not in kept:
-            kept[n.node_id] = KEPT[job, n.node_id] = actor.options(
-                num_cpus=0, max_concurrency=8, max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote()
-    return [kept[n.node_id] for n in nodes[1:]]
+    return [kept.get(n.node_id) or _keep(ray, actor, job, n.node_id) for n in nodes[1:]]
+
+
+def _keep(ray, actor, job: str, node_id: str):
+    """A new agent on ``node_id``, kept for the kernel's pools."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    for key in [k for k in KEPT if k[0] != job]:  # another Ray connection's: gone with it
+        del KEPT[key]
+    KEPT[job, node_id] = actor.options(num_cpus=0, max_concurrency=8, max_restarts=0,
+                                       scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+    return KEPT[job, node_id]
+
+
+def prestart(cluster: str = "ray") -> int:
+    """Start a kept agent on every other node of the Ray cluster now, without waiting for it, so that the
+    kernel's first CPU pool finds them with torch imported (call it after ``ray.init``: their ~3 s then pass
+    while the notebook does other work). How many were started (nodes that had one already are skipped)."""
+    from .agent import Agent
+
+    ray = connect(cluster)
+    me, job = ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_job_id()
+    actor = ray.remote(Agent)
+    fresh = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != me and (job, n["NodeID"]) not in KEPT]
+    for node_id in fresh:
+        _keep(ray, actor, job, node_id)
+    return len(fresh)
 
 
 def _dead(ray, kept: dict) -> dict:
