@@ -1,4 +1,4 @@
-"""A cluster pool's pieces that need no Ray: the kernel's store and its threads (nbddp/cluster/relaystore.py,
+"""A cluster pool's pieces that need no Ray: the kernel's store and its threads (nbddp/cluster/groupstore.py,
 remote.Streams), and the ranks' pipe store (nbddp/rank/pipestore.py)."""
 import os
 import pickle
@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from nbddp.cluster import relaystore, remote
+from nbddp.cluster import remote
+from nbddp.kernel import groupstore
 from nbddp.kernel.supervisor import Bus, Output, Supervisor
 from nbddp.wire import framing
 
@@ -21,7 +22,7 @@ def _still_works(r: int, w: int) -> bool:
 
 def _serving_one_rank():
     """LocalStores serving one rank's two pipes: (stores, the rank's request end, the rank's reply end)."""
-    stores = relaystore.LocalStores(relaystore.Store())
+    stores = groupstore.LocalStores(groupstore.Store())
     req_r, req_w = os.pipe()
     rep_r, rep_w = os.pipe()
     stores.add(req_r, rep_w)
@@ -43,7 +44,7 @@ def test_local_stores_close_twice_closes_nothing_that_reused_its_descriptors():
 
 def test_streams_close_twice_closes_nothing_that_reused_its_descriptors():
     sup = Supervisor(Bus([]))
-    streams = remote.Streams(sup, relaystore.Store())
+    streams = remote.Streams(sup, groupstore.Store())
     sup.close()
     streams.close()
     r, w = os.pipe()
@@ -76,7 +77,7 @@ def test_an_interrupt_in_a_subscriber_loses_none_of_the_other_events_of_a_batch(
                 raise KeyboardInterrupt
 
     sup = Supervisor(Bus([Interrupted()]))
-    streams = remote.Streams(sup, relaystore.Store())
+    streams = remote.Streams(sup, groupstore.Store())
     streams.procs[1] = remote.RemoteProc(1, 4242, -1, here=False)
     try:
         streams.events.put([Output(1, "stdout", b"a"), Output(1, "stdout", b"b"), Output(1, "stdout", b"c")])
@@ -95,7 +96,7 @@ def test_a_wake_nobody_drains_yet_never_blocks_the_stream_reader_or_the_agent():
     from nbddp.cluster.agent import Agent
 
     sup = Supervisor(Bus([]))
-    streams = remote.Streams(sup, relaystore.Store())
+    streams = remote.Streams(sup, groupstore.Store())
     agent = Agent()
 
     def many():
@@ -121,7 +122,7 @@ def _answered(store, op, *args):
 
 
 def test_the_store_answers_as_torch_expects_and_a_wait_once_its_keys_are_set():
-    store = relaystore.Store()
+    store = groupstore.Store()
     assert _answered(store, "add", "n", 2) == (True, 2)
     assert _answered(store, "add", "n", 3) == (True, 5)
     assert _answered(store, "compare_set", "k", b"", b"first") == (True, b"first")  # missing, expected empty: set

@@ -301,7 +301,7 @@ def test_a_killed_rank_ends_the_pool_naming_rank_and_node(pool, victim):
 
 
 def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_rank_nor_group(rk):
-    rk.ok("import signal\nfrom nbddp.cluster import relaystore\n_wait, _close = ray.wait, relaystore.LocalStores.close\n"
+    rk.ok("import signal\nfrom nbddp.kernel import groupstore\n_wait, _close = ray.wait, groupstore.LocalStores.close\n"
           "def interrupted(f):\n    def call(*a, **k):\n        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, now\n"
           "        return f(*a, **k)\n    return call\n")
     rk.ok("ray.wait = interrupted(_wait)")  # while Ray places the pool's group
@@ -315,11 +315,11 @@ def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_
     rk.ok("%%ddp --gather pid\npid = os.getpid()\n")
     pids = rk.value("pid")
     agent = psutil.Process(pids[1]).parent().pid
-    rk.ok("relaystore.LocalStores.close = interrupted(_close)")  # while the teardown joins the store's thread
+    rk.ok("groupstore.LocalStores.close = interrupted(_close)")  # while the teardown joins the store's thread
     try:
         rk.run("%ddp stop", timeout=60)
     finally:
-        rk.ok("relaystore.LocalStores.close = _close")
+        rk.ok("groupstore.LocalStores.close = _close")
     assert not wait_gone(pids), "a rank outlived the interrupted teardown"
     assert not ranks_alive([agent]) or not psutil.Process(agent).children(), "the agent kept a rank"
     assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "the placement group outlived the interrupted teardown"

@@ -5,7 +5,7 @@ other node's ranks are forked by its agent (agent.py). To the rest of nbddp it i
 supervisor (remote ranks are ``remote.RemoteProc``s fed by their agents' streams), the same commands
 (a remote node's go through its agent, one copy of the cell per node), the same close.
 
-The process group meets on the kernel's store (relaystore.py) over pipes: no store port is opened.
+The process group meets on the kernel's store (kernel/groupstore.py) over pipes: no store port is opened.
 Notebook values: the kernel's node shares the notebook copy-on-write; the other nodes start with nothing
 of it, so a name a cell reads that the notebook had when the pool started is sent to them by value once
 (``send_missing``), and a name the notebook rebinds later is sent to every node as in any pool.
@@ -22,13 +22,13 @@ import cloudpickle
 
 from ..errors import UsageError
 from ..ipy.cellcode import notebook_name
-from ..kernel import checks, rendezvous, starters
+from ..kernel import checks, groupstore, rendezvous, starters
 from ..kernel.gang import STOP_S, Gang
 from ..kernel.sending import _reads, _size
 from ..kernel.supervisor import GRACE_S
 from ..rank.worker import RankSpec
 from ..wire import framing, messages, values
-from . import placement, relaystore, remote
+from . import placement, remote
 
 START_S = 120.0  # every agent must have forked its ranks by then
 KEEP_S = 2.0  # how long the close waits for a kept agent's stream to end (its ranks have exited)
@@ -47,8 +47,8 @@ class ClusterGang(Gang):
         self.unsent = {k for k in self.namespace if notebook_name(k)}  # what the other nodes lack
         self.extra: dict[str, bytes] = {}  # ... sent with the next cell
         self.given: set[int] = set()  # the remote ranks that had ``extra`` already (an Update to --ranks' others)
-        self.store = relaystore.Store()
-        self.local = relaystore.LocalStores(self.store)
+        self.store = groupstore.Store()
+        self.local = groupstore.LocalStores(self.store)
         self.links: list[remote.Link] = []
         self.streams: remote.Streams | None = None
         self.node_names: dict[int, str] = {}
@@ -142,24 +142,15 @@ class ClusterGang(Gang):
         pipes = {s.rank: os.pipe() for s in specs}
         self._cmd = {r: w for r, (_, w) in pipes.items()}
         self._starter = starters.ForkStarter(self.run_dir)
-        ours = []  # the kernel's ends of the store pipes: no rank inherits them
 
-        def prepare(spec):
-            req_r, req_w = os.pipe()
-            rep_r, rep_w = os.pipe()
-            env = starters.nccl_env(dict(spec.env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname),
-                                    spec.backend, ifname)
+        def env(spec):
+            return starters.nccl_env(dict(spec.env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname),
+                                     spec.backend, ifname)
 
-            def forked(proc):
-                proc.node = self.node_names[spec.rank]  # its exit names node 0 as the others' name theirs
-                os.close(req_w)
-                os.close(rep_r)
-                ours.extend((req_r, rep_w))
-                self.local.add(req_r, rep_w)
+        def forked(proc):
+            proc.node = self.node_names[proc.rank]  # its exit names node 0 as the others' name theirs
 
-            return (dataclasses.replace(spec, store_fds=(req_w, rep_r), env=env),
-                    [*ours, req_r, rep_w, self.local.wake_r, self.local.wake_w], forked)
-
+        prepare = starters.store_pipes(self.local, env, forked)
         try:
             checks.before_fork(self.config)
             starters.fork_specs(self.sup, self._starter, job_for(pipes), specs, deadline, prepare)

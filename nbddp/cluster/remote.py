@@ -1,7 +1,7 @@
 """In the kernel: the ranks on other nodes, as the supervisor sees them, fed by their agents' event streams.
 
 Each agent's ``events`` stream is read by a thread of its own (``Streams``): store requests are answered
-there at once (relaystore.Store: the ranks' rendezvous never waits for the kernel's main thread), every
+there at once (groupstore.Store: the ranks' rendezvous never waits for the kernel's main thread), every
 other event is queued and a byte written to a wake pipe the supervisor watches (``Supervisor.watch``), so
 the main thread's one loop publishes them on the same bus as local ranks' events, in each rank's order:
 the relay, the logs, the dashboard and the failure rules cannot tell the two apart. A stream that ends

@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 import time
 
-from ..cluster import relaystore  # (the kernel's store: no Ray in it)
 from ..wire import framing, messages
-from . import checks, failure, rendezvous, starters
+from . import checks, failure, groupstore, rendezvous, starters
 from .logs import RankLogs
 from .supervisor import Bus, Supervisor
 
@@ -62,7 +61,7 @@ class Gang:
         self.started = True
         prepare = None
         if self.config.start_method == "fork":  # the process group meets on the kernel's store, over pipes
-            self.local = relaystore.LocalStores(relaystore.Store())
+            self.local = groupstore.LocalStores(groupstore.Store())
             prepare = starters.store_pipes(self.local)
         try:
             checks.before_fork(self.config)

@@ -58,7 +58,7 @@ def fork_ranks(sup: Supervisor, starter, job, config, plan: devices.Plan, run_di
 
 def store_pipes(local, env=None, forked=None):
     """A ``prepare`` for fork_specs: each forked rank reaches the kernel's store over two pipes of its own
-    (rank/pipestore.py), served by ``local`` (relaystore.LocalStores, a kernel thread), instead of a
+    (rank/pipestore.py), served by ``local`` (groupstore.LocalStores, a kernel thread), instead of a
     FileStore, whose waits poll every 10 ms: a rendezvous that answers as soon as the key is set. No rank
     inherits another's pipes. ``env(spec)``: the rank's environment, if it differs from the spec's;
     ``forked(proc)``: called with each forked rank."""

@@ -1,7 +1,9 @@
-"""In the kernel: the one store of a cluster pool's process group, answering every rank without a port.
+"""In the kernel: the one store of a forked gang's process group (one-shot, pool, cluster pool), answering
+every rank without a port, and a wait as soon as its key is set (a FileStore polls every 10 ms).
 
-Requests arrive as frames (wire/framing.py's, sent by rank/pipestore.py): the kernel's own ranks' on their store pipes, read by
-``LocalStores`` (one thread), the other nodes' ranks' through their agent's event stream (remote.py).
+Requests arrive as frames (wire/framing.py's, sent by rank/pipestore.py): the kernel's own ranks' on their
+store pipes (starters.store_pipes), read by ``LocalStores`` (one thread), a cluster pool's other nodes'
+ranks' through their agent's event stream (cluster/remote.py).
 ``Store.handle`` answers at once, or, for ``get``/``wait`` of keys not set yet, once another rank sets
 them; every answer goes back through the ``reply`` function the request came with. Thread-safe: the
 stream readers and the local thread call it concurrently.
