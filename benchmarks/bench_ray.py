@@ -53,7 +53,7 @@ view.execute("import torch, torch.distributed as dist\ntorch.set_num_threads(1)\
 CELL = "t = torch.ones(1)\ndist.all_reduce(t)\n"
 def timed(magic, line):
     t0 = time.perf_counter()
-    get_ipython().run_cell_magic(magic, line, CELL + ";")
+    get_ipython().run_cell_magic(magic, line, CELL.rstrip() + ";")  # silenced (";" on a line of its own is autoquote)
     return time.perf_counter() - t0
 def block(name, n):
     """n pool cells and n %%px cells, alternating which goes first."""
