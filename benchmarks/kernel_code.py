@@ -383,6 +383,12 @@ order = [(px, px_cell), (pool, pool_cell), (floor, floor_cell)]
 for i in range({runs}):  # each goes first, second and third equally often: a cell pays for the last one's wake
     for times, cell in order[i % 3:] + order[:i % 3]:
         times.append(cell())
+# the pool and the floor alone, alternating: %%px leaves its engines and hub busy for a while after it
+# returns, and whichever cell comes next pays for it (the floor most, being the shortest)
+pair_pool, pair_floor = [], []
+for i in range({runs}):
+    for times, cell in ((pair_pool, pool_cell), (pair_floor, floor_cell))[::1 if i % 2 else -1]:
+        times.append(cell())
 floor_stop(FLOOR)
 one_shot = []
 get_ipython().run_line_magic("ddp", "stop")
@@ -393,6 +399,7 @@ rc.shutdown(hub=True) if hasattr(rc, "shutdown") else None
 cluster.stop_cluster_sync()
 bench("pool", {"ipyparallel": statistics.median(px), "pool": statistics.median(pool),
                "floor": statistics.median(floor), "one_shot": statistics.median(one_shot),
+               "pair_pool": statistics.median(pair_pool), "pair_floor": statistics.median(pair_floor),
                "px_all": px, "pool_all": pool, "floor_all": floor})
 
 # memory: a 1 GiB tensor built before the start; a 100 MiB tensor made after it, read by five cells

@@ -26,6 +26,9 @@ import kernel_code as kc  # noqa: E402
 from kernel import Kernel  # noqa: E402
 
 
+POOL_CELLS = 15  # pool, floor and %%px cells per run (105 of each in a full run): the floor's spread is wide
+
+
 def measures(res) -> dict:
     out = {}
     for line in res.stdout.splitlines():
@@ -72,7 +75,7 @@ def run(quick: bool, only: str | None = None) -> dict:
             if only == "relay":  # measured from outside the kernel, as a client sees it
                 results["relay"] = relay(k, 20_000 if quick else 100_000)
             else:
-                n = 3 * runs if only == "pool" else runs  # as many cells as in a full run
+                n = POOL_CELLS * runs if only == "pool" else runs  # as many cells as in a full run
                 code = getattr(kc, only.upper()).replace("{runs}", str(n))
                 if only == "training":
                     code = f"TRAIN_BODY_SRC = {kc.TRAIN_BODY!r}\n" + code
@@ -89,7 +92,7 @@ def run(quick: bool, only: str | None = None) -> dict:
             results.update(measures(k.ok(code, timeout=600)))
             print("done:", list(results)[-1], flush=True)
         results.update(measures(k.ok(kc.FSDP_MEMORY, timeout=600)))
-        results.update(measures(k.ok(kc.POOL.replace("{runs}", str(3 * runs)), timeout=600)))
+        results.update(measures(k.ok(kc.POOL.replace("{runs}", str(POOL_CELLS * runs)), timeout=600)))
         print("done: pool", flush=True)
         results["relay"] = relay(k, 20_000 if quick else 100_000)
         print("done: relay", flush=True)
@@ -189,6 +192,11 @@ def report(r: dict) -> str:
                   "forked once from it (`os.fork`) in a gloo group, each woken by one byte on a pipe, doing the "
                   "cell's all_reduce and answering with one byte: no code, no output, no results to carry.",
                   ""]
+    if "pair_pool" in pl:
+        pair = pl["pair_pool"] / pl["pair_floor"]
+        lines += [f"The same two without `%%px` between them (its engines and hub stay busy after it returns, and "
+                  f"the next cell pays, the short floor most): pool {pl['pair_pool'] * 1000:.2f} ms, floor "
+                  f"{pl['pair_floor'] * 1000:.2f} ms, {pair:.2f}× — {verdict(pair <= 1.5)} by this measure.", ""]
     lines += [
         f"Memory: with a {pm['dataset'] / 2**30:.0f} GiB tensor built before `%ddp start`, each rank's private memory "
         f"(USS) after reading its half: {', '.join(f'{u / 2**20:.0f} MiB' for u in pm['rank_uss'])} "
