@@ -97,11 +97,8 @@ class Synced:
         return updates, said
 
 
-_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None))
-
-
 def _token(value):
-    if isinstance(value, _IMMUTABLE):
+    if isinstance(value, values.PLAIN):
         return ("v", type(value), value)
     try:
         return ("w", weakref.ref(value))

@@ -20,9 +20,6 @@ import time
 
 from ..wire.framing import Reader, encode, write_all
 
-BLOCKING = {"get", "wait", "multi_get"}  # the kernel answers once the keys exist
-
-
 _kept: list = []  # the store object must outlive every group made on it (torch holds only its C++ half)
 
 
@@ -60,10 +57,10 @@ def store_class():
                     left = end - time.monotonic()
                     if left <= 0 or not select.select([self.reply_fd], [], [], left)[0]:
                         raise dist.DistStoreError(f"store {op}{args!r} timed out after "
-                                                  f"{timeout_s or self.timeout_s:g} s (nbddp's cluster store)")
+                                                  f"{timeout_s or self.timeout_s:g} s (nbddp's store in the kernel)")
                     data = os.read(self.reply_fd, 1 << 16)
                     if not data:
-                        raise dist.DistStoreError("nbddp's cluster store is gone (the kernel or the agent ended)")
+                        raise dist.DistStoreError("nbddp's store is gone (the kernel, or a cluster pool's agent, ended)")
                     replies = self.reader.feed(data)
 
         def set(self, key, value):

@@ -338,7 +338,6 @@ def _publish_line(line: str, flush: bool) -> None:
         session.send(socket, "display_data", content, parent=parent, ident=ident)
 
 
-
 class _Display:
     """One output slot, updated in place by display id (ipyparallel's pattern). Bundles are built here:
     IPython's formatter machinery costs milliseconds per call, which every short run would pay."""

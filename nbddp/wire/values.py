@@ -86,8 +86,9 @@ def notebook_objects(namespace: dict) -> dict[int, tuple]:
             and not k.startswith("_")}
 
 
-# what pickle writes the same way with or without nbddp's reducers: a cell's usual last value
-# (t.item(), a loss, a count) skips building a CloudPickler (~50 us)
+# Python's immutable scalars: pickle writes them the same way with or without nbddp's reducers, so a cell's
+# usual last value (t.item(), a loss, a count) skips building a CloudPickler (~50 us); sending.py compares
+# them by value
 PLAIN = (int, float, bool, complex, str, bytes, type(None))
 
 
