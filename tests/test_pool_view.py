@@ -88,6 +88,37 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
     assert "idle" not in final[-1] and "RSS  " not in final[-1]
 
 
+def test_pool_cells_looped_in_one_notebook_cell_show_their_lines_while_it_runs(clean_kernel):
+    """A pool cell's line waits on ipykernel's IO thread for the kernel's next message (views/iopub.py):
+    a loop of pool cells in one notebook cell has none for a while, and the IO thread's tick sends the
+    lines, in order, long before the notebook cell ends; the tick stops when idle and starts again."""
+    k = clean_kernel
+    k.ok("%ddp start --devices 2\nimport nbddp.views.iopub as iopub\niopub.IDLE_S = 0.5")
+    try:
+        for rounds in (3, 2):  # the second loop comes after the tick stopped (idle 2 s > IDLE_S)
+            got = []
+            cell = k.execute(f"import time\nfor i in range({rounds}):\n"
+                             f"    get_ipython().run_cell_magic('ddp', '', 'x = rank + ' + str(i) + ';')\n"
+                             f"time.sleep(2)")
+
+            def watch(kind, content):
+                if kind == "display_data" and content["data"]["text/plain"].startswith("nbddp pool · "):
+                    got.append(time.monotonic())
+
+            res = k.collect(cell, timeout=60, on_message=watch)
+            done = time.monotonic()
+            assert res.status == "ok" and len(got) == rounds, res
+            lines = [d["data"]["text/plain"] for d in res.displays if "transient" not in d or not d["transient"]]
+            assert len(lines) == rounds and all(re.fullmatch(r"nbddp pool · cell on ranks 0-1 · [\d.]+ ms · ok", t)
+                                                for t in lines), res.displays
+            assert done - got[-1] > 1.0, f"the lines came with the cell's end, not while it ran ({done - got[-1]:.2f} s)"
+        # idle past IDLE_S: the tick has stopped, every line sent
+        time.sleep(1.0)
+        assert k.value("[(l.ticking, l.queued - l.done) for l in iopub._LATER.values()]") == [(False, 0)]
+    finally:
+        k.ok("%ddp stop")
+
+
 def test_a_rank_that_dies_between_cells_shows_on_the_dashboard_before_the_next_cell(clean_kernel):
     import os
     import signal

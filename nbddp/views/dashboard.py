@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import html
 import re
-import sys
 import time
 
-from ..ipy.session import running_shell
 from ..wire.messages import Error, Exit, Ready, Result
+from .iopub import publish_line
 from .monitor import Monitor, duration, mb
 from .relay import latest_redraw, progress, rank_span
 
@@ -290,7 +289,7 @@ class CellLine:
         ranks = f"ranks {rank_span(ran)}" if len(ran) > 1 else f"rank {ran[0]}"
         line = f"nbddp pool · {self.what} on {ranks} · {duration(time.monotonic() - self.t0)} · {outcome}"
         if self.live:
-            _publish_line(line, flush=self.wrote)
+            publish_line(line, flush=self.wrote)
         else:
             print(line)
 
@@ -306,36 +305,6 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def _publish_line(line: str, flush: bool) -> None:
-    """A one-line static summary, straight onto the kernel's iopub socket: IPython's display machinery
-    costs ~0.8 ms a call; this hands the message to ipykernel's IO thread, which makes and sends it
-    (0.13-0.17 ms less on a pool cell than making it here, measured interleaved). The cell's text, when
-    there is any, goes first (a flush waits for ipykernel's IO thread: ~0.1 ms a stream)."""
-    data = {"text/plain": line, "text/html": f"<div style='color:#888;font-size:smaller'>{html.escape(line)}</div>"}
-    pub = getattr(running_shell(), "display_pub", None)
-    session, socket = getattr(pub, "session", None), getattr(pub, "pub_socket", None)
-    if session is None or socket is None:  # not ipykernel's publisher: the ordinary way
-        from IPython.display import publish_display_data
-
-        publish_display_data(data)
-        return
-    if flush:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    content, parent, ident = {"data": data, "metadata": {}, "transient": {}}, pub.parent_header, pub.topic
-    io_thread = getattr(socket, "io_thread", None)
-    if callable(getattr(io_thread, "schedule", None)) and hasattr(io_thread, "socket"):
-        # made and sent on ipykernel's IO thread (straight onto its socket: in order with what is queued
-        # there, the cell's Out[] after it), as ipykernel's own stream output is: off the cell's path
-        def send():
-            if io_thread.socket is not None:  # (None once the kernel is shutting down)
-                session.send(io_thread.socket, "display_data", content, parent=parent, ident=ident)
-
-        io_thread.schedule(send)
-    else:
-        session.send(socket, "display_data", content, parent=parent, ident=ident)
 
 
 class _Display:
