@@ -229,9 +229,14 @@ class Watcher:
 _watchers: list[Watcher] = []  # audit hooks cannot be removed: one hook, forwarding to the current watcher
 
 
+WATCHED = frozenset({"import", "ctypes.dlopen"})  # the audit events a watcher looks at
+
+
 def _audit(event: str, args) -> None:
-    if not _watchers:  # a forked rank (or a worker it forked): nothing to watch, and every compile, exec
-        return  # and unpickle of a pool cell passes here
+    # every compile, exec, pickle and os call in the process passes here (a pool cell's too): most return at
+    # once; a forked rank (or a worker it forked) has no watcher
+    if event not in WATCHED or not _watchers:
+        return
     try:
         _watchers[-1].audit(event, args)
     except Exception:  # an audit hook that raises aborts the audited operation (an import, an open...)

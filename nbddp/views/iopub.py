@@ -41,7 +41,8 @@ def publish_line(line: str, flush: bool) -> None:
         sys.stderr.flush()
     content, parent, ident = {"data": data, "metadata": {}, "transient": {}}, pub.parent_header, pub.topic
     io_thread = getattr(socket, "io_thread", None)
-    if not _queueable(io_thread):  # no IO thread to queue on: sent from here
+    later = _later(io_thread)
+    if later is None:  # no IO thread to queue on: sent from here
         session.send(socket, "display_data", content, parent=parent, ident=ident)
         return
 
@@ -49,14 +50,14 @@ def publish_line(line: str, flush: bool) -> None:
         if io_thread.socket is not None:  # (None once the kernel is shutting down)
             session.send(io_thread.socket, "display_data", content, parent=parent, ident=ident)
 
-    _later(io_thread).queue(send)
+    later.queue(send)
 
 
 def _queueable(io_thread) -> bool:
     """ipykernel's IOPubThread (6.x and 7.x alike): a queue of calls its thread makes in order on a wake."""
     return (callable(getattr(io_thread, "schedule", None)) and hasattr(io_thread, "socket")
             and hasattr(getattr(io_thread, "_events", None), "append") and callable(getattr(io_thread, "_handle_event", None))
-            and getattr(getattr(io_thread, "thread", None), "is_alive", lambda: False)())
+            and callable(getattr(getattr(io_thread, "thread", None), "is_alive", None)))
 
 
 class _Later:
@@ -106,8 +107,11 @@ class _Later:
 _LATER: dict[int, _Later] = {}
 
 
-def _later(io_thread) -> _Later:
+def _later(io_thread) -> _Later | None:
+    """The queue on ``io_thread`` (checked once per thread); None where there is none, or its thread ended."""
     got = _LATER.get(id(io_thread))
     if got is None or got.io_thread is not io_thread:
+        if not _queueable(io_thread):
+            return None
         got = _LATER[id(io_thread)] = _Later(io_thread)
-    return got
+    return got if io_thread.thread.is_alive() else None
