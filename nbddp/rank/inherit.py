@@ -20,6 +20,7 @@ from ..ipy.session import running_shell
 # kernel, a Ray agent) finds them instead, where the walk faults nothing, once per set of modules.
 LIGHTNING = ("lightning", "pytorch_lightning")
 LAUNCHER_LIBS = ("lightning", "pytorch_lightning", "lightning_fabric", "accelerate", "transformers")
+LAUNCHER_NAMES = ("spawn", "start_processes")  # torch.multiprocessing's
 _found: dict = {"key": None}
 
 
@@ -44,9 +45,6 @@ def _scan() -> dict:
         if name.startswith(LAUNCHER_LIBS) and isinstance(d := getattr(mod, "__dict__", None), dict):
             bound += [(name, attr) for attr in LAUNCHER_NAMES if id(d.get(attr)) in launchers]
     return {"interactive": interactive, "launchers": bound}
-
-
-LAUNCHER_NAMES = ("spawn", "start_processes")  # torch.multiprocessing's
 
 
 def found(kind: str) -> list:

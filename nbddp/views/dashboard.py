@@ -250,7 +250,7 @@ class RunView:
 class CellLine:
     """A pool cell's one line, written once at the end: what ran, on which ranks, how long, the outcome.
     The pool's own view (the ``%ddp start`` cell) carries the live detail, so this costs a quick cell
-    only the line (~0.15 ms)."""
+    only the line, queued on ipykernel's IO thread (iopub.py)."""
 
     def __init__(self, live: bool, what: str = "cell", ranks=None):
         self.live, self.what = live, what

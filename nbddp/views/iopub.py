@@ -57,7 +57,8 @@ def _queueable(io_thread) -> bool:
     """ipykernel's IOPubThread (6.x and 7.x alike): a queue of calls its thread makes in order on a wake."""
     return (callable(getattr(io_thread, "schedule", None)) and hasattr(io_thread, "socket")
             and hasattr(getattr(io_thread, "_events", None), "append") and callable(getattr(io_thread, "_handle_event", None))
-            and callable(getattr(getattr(io_thread, "thread", None), "is_alive", None)))
+            and callable(getattr(getattr(io_thread, "thread", None), "is_alive", None))
+            and callable(getattr(getattr(io_thread, "io_loop", None), "call_later", None)))
 
 
 class _Later:
@@ -86,12 +87,7 @@ class _Later:
 
     def _next_tick(self) -> None:
         """On the IO thread: the tick in ``LATE_S`` (a timer of its loop, outside its event handling)."""
-        loop = getattr(self.io_thread, "io_loop", None)
-        if loop is None:
-            with self.lock:
-                self.ticking = False
-            return
-        loop.call_later(LATE_S, self._tick)
+        self.io_thread.io_loop.call_later(LATE_S, self._tick)
 
     def _tick(self) -> None:
         """What is still queued goes out (all of it, in order, as on a wake)."""
