@@ -264,13 +264,20 @@ bench("memory", res)
 
 FLOOR_CODE = r"""
 import select
+from nbddp.wire import framing as _framing, messages as _messages
+from nbddp.views import iopub as _iopub
 
 # the floor: ranks forked once from this kernel into a process group (gloo on CPU, or NCCL on the GPUs), each
 # waiting on a command pipe; a cell is one byte to each rank, one all_reduce (synchronised on a GPU), one byte
 # back from each. Nothing of nbddp in it. benchmarks/bench_gpu.py measures its pool against it too.
-FLOOR_GO, FLOOR_QUIT = b"g", b"q"
+# The wire floor: the same ranks, spoken to as nbddp speaks to a pool's: a framed, pickled RunCell in, its
+# source compiled once and exec'd in the rank's copy of the notebook's namespace, a framed Result back, and
+# the cell's one line queued for the client. Nothing else of nbddp (no options, no namespace rule, no failure
+# rules, no relay or dashboard): the least any engine on this wire can cost.
+FLOOR_GO, FLOOR_QUIT = b"g", b"q"  # (the pipes' write ends are open in every process forked later: no EOF)
+WIRE_CELL = "t = torch.ones(1)\ndist.all_reduce(t)\n"
 
-def _floor_rank(rank, world, backend, store_path, cmd_r, reply_w):
+def _floor_rank(rank, world, backend, store_path, cmd_r, reply_w, wire):
     code = 1
     try:
         cuda = backend == "nccl"
@@ -282,18 +289,34 @@ def _floor_rank(rank, world, backend, store_path, cmd_r, reply_w):
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         os.write(reply_w, b"r")  # ready
-        while os.read(cmd_r, 1) == FLOOR_GO:  # FLOOR_QUIT, or EOF if the kernel is gone: leave
-            t = torch.ones(1, device="cuda" if cuda else "cpu")  # the same work as the pool's (and %%px's) cell
-            dist.all_reduce(t)
-            if cuda:
-                torch.cuda.synchronize()
-            os.write(reply_w, b"d")
+        if wire:
+            _wire_serve(cmd_r, reply_w)
+        else:
+            while os.read(cmd_r, 1) == FLOOR_GO:  # FLOOR_QUIT, or EOF if the kernel is gone: leave
+                t = torch.ones(1, device="cuda" if cuda else "cpu")  # the same work as the pool's (and %%px's) cell
+                dist.all_reduce(t)
+                if cuda:
+                    torch.cuda.synchronize()
+                os.write(reply_w, b"d")
         dist.destroy_process_group()
         code = 0
     except BaseException as e:
         os.write(2, f"floor rank {rank}: {e!r}\n".encode())
     finally:
         os._exit(code)
+
+def _wire_serve(cmd_r, reply_w):
+    ns, compiled = get_ipython().user_ns, {}  # the notebook's namespace, this rank's copy since the fork
+    reader, writer = _framing.Reader(), _framing.Writer(reply_w)
+    while data := os.read(cmd_r, 1 << 16):
+        for cmd, _ in reader.feed(data):
+            if isinstance(cmd, _messages.Stop):
+                return
+            code = compiled.get(cmd.source)
+            if code is None:
+                code = compiled[cmd.source] = compile(cmd.source, cmd.filename, "exec")
+            exec(code, ns)
+            writer.send(_messages.Result())
 
 def _floor_read(fds, timeout=60):
     for fd in fds:
@@ -302,7 +325,7 @@ def _floor_read(fds, timeout=60):
         if not os.read(fd, 1):
             raise RuntimeError("a floor rank died")
 
-def floor_start(world=2, backend="gloo"):
+def floor_start(world=2, backend="gloo", wire=False):
     d = tempfile.mkdtemp()
     pids, cmd, reply = [], [], []
     for rank in range(world):
@@ -312,15 +335,16 @@ def floor_start(world=2, backend="gloo"):
         if pid == 0:
             for fd in cmd + reply + [c_w, r_r]:  # the kernel's ends, and the other ranks'
                 os.close(fd)
-            _floor_rank(rank, world, backend, os.path.join(d, "store"), c_r, r_w)
+            _floor_rank(rank, world, backend, os.path.join(d, "store"), c_r, r_w, wire)
         os.close(c_r); os.close(r_w)
         pids.append(pid); cmd.append(c_w); reply.append(r_r)
+    quit = _framing.encode(_messages.Stop()) if wire else FLOOR_QUIT
     try:
         _floor_read(reply, timeout=120)
     except BaseException:
-        floor_stop((d, pids, cmd, reply))
+        floor_stop((d, pids, cmd, reply, quit))
         raise
-    return d, pids, cmd, reply
+    return d, pids, cmd, reply, quit
 
 def floor_cell():
     t0 = time.perf_counter()
@@ -329,11 +353,23 @@ def floor_cell():
     _floor_read(FLOOR[3])
     return time.perf_counter() - t0
 
+def wire_cell():
+    t0 = time.perf_counter()
+    frame = _framing.encode(_messages.RunCell(WIRE_CELL, "<cell>", (), (), 1 << 20, {}))
+    for fd in WIRE[2]:
+        _framing.write_all(fd, frame)
+    for fd, reader in zip(WIRE[3], WIRE_READERS):
+        while not reader.feed(os.read(fd, 1 << 16) if select.select([fd], [], [], 60)[0] else b""):
+            pass
+    dt = time.perf_counter() - t0
+    _iopub.publish_line(f"wire floor · 2 ranks · {dt * 1000:.2f} ms", False)
+    return time.perf_counter() - t0
+
 def floor_stop(floor):
-    d, pids, cmd, reply = floor
+    d, pids, cmd, reply, quit = floor
     for fd in cmd:
         try:
-            os.write(fd, FLOOR_QUIT)
+            _framing.write_all(fd, quit)
         except OSError:
             pass
     codes = []
@@ -356,6 +392,8 @@ POOL = FLOOR_CODE + r"""
 import ipyparallel as ipp, io, contextlib
 
 FLOOR = floor_start()  # forked first, before ipyparallel and the pool: the floor's ranks hold none of their fds
+WIRE = floor_start(wire=True)
+WIRE_READERS = [_framing.Reader() for _ in WIRE[3]]
 cluster = ipp.Cluster(n=2, log_level=40)
 rc = cluster.start_and_connect_sync()
 rc.wait_for_engines(2, timeout=120)
@@ -377,19 +415,21 @@ def pool_cell():
     return time.perf_counter() - t0
 get_ipython().run_line_magic("ddp", "start --devices 2")
 for _ in range(5):
-    px_cell(); pool_cell(); floor_cell()
-px, pool, floor = [], [], []
-order = [(px, px_cell), (pool, pool_cell), (floor, floor_cell)]
-for i in range({runs}):  # each goes first, second and third equally often: a cell pays for the last one's wake
-    for times, cell in order[i % 3:] + order[:i % 3]:
+    px_cell(); pool_cell(); floor_cell(); wire_cell()
+px, pool, floor, wire = [], [], [], []
+order = [(px, px_cell), (pool, pool_cell), (floor, floor_cell), (wire, wire_cell)]
+for i in range({runs}):  # each goes first, second, ... equally often: a cell pays for the last one's wake
+    for times, cell in order[i % 4:] + order[:i % 4]:
         times.append(cell())
-# the pool and the floor alone, alternating: %%px leaves its engines and hub busy for a while after it
+# the pool and the floors alone, in turn: %%px leaves its engines and hub busy for a while after it
 # returns, and whichever cell comes next pays for it (the floor most, being the shortest)
-pair_pool, pair_floor = [], []
+pair_pool, pair_floor, pair_wire = [], [], []
+trio = [(pair_pool, pool_cell), (pair_floor, floor_cell), (pair_wire, wire_cell)]
 for i in range({runs}):
-    for times, cell in ((pair_pool, pool_cell), (pair_floor, floor_cell))[::1 if i % 2 else -1]:
+    for times, cell in trio[i % 3:] + trio[:i % 3]:
         times.append(cell())
 floor_stop(FLOOR)
+floor_stop(WIRE)
 one_shot = []
 get_ipython().run_line_magic("ddp", "stop")
 for _ in range(5):
@@ -398,8 +438,9 @@ view.execute("dist.destroy_process_group()", block=True)
 rc.shutdown(hub=True) if hasattr(rc, "shutdown") else None
 cluster.stop_cluster_sync()
 bench("pool", {"ipyparallel": statistics.median(px), "pool": statistics.median(pool),
-               "floor": statistics.median(floor), "one_shot": statistics.median(one_shot),
-               "pair_pool": statistics.median(pair_pool), "pair_floor": statistics.median(pair_floor),
+               "floor": statistics.median(floor), "wire": statistics.median(wire),
+               "one_shot": statistics.median(one_shot), "pair_pool": statistics.median(pair_pool),
+               "pair_floor": statistics.median(pair_floor), "pair_wire": statistics.median(pair_wire),
                "px_all": px, "pool_all": pool, "floor_all": floor})
 
 # memory: a 1 GiB tensor built before the start; a 100 MiB tensor made after it, read by five cells
