@@ -51,20 +51,44 @@ view.execute("import torch, torch.distributed as dist\ntorch.set_num_threads(1)\
              f"dist.init_process_group('gloo', init_method='file://{{tempfile.mkdtemp()}}/store', rank=engine_rank, "
              "world_size=2)", block=True)
 CELL = "t = torch.ones(1)\ndist.all_reduce(t)\n"
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+@ray.remote(num_cpus=0)
+class Echo:  # Ray's own round trip to the other raylet: one call, one reply, nothing of nbddp's
+    def ping(self):
+        return None
+_other = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != ray.get_runtime_context().get_node_id()]
+ECHO = Echo.options(scheduling_strategy=NodeAffinitySchedulingStrategy(_other[0], soft=False)).remote()
+ray.get(ECHO.ping.remote(), timeout=120)
+@ray.remote(num_cpus=0)
+class Cold:  # what a first start waits for at least: a Ray worker started on the other raylet, torch imported
+    def __init__(self):
+        import torch  # noqa: F401
+    def ready(self):
+        return None
+def cold_start():
+    t0 = time.perf_counter()
+    actor = Cold.options(scheduling_strategy=NodeAffinitySchedulingStrategy(_other[0], soft=False)).remote()
+    ray.get(actor.ready.remote(), timeout=120)
+    bench("cold", time.perf_counter() - t0)
+    ray.kill(actor)
+def trip():
+    t0 = time.perf_counter()
+    ray.get(ECHO.ping.remote())
+    return time.perf_counter() - t0
 def timed(magic, line):
     t0 = time.perf_counter()
     get_ipython().run_cell_magic(magic, line, CELL.rstrip() + ";")  # silenced (";" on a line of its own is autoquote)
     return time.perf_counter() - t0
 def block(name, n):
-    """n pool cells and n %%px cells, alternating which goes first."""
+    """n pool cells, n %%px cells and n bare Ray round trips, each first, second and third in turn."""
     for _ in range(3):
-        timed("ddp", ""); timed("px", "--block")
-    pool, px = [], []
+        timed("ddp", ""); timed("px", "--block"); trip()
+    pool, px, trips = [], [], []
+    order = [(pool, lambda: timed("ddp", "")), (px, lambda: timed("px", "--block")), (trips, trip)]
     for i in range(n):
-        pair = [(pool, "ddp", ""), (px, "px", "--block")]
-        for times, magic, line in (pair if i % 2 else pair[::-1]):
-            times.append(timed(magic, line))
-    bench(name, {{"pool": pool, "px": px}})
+        for times, measure in order[i % 3:] + order[:i % 3]:
+            times.append(measure())
+    bench(name, {{"pool": pool, "px": px, "trip": trips}})
 None
 '''
 
@@ -113,7 +137,7 @@ def measure(quick: bool = False) -> dict:
     c.add_node(num_cpus=2)
     c.wait_for_nodes()
     k = Kernel(env={"NBDDP_RUNS_DIR": tempfile.mkdtemp()})
-    out = {"local": [], "ray": [], "px": [], "startup_first_s": [], "startup_later_s": [], "relay_ray": 0.0,
+    out = {"local": [], "ray": [], "px": [], "trip": [], "startup_first_s": [], "startup_later_s": [], "cold_s": [], "relay_ray": 0.0,
            "relay_local": 0.0, "load": [os.getloadavg()[0]]}
     try:
         k.ok(KERNEL_SETUP.format(address=c.address), timeout=300)
@@ -122,6 +146,7 @@ def measure(quick: bool = False) -> dict:
             for name, options in pools:
                 if name == "ray":  # a first start (no agent kept), then a later one (the kept agent)
                     k.ok("from nbddp.cluster import placement\nplacement.release_agents()", timeout=60)
+                    out["cold_s"].append(measures(k.ok("cold_start()", timeout=180))["cold"])
                     out["startup_first_s"].append(started(k.ok(f"%ddp start {options}", timeout=120)))
                     k.ok("%ddp stop", timeout=60)
                 res = k.ok(f"%ddp start {options}", timeout=120)
@@ -130,6 +155,7 @@ def measure(quick: bool = False) -> dict:
                 got = measures(k.ok(f"block({name!r}, {n})", timeout=600))[name]
                 out[name] += got["pool"]
                 out["px"] += got["px"]
+                out["trip"] += got["trip"]
                 if r == rounds - 1:
                     out[f"relay_{name}"] = relay(k, lines)
                 k.ok("%ddp stop", timeout=60)
@@ -153,6 +179,7 @@ def section(r: dict) -> str:
     med = {key: statistics.median(r[key]) for key in ("local", "ray", "px")}
     ratio, vs_px = med["ray"] / med["local"], med["ray"] / med["px"]
     first, later = (statistics.median(r[f"startup_{k}_s"]) for k in ("first", "later"))
+    trip = statistics.median(r["trip"]) if r.get("trip") else None  # (absent from runs before it was measured)
     rows = [
         f"## 8. A pool across two Ray nodes (`%ddp start --cluster ray --nodes 2 --devices 1`), Ray {r['ray_version']}",
         "",
@@ -167,12 +194,17 @@ def section(r: dict) -> str:
         f"| nbddp pool across 2 Ray nodes | {med['ray'] * 1000:.2f} ms | {ratio:.2f}× |",
         f"| nbddp local pool (`--devices 2`), same run | {med['local'] * 1000:.2f} ms | 1.00× |",
         f"| ipyparallel `%%px --block`, same run | {med['px'] * 1000:.2f} ms | {med['px'] / med['local']:.2f}× |",
+        *([f"| Ray's own round trip to an actor on the other raylet (one call, one reply; nothing of nbddp's), same "
+           f"run | {trip * 1000:.2f} ms | {trip / med['local']:.2f}× |"] if trip else []),
         "",
         "| measure | figure |",
         "|---|---|",
         f"| startup: `%ddp start --cluster ray --nodes 2` after `ray.init`, as it reports: first start, no agent "
         f"kept on node 1 (a Ray worker starts there and imports torch; median of {len(r['startup_first_s'])}) | "
         f"{first:.2f} s ({', '.join(f'{s:.2f}' for s in r['startup_first_s'])}) |",
+        *([f"| anchor: a Ray actor started on node 1 that imports torch, ready (Ray alone; just before each first "
+           f"start) | {statistics.median(r['cold_s']):.2f} s ({', '.join(f'{s:.2f}' for s in r['cold_s'])}) |"]
+          if r.get("cold_s") else []),
         f"| startup: a later start of the same kernel (`%ddp restart`, or start after stop): the agent kept from its "
         f"last pool (median of {len(r['startup_later_s'])}) | "
         f"{later:.2f} s ({', '.join(f'{s:.2f}' for s in r['startup_later_s'])}) |",
@@ -187,6 +219,21 @@ def section(r: dict) -> str:
         f"nodes — {r['relay_ray']:,.0f}, "
         f"{_verdict(r['relay_ray'] > 500_000)}.",
     ]
+    if trip:
+        left = 1.5 * med["local"] - trip
+        rows += ["", f"What the cell target leaves: Ray's bare round trip to the other raylet takes {trip * 1000:.2f} ms, "
+                 f"{trip / med['local']:.2f}× the local pool's whole cell. A cell across nodes sends rank 1's command and "
+                 "gets its answer that way, so 1.5× the local cell leaves "
+                 f"{left * 1000:.2f} ms for all the rest: rank 1 running the cell (reading its command, the all_reduce "
+                 "with rank 0, sending its answer: 0.5–0.6 ms of a local cell, traced), the agent's hops between Ray "
+                 "and the rank's pipes, and the kernel's own work before the command goes out and after the answer "
+                 "comes back. The kernel's work before Ray's submit and the local rank's part do overlap Ray's transit."]
+    if r.get("cold_s"):
+        cold = statistics.median(r["cold_s"])
+        rows += ["", f"What the startup target leaves: Ray alone takes {cold:.2f} s to start a worker on node 1 and import "
+                 f"torch in it (the anchor above); nbddp's first start takes {first:.2f} s, {first - cold:+.2f} s more "
+                 "(placement, forking the ranks, meeting in the process group). Where the anchor is near 3 s, so is "
+                 "any first start; a later start, and a first start after `placement.prestart()`, skip it."]
     return "\n".join(rows) + "\n"
 
 
