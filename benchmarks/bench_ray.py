@@ -152,8 +152,8 @@ def measure(quick: bool = False) -> dict:
     c.add_node(num_cpus=2)
     c.wait_for_nodes()
     k = Kernel(env={"NBDDP_RUNS_DIR": tempfile.mkdtemp()})
-    out = {"local": [], "ray": [], "px": [], "trip": [], "startup_first_s": [], "startup_later_s": [], "cold_s": [], "relay_ray": 0.0,
-           "relay_local": 0.0, "load": [os.getloadavg()[0]]}
+    out = {"local": [], "ray": [], "px": [], "trip": [], "startup_first_s": [], "startup_later_s": [], "cold_s": [],
+           "relay_ray": 0.0, "relay_local": 0.0, "load": [os.getloadavg()[0]]}
     try:
         k.ok(KERNEL_SETUP.format(address=c.address), timeout=300)
         pools = (("local", "--devices 2"), ("ray", "--cluster ray --nodes 2 --devices 1"))

@@ -209,8 +209,9 @@ def report(r: dict) -> str:
                   "exec'd in the rank's copy of the notebook's namespace, a framed `Result` back, and the cell's one "
                   "line queued for the client (`views/iopub.py`). No options, no names sent, no namespace rule, no "
                   "failure rules, no relay, no dashboard, no IPython magic dispatch. It is what any engine on this "
-                  "wire costs at least, and it is already close to the 1.5× target: what the target leaves for the "
-                  "rest is the gap between the two.", ""]
+                  f"wire costs at least: {x_floor(pl['wire'])} the floor here, so the 1.5× target leaves "
+                  f"{(1.5 * floor - pl['wire']) * 1e6:.0f} µs for all the rest of a pool cell, and the pool spends "
+                  f"{(pl['pool'] - pl['wire']) * 1e6:.0f} µs on it.", ""]
     if "pair_pool" in pl:
         lines += ["A pool cell's one line is queued on ipykernel's IO thread and goes out with the kernel's next "
                   "message (views/iopub.py). When a cell woke that thread itself (until stop 29), the thread's work "
