@@ -359,8 +359,14 @@ def wire_cell():
     for fd in WIRE[2]:
         _framing.write_all(fd, frame)
     for fd, reader in zip(WIRE[3], WIRE_READERS):
-        while not reader.feed(os.read(fd, 1 << 16) if select.select([fd], [], [], 60)[0] else b""):
-            pass
+        got = []
+        while not got:
+            if not select.select([fd], [], [], 60)[0]:
+                raise TimeoutError("a wire floor rank did not answer")
+            data = os.read(fd, 1 << 16)
+            if not data:
+                raise RuntimeError("a wire floor rank died")
+            got = reader.feed(data)
     dt = time.perf_counter() - t0
     _iopub.publish_line(f"wire floor · 2 ranks · {dt * 1000:.2f} ms", False)
     return time.perf_counter() - t0
