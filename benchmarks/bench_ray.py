@@ -57,7 +57,8 @@ class Echo:  # Ray's own round trip to the other raylet: one call, one reply, no
     def ping(self):
         return None
 _other = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != ray.get_runtime_context().get_node_id()]
-ECHO = Echo.options(scheduling_strategy=NodeAffinitySchedulingStrategy(_other[0], soft=False)).remote()
+ON_NODE_1 = NodeAffinitySchedulingStrategy(_other[0], soft=False)
+ECHO = Echo.options(scheduling_strategy=ON_NODE_1).remote()
 ray.get(ECHO.ping.remote(), timeout=120)
 @ray.remote(num_cpus=0)
 class Cold:  # what a first start waits for at least: a Ray worker started on the other raylet, torch imported
@@ -67,7 +68,7 @@ class Cold:  # what a first start waits for at least: a Ray worker started on th
         return None
 def cold_start():
     t0 = time.perf_counter()
-    actor = Cold.options(scheduling_strategy=NodeAffinitySchedulingStrategy(_other[0], soft=False)).remote()
+    actor = Cold.options(scheduling_strategy=ON_NODE_1).remote()
     ray.get(actor.ready.remote(), timeout=120)
     bench("cold", time.perf_counter() - t0)
     ray.kill(actor)

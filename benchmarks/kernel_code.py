@@ -318,12 +318,17 @@ def _wire_serve(cmd_r, reply_w):
             exec(code, ns)
             writer.send(_messages.Result())
 
-def _floor_read(fds, timeout=60):
-    for fd in fds:
-        if not select.select([fd], [], [], timeout)[0]:
-            raise TimeoutError("a floor rank did not answer")
-        if not os.read(fd, 1):
-            raise RuntimeError("a floor rank died")
+def _floor_read(fds, timeout=60, readers=None):
+    # one answer from each rank: a byte (the floor's), or a whole frame (the wire floor's: readers)
+    for i, fd in enumerate(fds):
+        whole = False
+        while not whole:
+            if not select.select([fd], [], [], timeout)[0]:
+                raise TimeoutError("a floor rank did not answer")
+            data = os.read(fd, 1 if readers is None else 1 << 16)
+            if not data:
+                raise RuntimeError("a floor rank died")
+            whole = readers is None or bool(readers[i].feed(data))
 
 def floor_start(world=2, backend="gloo", wire=False):
     d = tempfile.mkdtemp()
@@ -358,15 +363,7 @@ def wire_cell():
     frame = _framing.encode(_messages.RunCell(WIRE_CELL, "<cell>", (), (), 1 << 20, {}))
     for fd in WIRE[2]:
         _framing.write_all(fd, frame)
-    for fd, reader in zip(WIRE[3], WIRE_READERS):
-        got = []
-        while not got:
-            if not select.select([fd], [], [], 60)[0]:
-                raise TimeoutError("a wire floor rank did not answer")
-            data = os.read(fd, 1 << 16)
-            if not data:
-                raise RuntimeError("a wire floor rank died")
-            got = reader.feed(data)
+    _floor_read(WIRE[3], readers=WIRE_READERS)
     dt = time.perf_counter() - t0
     _iopub.publish_line(f"wire floor · 2 ranks · {dt * 1000:.2f} ms", False)
     return time.perf_counter() - t0

@@ -202,7 +202,12 @@ def report(r: dict) -> str:
         lines += [f"The same without `%%px` between them (its engines and hub stay busy after it returns, and "
                   f"the next cell pays, the short floor most): pool {pl['pair_pool'] * 1000:.2f} ms, floor "
                   f"{pl['pair_floor'] * 1000:.2f} ms{wire}; pool {pair:.2f}× the floor — {verdict(pair <= 1.5)} by this "
-                  "measure.", ""]
+                  "measure.", "",
+                  "A pool cell's one line is queued on ipykernel's IO thread and goes out with the kernel's next "
+                  "message (views/iopub.py). When a cell woke that thread itself (until stop 29), the thread's work "
+                  "landed on the next cell, often the floor, which flattered the ratio: in one kernel, in alternating "
+                  "blocks of 20, the floor took 0.53 ms after a pool cell that woke the thread and 0.34 ms after one "
+                  "that did not, and the pool cell took 0.92 ms and 0.72 ms.", ""]
     if "wire" in pl:
         lines += ["The wire floor is the floor's ranks with the least of nbddp a pool cell needs: the cell's source "
                   "pickled in a `RunCell`, framed (`wire/framing.py`) and written to each rank, compiled once and "
@@ -212,12 +217,6 @@ def report(r: dict) -> str:
                   f"wire costs at least: {x_floor(pl['wire'])} the floor here, so the 1.5× target leaves "
                   f"{(1.5 * floor - pl['wire']) * 1e6:.0f} µs for all the rest of a pool cell, and the pool spends "
                   f"{(pl['pool'] - pl['wire']) * 1e6:.0f} µs on it.", ""]
-    if "pair_pool" in pl:
-        lines += ["A pool cell's one line is queued on ipykernel's IO thread and goes out with the kernel's next "
-                  "message (views/iopub.py). When a cell woke that thread itself (until stop 29), the thread's work "
-                  "landed on the next cell, often the floor, which flattered the ratio: in one kernel, in alternating "
-                  "blocks of 20, the floor took 0.53 ms after a pool cell that woke the thread and 0.34 ms after one "
-                  "that did not, and the pool cell took 0.92 ms and 0.72 ms.", ""]
     lines += [
         f"Memory: with a {pm['dataset'] / 2**30:.0f} GiB tensor built before `%ddp start`, each rank's private memory "
         f"(USS) after reading its half: {', '.join(f'{u / 2**20:.0f} MiB' for u in pm['rank_uss'])} "
