@@ -57,6 +57,7 @@ def __getattr__(name):
 def load_ipython_extension(ipython) -> None:
     from .hw import cuda
     from .ipy import cells
+    from .kernel import warm
     from .kernel.magic import DDPMagics
     from .rank import worker
 
@@ -66,6 +67,7 @@ def load_ipython_extension(ipython) -> None:
     cells.track(ipython)  # IPython 7.x keeps no file name -> cell map: nbddp keeps one
     cuda.backend().install(ipython, cells)  # first: its environment (NVML-based CUDA checks) holds for torch's import
     worker.warm_start()  # torch imported once, here, so ranks never import it
+    warm.start()  # what a real first step imports lazily (DDP: torch._dynamo...), on a thread: forks wait for it
     ipython.register_magics(DDPMagics)
 
 

@@ -26,7 +26,7 @@ import signal
 import socket
 import threading
 
-from ..kernel import rendezvous
+from ..kernel import rendezvous, warm
 from ..kernel.logs import RankLogs
 from ..kernel.starters import ForkStarter
 from ..kernel.supervisor import Bus, Supervisor
@@ -38,7 +38,8 @@ class Agent:
     def __init__(self):
         from ..rank.worker import warm_start
 
-        warm_start(outside_shell=True)  # what ranks import (torch...), once here while the kernel forks its own:
+        warm_start(outside_shell=True)
+        warm.start()  # what a real first step imports lazily, on a thread: each fork waits for it (below)  # what ranks import (torch...), once here while the kernel forks its own:
         # shared by the forks, the IPython shell they make for displays included
         self.order = threading.Lock()  # the kernel's calls, applied one at a time in sequence order
         self.signals: queue.SimpleQueue = queue.SimpleQueue()  # (rank, signal, group) for the supervisor's thread
@@ -223,6 +224,7 @@ class Agent:
 def _fork(agent: Agent, spec, run_dir, ifname) -> int:
     """One rank of the node, forked and supervised. A function, not a method: Ray wraps an actor class's
     methods, and a frame of its wrapper would sit under the rank's every stack."""
+    warm.wait()  # its imports finished: no import lock held across the fork
     cmd_r, cmd_w = os.pipe()
     req_r, req_w = os.pipe()
     rep_r, rep_w = os.pipe()

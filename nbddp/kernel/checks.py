@@ -8,7 +8,7 @@ import sys
 
 from ..errors import UsageError
 from ..hw import cuda, openmp
-from . import devices, options
+from . import devices, options, warm
 
 _launching = False  # one launch at a time per process
 
@@ -62,9 +62,11 @@ def refusals(config, *, pool: bool = False) -> None:
 
 
 def before_fork(config) -> None:
-    """Just before the first fork: the kernel's idle OpenMP threads released (nothing runs a parallel op
-    between this and the forks)."""
+    """Just before the first fork: the modules ranks would import lazily are in (warm.py's thread has
+    finished: nothing of nbddp's runs during the fork), the kernel's idle OpenMP threads released
+    (nothing runs a parallel op between this and the forks)."""
     if config.start_method == "fork":
+        warm.wait()
         openmp.release_threads(config.threads)
 
 

@@ -34,7 +34,7 @@ from ..ipy import tracebacks
 from ..rank.server import INTERRUPT, Server
 from ..views.relay import CellSink, Relay
 from ..wire import messages, values
-from . import checks, failure, starters
+from . import checks, failure, starters, warm
 from .gang import Gang
 from .prompts import Prompts
 from .supervisor import Bus, Started
@@ -165,6 +165,7 @@ class CellRun:
                 self.observer.finish(error)
             if not gang.persistent:
                 gang.close()  # every rank has exited (or was stopped and reaped): the gang ends with the cell
+            warm.learn(m for r in self.replies.values() if isinstance(r, messages.Result) for m in r.imported)
             if gang.view is not None and error is not None:
                 gang.view.cell_ended("interrupted" if isinstance(error, KeyboardInterrupt) else "failed")
         if error is not None:

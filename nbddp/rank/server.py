@@ -18,6 +18,7 @@ import itertools
 import operator
 import os
 import signal
+import sys
 import time
 
 import cloudpickle
@@ -58,6 +59,7 @@ class Server:
         # what the kernel has too (by reference on the way back); spawn: cloudpickle's class tracking
         notebook = values.notebook_objects(ns) if self.namespace is not None else None
         busy = []
+        imports = _Imports()
 
         def interrupt(signum, frame):
             if busy:
@@ -69,7 +71,7 @@ class Server:
         debug.install()
         if self.first is not None:
             busy.append(True)  # an exception or exit() ends the rank, as a script does; what the cell
-            result = _run(self.first, ns, ctx, notebook, track=False)  # assigned dies with the rank
+            result = imports.said(_run(self.first, ns, ctx, notebook, track=False))  # assigned dies with the rank
             busy.clear()
             if pipe is None:
                 return result  # spawned: the worker sends it, then leaves by a barrier on nbddp's store
@@ -85,7 +87,7 @@ class Server:
                 usergroup.release_destroyed()  # idle since the last command: safe to free (usergroup)
                 busy.append(True)
                 try:
-                    answer = _answer(cmd, ns, ctx, notebook, bound)
+                    answer = imports.said(_answer(cmd, ns, ctx, notebook, bound))
                 finally:
                     busy.clear()
                 if answer is not None:
@@ -178,6 +180,22 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound
             for name in assigned:
                 notebook.pop(id(ns[name]), None)
     return messages.Result(result.value, result.outs, result.gathers, assigned)
+
+
+class _Imports:
+    """Modules the rank imported since its last answer, said with its next ``Result``: the kernel imports
+    them too (kernel/warm.py), so the next fork starts with them."""
+
+    def __init__(self):
+        self.seen = len(sys.modules)
+
+    def said(self, answer):
+        n = len(sys.modules)
+        if n <= self.seen or not isinstance(answer, messages.Result):
+            return answer
+        new = tuple(itertools.islice(sys.modules, self.seen, None))
+        self.seen = n
+        return dataclasses.replace(answer, imported=new)
 
 
 class _Bindings:

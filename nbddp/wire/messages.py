@@ -68,6 +68,7 @@ class Result:
     outs: dict = field(default_factory=dict)  # name -> Item
     gathers: dict = field(default_factory=dict)  # name -> Item
     assigned: tuple = ()  # names the cell (re)bound on this rank (a pool keeps them the rank's own)
+    imported: tuple = ()  # modules the rank imported since its last answer (the kernel warms them: kernel/warm.py)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,91 @@
+"""What a real cell's first steps import lazily, imported once in the kernel before ranks are forked, so a
+fresh rank starts at full speed instead of importing ~800 modules in its first step.
+
+``DistributedDataParallel(model)`` imports ``torch._dynamo`` (sympy, mpmath, ... 819 modules) the first time
+it runs in a process; a fresh forked rank paid 6-7 s for it in its first step, in every one-shot cell and
+in a pool's first. Imported once in the kernel (0.7-3.4 s, ~70 MiB), every fork shares it. The kernel
+imports them on a thread of its own, started by ``%load_ext`` (which stays as fast as before), and every
+fork waits for that thread first (``wait``): nothing of nbddp's runs and no import lock is held while
+the kernel forks. Modules a rank imported that the kernel had not are imported the same way after the
+cell (``learn``), for the next fork, but only submodules of packages the kernel has already imported:
+warming never brings a new library into the kernel. ``NBDDP_WARM=0`` (before ``%load_ext``) turns it off.
+None of this touches CUDA: ``import torch._dynamo`` initialises no device.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+
+# Measured, not guessed (benchmarks/bench_firststep.py lists what a fresh rank imports in its first real
+# steps, torch 2.13): DDP's constructor (torch._dynamo and what it pulls), AdamW's first step
+# (torch.profiler's monitor), FSDP2's fully_shard, Join, and a DataLoader with workers and a
+# DistributedSampler (multiprocessing's fork machinery). autocast, GradScaler, SGD and the LR schedulers
+# import nothing new.
+WARM_IMPORTS = (
+    "torch._dynamo",
+    "torch.nn.parallel.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.algorithms.join",
+    "torch.profiler._cupti_monitor",
+    "torch.utils.data",
+    "multiprocessing.popen_fork",
+    "multiprocessing.queues",
+    "multiprocessing.synchronize",
+)
+
+# Never learned: what may start compile workers or touch a device when imported.
+NEVER = ("__main__", "torch.cuda", "torch._inductor", "triton", "torch.compiler", "nbddp")
+
+_lock = threading.Lock()
+_queue: list[str] = []
+_thread: threading.Thread | None = None
+_tried: set[str] = set()  # each name imported (or failed) once: a failure is not retried at every cell
+
+
+def enabled() -> bool:
+    return os.environ.get("NBDDP_WARM", "1") not in ("0", "off", "false", "no")
+
+
+def start(names=WARM_IMPORTS) -> None:
+    """Import ``names`` in the kernel, on a thread of its own (returns at once)."""
+    global _thread
+    if not enabled():
+        return
+    with _lock:
+        _queue.extend(n for n in names if n not in _tried and n not in sys.modules)
+        _tried.update(names)
+        if _queue and _thread is None:
+            _thread = threading.Thread(target=_drain, name="nbddp-warm", daemon=True)
+            _thread.start()
+
+
+def wait() -> None:
+    """Before a fork: the warming thread has finished (a fork while it imports would copy a held import
+    lock into the rank)."""
+    while (thread := _thread) is not None:
+        thread.join()
+
+
+def learn(imported) -> None:
+    """Modules a rank imported that the kernel lacks, warmed for the next fork: submodules of packages
+    the kernel has already imported, never a new library, never one that may touch a device."""
+    wanted = [n for n in imported if n not in sys.modules and n.partition(".")[0] in sys.modules
+              and not n.startswith(NEVER) and n not in _tried]
+    if wanted:
+        start(wanted)
+
+
+def _drain() -> None:
+    global _thread
+    while True:
+        with _lock:
+            if not _queue:
+                _thread = None  # under the lock: a start() from now on starts a thread of its own
+                return
+            name = _queue.pop(0)
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - a module the kernel cannot import stays the rank's to import
+            pass
