@@ -12,13 +12,14 @@ import os
 
 from .errors import CudaInitialisedError, NbddpError, RankFailure, ResultError, UsageError
 from .ipy.session import Environment, environment
+from .wire.shared import SharedSequence, shared
 
 
 __version__ = "0.1.0"
 
 
 __all__ = [
-    "launch", "Pool", "environment", "Environment", "load_ipython_extension",
+    "launch", "Pool", "environment", "Environment", "shared", "SharedSequence", "load_ipython_extension",
     "NbddpError", "UsageError", "RankFailure", "ResultError", "CudaInitialisedError",
 ]
 
