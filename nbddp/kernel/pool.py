@@ -7,6 +7,7 @@ rebound since the start is sent once (sending.Synced).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -16,7 +17,7 @@ from ..errors import RankFailure, UsageError
 from ..rank.jobs import CallJob
 from ..rank.server import Server
 from ..views.display import view_for_pool
-from ..wire import messages
+from ..wire import messages, shared
 from . import checks, engine, failure, options
 from .gang import Gang
 from .sending import Synced
@@ -136,9 +137,10 @@ class Pool:
         if ranks and max(ranks) >= world:
             raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
         self.reads |= code or set()  # a function a cell defined reads its globals when a later cell calls it
-        updates, said = self.synced.changes(self.reads, self.namespace or {}, self.rank_assigned)
-        if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start
-            said += self.gang.send_missing(self.reads, self.namespace or {}, self.rank_assigned)
+        with shared.carrying() if self.config.cluster else contextlib.nullcontext():  # other machines: bytes too
+            updates, said = self.synced.changes(self.reads, self.namespace or {}, self.rank_assigned)
+            if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start
+                said += self.gang.send_missing(self.reads, self.namespace or {}, self.rank_assigned)
         self.rank_assigned -= set(updates)
         for line in said:
             print(f"nbddp: {line}", file=sys.stderr)
