@@ -106,17 +106,18 @@ def test_a_notebook_name_reaches_the_other_node_and_a_rebound_one_is_sent_again(
 
 
 def test_a_shared_twin_reaches_every_node_once_and_reads_as_the_list(rk):
-    rk.ok("rows = nbddp.shared([{'label': i % 7} for i in range(10_000)])", timeout=60)
+    rk.ok("import nbddp\nrows = nbddp.shared([{'label': i % 7} for i in range(10_000)])", timeout=60)
     rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
     try:
-        res = rk.ok("%%ddp --gather got\ngot = sum(r['label'] for r in rows[rank::world_size])\n")
-        assert sum(rk.value("got")) == sum(i % 7 for i in range(10_000)), res.stderr
+        res = rk.ok("%%ddp --gather n_read\nn_read = sum(r['label'] for r in rows[rank::world_size])\n")
+        assert sum(rk.value("n_read")) == sum(i % 7 for i in range(10_000)), res.stderr
         assert re.search(r"sent rows \(nbddp.wire.shared.SharedSequence, [\d.]+ (B|KiB|MiB)\) to the other nodes' "
                          r"ranks, once", res.stderr), res.stderr
-        again = rk.ok("%%ddp --gather got\ngot = len(rows)\n")
-        assert "sent" not in again.stderr and rk.value("got") == [10_000, 10_000], "once per node, never per cell"
+        again = rk.ok("%%ddp --gather n_read\nn_read = len(rows)\n")
+        assert "sent" not in again.stderr and rk.value("n_read") == [10_000, 10_000], "once per node, never per cell"
     finally:
         rk.ok("%ddp stop", timeout=60)
+        rk.ok("del rows, n_read")
 
 
 def test_a_name_the_notebook_had_before_the_pool_started_reaches_the_other_node(rk):
