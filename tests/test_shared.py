@@ -240,3 +240,25 @@ def test_a_spawned_rank_maps_the_twin_by_handle(data):
     assert k.value("attached") == [True, True], "mapped from the kernel's buffer, not unpickled from a copy"
     assert all(g <= 0.05 * size for g in k.value("grew")), k.value("grew")
     assert sum(k.value("total")) == k.value("sum(r['label'] for r in plain)")
+
+
+def test_a_cell_that_copied_a_large_notebook_list_names_it_with_the_fix(clean_kernel):
+    k = clean_kernel
+    k.ok("import nbddp, torch\nbig = [{'id': i, 'text': f'sample text number {i}', 'label': i % 7} "
+         "for i in range(2_000_000)]\nweights = torch.zeros(30_000_000)", timeout=120)
+    try:
+        cell = "%%ddp --devices 2 --gather total\ntotal = sum(r['label'] for r in {name})\n"
+        res = k.ok(cell.format(name="big"), timeout=120)
+        note = re.search(r"nbddp: this cell copied notebook data into its ranks as it read `big` \(a list of "
+                         r"2,000,000 items\): private memory rank 0 \+(\d+) MiB, rank 1 \+(\d+) MiB\..*Share them "
+                         r"instead, in the notebook: big = nbddp.shared\(big\)", res.stderr)
+        assert note and all(int(m) >= 100 for m in note.groups()), res.stderr
+        board = res.displays[-1]["data"]["text/plain"]  # the dashboard's final state says it too
+        assert re.search(r"\+\d+ MB copied from big", board), board
+        k.ok("shared_big = nbddp.shared(big)", timeout=120)
+        res = k.ok(cell.format(name="shared_big"), timeout=120)
+        assert "copied" not in res.stderr and k.value("total")[0] == sum(i % 7 for i in range(2_000_000))
+        res = k.ok("%%ddp --devices 2\nweights.add_(1)\n", timeout=120)  # a tensor written: its own copy, no note
+        assert "copied" not in res.stderr, res.stderr
+    finally:
+        k.ok("big = shared_big = weights = None")

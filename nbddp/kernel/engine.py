@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ..errors import RankFailure, ResultError
 from ..ipy import tracebacks
+from ..rank import copywatch
 from ..rank.server import INTERRUPT, Server
 from ..views.relay import CellSink, Relay
 from ..wire import messages, values
@@ -395,7 +396,9 @@ class CellRun:
             recover = gang.persistent and (self.interrupted_at or len(self.replies) < len(exits))
             err = failure.rank_failed(exits, self.relabel, log_dir)
             raise self._with_fate(err, self._recover() if recover else True if gang.persistent else None)
-        return Outcome(exits, log_dir, time.monotonic() - start, failure.notes(exits, self.relabel))
+        copied = copywatch.note({e.rank: e.result.copied for e in exits if e.result is not None and e.result.copied})
+        notes = failure.notes(exits, self.relabel) + ([copied] if copied else [])
+        return Outcome(exits, log_dir, time.monotonic() - start, notes)
 
     def _cell_exit(self, rank: int) -> failure.RankExit:
         """A pool rank's exit record for this cell, from its answer (it has not exited)."""

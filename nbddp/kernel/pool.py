@@ -152,10 +152,13 @@ class Pool:
                                updates, post_mortem=post_mortem, lead=ranks[0] if ranks else 0)
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
         try:
-            per_rank = self._engine(config, label, relabel, observer, ranks).run(command=cmd).results()
+            outcome = self._engine(config, label, relabel, observer, ranks).run(command=cmd)
         except RankFailure as e:
             self.last_failed = e.rank  # %ddp debug's default rank
             raise
+        for note in outcome.notes:
+            print(f"nbddp: {note}", file=sys.stderr)
+        per_rank = outcome.results()
         for res in per_rank:
             self.rank_assigned |= set(res.assigned)
         return per_rank

@@ -12,7 +12,7 @@ import types
 from ..ipy.cellcode import is_async, split_last_expression
 from ..wire import values
 from ..wire.messages import Item, Result
-from . import debug
+from . import copywatch, debug
 
 
 def run_async(body: types.CodeType, last: types.CodeType | None, ns: dict):
@@ -53,12 +53,14 @@ class CellJob:
         ns.update(rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, device=ctx.device)
         ns.update(exit=sys.exit, quit=sys.exit)  # as in a script: ends this rank's cell
         body, last = _compiled(self.source, self.filename)  # in the rank: code objects never travel
+        watch = copywatch.Watch(copywatch.watched((body, last), ns), ns)
         try:
-            if is_async(body) or is_async(last):
-                value = run_async(body, last, ns)
-            else:
-                exec(body, ns)
-                value = eval(last, ns) if last is not None else None
+            with watch:
+                if is_async(body) or is_async(last):
+                    value = run_async(body, last, ns)
+                else:
+                    exec(body, ns)
+                    value = eval(last, ns) if last is not None else None
         except BaseException as e:
             debug.failed(e, ctx.rank, self.post_mortem)
             raise
@@ -72,12 +74,12 @@ class CellJob:
 
         gathers = named(self.gathers)
         if ctx.rank != self.lead:
-            return Result(gathers=gathers)
+            return Result(gathers=gathers, copied=watch.copied)
         item = pack(value) if value is not None else None
         if item is not None and item.problem:
             _display_instead(value, item.problem)
             item = None
-        return Result(value=item, outs=named(self.outs), gathers=gathers)
+        return Result(value=item, outs=named(self.outs), gathers=gathers, copied=watch.copied)
 
 
 def in_namespace(value, ns: dict):

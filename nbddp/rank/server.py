@@ -179,7 +179,7 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound
         if notebook is not None:  # the rank's own now: they travel by value
             for name in assigned:
                 notebook.pop(id(ns[name]), None)
-    return messages.Result(result.value, result.outs, result.gathers, assigned)
+    return dataclasses.replace(result, assigned=assigned)
 
 
 class _Imports:

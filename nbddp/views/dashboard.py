@@ -56,6 +56,7 @@ class RunView:
         self.progress: dict[int, float] = {}  # rank -> its last tqdm fraction
         self.raised: dict[int, str] = {}  # rank -> its exception, "Type: message"
         self.answered: set[int] = set()  # ranks that sent their Result: done, whatever stops them later
+        self.copied: dict[int, tuple] = {}  # rank -> (bytes, the notebook names it copied reading them)
         self._current: dict[tuple[int, str], bytes] = {}  # per rank and stream: its unfinished line's start
         self.monitor = Monitor([d for d in plan.device_ids if d is not None])
         self.ended: dict[int, float] = {}
@@ -72,6 +73,8 @@ class RunView:
             self.state[rank] = "running"
         elif isinstance(rec, Result):
             self.answered.add(rank)
+            if rec.copied:  # it copied notebook Python objects as it read them (rank/copywatch.py)
+                self.copied[rank] = (rec.copied[0], ", ".join(name for name, _ in rec.copied[1]))
         elif isinstance(rec, Error) and rec.type != "KeyboardInterrupt":
             self.raised.setdefault(rank, f"{rec.type}: {rec.message}".strip().rstrip(":"))
         elif isinstance(rec, Exit) and rec.code not in (0, None):
@@ -173,7 +176,7 @@ class RunView:
             cols.append("progress")
         cols.append("time")
         mem = {r: s for r, s in self.monitor.ranks.items() if (s.peak_uss if final else s.uss)}
-        if mem:
+        if mem or self.copied:
             cols.append("private memory")
         if self.monitor.gpus:
             cols.append("GPU")
@@ -193,6 +196,10 @@ class RunView:
                 row["private memory"] = mb(s.peak_uss if final else s.uss)
                 row["private memory:hover"] = (f"peak: private {mb(s.peak_uss)}, RSS {mb(s.peak_rss)}" if final else
                                                f"RSS {mb(s.rss)}, of which {mb(s.shared)} shared copy-on-write")
+            if r in self.copied:  # the rank's own figure for the cell: sampling may not have seen it
+                grew, names = self.copied[r]
+                row["private memory"] = f"{row.get('private memory', '')} +{mb(grew)} copied from {names}".strip()
+                row["private memory:hover"] = f"copied reading {names} (Python objects): nbddp.shared({names}) shares it"
             if dev is not None:
                 row["GPU"] = self._gpu(dev, final)
             if r in self.raised and state != "finished":

@@ -69,6 +69,7 @@ class Result:
     gathers: dict = field(default_factory=dict)  # name -> Item
     assigned: tuple = ()  # names the cell (re)bound on this rank (a pool keeps them the rank's own)
     imported: tuple = ()  # modules the rank imported since its last answer (the kernel warms them: kernel/warm.py)
+    copied: tuple = ()  # (bytes, ((name, what), ...)): private memory grew reading notebook Python objects (copywatch.py)
 
 
 @dataclass(frozen=True)
