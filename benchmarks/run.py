@@ -68,6 +68,10 @@ def run(quick: bool, only: str | None = None) -> dict:
         import bench_ray
 
         return {**json.loads((HERE / "results.json").read_text()), "ray": bench_ray.measure(quick)}
+    if only == "firststep":  # issue 34's section: a real first step and real data, kernels of their own
+        import bench_firststep
+
+        return {**json.loads((HERE / "results.json").read_text()), "firststep": bench_firststep.measure(quick)}
     if only:  # one section again, the others kept from the last full run
         results = json.loads((HERE / "results.json").read_text())
         k = new_kernel()
@@ -113,6 +117,10 @@ def run(quick: bool, only: str | None = None) -> dict:
     else:
         results["ray"] = bench_ray.measure(quick)
         print("done: ray", flush=True)
+    import bench_firststep
+
+    results["firststep"] = bench_firststep.measure(quick)
+    print("done: firststep", flush=True)
     return results
 
 
@@ -333,6 +341,10 @@ def report(r: dict) -> str:
         import bench_ray
 
         lines += [bench_ray.BEGIN, bench_ray.section(r["ray"]).rstrip("\n"), bench_ray.END, ""]
+    if "firststep" in r:
+        import bench_firststep
+
+        lines += [bench_firststep.render(r["firststep"]), ""]
     return "\n".join(lines) + "\n"
 
 

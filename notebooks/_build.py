@@ -72,9 +72,31 @@ NOTEBOOKS = {
              "print(f\"reading a list of 1M strings made a rank copy {report['list_mb']:.0f} MB\")\n"
              "assert report['tensor_mb'] < 0.05 * 256, report\n"
              "assert report['list_mb'] > report['tensor_mb'], report"),
-        md("**What to do:** keep datasets as tensors (or numpy arrays) built in the notebook; turn lists of Python "
-           "objects into tensors or arrays before the `%%ddp` cell. `THP_MEM_ALLOC_ENABLE=1`, which nbddp sets at "
-           "`%load_ext`, also keeps the fork itself cheap when the kernel holds many GB of tensors."),
+        md("## Python objects, shared: `nbddp.shared`\n\nA dataset made of Python objects (a list of dicts, a "
+           "DataFrame with a Python string column) is copied into every rank, page by page, as the rank reads it, "
+           "and again into each DataLoader worker. nbddp says so when it happens: a cell whose rank grew by 100 MiB "
+           "or more while it read such a notebook variable ends with a note naming it, the figures, and the fix."),
+        code("rows = [{'id': i, 'text': f'sample text number {i}', 'label': i % 7} for i in range(2_000_000)]"),
+        code("%%ddp --devices 2 --gather total\n"
+             "total = sum(r['label'] + len(r['text']) for r in rows)   # every rank reads every row"),
+        md("The fix is one line in the notebook: `nbddp.shared(rows)` is a read-only twin of the list whose items "
+           "live pickled in one shared buffer. Reading an item unpickles a fresh copy of it from bytes nobody "
+           "writes, so the buffer's pages stay shared by every rank and every loader worker they fork. It reads "
+           "as the list does (`len`, indexing, slices, iteration), and also takes a pandas DataFrame or Series "
+           "(strings in Arrow buffers, numbers as numpy arrays)."),
+        code("import nbddp\nplain_total = sum(total)\nrows = nbddp.shared(rows)\nrows"),
+        code("%%ddp --devices 2 --gather total grew\n"
+             "import psutil\n"
+             "start = psutil.Process().memory_full_info().uss\n"
+             "total = sum(r['label'] + len(r['text']) for r in rows)\n"
+             "grew = (psutil.Process().memory_full_info().uss - start) / 2**20"),
+        code("print(f\"reading the shared rows made each rank copy at most {max(grew):.0f} MB\")\n"
+             "assert sum(total) == plain_total and max(grew) < 20, grew"),
+        md("**What to do:** keep datasets as tensors or numpy arrays built in the notebook (they stay shared as "
+           "they are), and pass lists of Python objects and DataFrames through `nbddp.shared` before the `%%ddp` "
+           "cell. A twin made after `%ddp start` reaches the pool's ranks as a handle of a few hundred bytes, "
+           "once. `THP_MEM_ALLOC_ENABLE=1`, which nbddp sets at `%load_ext`, also keeps the fork itself cheap "
+           "when the kernel holds many GB of tensors."),
     ],
     "03-metrics-and-results.ipynb": [
         md("# Metrics, results and plots\n\nRanks are a real process group, so metric libraries sync across them. Results come back four ways: `--out NAME` (rank 0's variables), `--gather NAME` (a list of every rank's), the last expression (rank 0's value, as `Out[n]`), and `nbddp.launch` (every rank's return value). A plot drawn on a rank appears in the cell, as in any notebook cell."),
