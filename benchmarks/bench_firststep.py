@@ -288,7 +288,9 @@ def render(r: dict) -> str:
     lines += [
         f"Real data: each rank reads its half, item by item (rows: a list of dicts, {d['rows_mb']:.0f} MiB in the "
         f"kernel; frame: a DataFrame whose string column is `StringDtype('python')`, {d['frame_mb']:.0f} MiB); "
-        "private memory growth (USS) of each rank, and of each of its 2 DataLoader workers. `nbddp.shared` took "
+        "private memory growth (USS) of each rank, and of each of its 2 DataLoader workers (with workers, the "
+        "rank's own figure is the index list it builds for the loader's sampler, the same plain or shared). "
+        "`nbddp.shared` took "
         f"{d['shared_rows_s']:.1f} s for the rows (a {d['shared_rows_mb']:.0f} MiB buffer) and "
         f"{d['shared_frame_s']:.1f} s for the frame.",
         "",
