@@ -27,6 +27,8 @@ import itertools
 import mmap
 import os
 import pickle
+import sys
+import tempfile
 import weakref
 from array import array
 
@@ -61,9 +63,10 @@ def _already_shared(obj) -> bool:
     t = type(obj)
     if isinstance(obj, SharedSequence) or t.__module__ == f"{__package__}.sharedframe":
         return True
-    name = f"{t.__module__}.{t.__qualname__}"
-    return name in ("torch.Tensor", "torch.nn.parameter.Parameter", "numpy.ndarray") or (
-        t.__module__.startswith("datasets.") and t.__qualname__ in ("Dataset", "DatasetDict"))
+    torch, numpy = sys.modules.get("torch"), sys.modules.get("numpy")  # never imported for this
+    if torch is not None and isinstance(obj, torch.Tensor) or numpy is not None and isinstance(obj, numpy.ndarray):
+        return True
+    return t.__module__.startswith("datasets.") and t.__qualname__ in ("Dataset", "DatasetDict")
 
 
 def _pandas_kind(obj) -> str | None:
@@ -117,7 +120,11 @@ class Writer:
     """Builds a buffer: parts appended at aligned offsets, then sealed read-only."""
 
     def __init__(self, name: str):
-        self.fd = os.memfd_create(f"nbddp-shared-{name}", os.MFD_CLOEXEC)
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create(f"nbddp-shared-{name}", os.MFD_CLOEXEC)
+        else:  # no memfd (macOS): an unlinked file, shared with forks all the same
+            self.fd, path = tempfile.mkstemp(prefix=f"nbddp-shared-{name}-")
+            os.unlink(path)
         self.pos = 0
 
     def append(self, data) -> int:
