@@ -18,7 +18,6 @@ import pickle
 import time
 import types
 
-import cloudpickle
 
 from ..errors import UsageError
 from ..ipy.cellcode import notebook_name
@@ -170,7 +169,7 @@ class ClusterGang(Gang):
             if name in self.extra or name not in namespace or not notebook_name(name):
                 continue
             try:
-                self.extra[name] = cloudpickle.dumps(namespace[name])
+                self.extra[name] = values.to_ranks(namespace[name])
             except Exception as e:  # noqa: BLE001 - still owed: the next cell that reads it tries again
                 raise UsageError(f"`{name}` must be sent to the pool's ranks on the other nodes (they do not share "
                                  f"the notebook's memory), but it cannot be pickled: {type(e).__name__}: {e}\n"

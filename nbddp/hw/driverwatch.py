@@ -18,6 +18,7 @@ import contextlib
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass
 
 DRIVER_LIB = "libcuda.so"  # the driver library's file name starts with this (libcuda.so.1, libcuda.so.560.35)
@@ -209,6 +210,8 @@ class Watcher:
     def audit(self, event: str, args) -> None:
         if self._in_hook or self.library is not None or self._origin is not None or os.getpid() != self._pid:
             return
+        if threading.current_thread().name == WARM_THREAD:  # nbddp's own imports (kernel/warm.py), not the cell's
+            return
         if event == "ctypes.dlopen":
             name = args[0] if args else None
             if isinstance(name, (str, bytes)) and os.fsdecode(name).rsplit("/", 1)[-1].startswith(DRIVER_LIB):
@@ -229,7 +232,8 @@ class Watcher:
 _watchers: list[Watcher] = []  # audit hooks cannot be removed: one hook, forwarding to the current watcher
 
 
-WATCHED = frozenset({"import", "ctypes.dlopen"})  # the audit events a watcher looks at
+WATCHED = frozenset({"import", "ctypes.dlopen"})
+WARM_THREAD = "nbddp-warm"  # the thread kernel/warm.py imports on  # the audit events a watcher looks at
 
 
 def _audit(event: str, args) -> None:

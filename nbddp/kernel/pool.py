@@ -11,13 +11,12 @@ import contextlib
 import sys
 import time
 
-import cloudpickle
 
 from ..errors import RankFailure, UsageError
 from ..rank.jobs import CallJob
 from ..rank.server import Server
 from ..views.display import view_for_pool
-from ..wire import messages, shared
+from ..wire import messages, shared, values
 from . import checks, engine, failure, options
 from .gang import Gang
 from .sending import Synced
@@ -124,7 +123,7 @@ class Pool:
     def run_job(self, job, label: str) -> list:
         """``job(ctx)`` on every rank (a job that needs the rank's context, such as its namespace: %ddp who);
         each rank's value, as ``run``."""
-        outcome = self._engine(self.config, label).run(command=messages.Call(cloudpickle.dumps(job)))
+        outcome = self._engine(self.config, label).run(command=messages.Call(values.to_ranks(job)))
         return engine.returned(outcome.results())
 
     def cell(self, source: str, filename: str, *, outs=(), gathers=(), code=None, relabel=None,

@@ -7,7 +7,6 @@ import builtins
 import types
 import weakref
 
-import cloudpickle
 
 from ..errors import UsageError
 from ..ipy.cellcode import names_used, notebook_name, split_last_expression
@@ -28,7 +27,7 @@ def ship_globals(source: str, filename: str, user_ns: dict) -> dict[str, bytes]:
             continue
         pending += sorted(_reads(user_ns[name]) - set(shipped))  # its globals: the rank's own once it arrives
         try:
-            shipped[name] = cloudpickle.dumps(user_ns[name])
+            shipped[name] = values.to_ranks(user_ns[name])
         except Exception as e:  # noqa: BLE001
             raise UsageError(
                 f"--start-method spawn must send the global `{name}` ({values.describe(user_ns[name])}) to every "
@@ -74,7 +73,7 @@ class Synced:
                 continue
             pending += sorted(_reads(value) - set(updates))  # what a notebook function reads goes with it
             try:
-                blob = cloudpickle.dumps(value)
+                blob = values.to_ranks(value)
             except Exception as e:  # noqa: BLE001
                 raise UsageError(f"`{name}` changed in the notebook since %ddp start and must be sent to every "
                                  f"rank, but it cannot be pickled: {type(e).__name__}: {e}\nNothing ran. "

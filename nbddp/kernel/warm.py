@@ -6,9 +6,9 @@ it runs in a process; a fresh forked rank paid 6-7 s for it in its first step, i
 in a pool's first. Imported once in the kernel (0.7-3.4 s, ~70 MiB), every fork shares it. The kernel
 imports them on a thread of its own, started by ``%load_ext`` (which stays as fast as before), and every
 fork waits for that thread first (``wait``): nothing of nbddp's runs and no import lock is held while
-the kernel forks. Modules a rank imported that the kernel had not are imported the same way after the
-cell (``learn``), for the next fork, but only submodules of packages the kernel has already imported:
-warming never brings a new library into the kernel. ``NBDDP_WARM=0`` (before ``%load_ext``) turns it off.
+the kernel forks. Modules a rank imported that the kernel had not are imported just before the next fork
+(``learn``), but only submodules of packages the kernel has already imported: warming never brings a new
+library into the kernel. ``NBDDP_WARM=0`` (before ``%load_ext``) turns it off.
 None of this touches CUDA: ``import torch._dynamo`` initialises no device.
 """
 from __future__ import annotations
@@ -17,6 +17,9 @@ import importlib
 import os
 import sys
 import threading
+import warnings
+
+from ..hw import driverwatch
 
 # Measured, not guessed (benchmarks/bench_firststep.py lists what a fresh rank imports in its first real
 # steps, torch 2.13): DDP's constructor (torch._dynamo and what it pulls), AdamW's first step
@@ -41,6 +44,7 @@ NEVER = ("__main__", "torch.cuda", "torch._inductor", "triton", "torch.compiler"
 _lock = threading.Lock()
 _queue: list[str] = []
 _thread: threading.Thread | None = None
+_learned: list[str] = []  # modules ranks imported, for the next fork
 _tried: set[str] = set()  # each name imported (or failed) once: a failure is not retried at every cell
 
 
@@ -57,7 +61,7 @@ def start(names=WARM_IMPORTS) -> None:
         _queue.extend(n for n in names if n not in _tried and n not in sys.modules)
         _tried.update(names)
         if _queue and _thread is None:
-            _thread = threading.Thread(target=_drain, name="nbddp-warm", daemon=True)
+            _thread = threading.Thread(target=_drain, name=driverwatch.WARM_THREAD, daemon=True)
             _thread.start()
 
 
@@ -66,15 +70,22 @@ def wait() -> None:
     lock into the rank)."""
     while (thread := _thread) is not None:
         thread.join()
+    if _learned and enabled():
+        names = list(dict.fromkeys(_learned))
+        _learned.clear()
+        _tried.update(names)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name in names:
+                _import(name)
 
 
 def learn(imported) -> None:
-    """Modules a rank imported that the kernel lacks, warmed for the next fork: submodules of packages
+    """Modules a rank imported that the kernel lacks, imported before the next fork (``wait``, on the
+    main thread, their warnings silenced: no output reaches a cell from here): submodules of packages
     the kernel has already imported, never a new library, never one that may touch a device."""
-    wanted = [n for n in imported if n not in sys.modules and n.partition(".")[0] in sys.modules
-              and not n.startswith(NEVER) and n not in _tried]
-    if wanted:
-        start(wanted)
+    _learned.extend(n for n in imported if n not in sys.modules and n.partition(".")[0] in sys.modules
+                    and not n.startswith(NEVER) and n not in _tried)
 
 
 def _drain() -> None:
@@ -85,7 +96,11 @@ def _drain() -> None:
                 _thread = None  # under the lock: a start() from now on starts a thread of its own
                 return
             name = _queue.pop(0)
-        try:
-            importlib.import_module(name)
-        except BaseException:  # noqa: BLE001 - a module the kernel cannot import stays the rank's to import
-            pass
+        _import(name)
+
+
+def _import(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except BaseException:  # noqa: BLE001 - a module the kernel cannot import stays the rank's to import
+        pass

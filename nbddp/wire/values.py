@@ -59,6 +59,28 @@ def _refuse_wrapped(module) -> None:
                          "StateDictOptions(full_state_dict=True, cpu_offload=True)) instead")
 
 
+class _ToRanks(cloudpickle.CloudPickler):
+    """cloudpickle, keeping each notebook function's file name (cloudpickle >= 3.1.3 writes "<dynamic-code>"):
+    a rank's traceback then labels its frames ``Cell In[n]``, as the notebook's would."""
+
+    dispatch_table = dict(cloudpickle.CloudPickler.dispatch_table)
+    _code = dispatch_table.get(types.CodeType)
+
+    def _keep_filename(code, _reduce=_code):
+        rebuild, args = _reduce(code)
+        return rebuild, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+    if _code is not None:
+        dispatch_table[types.CodeType] = _keep_filename
+
+
+def to_ranks(obj) -> bytes:
+    """A notebook value pickled for the ranks (by value: spawn, a pool's updates, another node)."""
+    buf = io.BytesIO()
+    _ToRanks(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
 def _identity(x):
     return x
 
