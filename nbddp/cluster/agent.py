@@ -38,9 +38,9 @@ class Agent:
     def __init__(self):
         from ..rank.worker import warm_start
 
-        warm_start(outside_shell=True)
-        warm.start()  # what a real first step imports lazily, on a thread: each fork waits for it (below)  # what ranks import (torch...), once here while the kernel forks its own:
+        warm_start(outside_shell=True)  # what ranks import (torch...), once here while the kernel forks its own:
         # shared by the forks, the IPython shell they make for displays included
+        warm.start()  # what a real first step imports lazily, on a thread: each fork waits for it (_fork)
         self.order = threading.Lock()  # the kernel's calls, applied one at a time in sequence order
         self.signals: queue.SimpleQueue = queue.SimpleQueue()  # (rank, signal, group) for the supervisor's thread
         self.wake_r, self.wake_w = os.pipe()

@@ -232,8 +232,8 @@ class Watcher:
 _watchers: list[Watcher] = []  # audit hooks cannot be removed: one hook, forwarding to the current watcher
 
 
-WATCHED = frozenset({"import", "ctypes.dlopen"})
-WARM_THREAD = "nbddp-warm"  # the thread kernel/warm.py imports on  # the audit events a watcher looks at
+WATCHED = frozenset({"import", "ctypes.dlopen"})  # the audit events a watcher looks at
+WARM_THREAD = "nbddp-warm"  # the thread kernel/warm.py imports on: its imports are not the cell's
 
 
 def _audit(event: str, args) -> None:

@@ -41,8 +41,6 @@ WARM_IMPORTS = (
 # Never learned: what may start compile workers or touch a device when imported.
 NEVER = ("__main__", "torch.cuda", "torch._inductor", "triton", "torch.compiler", "nbddp")
 
-_lock = threading.Lock()
-_queue: list[str] = []
 _thread: threading.Thread | None = None
 _learned: list[str] = []  # modules ranks imported, for the next fork
 _tried: set[str] = set()  # each name imported (or failed) once: a failure is not retried at every cell
@@ -52,32 +50,29 @@ def enabled() -> bool:
     return os.environ.get("NBDDP_WARM", "1") not in ("0", "off", "false", "no")
 
 
-def start(names=WARM_IMPORTS) -> None:
-    """Import ``names`` in the kernel, on a thread of its own (returns at once)."""
+def start() -> None:
+    """Import ``WARM_IMPORTS`` in the kernel, on a thread of its own (returns at once)."""
     global _thread
-    if not enabled():
-        return
-    with _lock:
-        _queue.extend(n for n in names if n not in _tried and n not in sys.modules)
-        _tried.update(names)
-        if _queue and _thread is None:
-            _thread = threading.Thread(target=_drain, name=driverwatch.WARM_THREAD, daemon=True)
-            _thread.start()
+    names = [n for n in WARM_IMPORTS if n not in sys.modules]
+    if enabled() and names and _thread is None:
+        _thread = threading.Thread(target=_import_all, args=(names,), name=driverwatch.WARM_THREAD, daemon=True)
+        _thread.start()
 
 
 def wait() -> None:
     """Before a fork: the warming thread has finished (a fork while it imports would copy a held import
-    lock into the rank)."""
-    while (thread := _thread) is not None:
-        thread.join()
+    lock into the rank); what ranks imported since the last fork is imported here, on this thread."""
+    global _thread
+    if _thread is not None:
+        _thread.join()
+        _thread = None
     if _learned and enabled():
         names = list(dict.fromkeys(_learned))
         _learned.clear()
         _tried.update(names)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for name in names:
-                _import(name)
+            _import_all(names)
 
 
 def learn(imported) -> None:
@@ -88,19 +83,9 @@ def learn(imported) -> None:
                     and not n.startswith(NEVER) and n not in _tried)
 
 
-def _drain() -> None:
-    global _thread
-    while True:
-        with _lock:
-            if not _queue:
-                _thread = None  # under the lock: a start() from now on starts a thread of its own
-                return
-            name = _queue.pop(0)
-        _import(name)
-
-
-def _import(name: str) -> None:
-    try:
-        importlib.import_module(name)
-    except BaseException:  # noqa: BLE001 - a module the kernel cannot import stays the rank's to import
-        pass
+def _import_all(names) -> None:
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - a module the kernel cannot import stays the rank's to import
+            pass

@@ -174,7 +174,11 @@ def _classes():
     objects are plain pandas; pickling sends the buffer's handle and the layout, never the values."""
     import pandas as pd
 
-    class SharedDataFrame(pd.DataFrame):
+    class Twin:
+        def __reduce_ex__(self, protocol):
+            return rebuild, self._nbddp
+
+    class SharedDataFrame(Twin, pd.DataFrame):
         @property
         def _constructor(self):
             return pd.DataFrame
@@ -183,10 +187,7 @@ def _classes():
         def _constructor_sliced(self):
             return pd.Series
 
-        def __reduce_ex__(self, protocol):
-            return rebuild, self._nbddp
-
-    class SharedSeries(pd.Series):
+    class SharedSeries(Twin, pd.Series):
         @property
         def _constructor(self):
             return pd.Series
@@ -194,9 +195,6 @@ def _classes():
         @property
         def _constructor_expanddim(self):
             return pd.DataFrame
-
-        def __reduce_ex__(self, protocol):
-            return rebuild, self._nbddp
 
     for cls in (SharedDataFrame, SharedSeries):
         cls.__module__, cls.__qualname__ = __name__, cls.__name__
