@@ -196,3 +196,55 @@ def test_pdb_on_opens_post_mortem_in_a_pool_rank_and_the_pool_lives_on(clean_ker
     finally:
         clean_kernel.ok("%pdb off")
         clean_kernel.ok("%ddp stop", timeout=60)
+
+
+def frames_listed(stdout, rank):
+    """The functions of the frames pdb printed on ``rank``, in order: where it stopped, each frame ``where``
+    lists (oldest first), each frame ``up`` moved to (lines ``file(n)func()``)."""
+    import re
+
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", stdout)
+    return re.findall(rf"^\[rank{rank}\]:.*\(\d+\)(<?\w+>?)\(\)$", plain, re.M)
+
+
+NBDDP_FRAMES = ("server.py", "jobs.py", "worker.py", "nbddp")
+
+
+def test_ddp_debug_starts_at_the_cells_frame_and_up_stops_there(clean_kernel):
+    clean_kernel.ok("%ddp start --devices 2", timeout=60)
+    try:
+        clean_kernel.run("%%ddp\ndef g(k):\n    secret = k + 40\n    raise ValueError(k)\ng(rank) if rank == 1 else None\n",
+                         timeout=60)
+        res = clean_kernel.converse("%ddp debug", answers("where", "up", "up", "c"), timeout=60)
+    finally:
+        clean_kernel.ok("%ddp stop", timeout=60)
+    # stopped in g; `where`: the cell, then g; `up`: the cell; `up` again: nothing older
+    assert frames_listed(res.stdout, 1) == ["g", "<module>", "g", "<module>"], res.stdout
+    assert not any(name in res.stdout for name in NBDDP_FRAMES), res.stdout
+    assert "Oldest frame" in res.stdout, res.stdout
+
+
+def test_pdb_on_post_mortem_starts_at_the_cells_frame(clean_kernel):
+    clean_kernel.ok("%pdb on")
+    try:
+        res = clean_kernel.converse("%%ddp --devices 2\ndef f(k):\n    return {}[k]\nf(rank) if rank == 1 else None\n",
+                                    answers("where", "up", "up", "c"), timeout=90)
+    finally:
+        clean_kernel.ok("%pdb off")
+    assert frames_listed(res.stdout, 1) == ["f", "<module>", "f", "<module>"], res.stdout
+    assert not any(name in res.stdout for name in NBDDP_FRAMES) and "Oldest frame" in res.stdout, res.stdout
+
+
+def test_breakpoint_and_torch_breakpoint_start_at_the_users_frames(clean_kernel):
+    res = clean_kernel.converse("%%ddp --devices 2\ndef h():\n    if rank == 1:\n        breakpoint()\n    return 1\nh()\n",
+                                answers("where", "up", "up", "c"), timeout=90)
+    assert res.error is None, res.error_text
+    assert frames_listed(res.stdout, 1) == ["h", "<module>", "h", "<module>"], res.stdout
+    assert not any(name in res.stdout for name in NBDDP_FRAMES) and "Oldest frame" in res.stdout, res.stdout
+
+    res = clean_kernel.converse("%%ddp --devices 2\nimport torch.distributed as dist\ndist.breakpoint(rank=0)\n",
+                                answers("where", "up", "up", "c"), timeout=90)
+    assert res.error is None, res.error_text
+    # torch stops in its own breakpoint() ("Type 'up' to get to the frame that called dist.breakpoint")
+    assert frames_listed(res.stdout, 0) == ["breakpoint", "<module>", "breakpoint", "<module>"], res.stdout
+    assert "server.py" not in res.stdout and "jobs.py" not in res.stdout and "Oldest frame" in res.stdout, res.stdout

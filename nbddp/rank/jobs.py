@@ -20,6 +20,7 @@ def run_async(body: types.CodeType, last: types.CodeType | None, ns: dict):
     forked rank must never touch the kernel's running loop), closed when the cell ends."""
     import asyncio
 
+    @debug.entry
     async def cell():
         done = eval(body, ns)
         if inspect.iscoroutine(done):
@@ -44,6 +45,7 @@ class CellJob:
         self.gathers = tuple(gathers)
         self.max_value_bytes = max_value_bytes
 
+    @debug.entry
     def run_in(self, ns: dict, ctx, notebook) -> Result:
         """Run in ``ns``; ``notebook``: the objects (values.notebook_objects) the kernel has as well,
         which travel back by reference."""
@@ -147,5 +149,6 @@ class CallJob:
     def __init__(self, fn, args, max_value_bytes: int):
         self.fn, self.args, self.max_value_bytes = fn, args, max_value_bytes
 
+    @debug.entry
     def __call__(self, ctx) -> Result:
         return Result(value=values.pack(self.fn(*self.args), max_bytes=self.max_value_bytes))
