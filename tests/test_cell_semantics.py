@@ -184,3 +184,23 @@ def test_a_timeout_while_a_cell_awaits_says_so(clean_kernel):
     text = res.error_text
     assert text.count("(waiting in an `await` of the cell: a coroutine's frames are not on the stack while it "
                       "waits;") == 1 and "ranks 0, 1 were here:" in text, text
+
+
+@pytest.mark.parametrize("code", ["%%ddp --devices 2\n", "%%ddp --devices 2", "%%ddp\n\n   \n"])
+def test_an_empty_cell_fails_as_the_other_usage_errors_do(clean_kernel, code):
+    res = clean_kernel.run(code, timeout=30)
+    assert res.status == "error" and res.error is not None and res.error["ename"] == "UsageError", (res.status, res.stderr)
+    assert "%%ddp: the cell is empty" in res.error_text and "nothing ran" in res.error_text, res.error_text
+    assert "%ddp start" in res.error_text and res.stderr == "", res.stderr  # not IPython's printed UsageError
+
+
+def test_a_name_the_cell_never_bound_is_said_with_the_close_names_not_unsendable_advice(clean_kernel):
+    res = clean_kernel.run("%%ddp --devices 2 --out losss --gather part\nlosses = [rank]\nloss = 1.0\n"
+                           "if rank == 0:\n    part = 1\n", timeout=60)
+    text = res.error_text
+    assert res.error["ename"] == "ResultError", text
+    assert "--out losss: rank 0 never defined `losss`: the cell never assigns it (it assigns loss, losses, part)" in text
+    assert "Did you mean `losses` or `loss`?" in text, text  # closest first
+    assert "--gather part: rank 1 never defined `part`: the cell assigns it, but not on rank 1" in text, text
+    assert "Assign `part` on every rank" in text, text
+    assert "Send plain data" not in text, text  # that advice is for values that cannot travel

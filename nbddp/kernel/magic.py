@@ -60,6 +60,20 @@ def readable(doc: str, usage: str, example: str) -> str:
     return f"{usage}\n\n{textwrap.indent(example, '    ')}\n\n{body}\n"
 
 
+EMPTY_CELL = ("%%ddp: the cell is empty: nothing below the %%ddp line for the ranks to run; nothing ran.\n"
+              "Write the ranks' code below `%%ddp [options]`; a pool is managed with the line magic %ddp "
+              "(single %): %ddp start, stop, status, debug, who, diff.")
+
+
+def keep_empty_body(lines: list[str]) -> list[str]:
+    """IPython refuses a cell magic whose body is empty before calling it, printing its own UsageError (the
+    cell is not failed with an error, as nbddp's usage errors fail it); a blank line keeps the body, so
+    ``%%ddp`` refuses it itself (``EMPTY_CELL``). One check of the first line per cell."""
+    if len(lines) == 1 and lines[0].startswith("%%ddp") and not lines[0].startswith("%%ddp?"):
+        return [lines[0].rstrip("\n") + "\n", "\n"]
+    return lines
+
+
 @magics_class
 class DDPMagics(Magics):
     _handlers: list = []  # (shell, event, handler) registered by every instance: %unload_ext takes them back
@@ -77,6 +91,7 @@ class DDPMagics(Magics):
             for event, handler in (("pre_run_cell", self._record), ("post_run_cell", self._ran)):
                 shell.events.register(event, handler)
                 DDPMagics._handlers.append((shell, event, handler))
+            shell.input_transformers_cleanup.append(keep_empty_body)
 
     def _record(self, info) -> None:
         self.cells.append(info.raw_cell)
@@ -117,6 +132,8 @@ class DDPMagics(Magics):
             except ValueError:
                 pass
             cls._handlers.remove((owner, event, handler))
+        while keep_empty_body in shell.input_transformers_cleanup:
+            shell.input_transformers_cleanup.remove(keep_empty_body)
 
     @option_groups
     @cell_magic
@@ -143,6 +160,8 @@ class DDPMagics(Magics):
 
     def _cell(self, line, cell):
         explicit = options.parse(line)  # bad input is refused here: nothing runs, nothing changes
+        if not cell.strip():
+            raise UsageError(EMPTY_CELL)
         given, names = options.split(explicit)
         outs, gathers = names.get("out", []), names.get("gather", [])
         if self.pool is not None and self.pool.alive:
@@ -167,7 +186,7 @@ class DDPMagics(Magics):
                                   relabel=relabel)
         for note in outcome.notes:
             print(f"nbddp: {note}", file=sys.stderr)
-        return _deliver(outcome.results(), outs, gathers, shell.user_ns)
+        return _deliver(outcome.results(), outs, gathers, shell.user_ns, source)
 
     def _compile(self, cell):
         """The cell as IPython runs it: its source (transformed), file name (Cell In[n]) and the names it
@@ -202,7 +221,7 @@ class DDPMagics(Magics):
                                   relabel=tracebacks.cell_labels(self.shell), observer=line_for_pool_cell(ranks),
                                   ranks=ranks, post_mortem=bool(getattr(self.shell, "call_pdb", False)), **per_cell)
         try:
-            return _deliver(per_rank, outs, gathers, self.shell.user_ns)
+            return _deliver(per_rank, outs, gathers, self.shell.user_ns, source)
         finally:
             self.pool.synced.accept([*outs, *gathers], self.shell.user_ns)
 
@@ -308,24 +327,28 @@ class DDPMagics(Magics):
         print(f"wrote {path}: its first lines give the torchrun command")
 
 
-def _deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict):
+def _deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict, source: str = ""):
     """--out names from rank 0, --gather names from every rank, into the notebook; every name that can
-    arrive does, then one ResultError names each that could not (rank, name, why)."""
+    arrive does, then one ResultError names each that could not (rank, name, why, what to do: a name never
+    bound gets the cell's close names, a value that cannot travel what to send instead)."""
     problems = []
     arrived = []
+    unsendable = []
 
     def load(rank: int, name: str, item):
         flag = "--out" if name in outs else "--gather"
         if item is None or item.problem == values.NEVER_DEFINED:
-            problems.append(f"{flag} {name}: rank {rank} never defined `{name}`.")
+            problems.append(f"{flag} {name}: rank {rank} never defined `{name}`: {_unbound(name, rank, flag, source, user_ns)}")
             return None, False
         if item.problem:
             problems.append(f"{flag} {name}: rank {rank}'s `{name}`: {item.problem}.")
+            unsendable.append(name)
             return None, False
         try:
             return values.loads(item.blob), True
         except Exception as e:  # noqa: BLE001 - a value the kernel cannot rebuild is named, not raised
             problems.append(f"{name}: rank {rank}'s value cannot be unpickled in the kernel: {type(e).__name__}: {e}.")
+            unsendable.append(name)
             return None, False
 
     first = per_rank[0]
@@ -342,10 +365,30 @@ def _deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict)
     if problems:
         problems.append(
             "The cell ran on every rank; " + (f"these arrived: {', '.join(arrived)}." if arrived else "nothing arrived.")
-            + "\nSend plain data instead (tensors, numbers, dicts, a state_dict), or leave the name out."
+            + ("\nSend plain data instead (tensors, numbers, dicts, a state_dict), or leave the name out."
+               if unsendable else "")
         )
         raise ResultError("\n".join(problems))
     return values.loads(first.value.blob) if first.value is not None else None
+
+
+def _unbound(name: str, rank: int, flag: str, source: str, user_ns: dict) -> str:
+    """Why ``name`` was never bound on ``rank``, and what to do: a branch that rank skipped, or a name the
+    cell never assigns (a typo: its close names among those the cell assigns, then the notebook's)."""
+    import difflib
+
+    bound = sorted(n for n in cellcode.names_bound(source) if not n.startswith("_"))
+    where = "on every rank" if flag == "--gather" else "on rank 0"
+    if name in bound:
+        return (f"the cell assigns it, but not on rank {rank} (a branch that rank did not take, or an exception "
+                f"it caught first). Assign `{name}` {where}, or leave it out of {flag}.")
+    known = [n for n in user_ns if not n.startswith("_")]
+    close = difflib.get_close_matches(name, bound, n=3) or difflib.get_close_matches(name, known, n=3)
+    said = (f"the cell never assigns it" + (f" (it assigns {', '.join(bound[:8])}{', ...' if len(bound) > 8 else ''})"
+                                            if bound else "") + ", and the notebook has no such name.")
+    fix = (f" Did you mean {' or '.join(f'`{c}`' for c in close)}? Put the name the cell assigns after {flag}"
+           if close else f" Put a name the cell assigns after {flag}")
+    return f"{said}{fix}, or assign `{name}` in the cell {where}."
 
 
 _usage, _, _rest = DDPMagics.ddp_pool.__doc__.partition("\n")
