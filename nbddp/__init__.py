@@ -49,17 +49,38 @@ def launch(fn, *args, **opts) -> list:
 
 def __getattr__(name):
     if name == "Pool":  # imported on first use: %load_ext stays light
-        from .kernel.pool import Pool
-
-        return Pool
+        return _pool_module().Pool
     raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+
+
+# -- what the kernel side is handed by this package, which sits above every part of it ------------------
+# cluster/ and export/ sit above the kernel (they use its starters and options), so the kernel names
+# neither: its pool and magic are given them here, each imported on first use (Ray only with a cluster pool).
+def _pool_module():
+    """kernel/pool.py, a ``--cluster`` pool's gang registered with it."""
+    from .kernel import pool
+
+    pool.register_cluster_gang(_cluster_gang)
+    return pool
+
+
+def _cluster_gang(config, plan, **kwargs):
+    from .cluster.clustergang import ClusterGang
+
+    return ClusterGang(config, plan, **kwargs)
+
+
+def _export_cells(cells, **kwargs) -> str:
+    from .export.script import export_cells
+
+    return export_cells(cells, **kwargs)
 
 
 def load_ipython_extension(ipython) -> None:
     from .hw import cuda
     from .ipy import cells
     from .kernel import warm
-    from .kernel.magic import DDPMagics
+    from .kernel.magic import DDPMagics, register_exporter
     from .rank import worker
 
     # Large tensors allocated from now on use transparent huge pages: a fork then copies far fewer
@@ -69,6 +90,8 @@ def load_ipython_extension(ipython) -> None:
     cuda.backend().install(ipython, cells)  # first: its environment (NVML-based CUDA checks) holds for torch's import
     worker.warm_start()  # torch imported once, here, so ranks never import it
     warm.start()  # what a real first step imports lazily (DDP: torch._dynamo...), on a thread: forks wait for it
+    _pool_module()  # %ddp start's pool, a --cluster one included
+    register_exporter(_export_cells)  # %ddp_export's writer
     ipython.register_magics(DDPMagics)
 
 

@@ -32,6 +32,7 @@ from ..kernel.starters import ForkStarter
 from ..kernel.supervisor import Bus, Supervisor
 from ..rank.server import Server
 from ..wire.framing import Reader, write_all
+from .netif import ifname_for
 
 
 class Agent:
@@ -63,8 +64,6 @@ class Agent:
     def where(self) -> dict:
         """This node as the kernel names it, and the interface that carries its Ray address (None: none does)."""
         import ray
-
-        from .placement import ifname_for
 
         ctx, ip = ray.get_runtime_context(), ray.util.get_node_ip_address()
         return {"node_id": ctx.get_node_id(), "host": socket.gethostname(), "ip": ip, "pid": os.getpid(),

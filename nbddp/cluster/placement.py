@@ -15,6 +15,7 @@ import socket
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from .netif import ifname_for  # noqa: F401 - the kernel's node's, read here by the cluster gang
 
 READY_S = 60.0  # the placement group must be placed by then
 PREFER_S = 1.0  # ... on the nodes where agents are kept, if it can be there by then (else anywhere)
@@ -243,19 +244,6 @@ def release_agents() -> int:
     for actor in kept:
         forget(actor, ray)
     return len(kept)
-
-
-def ifname_for(ip: str) -> str | None:
-    """The interface that carries ``ip`` on this machine (where the ranks' collective traffic goes)."""
-    try:
-        import psutil
-
-        for name, addrs in psutil.net_if_addrs().items():
-            if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
-                return name
-    except Exception:  # noqa: BLE001, S110 - no psutil, or no interfaces to read
-        pass
-    return None
 
 
 def no_interface(ip: str, where: str) -> str:

@@ -60,6 +60,16 @@ def readable(doc: str, usage: str, example: str) -> str:
     return f"{usage}\n\n{textwrap.indent(example, '    ')}\n\n{body}\n"
 
 
+_exporter: list = []  # what %ddp_export writes the script with (register_exporter)
+
+
+def register_exporter(export_cells) -> None:
+    """``export_cells(cells, source=, script=, failed=)`` writes ``%ddp_export``'s torchrun script
+    (export/script.py). export/ reads the options table, so it sits above the kernel: the package that
+    loads the magics registers it (nbddp's ``__init__``), and the magic names no export module."""
+    _exporter[:] = [export_cells]
+
+
 EMPTY_CELL = ("%%ddp: the cell is empty: nothing below the %%ddp line for the ranks to run; nothing ran.\n"
               "Write the ranks' code below `%%ddp [options]`; a pool is managed with the line magic %ddp "
               "(single %): %ddp start, stop, status, debug, who, diff.")
@@ -314,8 +324,6 @@ class DDPMagics(Magics):
     @line_magic
     def ddp_export(self, line):
         """%ddp_export train.py: write this session's %%ddp cells (and the cells they need) for torchrun."""
-        from ..export.script import export_cells
-
         path = line.strip() or "train.py"
         # cells as typed ("%%ddp ...", not run_cell_magic(...)); front ends that run cells without
         # storing history (nbval, some IDEs) still reach pre_run_cell, which nbddp records from %load_ext on
@@ -323,7 +331,7 @@ class DDPMagics(Magics):
         history = self.shell.history_manager.input_hist_raw[1:]
         failed = {n - 1: why for _, n, why in self.failed if n} if history else {i: why for i, _, why in self.failed}
         with open(path, "w") as f:
-            f.write(export_cells(history or self.cells, source="this notebook session", script=path, failed=failed))
+            f.write(_exporter[0](history or self.cells, source="this notebook session", script=path, failed=failed))
         print(f"wrote {path}: its first lines give the torchrun command")
 
 

@@ -56,16 +56,6 @@ def found(kind: str) -> list:
     return found[kind]
 
 
-def after_process_group() -> None:
-    """Once the rank's process group is up, before the cell runs: launchers the user's code starts meet
-    what they would under torchrun."""
-    from . import launchers
-
-    import torch.distributed as dist
-
-    launchers.install(dist.get_rank(), dist.get_world_size())
-
-
 def redirect_in_rank(kernel_streams=(), chan=None) -> None:
     """``kernel_streams``: what sys.stdout/sys.stderr were in the kernel at fork time; ``chan``: the
     rank's channel, which carries its rich outputs (display, plots) to the cell."""

@@ -119,7 +119,8 @@ def run_rank(spec: RankSpec, load_job, chan: framing.Writer) -> int:
         sockets = usergroup.sockets()
         _join_group(spec)
         usergroup.install(usergroup.sockets() - sockets)
-        inherit.after_process_group()  # the user's init/destroy_process_group, launchers in a rank, guardian
+        # launchers the user's code starts meet what they would under torchrun
+        launchers.install(torch.distributed.get_rank(), torch.distributed.get_world_size())
         chan.send(messages.Ready())
         phase = "cell"
         local_rank = int(spec.env.get("LOCAL_RANK", spec.rank))  # a cluster pool's: its index on its node
