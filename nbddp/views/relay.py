@@ -11,9 +11,10 @@ prefix on and more than one rank shown, each rank's lines wait up to ``MERGE_S``
 the others (``Merger``); lines that differ are shown per rank, each rank's in its order.
 
 A tqdm bar a rank draws as text (``tqdm.auto``, ``tqdm.notebook`` and ``tqdm.std``: the rank draws them
-all on its stderr) is shown as a progress bar of its own, labelled with the rank, updated in place by
-display id (``Bars``) and kept at its final state, with the text bar as its text/plain twin; the rank's
-log keeps the text bar.
+all on its stderr) is shown as a progress bar, labelled with the rank, updated in place by display id
+(``Bars``): every rank's n-th bar in one output, in rank order, kept at the last state its rank drew
+however the cell ends (its redraws held back with a stack dump included: ``Relay.kept``), with the text
+bars as its text/plain twin; the rank's log keeps the text bar.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import html
 import re
 import sys
 import time
+from dataclasses import dataclass, field
 
 from ..ipy.session import running_shell
 from ..wire import messages
@@ -31,6 +33,7 @@ MERGE_S = 0.3  # how long a rank's line waits for the same line from the other r
 TQDM = re.compile(r"(\d{1,3})%\|[^|]*\|\s*[\d.]+[kMGTPEZY]?/[\d.]+[kMGTPEZY]?(?:\s|$)")  # 45%|####  | 45/100
 BAR = re.compile(r"(?P<desc>.*?)(?P<pct>\d{1,3})%\|[^|]*\|(?P<rest>.*)")
 BAR_EVERY_S = 0.2  # a bar is redrawn in the cell at most this often (its final state always)
+BAR_GATHER_S = 0.5  # a new group of bars waits this long at most for every rank's bar, to show them in rank order
 
 
 def progress(line: str) -> float | None:
@@ -111,12 +114,13 @@ class CellSink:
         """Whether displays can be shown and updated (a kernel), so bars are drawn as bars."""
         return _publisher() is not None
 
-    def bar(self, rank: int, bar_id: str | None, data: dict) -> str:
-        """Show a rank's progress bar (a new output when ``bar_id`` is None), or update it; its id."""
+    def bar(self, number: int, bar_id: str | None, data: dict) -> str:
+        """Show the ``number``-th group of progress bars (a new output when ``bar_id`` is None), or update it;
+        its id."""
         publish = _publisher()
         if bar_id is None:
             self._count += 1
-            bar_id = f"{self.run_id}-bar{rank}-{self._count}"
+            bar_id = f"{self.run_id}-bars{number}-{self._count}"
             publish(data, {}, transient={"display_id": bar_id})
         else:
             publish(data, {}, transient={"display_id": bar_id}, update=True)
@@ -185,7 +189,8 @@ class Relay:
         merging = prefix and ranks_output == "all" and len(ranks) > 1  # among the ranks running the cell
         self.merger = Merger(ranks, self._write) if merging else None
         live = getattr(sink, "live", None)
-        self.bars = Bars(sink, prefix, self._holding) if live is not None and live() else None
+        shown = ranks if ranks_output == "all" else [r for r in ranks if r == 0] if ranks_output == "0" else []
+        self.bars = Bars(sink, prefix, self._holding, self._before_bar, shown) if live is not None and live() else None
 
     def on_Output(self, event) -> None:
         rank, stream, data = event.rank, event.stream, event.data
@@ -208,7 +213,7 @@ class Relay:
             if self.bars is not None and self._shown(rank) and rank not in self._capped:
                 text = tail.decode("utf-8", "replace").strip("\r")
                 if progress(text) is not None:  # a tqdm bar: drawn as one, live
-                    self.bars.draw(rank, stream, text, self._before_bar)
+                    self.bars.draw(rank, stream, text)
                 elif not text.strip() and key in self.bars.open:  # tqdm(leave=False) cleared it: gone
                     self.bars.cleared(rank, stream)
         if len(tail) > self._partial_limit:  # a line that never ends: shown cut, the rest dropped
@@ -222,8 +227,11 @@ class Relay:
     def on_OutputClosed(self, event) -> None:
         self._flush(event.rank, event.stream)
         self._closed[event.rank] = self._closed.get(event.rank, 0) + 1
-        if self.merger is not None and self._closed[event.rank] == 2:  # the rank has left: wait for it no more
-            self.merger.leave(event.rank)
+        if self._closed[event.rank] == 2:  # the rank has left: wait for it no more
+            if self.merger is not None:
+                self.merger.leave(event.rank)
+            if self.bars is not None:
+                self.bars.leave(event.rank)
 
     def on_Message(self, event) -> None:
         rec = event.record
@@ -239,6 +247,19 @@ class Relay:
         label = f"[rank{event.rank}]: display" if self.prefix else None  # every rank's, rank 0's too
         self.sink.display(event.rank, rec, label)
 
+    def kept(self, event) -> None:
+        """Output kept from the cell (a rank's stderr held while its stack is dumped: failure.StackCapture):
+        not shown, but a tqdm bar it redrew moves on with it, so the bar ends where the rank's did (after an
+        interrupt or a --timeout the rank draws on while its stack is taken, up to 2 s)."""
+        key = (event.rank, event.stream)
+        if self.bars is None or key not in self.bars.open or b"\r" not in event.data:
+            return
+        text = last_bar(event.data.decode("utf-8", "replace"))
+        if text is not None:
+            if self._partial.get(key, b"").startswith(b"\r"):  # the line closing the cell flushes: its latest state
+                self._partial[key] = b"\r" + text.encode()
+            self.bars.kept(event.rank, event.stream, text)
+
     def release_due(self) -> float | None:
         """Lines held for merging whose wait is over are shown, bars redrawn; when the next is due (the
         engine wakes then)."""
@@ -249,7 +270,7 @@ class Relay:
         for rank, stream in list(self._partial):
             self._flush(rank, stream)
         if self.bars is not None:
-            self.bars.close(self._before_bar)
+            self.bars.close()
         if self.merger is not None:
             self.merger.release(everything=True)
         self.sink.close()
@@ -288,7 +309,7 @@ class Relay:
                 if run:
                     self._lines(rank, stream, run)
                     run = []
-                self.bars.done(rank, stream, line, self._before_bar)
+                self.bars.done(rank, stream, line)
             else:
                 run.append(line)
         if run:
@@ -337,70 +358,141 @@ class Relay:
         return [*lines[:n], note]
 
 
+@dataclass
+class BarRow:
+    """A rank's bar in its group: the latest text its rank drew, and whether its line ended (``final``: kept
+    as it is) or tqdm cleared it (``leave=False``: gone)."""
+    text: str
+    final: bool = False
+    cleared: bool = False
+
+
+@dataclass
+class BarGroup:
+    """The n-th bar of every rank (epoch n's, say): one output, a row per rank in rank order, so bars never
+    shuffle by which rank drew first. ``display_id``: its output once shown; ``drawn_at``: when it was last
+    redrawn; ``changed``: a row moved since."""
+    number: int
+    opened_at: float
+    rows: dict[int, BarRow] = field(default_factory=dict)
+    display_id: str | None = None
+    drawn_at: float = 0.0
+    changed: bool = False
+
+
 class Bars:
-    """Each rank's tqdm bars as progress bars in the cell: one output per bar, redrawn by display id at most
-    every BAR_EVERY_S (the engine wakes for a redraw that waited), its final state always. A new bar waits
-    while lines its rank wrote before it wait to be merged, so it goes below them."""
+    """Each rank's tqdm bars as progress bars in the cell, in rank order: a rank's n-th bar is a row of the
+    n-th group, one output redrawn by display id at most every BAR_EVERY_S (the engine wakes for a redraw
+    that waited), a final state at once. A group is first shown once every rank shown has its row there, or
+    BAR_GATHER_S after the first (a rank drawing no bar is not waited for longer), and not while lines a
+    rank of it wrote before its bar wait to be merged (``holding``, at most MERGE_S), so it goes below them.
 
-    def __init__(self, sink, prefix: bool, holding):
-        self.sink, self.prefix, self.holding = sink, prefix, holding
-        self.open: dict[tuple[int, str], list] = {}  # (rank, stream) -> [display id, text, drawn at, waiting]
+    ``ranks``: the ranks whose bars are shown; ``before()``: what a final state shown at once first releases
+    (the merger's held lines)."""
 
-    def draw(self, rank: int, stream: str, text: str, before) -> None:
+    def __init__(self, sink, prefix: bool, holding, before, ranks=(0,)):
+        self.sink, self.prefix, self.holding, self.before = sink, prefix, holding, before
+        self.expected = set(ranks)  # ranks still writing whose bars a group waits for
+        self.open: dict[tuple[int, str], BarGroup] = {}  # (rank, stream) -> the group of its bar drawing now
+        self.started: dict[int, int] = {}  # rank -> how many bars it started
+        self.groups: dict[int, BarGroup] = {}  # by number
+
+    def draw(self, rank: int, stream: str, text: str) -> None:
+        """A bar's latest redraw."""
         key, now = (rank, stream), time.monotonic()
-        bar = self.open.setdefault(key, [None, text, 0.0, True])
-        bar[1], bar[3] = text, True
-        if bar[0] is None and self.holding(rank):
-            return  # shown once its rank's earlier lines are out (due)
-        if now - bar[2] >= BAR_EVERY_S:
-            self._show(rank, bar, now)
+        group = self.open.get(key) or self._start(rank, text, now)
+        self.open[key] = group
+        group.rows[rank].text, group.changed = text, True
+        self._redraw(group, now)
 
-    def _show(self, rank: int, bar: list, now: float) -> None:
-        bar[0] = self.sink.bar(rank, bar[0], self._data(rank, bar[1], final=False))
-        bar[2:] = [now, False]
-
-    def done(self, rank: int, stream: str, text: str, before) -> None:
-        """The bar's line ended: its last state stays, as a static bar (a new output if it was never drawn)."""
-        bar = self.open.pop((rank, stream), None)
-        if bar is None or bar[0] is None:
-            before()
-        self.sink.bar(rank, bar[0] if bar else None, self._data(rank, text, final=True))
+    def done(self, rank: int, stream: str, text: str) -> None:
+        """The bar's line ended: its last state stays, as a static bar."""
+        now = time.monotonic()
+        group = self.open.pop((rank, stream), None) or self._start(rank, text, now)
+        row = group.rows[rank]
+        row.text, row.final, group.changed = text, True, True
+        self._show(group, now)
 
     def cleared(self, rank: int, stream: str) -> None:
-        bar = self.open.pop((rank, stream))
-        if bar[0] is not None:
-            self.sink.bar(rank, bar[0], {"text/plain": ""})
+        """tqdm(leave=False) cleared the bar: its row goes."""
+        group = self.open.pop((rank, stream))
+        group.rows[rank].cleared = group.changed = True
+        if group.display_id is not None:
+            self._show(group, time.monotonic())
+
+    def kept(self, rank: int, stream: str, text: str) -> None:
+        """A redraw of an open bar that the cell did not get (held for a stack dump): the bar moves on."""
+        if (rank, stream) in self.open:
+            self.draw(rank, stream, text)
+
+    def leave(self, rank: int) -> None:
+        """The rank has left: groups wait for its bar no more."""
+        self.expected.discard(rank)
 
     def due(self) -> float | None:
-        now, due = time.monotonic(), []
-        for (rank, _), bar in self.open.items():
-            if not bar[3]:
-                continue
-            if bar[0] is None and self.holding(rank):
-                due.append(now + 0.05)  # (the merger's own wait ends about then)
-            elif now - bar[2] >= BAR_EVERY_S:
-                self._show(rank, bar, now)
-            else:
-                due.append(bar[2] + BAR_EVERY_S)
+        """Redraws that waited are made; when the next is due."""
+        now = time.monotonic()
+        due = [t for group in self.groups.values() if group.changed and (t := self._redraw(group, now))]
         return min(due) if due else None
 
-    def close(self, before) -> None:
-        for (rank, stream), bar in list(self.open.items()):
-            self.done(rank, stream, bar[1], before)
+    def close(self) -> None:
+        """The cell ended, however it ended: each bar still drawing is kept at the last state its rank drew."""
+        for (rank, stream), group in list(self.open.items()):
+            self.done(rank, stream, group.rows[rank].text)
 
-    def _data(self, rank: int, text: str, final: bool) -> dict:
-        m = BAR.match(text)
-        pct = min(100, int(m.group("pct")))
-        colour = "#1565c0" if not final else "#2e7d32" if pct == 100 else "#ef6c00"
-        label = f"[rank{rank}]" if self.prefix else ""
-        esc = html.escape
-        bar = (f"<span style='display:inline-block;width:160px;height:10px;background:#e0e0e0;vertical-align:middle;"
-               f"border-radius:2px'><span style='display:inline-block;width:{pct}%;height:100%;background:{colour};"
-               "border-radius:2px'></span></span>")
-        return {"text/plain": (label + ":" if label else "") + text,
-                "text/html": f"<div class='nbddp-bar' style='font-family:monospace;font-size:12px;white-space:pre;"
-                             "overflow:hidden;text-overflow:ellipsis'>"
-                             f"{esc(label)} {esc(m.group('desc'))}{bar} {pct}%{esc(m.group('rest'))}</div>"}
+    def _start(self, rank: int, text: str, now: float) -> BarGroup:
+        number = self.started.get(rank, 0)
+        self.started[rank] = number + 1
+        group = self.groups.get(number)
+        if group is None:
+            group = self.groups[number] = BarGroup(number, opened_at=now)
+        group.rows[rank] = BarRow(text)
+        return group
+
+    def _redraw(self, group: BarGroup, now: float) -> float | None:
+        """Shown or redrawn now if it may be; else when it may."""
+        if group.display_id is None:
+            if not self.expected <= group.rows.keys() and now < group.opened_at + BAR_GATHER_S:
+                return group.opened_at + BAR_GATHER_S
+            if any(self.holding(r) for r in group.rows):
+                return now + 0.05  # (the merger's own wait ends about then)
+        elif now - group.drawn_at < BAR_EVERY_S:
+            return group.drawn_at + BAR_EVERY_S
+        self._show(group, now)
+        return None
+
+    def _show(self, group: BarGroup, now: float) -> None:
+        if group.display_id is None:
+            self.before()  # below what its ranks wrote before it
+        group.display_id = self.sink.bar(group.number, group.display_id, self._data(group))
+        group.drawn_at, group.changed = now, False
+
+    def _data(self, group: BarGroup) -> dict:
+        rows = [(rank, row) for rank, row in sorted(group.rows.items()) if not row.cleared]
+        if not rows:
+            return {"text/plain": ""}
+        label = (lambda rank: f"[rank{rank}]:") if self.prefix else (lambda rank: "")
+        plain = "\n".join(label(rank) + row.text for rank, row in rows)
+        # the stream's own font and left edge (JupyterLab pads text outputs 1ch, HTML ones --jp-code-padding),
+        # so a rank's bar and its lines start in the same column
+        html_rows = "".join(_bar_html(label(rank), row) for rank, row in rows)
+        return {"text/plain": plain,
+                "text/html": "<div class='nbddp-bars' style='font-family:var(--jp-code-font-family,monospace);"
+                             "font-size:var(--jp-code-font-size,13px);line-height:var(--jp-code-line-height,1.4);"
+                             f"margin-left:calc(1ch - var(--jp-code-padding,0px))'>{html_rows}</div>"}
+
+
+def _bar_html(label: str, row: BarRow) -> str:
+    """One rank's bar: its label and description, the bar, the percentage and tqdm's counts and rate."""
+    m = BAR.match(row.text)
+    pct = min(100, int(m.group("pct")))
+    colour = "#1565c0" if not row.final else "#2e7d32" if pct == 100 else "#ef6c00"
+    esc = html.escape
+    bar = (f"<span style='display:inline-block;width:160px;height:10px;background:#e0e0e0;vertical-align:middle;"
+           f"border-radius:2px'><span style='display:inline-block;width:{pct}%;height:100%;background:{colour};"
+           "border-radius:2px'></span></span>")
+    return ("<div class='nbddp-bar' style='white-space:pre;overflow:hidden;text-overflow:ellipsis'>"
+            f"{esc(label)}{esc(m.group('desc'))}{bar} {pct}%{esc(m.group('rest'))}</div>")
 
 
 class Merger:
@@ -482,6 +574,19 @@ class Merger:
                 self.write(ranks, q[start][1], [item[2] for item in q[start:i]])
                 start = i
         del q[:n]
+
+
+DUMP_HEAD = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+|Stack \(most recent call first\)|Fatal Python error")
+
+
+def last_bar(text: str) -> str | None:
+    """The last whole tqdm state in a stretch of a rank's output (faulthandler's dump may follow a bar's text
+    on its line: cut there); None if there is none."""
+    for segment in reversed(re.split(r"[\r\n]", text)):
+        segment = DUMP_HEAD.split(segment, 1)[0].rstrip()
+        if progress(segment) is not None and BAR.match(segment):
+            return segment
+    return None
 
 
 def latest_redraw(tail: bytes) -> bytes:
