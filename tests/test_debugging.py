@@ -111,13 +111,18 @@ def test_who_and_diff_show_where_ranks_disagree(clean_kernel):
         clean_kernel.ok("%%ddp\nimport torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
                         "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 2))\nw = torch.zeros(3 + rank)\nsteps = 5\n"
                         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-                        "model(torch.randn(8, 4)).sum().backward(); opt.step()\n", timeout=60)
+                        "model(torch.randn(8, 4)).sum().backward(); opt.step()\n"
+                        "from collections import OrderedDict\nfrom math import sqrt\nclass Mine:\n    pass\n"
+                        "def helper():\n    return 1\n", timeout=60)
         who = clean_kernel.ok("%ddp who", timeout=60).stdout
         rows = {line.split()[0]: line for line in who.splitlines()[2:]}
         assert "Tensor" in rows["w"] and "≠ rank 0: (3,) float32 cpu; rank 1: (4,) float32 cpu" in rows["w"], who
         assert "DistributedDataParallel" in rows["model"] and "10 parameters" in rows["model"], who
         assert rows["steps"].split()[1:] == ["int", "5"] and "≠" not in rows["steps"], who
         assert "rank" not in rows and "dist" not in rows, who  # injected names and modules are not listed
+        # as IPython's %who, less what is not the user's data: IPython's own names, imported classes/functions
+        assert not {"open", "exit", "In", "DDP", "OrderedDict", "sqrt", "torch", "os"} & set(rows), who
+        assert "type" in rows["Mine"] and "function" in rows["helper"], who  # the notebook's own are listed
 
         same = clean_kernel.ok("%ddp diff model.state_dict()", timeout=60).stdout
         assert "2 ranks: all 2 entries agree" in same, same  # DDP kept the replicas in sync

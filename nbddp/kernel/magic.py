@@ -306,7 +306,7 @@ class DDPMagics(Magics):
                 raise UsageError(f"%ddp debug {rest}: give a rank number (%ddp debug 1), or none for the rank "
                                  "that failed last.")
             return self.pool.debug(int(rest) if rest else None)
-        from .survey import diff, who
+        from .survey_tables import diff, who
 
         if verb == "who":
             return who(self.pool)

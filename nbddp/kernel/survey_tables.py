@@ -1,8 +1,8 @@
-"""``%ddp who`` and ``%ddp diff EXPR``: a pool's ranks seen side by side. Each rank sends a summary
-(rank/summary.py); here they are compared and shown as one table, a mark where ranks disagree."""
+"""``%ddp who`` and ``%ddp diff EXPR``: a pool's ranks seen side by side. Each rank takes a survey
+(rank/survey.py); here they are compared and shown as one table, a mark where ranks disagree."""
 from __future__ import annotations
 
-from ..rank.summary import Survey
+from ..rank.survey import Survey
 from . import failure
 
 

@@ -1,7 +1,12 @@
-"""In a pool's rank: what ``%ddp who`` and ``%ddp diff`` ask of it. Only summaries travel: for each name
-its type, shape, dtype, device and size; for each entry of an expression's value (a dict or state_dict
-key, a list index, or the value itself) a fingerprint (shape, dtype, a hash of the bytes, norm and sum).
-A DTensor (FSDP2) is fingerprinted by the shard this rank holds, and says so."""
+"""In a pool's rank: the survey ``%ddp who`` and ``%ddp diff`` take there (the kernel's tables of them:
+kernel/survey_tables.py). Only summaries travel: for each of the user's names its type, shape, dtype, device
+and size; for each entry of an expression's value (a dict or state_dict key, a list index, or the value
+itself) a fingerprint (shape, dtype, a hash of the bytes, norm and sum). A DTensor (FSDP2) is fingerprinted
+by the shard this rank holds, and says so.
+
+``who`` lists what IPython's ``%who`` lists, less what is not the user's data: no names IPython put there
+(``open``, ``In``, ``exit``: its ``user_ns_hidden``), no modules, no classes or functions merely imported
+(``DDP``, ``sqrt``); the notebook's own classes and functions are listed."""
 from __future__ import annotations
 
 import hashlib
@@ -31,14 +36,36 @@ class Survey:
 
 def who(ns: dict) -> dict:
     """name -> (type, what it is: shape dtype device, size in bytes or None), for the user's names."""
+    hidden = _ipython_hidden()
     out = {}
     for name, value in ns.items():
-        if name.startswith("_") or name in HIDDEN or not notebook_name(name) or isinstance(value, types.ModuleType):
+        if name.startswith("_") or name in HIDDEN or not notebook_name(name) or value is hidden.get(name, _NONE):
             continue
-        if str(getattr(value, "__module__", "")).startswith(("IPython.", "ipykernel.")):
-            continue  # what IPython put in the namespace (its own open())
+        if not _users_data(value):
+            continue
         out[name] = describe(value)
     return out
+
+
+_NONE = object()
+_CODE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType)
+
+
+def _users_data(value) -> bool:
+    """Not a module, nor a class or function imported from one (the notebook's own are its ``__main__``'s)."""
+    if isinstance(value, types.ModuleType):
+        return False
+    if isinstance(value, _CODE) or callable(value) and isinstance(getattr(value, "__wrapped__", None), _CODE):
+        return getattr(value, "__module__", None) == "__main__"
+    return True
+
+
+def _ipython_hidden() -> dict:
+    """IPython's ``user_ns_hidden`` (``open``, ``In``, ``exit``, ...: what its ``%who`` leaves out), as the
+    rank's copy of the kernel's shell holds it; empty outside IPython (a spawned rank)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "user_ns_hidden", None) or {}
 
 
 def describe(value) -> tuple:
