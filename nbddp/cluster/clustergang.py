@@ -16,17 +16,14 @@ import dataclasses
 import os
 import pickle
 import time
-import types
-
 
 from ..errors import UsageError
 from ..ipy.cellcode import notebook_name
-from ..kernel import checks, groupstore, rendezvous, starters
+from ..kernel import checks, groupstore, rendezvous, sending, starters
 from ..kernel.gang import STOP_S, Gang
-from ..kernel.sending import _reads, _size
 from ..kernel.supervisor import GRACE_S
 from ..rank.worker import RankSpec
-from ..wire import framing, messages, values
+from ..wire import framing, messages
 from . import placement, remote
 
 START_S = 120.0  # every agent must have forked its ranks by then
@@ -159,25 +156,25 @@ class ClusterGang(Gang):
             self.local.start()
 
     # -- commands -------------------------------------------------------------------------------------------
-    def send_missing(self, reads, namespace: dict, rank_assigned: set) -> list[str]:
+    def send_missing(self, cell_reads, reads, namespace: dict, rank_assigned: set) -> list[str]:
         """The notebook values the other nodes' ranks lack that the pool's cells read (with what a notebook
-        function among them reads), pickled once, for the next cell's command; what to say about them."""
-        pending = sorted(n for n in reads if n in self.unsent and n not in rank_assigned)
-        sizes = []
-        while pending:
-            name = pending.pop(0)
-            if name in self.extra or name not in namespace or not notebook_name(name):
-                continue
-            try:
-                self.extra[name] = values.to_ranks(namespace[name])
-            except Exception as e:  # noqa: BLE001 - still owed: the next cell that reads it tries again
-                raise UsageError(f"`{name}` must be sent to the pool's ranks on the other nodes (they do not share "
-                                 f"the notebook's memory), but it cannot be pickled: {type(e).__name__}: {e}\n"
-                                 "Nothing ran. Create it inside a %%ddp cell.") from None
-            self.unsent.discard(name)
-            pending += sorted(_reads(namespace[name]) & self.unsent)
-            if not isinstance(namespace[name], types.ModuleType):  # a module travels by name
-                sizes.append(f"{name} ({values.describe(namespace[name])}, {_size(len(self.extra[name]))})")
+        function among them reads), pickled once, for the next cell's command; what to say about them. Only
+        a cell that reads one that cannot be pickled is refused (the others' ranks never had it)."""
+        def lacking(name, value):
+            return name in self.unsent and name not in rank_assigned and name not in self.extra
+
+        def refuse(name, value, e):
+            raise UsageError(f"`{name}` must be sent to the pool's ranks on the other nodes (they do not share "
+                             f"the notebook's memory), but it cannot be pickled: {type(e).__name__}: {e}\n"
+                             "Nothing ran. Create it inside a %%ddp cell.") from None
+
+        sent = sending.pickled_for_ranks(cell_reads, namespace, wanted=lacking, unpicklable=refuse)
+        sent.update(sending.pickled_for_ranks(set(reads) - set(sent), namespace,
+                                              wanted=lambda name, value: name not in sent and lacking(name, value),
+                                              unpicklable=lambda name, value, e: None))  # still owed: tried again
+        self.extra.update(sent)
+        self.unsent -= set(sent)
+        sizes = sending.sent_text(sent, namespace)
         said = f"sent {', '.join(sizes)} to the other nodes' ranks, once (they do not share the notebook's memory)"
         return [said] if sizes else []
 
@@ -242,7 +239,7 @@ class ClusterGang(Gang):
             link.lost = link.lost or "closed"
         for p in theirs:
             if p.exit is None:
-                self.streams._exited(p, remote.lost_exit(p.rank, f"node {p.node} did not report its end"))
+                self.sup.ended(p, remote.lost_exit(p.rank, f"node {p.node} did not report its end"))
 
     def _release(self) -> None:
         """The agents killed first (their ranks die with them), but for the ones kept for the next pool

@@ -22,7 +22,7 @@ import threading
 import time
 
 from ..kernel import failure
-from ..kernel.supervisor import STACK_QUIET_S, Exited, Message, Output, RankProc
+from ..kernel.supervisor import RankProc
 from ..wire import messages
 
 LOST = "NodeLost"
@@ -139,28 +139,12 @@ class Streams:
             for rank in link.ranks:
                 proc = self.procs[rank]
                 if proc.exit is None:
-                    self._exited(proc, lost_exit(rank, f"node {link.node} lost (ranks {', '.join(map(str, link.ranks))})"
-                                                 + (f": {why}" if why else ""), stopped=proc.stop_sent))
+                    why_lost = f"node {link.node} lost (ranks {', '.join(map(str, link.ranks))})" + (f": {why}" if why else "")
+                    sup.ended(proc, lost_exit(rank, why_lost, stopped=proc.stop_sent))
             return
         proc = self.procs.get(event.rank)
-        if proc is None or proc.exit is not None:
-            return
-        if isinstance(event, Output) and event.stream == "stderr" and sup._stacks_until is not None:
-            sup._stacks_until = time.monotonic() + STACK_QUIET_S  # a stack dump still arriving
-        if isinstance(event, Message):
-            proc.records[type(event.record)] = event.record
-        if isinstance(event, Exited):
-            self._exited(proc, event.exit)
-            return
-        sup.bus.publish(event)
-
-    def _exited(self, proc: RemoteProc, exit_: failure.RankExit) -> None:
-        sup = self.sup
-        sup._seen += 1
-        proc.exit = dataclasses.replace(exit_, order=sup._seen, node=proc.node)
-        sup.bus.publish(Exited(proc.rank, proc.exit))
-        if failure.failed(proc.exit) and not proc.stop_sent:
-            sup.stop_all()
+        if proc is not None:
+            sup.feed(proc, event)
 
     def join(self, within: float) -> bool:
         """Whether every reader has ended (waiting ``within`` seconds at most)."""

@@ -37,14 +37,12 @@ from ..views.relay import CellSink, Relay
 from ..wire import messages, values
 from . import checks, failure, starters, warm
 from .gang import Gang
+from .probe import CollectiveProbe
 from .prompts import Prompts
-from .supervisor import Bus, Started
+from .recovery import HEALTH_S, Recovery
+from .supervisor import Started
 
-ALONE_S = 2.0  # a rank still in the cell this long after every other rank answered: where is it?
-STILL_S = 30.0  # ... and asked again every STILL_S: a stack that has not moved is shown in the cell
 PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
-HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
-REGROUP_S = 10.0  # pool: every rank in a fresh process group within this (a rank stuck elsewhere: torn down)
 
 
 @dataclass
@@ -87,8 +85,12 @@ def new_relay(config, run_id: str, ranks=(0,)) -> Relay:
 
 
 class CellRun:
-    """One cell on ``gang``'s ranks. ``run(job_for)`` for a gang not started yet (one-shot: the ranks
-    are started with the cell), ``run(command=...)`` for a live one (a pool's)."""
+    """One cell on ``gang``'s ranks: its conversation with them. ``run(job_for)`` for a gang not started
+    yet (one-shot: the ranks are started with the cell), ``run(command=...)`` for a live one (a pool's).
+
+    Its parts, each a listener of the cell or called from its wait: the ranks' prompts (``Prompts``), the
+    stacks asked for (``failure.StackCapture``, in front of the relay), the collective probe
+    (``CollectiveProbe``), a pool's recovery (``Recovery``); what the cell's end says is failure.py's."""
 
     def __init__(self, gang: Gang, config, *, label: str = "", relabel=None, observer=None, ranks=None):
         self.gang, self.config, self.label, self.observer = gang, config, label[:80], observer
@@ -97,52 +99,49 @@ class CellRun:
         self.deadline: float | None = None  # --timeout's, moved on by the time prompts waited for the user
         self.relabel = tracebacks.cell_labels() if relabel is None else relabel
         self.replies: dict[int, object] = {}  # rank -> its answer to the cell (Result, Error or Exit)
-        self.healthy: set[int] = set()
-        self.first_error: float | None = None
-        self.interrupted_at: float | None = None
-        self.survived = True
+        self.first_error: float | None = None  # when the first rank failed the cell
+        self.interrupted_at: float | None = None  # pool: when the ranks still running were interrupted
+        self.last_reply: float | None = None  # when the last answer came
         self.leave_sent = False  # one-shot: Stop sent (leave), every rank having answered
-        self.last_reply: float | None = None
-        self.probes = 0  # times the ranks still in the cell after the others answered were asked for stacks
-        self.seen: dict[int, tuple] = {}  # rank -> its main thread's frames at the last probe
-        self.still: set[int] = set()  # ranks shown as not moving (said once)
-        self.alone: dict[int, tuple[str, str]] = {}  # rank -> (collective, where): waiting for peers that finished
-        self.regrouped: list[int] = []  # ranks freed from a collective by a fresh process group
-        self.bound: set[str] = set()  # what the ranks had bound to the old group (from Regroup's answers)
-        self.stacks = None
-        self.relay = None
+        self.survived = True  # pool: whether it lives on after an interrupt
+        self.relay: Relay | None = None
+        self.stacks: failure.StackCapture | None = None
+        self.probe: CollectiveProbe | None = None
+        self.recovery = Recovery(gang, self.ranks, self.replies, self._wait_for) if gang.persistent else None
 
     # -- the ranks' answers, from the supervisor's bus --------------------------------------------------
     def on_Message(self, event) -> None:
         rec = event.record
-        if isinstance(rec, messages.Healthy):
-            self.healthy.add(event.rank)
-            self.bound.update(rec.bound)
-        elif isinstance(rec, (messages.Result, messages.Error, messages.Exit)):
+        if isinstance(rec, (messages.Result, messages.Error, messages.Exit)):
             self.replies.setdefault(event.rank, rec)
             self.last_reply = time.monotonic()
             failed = isinstance(rec, messages.Error) or (isinstance(rec, messages.Exit) and rec.code != 0)
             if failed and self.first_error is None:  # exit(0) on one rank is an early leave: the others go on
                 self.first_error = time.monotonic()
 
+    @property
+    def some(self) -> bool:
+        """A pool's cell on some of its ranks (--ranks)."""
+        return len(self.ranks) < self.gang.world_size
+
     # -- the cell ------------------------------------------------------------------------------------
     def run(self, job_for=None, *, command=None) -> Outcome:
         gang, sup = self.gang, self.gang.sup
         start = time.monotonic()
-        deadline = self.deadline = None if self.config.timeout is None else start + self.config.timeout
+        self.deadline = None if self.config.timeout is None else start + self.config.timeout
         error, announced, running = None, gang.started, []
         try:
             # a frame half written, or a cell half wired, would leave the ranks out of step: an interrupt
             # is raised once both are done. A pool's ranks get the command first and run it while the
-            # kernel wires the cell's subscribers (nothing is read before the wait)
+            # kernel wires the cell's listeners (nothing is read before the wait)
             with starters.sigint_deferred():
                 if gang.started:
                     gang.command(command, ranks=self.ranks if self.some else None)
-                self._wire(sup)
+                self._begin(sup)
             if self.observer:  # before the forks: shown while ranks start, ipykernel's display waits on its
                 self.observer.begin(gang.plan, gang.run_dir)  # IO thread, which starting ranks starve of CPU
             if not gang.started:
-                gang.start(job_for, deadline)
+                gang.start(job_for, self.deadline)
             elif self.some:  # the ranks left out are idle: as if they had answered at once
                 self.last_reply = time.monotonic()
             if announced:  # a live gang: only the cell's own dashboard has not met the ranks
@@ -181,18 +180,19 @@ class CellRun:
             gang.view.cell_ended("ok")
         return outcome
 
-    def _wire(self, sup) -> None:
-        """The cell's subscribers on the supervisor's bus, and the supervisor's per-cell state."""
+    def _begin(self, sup) -> None:
+        """The cell's listeners on the supervisor, with its tick and its --timeout rule."""
         gang = self.gang
         self.relay = relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}",
                                        self.ranks)
         self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
-        sup.bus = Bus([*gang.lifelong(), self, self.prompts, self.stacks, *([self.observer] if self.observer else [])])
-        sup.tick = getattr(gang.view or self.observer, "interval", None)  # a pool's view, or the cell's dashboard
-        sup.new_cell()
-        sup.after_stacks = self._timeout_rule
-        for p in sup.procs:  # what a rank said in earlier cells must not explain how this one ends
-            p.records.clear()
+        self.probe = CollectiveProbe(sup, self.ranks, self.replies, self.stacks, self.relabel,
+                                     say=lambda text: relay.sink.write("stderr", text),
+                                     on_alone=None if gang.persistent else sup.stop_all)
+        listeners = [self, self.prompts, *([self.recovery] if self.recovery else []), self.stacks,
+                     *([self.observer] if self.observer else [])]
+        sup.begin_cell(listeners, tick=getattr(gang.view or self.observer, "interval", None),  # a pool's view,
+                       on_timeout=self._timeout_rule)  # or the cell's dashboard
         if gang.view is not None:
             gang.view.cell_began(self.label)
 
@@ -201,17 +201,16 @@ class CellRun:
             now = time.monotonic()
             marks = [t for t in (wake_at, self.first_error and self.first_error + PEER_GRACE_S,
                                  self.interrupted_at and self.interrupted_at + HEALTH_S,
-                                 self._probe_due(), self.prompts.due(),
+                                 self.probe.due(self.last_reply), self.prompts.due(),
                                  self.relay and self.relay.release_due()) if t and t > now]
             return min(marks) if marks else None
 
         over = self._cell_over if self.gang.persistent else self._one_shot_over
         self.gang.sup.wait(deadline, until=until or over, wake_at=wake)
 
-    @property
-    def some(self) -> bool:
-        """A pool's cell on some of its ranks (--ranks)."""
-        return len(self.ranks) < self.gang.world_size
+    def _wait_for(self, until, wake_at) -> None:
+        """The loop until ``until()`` (a pool's recovery: its health check), prompts still answered."""
+        self._wait(None, until=until, wake_at=wake_at)
 
     def _ask(self) -> None:
         """A rank's prompt whose turn it is, asked in the notebook (this waits for the user); the engine's
@@ -225,6 +224,9 @@ class CellRun:
                 if getattr(self, name) is not None:
                     setattr(self, name, getattr(self, name) + paused)
 
+    def _probe(self) -> None:
+        self.probe.check(self.last_reply, stopping=self.interrupted_at is not None)
+
     def _one_shot_over(self) -> bool:
         """One-shot: once every rank has answered, each is told to leave (nbddp's own synchronisation, on
         the command pipes: never a collective on the user's group); over when every rank has exited."""
@@ -232,7 +234,7 @@ class CellRun:
         if self.gang.piped and not self.leave_sent and len(self.replies) == self.gang.world_size:
             self.leave_sent = True
             self.gang.command(messages.Stop())
-        self._probe_alone()
+        self._probe()
         return False
 
     def _cell_over(self) -> bool:
@@ -240,8 +242,8 @@ class CellRun:
         now = time.monotonic()
         if not self.gang.alive or set(self.replies) >= set(self.ranks):
             return True
-        self._probe_alone()
-        if self.alone:  # in a collective no peer will join: it cannot be interrupted, and the pool cannot live on
+        self._probe()
+        if self.probe.alone:  # in a collective no peer will join: it cannot be interrupted, and the pool cannot live on
             return True
         if self.first_error is not None and self.interrupted_at is None and now >= self.first_error + PEER_GRACE_S:
             self._interrupt()  # a peer failed: the others would wait for it in their next collective
@@ -253,62 +255,6 @@ class CellRun:
             self._interrupt()
         else:
             self.gang.sup.stop_all()
-
-    def _probe_due(self) -> float | None:
-        """When the ranks still in the cell are next asked where they are: ALONE_S after the last answer,
-        then every STILL_S; never once a verdict is in (a rank alone in a collective, or every rank
-        still there shown as not moving)."""
-        if self.last_reply is None or self.alone or (self.still and self.still >= set(self.seen)):
-            return None
-        return self.last_reply + (ALONE_S if not self.probes else STILL_S * self.probes)
-
-    def _probe_alone(self) -> None:
-        """Ranks still in the cell ALONE_S after every other rank answered are asked where they are (their
-        stacks, kept from the cell). One waiting in a torch.distributed collective waits for peers that
-        finished without joining it: under torchrun they would exit and the collective fail, so the cell
-        fails now instead of hanging (``_judge_alone``). A rank merely slower goes on, asked again every
-        STILL_S; one whose stack has not moved between two asks is shown in the cell (``_still``)."""
-        sup = self.gang.sup
-        due = self._probe_due()
-        if due is None or time.monotonic() < due or self.interrupted_at is not None or sup.timed_out:
-            return
-        waiting = [p.rank for p in sup.live() if p.rank in self.ranks and p.rank not in self.replies]
-        if waiting and len(self.replies) == len(self.ranks) - len(waiting):
-            self.probes += 1
-            sup.request_stacks(waiting)
-            sup.after_stacks = self._judge_alone
-
-    def _judge_alone(self) -> None:
-        sup = self.gang.sup
-        sup.after_stacks = self._timeout_rule  # --timeout's rule again
-        dumps = self.stacks.stacks()
-        self.stacks.release()
-        waiting = {r: tracebacks.main_thread(d) for r, d in dumps.items() if r not in self.replies}
-        calls = {r: tracebacks.collective(frames) for r, frames in waiting.items()}
-        if None not in calls.values():  # (a rank still computing may yet join the others' collective)
-            for rank, name in calls.items():  # ranks in the same collective may be waiting for each other
-                if list(calls.values()).count(name) == 1:
-                    self.alone[rank] = (name, failure.was_at(waiting[rank], self.relabel, "was in nbddp's own frames"))
-        if self.alone:
-            if not self.gang.persistent:
-                sup.stop_all()
-            return  # a pool: the cell is over (_cell_over), and _recover frees the rank by a fresh process group
-        self._still(waiting)
-
-    def _still(self, waiting: dict[int, list]) -> None:
-        """A rank whose stack is where it was at the last ask is shown in the cell, once: it may be stuck
-        in native code (a deadlock in a library's teardown) or in one long call; either way the user
-        learns where, and that an interrupt stops it, without --timeout."""
-        finished = sorted(self.replies)
-        for rank, frames in waiting.items():
-            if frames and self.seen.get(rank) == tuple(frames) and rank not in self.still:
-                self.still.add(rank)
-                where = tracebacks.where(frames, self.relabel) or "nbddp's own frames (not in the cell's code)"
-                after = time.monotonic() - self.last_reply
-                self.relay.sink.write("stderr", f"nbddp: rank {rank} is still at {where}, {after:.0f} s after "
-                                      f"{failure.ranks_text(finished)} finished, and its Python stack has not "
-                                      "moved; Interrupt to stop it.\n")
-            self.seen[rank] = tuple(frames)
 
     def _interrupt(self) -> None:
         """Pool: KeyboardInterrupt into every rank still running the cell (SIGUSR2)."""
@@ -331,46 +277,26 @@ class CellRun:
                 gang.close("torn down by a second interrupt")
                 self.survived = False
                 return running
-            self.survived = self._recover()
+            self.survived = self.recovery.recover()
             return running
-        asked = gang.sup.request_stacks() if announced else []  # where was each rank? its stack, then stop
+        sup = gang.sup  # where was each rank? its stack, then stop
+        asked = sup.request_stacks(then=sup.stop_all) if announced else []
         running = [r for r in asked if r not in self.replies]  # (one that answered waits only to leave)
         if not announced:
-            gang.sup.stop_all()
-        gang.sup.reap()  # a second interrupt kills at once
+            sup.stop_all()
+        sup.reap()  # a second interrupt kills at once
         return running
 
     def _interrupted(self, running: list[int], announced: bool) -> KeyboardInterrupt:
         if self.gang.persistent:
-            states = self._reply_states(running)
-            fate = ("the pool and its state survived; its process group was made anew to free rank(s) "
-                    f"{', '.join(map(str, self.regrouped))} from a collective: wrap DDP models again "
-                    "(model = DDP(model.module))" if self.survived and self.regrouped else
-                    "every rank stopped its cell; the pool and its state survived" if self.survived else
-                    "the pool was torn down (a rank did not stop its cell), and its ranks' state with it: "
-                    "%ddp start to begin again")
+            states = failure.reply_states(running, self.replies, self.relabel)
+            fate = failure.interrupt_fate(self.survived, self.recovery.regrouped)
         else:
             states = {r: failure.was_at(tracebacks.main_thread(dump), self.relabel, "was not in the cell's code "
                                         "(starting up, or in nbddp's own frames)")
                       for r, dump in self.stacks.stacks().items()}
             fate = "nbddp stopped every rank" if announced else "nbddp stopped every rank as it started"
         return failure.interrupted(running, states, str(self.gang.run_dir.path), fate)
-
-    def _reply_states(self, running: list[int]) -> dict[int, str]:
-        """Where each interrupted rank of a pool was: its KeyboardInterrupt's traceback (user frames only)."""
-        states = {}
-        for r in running:
-            rec = self.replies.get(r)
-            if isinstance(rec, messages.Error) and rec.type == "KeyboardInterrupt":
-                states[r] = failure.was_at(tracebacks.traceback_frames(rec.traceback), self.relabel,
-                                           "stopped (not in the cell's code, or waiting in an `await`)")
-            elif isinstance(rec, messages.Error):
-                states[r] = f"failed: {rec.type}: {rec.message}"
-            elif rec is None:
-                states[r] = "did not stop its cell (stuck in native code or in a collective)"
-            else:
-                states[r] = "finished its cell as the interrupt came"
-        return states
 
     # -- one outcome -----------------------------------------------------------------------------------
     def _conclude(self, sup, start: float) -> Outcome:
@@ -382,20 +308,25 @@ class CellRun:
             raise RankFailure((str(err) if err else "a rank of the pool exited") +
                               "\nThe pool has ended and its ranks' state is gone: %ddp start to begin again.",
                               rank=err.rank if err else None, cause=err.cause if err else "exit")
-        if self.alone:
-            err = failure.alone(self.alone, sorted(r for r in self.replies if r not in self.alone), log_dir,
+        alone = self.probe.alone
+        if alone:
+            err = failure.alone(alone, sorted(r for r in self.replies if r not in alone), log_dir,
                                 idle=[r for r in range(gang.world_size) if r not in self.ranks])
-            raise self._with_fate(err, self._recover() if gang.persistent else None)
+            raise self._with_fate(err, self.recovery.recover() if gang.persistent else None)
         # one function builds every exit record: from the process's end, or (a pool's) from its answer
         exits = [self._cell_exit(r) for r in self.ranks] if gang.persistent else [p.exit for p in sup.procs]
         if sup.timed_out:
             err = failure.timed_out(self.config.timeout, sup.timed_out, self.stacks.stacks(), self.relabel, log_dir,
                                     "their cells were interrupted" if gang.persistent else "all ranks stopped")
-            raise self._with_fate(err, self._recover() if gang.persistent else None)
-        if failure.root_cause(exits):
+            raise self._with_fate(err, self.recovery.recover() if gang.persistent else None)
+        cause = failure.root_cause(exits)
+        if cause:
             recover = gang.persistent and (self.interrupted_at or len(self.replies) < len(exits))
             err = failure.rank_failed(exits, self.relabel, log_dir)
-            raise self._with_fate(err, self._recover() if recover else True if gang.persistent else None)
+            hint = failure.old_group_hint(cause, gang.regrouped) if gang.persistent else ""
+            if hint:  # (said before this cell's own regroup, if any, changes what the pool holds)
+                err = RankFailure(f"{err}\n{hint}", rank=err.rank, cause=err.cause, stacks=err.stacks)
+            raise self._with_fate(err, self.recovery.recover() if recover else True if gang.persistent else None)
         copied = copywatch.note({e.rank: e.result.copied for e in exits if e.result is not None and e.result.copied})
         notes = failure.notes(exits, self.relabel) + ([copied] if copied else [])
         return Outcome(exits, log_dir, time.monotonic() - start, notes)
@@ -409,58 +340,8 @@ class CellRun:
                                    stopped=self.interrupted_at is not None or rec is None, node=self.gang.node_of(rank))
 
     def _with_fate(self, err: RankFailure, survived: bool | None) -> RankFailure:
-        """A pool's failure says what became of the pool."""
+        """A pool's failure says what became of the pool (``survived`` None: a one-shot cell's, as it is)."""
         if survived is None:
             return err
-        if survived and self.regrouped:
-            bound = (": " + "; ".join(sorted(self.bound))) if self.bound else \
-                " (none found on the ranks; a DistributedDataParallel model would be: model = DDP(model.module))"
-            fate = ("The pool and its state survived, and its process group was made anew: rank(s) "
-                    f"{', '.join(map(str, self.regrouped))} waited in a collective that could only be ended by "
-                    f"leaving the old group. Make again what was bound to the old group before the next step{bound}. "
-                    "Tensors, optimizers and everything else are as they were.")
-        elif survived:
-            fate = "The pool and its state survived: fix the cell and run it again."
-        else:
-            fate = ("The pool was torn down (a rank did not come back from a collective), and its ranks' state "
-                    "with it: %ddp start to begin again.")
+        fate = failure.pool_fate(survived, self.recovery.regrouped, self.recovery.old_group_users)
         return RankFailure(f"{err}\n{fate}", rank=err.rank, cause=err.cause, stacks=err.stacks)
-
-    def _recover(self) -> bool:
-        """Pool, after an interrupt or a failed cell: every rank answered and passes a barrier within
-        HEALTH_S; or, where ranks still wait in a collective (gloo), the others leave the process group,
-        which frees them, and every rank makes a fresh one (``Regroup``: an idle rank's leaving closes its
-        connections, so a peer stuck in a collective gets "Connection closed by peer", fails its cell, and
-        regroups too); else the pool is torn down. True if it lives on."""
-        gang = self.gang
-        stuck = [r for r in self.ranks if r not in self.replies]
-        if gang.alive and stuck and gang.plan.backend == "gloo":
-            gang.generation += 1
-            if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
-                                 "torn down by an interrupt while its process group was made anew"):
-                self.regrouped = stuck
-                return True
-            gang.close("torn down: its process group could not be made anew")
-            return False
-        if gang.alive and not stuck and self._all_healthy(messages.HealthCheck(), HEALTH_S,
-                                                          "torn down by an interrupt during its health check"):
-            return True
-        gang.close("torn down: a rank did not come back from a collective after the cell failed or was "
-                   "interrupted" + (" (NCCL: a communicator cannot be freed from its peers)" if stuck else ""))
-        return False
-
-    def _all_healthy(self, cmd, within: float, interrupted: str) -> bool:
-        """``cmd`` to every rank; True once each has answered the cell and then ``Healthy`` within
-        ``within`` s. An interrupt meanwhile tears the pool down (``interrupted``: why)."""
-        gang = self.gang
-        self.healthy = set()
-        end = time.monotonic() + within
-        try:
-            with starters.sigint_deferred():
-                gang.command(cmd)
-            self._wait(None, until=lambda: len(self.healthy) == gang.world_size and set(self.replies) >= set(self.ranks)
-                       or not gang.alive or time.monotonic() >= end, wake_at=end)
-        except KeyboardInterrupt:  # the pool cannot be vouched for
-            gang.close(interrupted)
-            return False
-        return gang.alive and len(self.healthy) == gang.world_size

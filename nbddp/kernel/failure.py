@@ -295,3 +295,63 @@ def was_at(frames: list, relabel, otherwise: str) -> str:
     if at:
         return f"was at {at}"
     return f"was waiting in an `await` of the cell ({AWAITING})" if tracebacks.awaiting(frames) else otherwise
+
+
+# -- what became of a pool, said at the end of its cell's failure or interrupt ---------------------------
+REWRAP = "a DistributedDataParallel model would be: model = DDP(model.module)"
+
+
+def pool_fate(survived: bool, regrouped=(), old_group_users=()) -> str:
+    """The line a pool's failed cell ends with: whether the pool and its state live on, and (after a
+    fresh process group) what must be made again."""
+    if survived and regrouped:
+        bound = (": " + "; ".join(sorted(old_group_users))) if old_group_users else f" (none found on the ranks; {REWRAP})"
+        return ("The pool and its state survived, and its process group was made anew: rank(s) "
+                f"{', '.join(map(str, regrouped))} waited in a collective that could only be ended by "
+                f"leaving the old group. Make again what was bound to the old group before the next step{bound}. "
+                "Tensors, optimizers and everything else are as they were.")
+    if survived:
+        return "The pool and its state survived: fix the cell and run it again."
+    return ("The pool was torn down (a rank did not come back from a collective), and its ranks' state "
+            "with it: %ddp start to begin again.")
+
+
+def interrupt_fate(survived: bool, regrouped=()) -> str:
+    """What became of a pool after Jupyter's interrupt, for ``interrupted``."""
+    if survived and regrouped:
+        return ("the pool and its state survived; its process group was made anew to free rank(s) "
+                f"{', '.join(map(str, regrouped))} from a collective: wrap DDP models again "
+                "(model = DDP(model.module))")
+    if survived:
+        return "every rank stopped its cell; the pool and its state survived"
+    return ("the pool was torn down (a rank did not stop its cell), and its ranks' state with it: "
+            "%ddp start to begin again")
+
+
+def old_group_hint(cause: RankExit | None, regrouped) -> str:
+    """A pool whose process group was made anew (``regrouped``: its generation and what the ranks had
+    bound to the old group, or None): a later cell failing because a peer "went away" most often still
+    uses an object of the old group. Said again at each such failure, not only the first."""
+    if cause is None or not cause.peer_lost or not regrouped:
+        return ""
+    _, users = regrouped
+    what = "; ".join(users) if users else REWRAP
+    return ("This pool's process group was made anew after an earlier cell was stopped in a collective; an "
+            f"object made before that still uses the old group and fails this way. Make it again: {what}.")
+
+
+def reply_states(running: list[int], replies: dict, relabel) -> dict[int, str]:
+    """Where each interrupted rank of a pool was: its KeyboardInterrupt's traceback (user frames only)."""
+    states = {}
+    for r in running:
+        rec = replies.get(r)
+        if isinstance(rec, Error) and rec.type == "KeyboardInterrupt":
+            states[r] = was_at(tracebacks.traceback_frames(rec.traceback), relabel,
+                               "stopped (not in the cell's code, or waiting in an `await`)")
+        elif isinstance(rec, Error):
+            states[r] = f"failed: {rec.type}: {rec.message}"
+        elif rec is None:
+            states[r] = "did not stop its cell (stuck in native code or in a collective)"
+        else:
+            states[r] = "finished its cell as the interrupt came"
+    return states

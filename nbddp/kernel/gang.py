@@ -15,7 +15,7 @@ import time
 from ..wire import framing, messages
 from . import checks, failure, groupstore, rendezvous, starters
 from .logs import RankLogs
-from .supervisor import Bus, Supervisor
+from .supervisor import Supervisor
 
 STOP_S = 5.0  # a pool's ranks leave the group and exit within this after Stop, or are killed
 
@@ -28,10 +28,11 @@ class Gang:
         self.logs = RankLogs({r: str(self.run_dir.log(r)) for r in range(plan.world_size)})
         # a pool's dashboard (poolview.PoolView, from view_for(plan, run_dir)): subscribed for the gang's life
         self.view = view_for(plan, self.run_dir) if view_for else None
-        self.sup: Supervisor | None = Supervisor(Bus(self.lifelong()))
+        self.sup: Supervisor | None = Supervisor(self.lifelong())
         self.ready: set[int] = set()
         self.started = False
         self.generation = 0  # of its process group: a pool's is made anew when a rank is stuck in a collective
+        self.regrouped: tuple | None = None  # once made anew: (generation, what the ranks had bound to the old group)
         self.why: str | None = None  # how it ended, once closed ("stopped", "rank 1 exited: ...")
         self._cmd: dict[int, int] = {}
         self._starter = None
@@ -97,7 +98,7 @@ class Gang:
         end = time.monotonic() + STOP_S
         try:
             self.command(messages.Stop())
-            self.sup.bus = Bus(self.lifelong())
+            self.sup.end_cell()
             self.sup.wait(None, until=lambda: time.monotonic() >= end, wake_at=end)
         finally:
             self.close("stopped")

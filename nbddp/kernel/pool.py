@@ -46,6 +46,10 @@ class Pool:
         self.gang: Gang | None = None
         self.view = None  # its dashboard (poolview.PoolView), from start() on
         self.last_failed: int | None = None  # the rank whose failure ended the last failed cell (%ddp debug)
+        self.started_at: float | None = None  # time.time() once its ranks are up
+        self.synced = Synced(namespace or {})  # which notebook values the ranks have (made anew at start())
+        self.rank_assigned: set[str] = set()  # names the ranks bound themselves: theirs until the notebook rebinds them
+        self.reads: set[str] = set()  # every name the pool's cells' code reads, functions' bodies too
 
     # -- life --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -64,9 +68,7 @@ class Pool:
             try:
                 gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
                 self.started_at = time.time()
-                self.synced = Synced(self.namespace or {})
-                self.rank_assigned: set[str] = set()
-                self.reads: set[str] = set()  # every name the pool's cells' code reads, functions' bodies too
+                self.synced, self.rank_assigned, self.reads = Synced(self.namespace or {}), set(), set()
                 gang.sup.announce()
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
@@ -144,18 +146,20 @@ class Pool:
             raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
         self.reads |= code or set()  # a function a cell defined reads its globals when a later cell calls it
         with shared.carrying() if self.config.cluster else contextlib.nullcontext():  # other machines: bytes too
-            updates, said = self.synced.changes(self.reads, self.namespace or {}, self.rank_assigned)
+            sync = self.synced.changes(code or set(), self.reads, self.namespace or {}, self.rank_assigned)
+            said = sync.said
             if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start
-                said += self.gang.send_missing(self.reads, self.namespace or {}, self.rank_assigned)
-        self.rank_assigned -= set(updates)
+                said += self.gang.send_missing(code or set(), self.reads, self.namespace or {}, self.rank_assigned)
+        updates = sync.updates
+        self.rank_assigned -= {*updates, *sync.dropped}
         for line in said:
             print(f"nbddp: {line}", file=sys.stderr)
         if said:
             sys.stderr.flush()  # before the ranks' output, where it belongs
-        if ranks and updates and self.alive:  # the ranks left out get the notebook's latest values too
-            self.gang.command(messages.Update(updates), ranks=[r for r in range(world) if r not in ranks])
+        if ranks and (updates or sync.dropped) and self.alive:  # the ranks left out get the notebook's latest too
+            self.gang.command(messages.Update(updates, sync.dropped), ranks=[r for r in range(world) if r not in ranks])
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config),
-                               updates, post_mortem=post_mortem, lead=ranks[0] if ranks else 0)
+                               updates, post_mortem=post_mortem, lead=ranks[0] if ranks else 0, dropped=sync.dropped)
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
         try:
             outcome = self._engine(config, label, relabel, observer, ranks).run(command=cmd)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import types
 import weakref
+from dataclasses import dataclass, field
 
 
 from ..errors import UsageError
@@ -13,87 +14,133 @@ from ..ipy.cellcode import names_used, notebook_name, split_last_expression
 from ..wire import values
 
 
+def pickled_for_ranks(names, namespace: dict, *, wanted=None, unpicklable) -> dict[str, bytes]:
+    """The one worklist that sends notebook values by value: each of ``names`` the namespace holds (a
+    notebook name, and ``wanted(name, value)``), pickled once, then the notebook names a function or class
+    among them reads (what it reads, in turn), as they are found. ``unpicklable(name, value, error)``
+    raises the UsageError for a value that cannot be pickled, or returns to let that name go."""
+    out: dict[str, bytes] = {}
+    tried: set[str] = set()
+    pending = sorted(names)
+    while pending:
+        name = pending.pop(0)
+        if name in tried or name not in namespace or not notebook_name(name):
+            continue
+        tried.add(name)
+        value = namespace[name]
+        if wanted is not None and not wanted(name, value):
+            continue
+        try:
+            out[name] = values.to_ranks(value)
+        except Exception as e:  # noqa: BLE001 - named by ``unpicklable``
+            unpicklable(name, value, e)
+            continue
+        pending += sorted(reads_of(value) - tried)  # its globals: the rank's own once it arrives
+    return out
+
+
+def sent_text(blobs: dict[str, bytes], namespace: dict) -> list[str]:
+    """``name (what it is, its size)`` for each value sent, but modules (a module travels by name)."""
+    return [f"{name} ({values.describe(namespace[name])}, {size_text(len(blob))})" for name, blob in blobs.items()
+            if not isinstance(namespace[name], types.ModuleType)]
+
+
 def ship_globals(source: str, filename: str, user_ns: dict) -> dict[str, bytes]:
     """The globals a spawned rank needs, each pickled by value (a module by name), with the names a
     notebook function or class among them reads; an unpicklable one is named."""
     body, last = split_last_expression(source, filename)
-    pending = sorted(names_used(body) | (names_used(last) if last else set()))
-    shipped = {}
-    while pending:
-        name = pending.pop(0)
-        if name in shipped or name not in user_ns or not notebook_name(name):
-            continue
-        if hasattr(builtins, name) and user_ns[name] is getattr(builtins, name):
-            continue
-        pending += sorted(_reads(user_ns[name]) - set(shipped))  # its globals: the rank's own once it arrives
-        try:
-            shipped[name] = values.to_ranks(user_ns[name])
-        except Exception as e:  # noqa: BLE001
-            raise UsageError(
-                f"--start-method spawn must send the global `{name}` ({values.describe(user_ns[name])}) to every "
-                f"rank, but it cannot be pickled:\n  {type(e).__name__}: {e}\n"
-                f"Create `{name}` inside the cell, or use --start-method fork (it shares the notebook's objects)."
-            ) from None
-    return shipped
+
+    def refuse(name, value, e):
+        raise UsageError(
+            f"--start-method spawn must send the global `{name}` ({values.describe(value)}) to every "
+            f"rank, but it cannot be pickled:\n  {type(e).__name__}: {e}\n"
+            f"Create `{name}` inside the cell, or use --start-method fork (it shares the notebook's objects)."
+        ) from None
+
+    return pickled_for_ranks(names_used(body) | (names_used(last) if last else set()), user_ns,
+                             wanted=lambda name, value: not (hasattr(builtins, name) and value is getattr(builtins, name)),
+                             unpicklable=refuse)
 
 
 BIG_UPDATE = 16 * 2**20  # a sent value this large earns the hint that %ddp restart shares it instead
+
+
+@dataclass
+class Changes:
+    """What a pool cell sends: ``updates`` (name -> pickled value), ``dropped`` (names the ranks must
+    forget: rebound in the notebook to a value that cannot be sent, and not read by this cell), and what
+    to say about them."""
+
+    updates: dict = field(default_factory=dict)
+    dropped: tuple = ()
+    said: list = field(default_factory=list)
 
 
 class Synced:
     """Which notebook values the ranks have: a name the notebook created or rebound since the pool
     started (or since it was last sent) is sent again, even to an equal value; one the ranks assigned
     themselves stays theirs unless the notebook rebinds it too (last writer wins). A function or class
-    the notebook defined brings the notebook names its code reads that the ranks lack."""
+    the notebook defined brings the notebook names its code reads that the ranks lack.
+
+    Only a cell that reads a name is refused when its new value cannot be pickled: for the others the
+    ranks' old copy is dropped (the notebook has moved on from it), said once."""
 
     def __init__(self, namespace: dict):
-        self._known = {k: _token(v) for k, v in namespace.items()}
+        self.known = {k: _token(v) for k, v in namespace.items()}  # name -> the value the ranks have
+        self.unsendable: dict[str, tuple] = {}  # name -> the value dropped from the ranks (it cannot be sent)
 
     def rebound(self, names) -> None:
         """Names a notebook cell just bound (an assignment, def, import...): sent at the next cell that
         reads them, whatever their value."""
         for name in names:
-            self._known.pop(name, None)
+            self.known.pop(name, None)
 
     def accept(self, names, namespace: dict) -> None:
         """Names the notebook just received from the ranks (--out, --gather): not changes to send back."""
         for name in names:
             if name in namespace:
-                self._known[name] = _token(namespace[name])
+                self.known[name] = _token(namespace[name])
 
-    def changes(self, names, namespace: dict, rank_assigned: set) -> tuple[dict, list[str]]:
-        updates, sizes, both = {}, [], []
-        pending = sorted(names)
-        while pending:
-            name = pending.pop(0)
-            if name in updates or name not in namespace or not notebook_name(name):
-                continue
-            value = namespace[name]
-            if _same(self._known.get(name), value):
-                continue
-            pending += sorted(_reads(value) - set(updates))  # what a notebook function reads goes with it
-            try:
-                blob = values.to_ranks(value)
-            except Exception as e:  # noqa: BLE001
-                raise UsageError(f"`{name}` changed in the notebook since %ddp start and must be sent to every "
-                                 f"rank, but it cannot be pickled: {type(e).__name__}: {e}\nNothing ran. "
-                                 "Create it inside a %%ddp cell, or %ddp restart (the ranks then share it).") from None
-            updates[name] = blob
-            self._known[name] = _token(value)
-            if not isinstance(value, types.ModuleType):  # a module travels by name: the rank imports it
-                sizes.append(f"{name} ({values.describe(value)}, {_size(len(blob))})")
-            if name in rank_assigned:
-                both.append(name)
-        said = []
+    def changes(self, cell_reads, reads, namespace: dict, rank_assigned: set) -> Changes:
+        """What must go with a cell that reads ``cell_reads``, the pool's cells having read ``reads`` (a
+        function an earlier cell defined reads its globals when a later cell calls it)."""
+        def changed(name, value):
+            return not _same(self.known.get(name), value)
+
+        def refuse(name, value, e):
+            raise UsageError(f"`{name}` changed in the notebook since %ddp start and this cell reads it, so it "
+                             f"must be sent to every rank, but it cannot be pickled: {type(e).__name__}: {e}\n"
+                             "Nothing ran. Create it inside a %%ddp cell, or %ddp restart (the ranks then share "
+                             "it).") from None
+
+        dropped, said = [], []
+
+        def let_go(name, value, e):
+            if not _same(self.unsendable.get(name), value):  # (said once per value)
+                self.unsendable[name] = _token(value)
+                dropped.append(name)
+                said.append(f"`{name}` was rebound in the notebook to {values.describe(value)}, which cannot be "
+                            f"sent to the ranks ({type(e).__name__}: {e}); the ranks' old `{name}` is dropped, and "
+                            f"a cell that reads `{name}` will be refused until it can be sent")
+
+        updates = pickled_for_ranks(cell_reads, namespace, wanted=changed, unpicklable=refuse)
+        updates.update(pickled_for_ranks(set(reads) - set(updates), namespace,
+                                         wanted=lambda name, value: name not in updates and changed(name, value),
+                                         unpicklable=let_go))
+        for name in updates:
+            self.known[name] = _token(namespace[name])
+            self.unsendable.pop(name, None)
+        sizes = sent_text(updates, namespace)
         if sizes:
             total = sum(len(b) for b in updates.values())
-            said.append(f"sent {', '.join(sizes)} to every rank (new or rebound in the notebook since the pool "
+            said.insert(0, f"sent {', '.join(sizes)} to every rank (new or rebound in the notebook since the pool "
                         "started)" + ("; %ddp restart shares big data copy-on-write instead" if total >= BIG_UPDATE
                                       else ""))
+        both = [name for name in updates if name in rank_assigned]
         if both:
             said.append(f"{', '.join(both)} changed both in the notebook and on the ranks: the ranks now use "
                         "the notebook's value")
-        return updates, said
+        return Changes(updates, tuple(dropped), said)
 
 
 def _token(value):
@@ -116,7 +163,7 @@ def _same(token, value) -> bool:
     return token[1] == id(value)
 
 
-def _reads(value) -> set[str]:
+def reads_of(value) -> set[str]:
     """The global names a function or class the notebook defined reads (none for other values)."""
     if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
         return names_used(value.__code__)
@@ -130,5 +177,5 @@ def _reads(value) -> set[str]:
     return set()
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} B"

@@ -11,6 +11,7 @@ and the timeout report subscribe (a method ``on_<Event>``) and never reach into 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import selectors
@@ -139,23 +140,41 @@ class RankProc:
 
 
 class Supervisor:
-    def __init__(self, bus: Bus, tick: float | None = None):
-        self.bus = bus
-        self.tick = tick
+    """The ranks' one select loop. Its listeners: ``lifelong`` (given once: the gang's log, its view), and a
+    cell's own, given at ``begin_cell`` for that cell only (the relay, the cell's dashboard, the engine)."""
+
+    def __init__(self, lifelong=(), tick: float | None = None):
+        self._lifelong = list(lifelong)
+        self.bus = Bus(self._lifelong)
+        self.tick = tick  # seconds between Tick events (a dashboard's redraw), or None
         self.procs: list[RankProc] = []
         self.sel = selectors.DefaultSelector()
         self.kill_at: float | None = None
         self.timed_out: list[int] = []
-        self._stacks_until: float | None = None  # collecting stacks after --timeout
+        self._stacks_until: float | None = None  # collecting stacks (after --timeout, or a probe)
         self._stacks_end = 0.0
-        self._seen = 0
-        self.after_stacks = self.stop_all  # what --timeout does once the stacks are in (a pool interrupts)
+        self._stacks_then = None  # what to do once the stacks asked for are in
+        self._exits_seen = 0
+        self.on_timeout = self.stop_all  # what --timeout does once the stacks are in (a pool interrupts)
 
-    def new_cell(self) -> None:
-        """A pool's next cell starts with none of the last one's deadline state (a stack collection still
-        running when every rank answered must not interrupt this one)."""
+    def begin_cell(self, listeners=(), *, tick: float | None = None, on_timeout=None) -> None:
+        """A cell's listeners after the lifelong ones, its tick and its --timeout rule (``on_timeout``,
+        default: stop every rank); none of the last cell's deadline state (a stack collection still running
+        when every rank answered must not interrupt this one), nor what each rank said in it."""
+        self.bus = Bus([*self._lifelong, *listeners])
+        self.tick = tick
+        self.on_timeout = on_timeout or self.stop_all
         self.timed_out = []
-        self._stacks_until = None
+        self._stacks_until = self._stacks_then = None
+        for p in self.procs:  # what a rank said in earlier cells must not explain how this one ends
+            p.records.clear()
+
+    def end_cell(self) -> None:
+        """Only the lifelong listeners again (a pool's stop: no cell is there to show its ranks' last words)."""
+        self.bus = Bus(self._lifelong)
+
+    def publish(self, event) -> None:
+        self.bus.publish(event)
 
     def add(self, proc: RankProc) -> None:
         self.procs.append(proc)
@@ -169,6 +188,9 @@ class Supervisor:
         """``callback()`` whenever ``fd`` is readable, in the loop (a cluster pool's events from other nodes)."""
         os.set_blocking(fd, False)
         self.sel.register(fd, selectors.EVENT_READ, (callback, "source"))
+
+    def unwatch(self, fd: int) -> None:
+        self.sel.unregister(fd)
 
     def announce(self) -> None:
         """Tell the subscribers about every rank, once all are forked."""
@@ -184,7 +206,7 @@ class Supervisor:
 
     def wait(self, deadline: float | None, until=None, wake_at: float | None = None) -> None:
         """Until every rank has exited, or ``until()`` holds (checked after each batch of events and at
-        ``wake_at``). ``deadline``: --timeout (stacks, then ``after_stacks``), a time or a function giving
+        ``wake_at``). ``deadline``: --timeout (stacks, then ``on_timeout``), a time or a function giving
         it (it moves on by a debugging pause: the time a rank's prompt waited for the user)."""
         next_tick = time.monotonic() + self.tick if self.tick else None
         expired = False
@@ -199,11 +221,12 @@ class Supervisor:
                 self._event(*key.data, key.fd)
             now = time.monotonic()
             if dl is not None and now >= dl and self.live() and not self.timed_out and not (until and until()):
-                self._expire(now)
+                self.timed_out = self.request_stacks(then=lambda: self.on_timeout())
                 expired = True
             if self._stacks_until is not None and now >= min(self._stacks_until, self._stacks_end):
-                self._stacks_until = None
-                self.after_stacks()
+                then, self._stacks_until, self._stacks_then = self._stacks_then, None, None
+                if then is not None:
+                    then()
             if self.kill_at is not None and now >= self.kill_at:
                 self._kill_live()
             if next_tick is not None and now >= next_tick:
@@ -231,8 +254,8 @@ class Supervisor:
         if kind == "channel":
             records = proc.reader.feed(data)
         else:
-            if self._stacks_until is not None and kind == "stderr":
-                self._stacks_until = time.monotonic() + STACK_QUIET_S
+            if kind == "stderr":
+                self._stacks_arriving()
             proc.held[kind] += data
             records = self._drain_channel(proc)  # whatever the rank sent before this text is there now
         while records:
@@ -292,17 +315,40 @@ class Supervisor:
         self.sel.unregister(proc.exit_fd)
         os.close(proc.exit_fd)
         proc.exit_fd = -1
-        self._seen += 1
         # "stopped" only if our signal ended it (a rank that reported its own end did not). A rank still
         # starting when --timeout asked for stacks dies of that SIGUSR1: stopped, too.
-        proc.exit = failure.exit_record(
+        self.ended(proc, failure.exit_record(
             proc.rank, proc.records, code=os.waitstatus_to_exitcode(status),
-            stopped=proc.stop_sent or proc.rank in self.timed_out, order=self._seen,
-            max_rss=usage.ru_maxrss * 1024, seen=time.time(), node=proc.node,
-        )
+            stopped=proc.stop_sent or proc.rank in self.timed_out,
+            max_rss=usage.ru_maxrss * 1024, seen=time.time(),
+        ))
+
+    def ended(self, proc: RankProc, record: failure.RankExit) -> None:
+        """``proc`` has ended as ``record`` says (reaped here, or reported by a cluster pool's agent): its
+        place in the order of exits and its node are added, the subscribers told; a failure stops the rest."""
+        self._exits_seen += 1
+        proc.exit = dataclasses.replace(record, order=self._exits_seen, node=proc.node)
         self.bus.publish(Exited(proc.rank, proc.exit))
         if failure.failed(proc.exit) and not proc.stop_sent:
             self.stop_all()
+
+    def feed(self, proc: RankProc, event) -> None:
+        """An event of a rank this loop does not read itself (a cluster pool's, from its agent), handled as
+        its own would be: a record kept, an exit recorded, stderr extending a stack collection."""
+        if proc.exit is not None:
+            return
+        if isinstance(event, Exited):
+            self.ended(proc, event.exit)
+            return
+        if isinstance(event, Output) and event.stream == "stderr":
+            self._stacks_arriving()
+        elif isinstance(event, Message):
+            proc.records[type(event.record)] = event.record
+        self.bus.publish(event)
+
+    def _stacks_arriving(self) -> None:
+        if self._stacks_until is not None:  # a stack dump still arriving: the collection goes on
+            self._stacks_until = time.monotonic() + STACK_QUIET_S
 
     def stop_all(self) -> None:
         """SIGTERM every live rank (and its children); SIGKILL after the grace period."""
@@ -318,14 +364,10 @@ class Supervisor:
             p.signal(signal.SIGKILL)
         self.kill_at = None
 
-    def _expire(self, now: float) -> None:
-        """--timeout: every live rank's stack, then ``after_stacks``."""
-        self.timed_out = self.request_stacks()
-
-    def request_stacks(self, ranks: list[int] | None = None) -> list[int]:
+    def request_stacks(self, ranks: list[int] | None = None, then=None) -> list[int]:
         """Ask every live rank (or those of ``ranks``) for its Python stack (faulthandler on SIGUSR1, to its
-        stderr); the loop goes on collecting stderr until it is quiet, then calls ``after_stacks`` (stop
-        all). Returns the ranks asked."""
+        stderr); the loop goes on collecting stderr until it is quiet, then calls ``then()``. Returns the
+        ranks asked."""
         asked = [p for p in self.live() if ranks is None or p.rank in ranks]
         ranks = [p.rank for p in asked]
         self.bus.publish(StacksRequested(ranks))
@@ -334,6 +376,7 @@ class Supervisor:
         now = time.monotonic()
         self._stacks_until = now + STACK_QUIET_S
         self._stacks_end = now + STACK_MAX_S
+        self._stacks_then = then
         return ranks
 
     def signal_live(self, sig: int) -> None:

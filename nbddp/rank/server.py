@@ -153,7 +153,10 @@ def _run(cmd, ns: dict, ctx, notebook, track: bool = True, bound=None) -> messag
 
 
 def _receive(cmd, ns: dict, ctx, notebook) -> None:
-    """The notebook names a command carries (``RunCell``, ``Update``), into the rank's namespace."""
+    """The notebook names a command carries (``RunCell``, ``Update``), into the rank's namespace; the
+    names it drops (their notebook value cannot be sent: the rank's copy is stale), out of it."""
+    for name in cmd.dropped:
+        ns.pop(name, None)
     for name, blob in cmd.updates.items():
         ns[name] = jobs.in_namespace(cloudpickle.loads(blob), ns)
         if notebook is not None:  # the notebook has this very value under this name

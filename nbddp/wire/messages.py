@@ -128,6 +128,7 @@ class RunCell:
     updates: dict  # notebook name -> its current value, pickled once in the kernel
     post_mortem: bool = False  # IPython's %pdb is on: an exception opens pdb in the rank first
     lead: int = 0  # the rank whose last expression and --out names come back (a pool's --ranks: the first)
+    dropped: tuple = ()  # notebook names the ranks forget: rebound to a value that cannot be sent (kernel/sending.py)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class Update:
     the notebook's latest values; no answer."""
 
     updates: dict  # as RunCell's
+    dropped: tuple = ()  # as RunCell's
 
 
 @dataclass(frozen=True)

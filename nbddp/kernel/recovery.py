@@ -1,0 +1,71 @@
+"""A pool after an interrupt or a failed cell: does it live on? (the recovery policy)
+
+Every rank must answer the cell and pass a barrier (``HealthCheck``) within ``HEALTH_S``. Where ranks
+still wait in a collective (gloo), nothing can interrupt them: the others leave the process group,
+which frees them ("Connection closed by peer"), and every rank makes a fresh one (``Regroup``) within
+``REGROUP_S``; what the ranks had bound to the old group is named so the user can make it again. An
+NCCL communicator cannot be freed from its peers: that pool, like one whose rank never answers, is torn
+down. An interrupt during any of this tears the pool down too: it can no longer be vouched for.
+"""
+from __future__ import annotations
+
+import time
+
+from ..wire import messages
+from . import starters
+
+HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
+REGROUP_S = 10.0  # pool: every rank in a fresh process group within this (a rank stuck elsewhere: torn down)
+
+
+class Recovery:
+    """For one pool cell on ``ranks``: a listener of the cell (the ranks' ``Healthy`` answers), and
+    ``recover()``. ``replies`` is the cell's (rank -> its answer); ``wait(until, wake_at)`` runs the
+    supervisor's loop as the cell does (prompts, the relay's releases)."""
+
+    def __init__(self, gang, ranks, replies: dict, wait):
+        self.gang, self.ranks, self.replies, self.wait = gang, ranks, replies, wait
+        self.healthy: set[int] = set()
+        self.regrouped: list[int] = []  # ranks freed from a collective by a fresh process group
+        self.old_group_users: set[str] = set()  # what the ranks had bound to the old group (their Healthy answers)
+
+    def on_Message(self, event) -> None:
+        if isinstance(event.record, messages.Healthy):
+            self.healthy.add(event.rank)
+            self.old_group_users.update(event.record.bound)
+
+    def recover(self) -> bool:
+        """True if the pool lives on (its ranks all answered and healthy, in the old group or a fresh one)."""
+        gang = self.gang
+        stuck = [r for r in self.ranks if r not in self.replies]
+        if gang.alive and stuck and gang.plan.backend == "gloo":
+            gang.generation += 1
+            if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
+                                 "torn down by an interrupt while its process group was made anew"):
+                self.regrouped = stuck
+                gang.regrouped = (gang.generation, tuple(sorted(self.old_group_users)))
+                return True
+            gang.close("torn down: its process group could not be made anew")
+            return False
+        if gang.alive and not stuck and self._all_healthy(messages.HealthCheck(), HEALTH_S,
+                                                          "torn down by an interrupt during its health check"):
+            return True
+        gang.close("torn down: a rank did not come back from a collective after the cell failed or was "
+                   "interrupted" + (" (NCCL: a communicator cannot be freed from its peers)" if stuck else ""))
+        return False
+
+    def _all_healthy(self, cmd, within: float, interrupted: str) -> bool:
+        """``cmd`` to every rank; True once each has answered the cell and then ``Healthy`` within
+        ``within`` s. An interrupt meanwhile tears the pool down (``interrupted``: why)."""
+        gang = self.gang
+        self.healthy = set()
+        end = time.monotonic() + within
+        try:
+            with starters.sigint_deferred():
+                gang.command(cmd)
+            self.wait(until=lambda: len(self.healthy) == gang.world_size and set(self.replies) >= set(self.ranks)
+                      or not gang.alive or time.monotonic() >= end, wake_at=end)
+        except KeyboardInterrupt:  # the pool cannot be vouched for
+            gang.close(interrupted)
+            return False
+        return gang.alive and len(self.healthy) == gang.world_size
