@@ -29,7 +29,7 @@ import threading
 from ..kernel import rendezvous, warm
 from ..kernel.logs import RankLogs
 from ..kernel.starters import ForkStarter
-from ..kernel.supervisor import Bus, Supervisor
+from ..kernel.supervisor import Supervisor
 from ..rank.server import Server
 from ..wire.framing import Reader, write_all
 from .netif import ifname_for
@@ -78,7 +78,7 @@ class Agent:
             self._reset(pool)
         run_dir = rendezvous.new_run_dir()
         logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
-        self.sup = sup = Supervisor(Bus([logs, self]))
+        self.sup = sup = Supervisor([logs, self])
         done = threading.Event()
         try:
             sup.watch(self.wake_r, self._wake)
@@ -139,7 +139,7 @@ class Agent:
         except BlockingIOError:
             return
         if not data:
-            self.sup.sel.unregister(fd)
+            self.sup.unwatch(fd)
             return
         for request, _ in frames.feed(data):
             self.queue.append(("store", rank, request))
