@@ -150,7 +150,22 @@ def test_the_pool_views_words_and_scales_are_honest(tmp_path):
     life = poolview.LifeSeries()
     for v in (1000, 1010, 1030):  # a 3 % change
         life.add(v * 2**20)
-    assert poolview.PoolView._life(life).startswith("███ "), "bars from zero: 3 % is not full scale"
+    drawn = poolview.PoolView._life(life)
+    assert set(drawn.split()[0]) <= set("▂▃▄▅▆▇") and drawn.endswith(" 1000 MB–1030 MB"), \
+        f"a 3 % change is not full scale, nor a solid block: {drawn}"
+    flat = poolview.LifeSeries()
+    for _ in range(3):
+        flat.add(500 * 2**20)
+    assert set(poolview.PoolView._life(flat).split()[0]) in ({"▄"}, {"▅"}), "flat memory: a flat line mid-height"
+    assert poolview.PoolView._life(flat).html.count("border-top:2px") == poolview.SPARK_WIDTH
+    widths = set()
+    for n in (1, 3, 39, 40, 41, 100, 511, 513, 5000):  # a young pool to an old one: one width
+        series = poolview.LifeSeries()
+        for i in range(n):
+            series.add((100 + i % 7) * 2**20)
+        cell = poolview.PoolView._life(series)
+        widths.add((len(cell.split()[0]), re.search(r"width:(\d+)px;height:14px", cell.html).group(1)))
+    assert widths == {(poolview.SPARK_WIDTH, str(poolview.SPARK_WIDTH * poolview.LINE_STEP_PX))}, widths
     view = poolview.PoolView(devices.Plan("cpu", "gloo", (None, None)), SimpleNamespace(path=tmp_path), shown=False)
     view.cell_began("Cell In[2]")
     view.cell_ended("ok")

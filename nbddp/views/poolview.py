@@ -23,14 +23,19 @@ from .monitor import Monitor, duration, mb, uptime
 REFRESH_S = 1.0  # between cells: sample and redraw if changed
 USS_EVERY = 5  # samples between USS readings (it walks the page tables: ~3 ms a rank)
 SERIES_MAX = 512  # points kept per series; past that every other one goes, so the whole life stays
-SPARK_WIDTH = 40
+SPARK_WIDTH = 40  # points drawn per series, whatever the pool's age
+SPAN_FLOOR = 0.1  # the range drawn spans at least this fraction of the highest value
+MEMORY_FLOOR = 16 * 2**20  # a memory series' range drawn spans at least this (bytes)
+LINE_STEP_PX, LINE_HEIGHT_PX = 4, 14  # each point's width and the line's box height in the HTML view
 CELLS_SHOWN = 8
 BARS = "▁▂▃▄▅▆▇█"
 SMALL_TABLE = "border-collapse:collapse;font-size:12px;line-height:1.4"
 
 
 class LifeSeries:
-    """Samples over the pool's life in bounded memory: when full, every other point is dropped."""
+    """Samples over the pool's life in bounded memory (when full, every other point is dropped), drawn as a
+    fixed number of points whatever the pool's age, so the view keeps one width from its first minute to its
+    tenth hour."""
 
     def __init__(self):
         self.values: list[float] = []
@@ -40,17 +45,52 @@ class LifeSeries:
         if len(self.values) > SERIES_MAX:
             self.values = self.values[::2]
 
-    def spark(self, scale: tuple[float, float] | None = None) -> str:
-        """At most SPARK_WIDTH bars (each the highest value of its stretch of time), drawn between
-        ``scale`` (low, high), or between the lowest and highest value seen."""
+    def points(self, n: int = SPARK_WIDTH) -> list[float]:
+        """Exactly ``n`` points over the pool's life: each the highest value of its stretch of time (a young
+        pool's few samples stretched across)."""
         vals = self.values
         if not vals:
+            return []
+        return [max(vals[i * len(vals) // n:max(i * len(vals) // n + 1, (i + 1) * len(vals) // n)]) for i in range(n)]
+
+    def scale(self, floor: float = 0.0) -> tuple[float, float]:
+        """The range drawn: lowest to highest value, at least ``floor`` and ``SPAN_FLOOR`` of the highest wide
+        (around the middle), so a near-flat series draws as a flat line, not as noise blown up to full scale."""
+        low, high = min(self.values), max(self.values)
+        span = max(floor, SPAN_FLOOR * abs(high))
+        if high - low < span:
+            mid = (high + low) / 2
+            low, high = mid - span / 2, mid + span / 2
+        return low, high
+
+    def spark(self, scale: tuple[float, float] | None = None) -> str:
+        """SPARK_WIDTH characters between ``scale`` (low, high), or ``scale()``."""
+        if not self.values:
             return ""
-        step = max(1, -(-len(vals) // SPARK_WIDTH))
-        buckets = [max(vals[i:i + step]) for i in range(0, len(vals), step)]
-        low, high = scale or (min(vals), max(vals))
+        low, high = scale or self.scale()
         span = (high - low) or 1.0
-        return "".join(BARS[max(0, min(len(BARS) - 1, int((v - low) / span * len(BARS))))] for v in buckets)
+        return "".join(BARS[max(0, min(len(BARS) - 1, int((v - low) / span * len(BARS))))] for v in self.points())
+
+    def line_html(self, scale: tuple[float, float] | None = None, colour: str = "#1565c0") -> str:
+        """The same points as a thin line (a 2 px top edge per point) in a box of fixed size."""
+        if not self.values:
+            return ""
+        low, high = scale or self.scale()
+        span = (high - low) or 1.0
+        cells = "".join(
+            f"<span style='display:inline-block;width:{LINE_STEP_PX}px;height:{2 + round(max(0.0, min(1.0, (v - low) / span)) * (LINE_HEIGHT_PX - 2))}px;"
+            f"border-top:2px solid {colour};box-sizing:border-box'></span>" for v in self.points())
+        return (f"<span class='nbddp-life' style='display:inline-flex;align-items:flex-end;vertical-align:middle;"
+                f"width:{SPARK_WIDTH * LINE_STEP_PX}px;height:{LINE_HEIGHT_PX}px;background:#f3f3f3'>{cells}</span>")
+
+
+class Life(str):
+    """A table cell drawing a series: its text form, with its HTML form (``html``) beside."""
+
+    def __new__(cls, text: str, html_text: str):
+        cell = super().__new__(cls, text)
+        cell.html = html_text
+        return cell
 
 
 class PoolView:
@@ -215,18 +255,22 @@ class PoolView:
         return f"{where} {self.nodes[rank]}" if rank in self.nodes else where
 
     @staticmethod
-    def _life(series: LifeSeries) -> str:
-        """Bars from zero (a 3 % change looks like one), then the range."""
+    def _life(series: LifeSeries, scale: tuple[float, float] | None = None, figures: bool = True) -> str:
+        """The series over the pool's life (its range at least ``MEMORY_FLOOR`` wide), then its lowest and
+        highest figure; a ``Life``: the text, with its HTML (a thin line) beside."""
         if not series.values:
             return ""
-        return f"{series.spark(scale=(0.0, max(series.values)))} {mb(min(series.values))}–{mb(max(series.values))}"
+        scale = scale or series.scale(MEMORY_FLOOR)
+        figures_text = f" {mb(min(series.values))}–{mb(max(series.values))}" if figures else ""
+        return Life(series.spark(scale) + figures_text, series.line_html(scale) + html.escape(figures_text))
 
     def gpu_rows(self) -> list[list[str]]:
         if not self.gpu_util:
             return []
         rows = [["GPU", "util over the pool's life", "memory over the pool's life"]]
         for i in self.gpu_util:
-            rows.append([f"cuda:{i}", self.gpu_util[i].spark(scale=(0.0, 100.0)), self._life(self.gpu_mem[i])])
+            rows.append([f"cuda:{i}", self._life(self.gpu_util[i], scale=(0.0, 100.0), figures=False),
+                         self._life(self.gpu_mem[i])])
         return rows
 
     def cell_rows(self) -> list[str]:
@@ -247,8 +291,8 @@ class PoolView:
         """The dashboard's style (dashboard.py): small, one line a row at any width."""
         def table(rows):
             head = "".join(f"<th style='{CELL};font-weight:600;color:#555'>{html.escape(c)}</th>" for c in rows[0])
-            body = "".join("<tr>" + "".join(f"<td style='{CELL}'>{html.escape(c)}</td>" for c in r) + "</tr>"
-                           for r in rows[1:])
+            body = "".join("<tr>" + "".join(f"<td style='{CELL}'>{c.html if isinstance(c, Life) else html.escape(c)}</td>"
+                                            for c in r) + "</tr>" for r in rows[1:])
             return f"<table style='{SMALL_TABLE}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
         parts = [f"<div class='nbddp-pool' style='font-size:12px'><div><b>{html.escape(self.title())}</b></div>",
