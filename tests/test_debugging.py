@@ -16,6 +16,11 @@ def pdb_prompts(prompts, rank):
     return len(prompts)
 
 
+def shown(res):
+    """What %ddp who / %ddp diff showed: its table as text (the display's text/plain)."""
+    return res.stdout + "".join(d["data"].get("text/plain", "") for d in res.displays if "data" in d)
+
+
 def answers(*lines):
     """A front end that types ``lines`` in order into the input box."""
     left = list(lines)
@@ -114,7 +119,7 @@ def test_who_and_diff_show_where_ranks_disagree(clean_kernel):
                         "model(torch.randn(8, 4)).sum().backward(); opt.step()\n"
                         "from collections import OrderedDict\nfrom math import sqrt\nclass Mine:\n    pass\n"
                         "def helper():\n    return 1\n", timeout=60)
-        who = clean_kernel.ok("%ddp who", timeout=60).stdout
+        who = shown(clean_kernel.ok("%ddp who", timeout=60))
         rows = {line.split()[0]: line for line in who.splitlines()[2:]}
         assert "Tensor" in rows["w"] and "≠ rank 0: (3,) float32 cpu; rank 1: (4,) float32 cpu" in rows["w"], who
         assert "DistributedDataParallel" in rows["model"] and "10 parameters" in rows["model"], who
@@ -124,16 +129,19 @@ def test_who_and_diff_show_where_ranks_disagree(clean_kernel):
         assert not {"open", "exit", "In", "DDP", "OrderedDict", "sqrt", "torch", "os"} & set(rows), who
         assert "type" in rows["Mine"] and "function" in rows["helper"], who  # the notebook's own are listed
 
-        same = clean_kernel.ok("%ddp diff model.state_dict()", timeout=60).stdout
+        same = shown(clean_kernel.ok("%ddp diff model.state_dict()", timeout=60))
         assert "2 ranks: all 2 entries agree" in same, same  # DDP kept the replicas in sync
         clean_kernel.ok("%%ddp --ranks 1\nwith torch.no_grad():\n    model.module.bias.add_(0.5)\ntorch.rand(3)\n",
                         timeout=60)
-        off = clean_kernel.ok("%ddp diff model.state_dict()", timeout=60).stdout
+        off = shown(clean_kernel.ok("%ddp diff model.state_dict()", timeout=60))
         assert "1 of 2 entries differs" in off and "module.bias" in off and "module.weight" not in off, off
         assert "largest relative gap" in off, off
-        optim = clean_kernel.ok("%ddp diff opt.state_dict()", timeout=60).stdout
+        table = [d["data"]["text/html"] for d in clean_kernel.ok("%ddp diff model.state_dict()", timeout=60).displays
+                 if "text/html" in d.get("data", {})]
+        assert len(table) == 1 and 'title="module.bias"' in table[0], table  # one output: text and HTML
+        optim = shown(clean_kernel.ok("%ddp diff opt.state_dict()", timeout=60))
         assert "2 ranks: all" in optim and "agree" in optim, optim  # SGD's param groups, the same on both
-        rng = clean_kernel.ok("%ddp diff torch.get_rng_state()", timeout=60).stdout
+        rng = shown(clean_kernel.ok("%ddp diff torch.get_rng_state()", timeout=60))
         assert "1 of 1 entry differs" in rng, rng  # rank 1 drew numbers rank 0 did not
         bad = clean_kernel.run("%ddp diff no_such_name", timeout=60)
         assert "NameError" in bad.error_text, bad.error_text
@@ -173,10 +181,10 @@ def test_diff_compares_the_shard_each_rank_holds_for_fsdp2(clean_kernel):
         clean_kernel.ok("%%ddp\nfrom torch.distributed.fsdp import fully_shard\ntorch.manual_seed(0)\n"
                         "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n"
                         "for layer in net:\n    fully_shard(layer)\nfully_shard(net)\n", timeout=120)
-        out = clean_kernel.ok("%ddp diff net.state_dict()", timeout=60).stdout
+        out = shown(clean_kernel.ok("%ddp diff net.state_dict()", timeout=60))
         assert "DTensor entries: each rank's own shard compared" in out, out
         assert "0.weight" in out, out  # rank 0 holds rows 0-3, rank 1 rows 4-7: different shards
-        who = clean_kernel.ok("%ddp who", timeout=60).stdout
+        who = shown(clean_kernel.ok("%ddp who", timeout=60))
         assert "net" in who and "Sequential" in who, who
     finally:
         clean_kernel.ok("%ddp stop", timeout=60)
@@ -253,3 +261,18 @@ def test_breakpoint_and_torch_breakpoint_start_at_the_users_frames(clean_kernel)
     # torch stops in its own breakpoint() ("Type 'up' to get to the frame that called dist.breakpoint")
     assert frames_listed(res.stdout, 0) == ["breakpoint", "<module>", "breakpoint", "<module>"], res.stdout
     assert "server.py" not in res.stdout and "jobs.py" not in res.stdout and "Oldest frame" in res.stdout, res.stdout
+
+
+def test_a_diff_row_fits_the_notebook_and_keeps_the_whole_in_its_title():
+    from nbddp.kernel import survey_tables
+
+    key = "module.model.layers.12.self_attention.query_key_value.weight"
+    fp = lambda h, n: {"what": "(4096, 4096) float32", "hash": h, "norm": n, "sum": 1.0}  # noqa: E731
+    per_rank = [{key: fp(str(r), 12.3456 + r / 1e4), "bias": fp("same", 1.0)} for r in range(4)]
+    text = survey_tables.diff_table("model.state_dict()", per_rank)
+    rows = text.splitlines()[1:]
+    assert len(rows) == 2 and all(len(row) <= survey_tables.WIDTH for row in rows), text
+    assert "…" in rows[1] and rows[1].split()[0].endswith("key_value.weight"), text  # the key's end kept
+    assert "largest relative gap" in rows[1], text  # the gap first: what the eye looks for
+    page = survey_tables._html(*survey_tables.diff_parts("model.state_dict()", per_rank), survey_tables.DIFF_CAPS)
+    assert f'title="{key}"' in page and "text-overflow:ellipsis" in page and "rank 3: 12.3459" in page, page
