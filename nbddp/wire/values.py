@@ -4,6 +4,13 @@ With fork, a class or function the notebook defined before the cell is pickled b
 value comes back as an instance of the notebook's own class (``isinstance`` holds), not a look-alike.
 Objects that cannot come back as they are (a DDP- or FSDP-wrapped module, an open file, a generator)
 are refused with what to send instead.
+
+A DTensor (tensor parallel, FSDP2, DeviceMesh code; or a state_dict, list or model holding one) is refused
+with the fix, its place in the value named: pickled, it keeps one rank's shard and a DeviceMesh the kernel
+cannot resolve (``full_tensor()`` fails there). Sending the full tensor instead would need every rank to join
+an all-gather after the cell (``--out`` packs on rank 0 alone, ``--ranks`` runs some ranks, a rank that
+failed never joins: a hang) and would put the whole model in every rank's memory; the cell gathers it in
+one line, where the user sees the collective.
 """
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ class _CPUPickler(cloudpickle.CloudPickler):
             return _from_notebook, (known[0],)
         torch = _torch()
         if torch is not None:
+            if _is_dtensor(obj):
+                raise Unsendable(DTENSOR)
             if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
                 return _identity, (obj.detach().cpu(),)
             if isinstance(obj, torch.nn.Module):
@@ -46,6 +55,60 @@ class _CPUPickler(cloudpickle.CloudPickler):
         if isinstance(obj, (types.GeneratorType, types.AsyncGeneratorType, types.CoroutineType)):
             raise Unsendable(f"a {type(obj).__name__} cannot be pickled: send list(...) of what it yields")
         return super().reducer_override(obj)
+
+
+DTENSOR = "a DTensor"  # an Unsendable's message for one: pack() says where it is and what to send
+
+
+def _is_dtensor(obj) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(dtensor, "DTensor", None)
+    return cls is not None and isinstance(obj, cls)
+
+
+def _dtensor_at(obj, path: str = "", depth: int = 0, seen: set | None = None):
+    """Where the first DTensor in ``obj`` is, as the code that reaches it (``['layer.weight']``, ``[0]``,
+    ``.weight``; ``""``: ``obj`` itself), or None."""
+    seen = set() if seen is None else seen
+    if _is_dtensor(obj):
+        return path
+    if depth > 8 or id(obj) in seen:
+        return None
+    seen.add(id(obj))
+    torch = _torch()
+    if isinstance(obj, dict):
+        children = ((f"[{k!r}]", v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple)):
+        children = ((f"[{i}]", v) for i, v in enumerate(obj))
+    elif torch is not None and isinstance(obj, torch.nn.Module):
+        children = ((f".{k}", v) for k, v in (*obj.named_parameters(), *obj.named_buffers()))
+    else:
+        children = ((f".{k}", v) for k, v in getattr(obj, "__dict__", {}).items())
+    for key, child in children:
+        found = _dtensor_at(child, path + key, depth + 1, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _dtensor_problem(obj) -> str:
+    """A DTensor refused: where it is in the value, why, and the one line that sends full tensors."""
+    torch = _torch()
+    at = _dtensor_at(obj)
+    where = "is a DTensor" if not at else f"holds a DTensor at {at}"
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        fix = ("send its full state dict instead: torch.distributed.checkpoint.state_dict.get_model_state_dict("
+               "model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)), run on every rank")
+    elif isinstance(obj, dict):
+        fix = ("gather it in the cell, on every rank (the gather is a collective): "
+               "value = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in value.items()} "
+               "(DTensor from torch.distributed.tensor), or for a model's state dict "
+               "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) "
+               "(torch.distributed.checkpoint.state_dict)")
+    else:
+        fix = "gather it in the cell, on every rank (the gather is a collective): send value.full_tensor() instead"
+    return (f"{describe(obj)} {where}: one rank's shard on a DeviceMesh the notebook does not have (it would "
+            f"arrive as rank 0's shard, and full_tensor() would fail there); {fix}")
 
 
 def _refuse_wrapped(module) -> None:
@@ -131,6 +194,8 @@ def pack(obj, *, max_bytes: int, notebook: dict | None = None) -> Item:
     try:
         blob = dumps(obj, notebook)
     except Unsendable as e:
+        if str(e) == DTENSOR:
+            return Item(problem=_dtensor_problem(obj))
         return Item(problem=f"{describe(obj)}: {e}")
     except Exception as e:  # noqa: BLE001
         return Item(problem=f"{describe(obj)} cannot be pickled: {type(e).__name__}: {e}")
