@@ -148,3 +148,47 @@ def test_troubleshooting_covers_the_gpu_messages():
     text = (DOCS / "troubleshooting.md").read_text()
     missing = [m for m in GPU_MESSAGES if m not in text]
     assert not missing, f"docs/troubleshooting.md lacks {missing}"
+
+
+def _kinds_handled(path: Path) -> set[str]:
+    """The message kinds (wire/messages.py's records) a module tells apart: in ``isinstance(x, ...)`` or
+    ``type(x) is ...``, which is where a module handles a kind rather than passing records along."""
+    import ast
+
+    from nbddp.wire import messages
+
+    kinds = {c.__name__ for c in (*messages.RANK_SENDS, *messages.KERNEL_SENDS)}
+
+    tree = ast.parse(path.read_text())
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").endswith("messages") for a in node.names}
+
+    def names(node):  # messages.Kind, or a Kind imported from wire/messages.py (not ast.Call and the like)
+        return {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(node)
+                if (isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "messages")
+                or (isinstance(n, ast.Name) and n.id in imported)}
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance" and len(node.args) == 2:
+            found |= names(node.args[1]) & kinds
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            found |= names(node) & kinds
+    return found
+
+
+def test_each_module_row_names_the_message_kinds_the_module_handles():
+    """A module that tells a message kind apart names it in its architecture.md row, so the map of who
+    handles what cannot drift from the code."""
+    text = (DOCS / "architecture.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        for path in re.findall(r"^\| `(nbddp/[a-z_/]+\.py)`", line):
+            rows[path] = line
+    assert len(rows) >= 40, "the module table was not found"
+    missing = []
+    for path, row in sorted(rows.items()):
+        for kind in sorted(_kinds_handled(ROOT / path)):
+            if not re.search(rf"\b{kind}\b", row):
+                missing.append(f"{path}: {kind}")
+    assert not missing, f"docs/architecture.md's module rows do not name the message kinds they handle: {missing}"
