@@ -52,10 +52,12 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
 
         long_res = k.collect(long_cell, timeout=60, on_message=watch)
         assert any("busy: Cell In[" in t for t in busy), busy
-        # the cell itself gets no dashboard, only its one line at the end (the start cell's view has the detail)
+        # the cell itself gets no dashboard, only its one line, live from the first tick (a 2.5 s cell), ending
+        # as the final line in the same output (the start cell's view has the detail)
         own = [d for d in long_res.displays if d.get("transient", {}).get("display_id") != did]
-        assert len(own) == 1 and re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 2\.\d s · ok",
-                                              own[0]["data"]["text/plain"]), own
+        assert len({d["transient"]["display_id"] for d in own}) == 1, own
+        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 1\.\d s · running", own[0]["data"]["text/plain"]), own
+        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 2\.\d s · ok", own[-1]["data"]["text/plain"]), own
         # between cells, on the kernel's own loop: the cell is listed, the ranks idle, their memory grew
         after = wait_update(k, did, lambda t: "1 cell run" in t and "busy" not in t)
         assert "Cell In[" in after and " · ok" in after

@@ -181,3 +181,30 @@ def test_bars_stay_in_rank_order_across_epochs_in_a_real_cell(clean_kernel):
         rows = text.splitlines()
         assert [r[:8] for r in rows] == [f"[rank{r}]:" for r in range(4)], rows
         assert all(row.startswith(f"[rank{r}]:epoch {epoch}: 100%") for r, row in enumerate(rows)), rows
+
+
+def test_a_pool_cell_shows_its_own_live_line_that_ends_as_its_final_line(runs_dir):
+    """A pool cell past its first second: its own line, live each tick (running, each rank's progress), then
+    the final line in the same output; a quick cell: the one final line only."""
+    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
+    try:
+        k.ok("%load_ext nbddp")
+        k.ok("%ddp start --devices 2")
+        seq = []
+        res = k.collect(k.execute("%%ddp\nimport time\nfrom tqdm.auto import tqdm\n"
+                                  "for i in tqdm(range(30), desc='train'):\n    time.sleep(0.1)\n"),
+                        timeout=60, on_message=lambda kind, c: seq.append((kind, c)))
+        assert res.error is None, res.error_text
+        lines = [(kind, c) for kind, c in seq if kind in ("display_data", "update_display_data")
+                 and c.get("transient", {}).get("display_id", "").startswith("nbddp-line-")]
+        assert lines and lines[0][0] == "display_data" and all(kind == "update_display_data" for kind, _ in lines[1:])
+        texts = [c["data"]["text/plain"] for _, c in lines]
+        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 1\.\d s · running( · .*)?", texts[0]), texts
+        assert any(re.search(r"· running · rank 0 \d+%, rank 1 \d+%$", t) for t in texts), texts
+        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · \d\.\d s · ok", texts[-1]), texts
+        quick = k.ok("%%ddp\nrank")
+        assert [d["data"]["text/plain"][-4:] for d in quick.displays if "transient" not in d
+                or not d["transient"].get("display_id", "").startswith("nbddp-pool-")] == ["· ok"], quick.displays
+        k.ok("%ddp stop")
+    finally:
+        k.shutdown()

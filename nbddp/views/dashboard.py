@@ -9,18 +9,20 @@ and the start of each rank's last line (or its exception). A column no rank has 
 out. All updates happen on the kernel's main thread, at the supervisor's 1 Hz tick.
 
 A pool cell gets no dashboard of its own (the ``%ddp start`` cell's view follows every rank): one line
-(``CellLine``) written once at the end says what ran, on which ranks, how long and how it ended.
+(``CellLine``) says what runs, on which ranks, how long and how it ended: written once at the end of a
+quick cell, live from the first tick of a longer one.
 """
 from __future__ import annotations
 
 import html
 import re
+import sys
 import time
 
 from ..wire.messages import Error, Exit, Ready, Result
-from .iopub import publish_line
+from .iopub import line_bundle, publish_line
 from .monitor import Monitor, duration, mb
-from .relay import latest_redraw, progress, rank_span
+from .relay import last_bar, latest_redraw, progress, rank_span
 
 STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
                  "stopped": "#ef6c00", "interrupted": "#ef6c00"}
@@ -255,16 +257,24 @@ class RunView:
 
 
 class CellLine:
-    """A pool cell's one line, written once at the end: what ran, on which ranks, how long, the outcome.
-    The pool's own view (the ``%ddp start`` cell) carries the live detail, so this costs a quick cell
-    only the line, queued on ipykernel's IO thread (iopub.py)."""
+    """A pool cell's one line in its own output: what runs, on which ranks, how long, and how it ended.
+
+    A cell that ends within a second gets the line once, at the end, queued on ipykernel's IO thread
+    (iopub.py): it costs a quick cell only that. A longer cell shows the line from the pool's first tick
+    (its supervisor's 1 Hz ``Tick``), live: running for how long, each rank's tqdm progress, updated in place
+    by display id each tick, and ends as the same final line, in the same place. The pool's own view (the
+    ``%ddp start`` cell) carries the detail."""
+
+    LIVE_RANKS = 4  # ranks named one by one in the live line; beyond, the range of their progress
 
     def __init__(self, live: bool, what: str = "cell", ranks=None):
         self.live, self.what = live, what
         self.ranks = ranks  # a --ranks cell's ranks (None: every rank of the pool)
         self.plan = None
         self.failed: dict[int, str] = {}
+        self.progress: dict[int, float] = {}  # rank -> its last tqdm fraction (live line only)
         self.wrote = False
+        self.display_id: str | None = None  # the live line's output, from the first tick on
 
     def begin(self, plan, run_dir) -> None:
         self.plan, self.t0 = plan, time.monotonic()
@@ -279,9 +289,32 @@ class CellLine:
 
     def on_Output(self, event) -> None:
         self.wrote = True  # the relay put text on the kernel's streams: it goes out before the line
+        if b"%|" in event.data:  # (a tqdm bar's redraw: a quick cell's output pays one search)
+            text = last_bar(event.data.decode("utf-8", "replace"))
+            if text is not None:
+                self.progress[event.rank] = progress(text)
 
     def on_Exited(self, event) -> None:
         self.failed.setdefault(event.rank, "exited")
+
+    def on_Tick(self, event) -> None:
+        """The pool's tick while the cell runs (a cell past its first second): the live line, in place."""
+        if self.plan is None or not self.live:
+            return
+        self._draw(self.head() + " · running" + self._progress())
+
+    def head(self) -> str:
+        ran = list(self.ranks or range(self.plan.world_size))
+        ranks = f"ranks {rank_span(ran)}" if len(ran) > 1 else f"rank {ran[0]}"
+        return f"nbddp pool · {self.what} on {ranks} · {duration(time.monotonic() - self.t0)}"
+
+    def _progress(self) -> str:
+        if not self.progress:
+            return ""
+        if len(self.progress) <= self.LIVE_RANKS:
+            return " · " + ", ".join(f"rank {r} {f:.0%}" for r, f in sorted(self.progress.items()))
+        low, high = min(self.progress.values()), max(self.progress.values())
+        return f" · progress {low:.0%}–{high:.0%}" if high > low else f" · progress {low:.0%}"
 
     def finish(self, error: BaseException | None) -> None:
         if self.plan is None:
@@ -292,13 +325,25 @@ class CellLine:
             outcome = "failed: " + ", ".join(f"rank {r} {why}" for r, why in sorted(self.failed.items()))
         else:
             outcome = "failed" if error is not None else "ok"
-        ran = list(self.ranks or range(self.plan.world_size))
-        ranks = f"ranks {rank_span(ran)}" if len(ran) > 1 else f"rank {ran[0]}"
-        line = f"nbddp pool · {self.what} on {ranks} · {duration(time.monotonic() - self.t0)} · {outcome}"
-        if self.live:
+        line = f"{self.head()} · {outcome}"
+        if self.display_id is not None:  # the live line ends as the final one, where it is
+            self._draw(line)
+        elif self.live:
             publish_line(line, flush=self.wrote)
         else:
             print(line)
+
+    def _draw(self, line: str) -> None:
+        from IPython.display import publish_display_data
+
+        update = self.display_id is not None
+        if not update:
+            import uuid
+
+            self.display_id = f"nbddp-line-{uuid.uuid4().hex[:12]}"
+            sys.stdout.flush()  # what the ranks wrote so far goes above it
+            sys.stderr.flush()
+        publish_display_data(line_bundle(line), transient={"display_id": self.display_id}, update=update)
 
 
 def _cut(text: str, width: int = 80) -> str:

@@ -28,7 +28,7 @@ IDLE_S = 30.0  # the tick stops after this long without a line
 def publish_line(line: str, flush: bool) -> None:
     """A one-line static summary (``text/plain``, grey ``text/html``) as display data. ``flush``: the
     cell wrote text to the kernel's streams, which goes first."""
-    data = {"text/plain": line, "text/html": f"<div style='color:#888;font-size:smaller'>{html.escape(line)}</div>"}
+    data = line_bundle(line)
     pub = getattr(running_shell(), "display_pub", None)
     session, socket = getattr(pub, "session", None), getattr(pub, "pub_socket", None)
     if session is None or socket is None:  # not ipykernel's publisher: the ordinary way
@@ -51,6 +51,11 @@ def publish_line(line: str, flush: bool) -> None:
             session.send(io_thread.socket, "display_data", content, parent=parent, ident=ident)
 
     later.queue(send)
+
+
+def line_bundle(line: str) -> dict:
+    """A pool cell's line as display data: its text, and the same in small grey HTML."""
+    return {"text/plain": line, "text/html": f"<div style='color:#888;font-size:smaller'>{html.escape(line)}</div>"}
 
 
 def _queueable(io_thread) -> bool:
