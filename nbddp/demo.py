@@ -32,23 +32,29 @@ CELLS = [
 
 
 def main() -> int:
+    import tempfile
+
     from jupyter_client import KernelManager
 
-    km = KernelManager(kernel_name="python3")
-    km.start_kernel()
-    kc = km.client()
-    kc.start_channels()
-    failed = False
-    try:
-        kc.wait_for_ready(timeout=60)
-        for n, code in enumerate(CELLS, 1):
-            print(f"\n\x1b[1mIn [{n}]:\x1b[0m " + code.replace("\n", "\n        "))
-            failed |= _run(kc, code, timeout=300)
-            if failed:
-                break
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
+    # the kernel is this process's own, on this machine: its sockets are files in a private (0700) temp
+    # directory (IPC transport), not TCP ports, so ipykernel has no "running over TCP without encryption"
+    # warning to print into the demo's output, where it would read as nbddp's; its real errors still show
+    with tempfile.TemporaryDirectory(prefix="nbddp-demo-") as sockets:
+        km = KernelManager(kernel_name="python3", transport="ipc", ip=f"{sockets}/kernel")
+        km.start_kernel()
+        kc = km.client()
+        kc.start_channels()
+        failed = False
+        try:
+            kc.wait_for_ready(timeout=60)
+            for n, code in enumerate(CELLS, 1):
+                print(f"\n\x1b[1mIn [{n}]:\x1b[0m " + code.replace("\n", "\n        "))
+                failed |= _run(kc, code, timeout=300)
+                if failed:
+                    break
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
     return 1 if failed else 0
 
 
