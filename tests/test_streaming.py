@@ -141,6 +141,9 @@ def test_the_dashboard_sits_above_the_stream_and_updates_in_place_to_its_final_s
     assert header[0].split() == ["rank", "state", "time", "private", "memory", "last", "line"], header
     assert live[-1].splitlines()[1].split() == header[0].split(), "the live table has the final one's columns"
     assert "logs: " in text
+    # the run directory on the title's hover; shown in the view only once a cell failed or was interrupted
+    assert re.search(r"<div title='logs: /[^']+'><b>nbddp</b>", html) and ">logs: " not in html, html
+    assert re.search(r"(?s)^<div class='nbddp-run'.*?</div></div>$", html), "the view ends at its only </div></div>"
 
 
 def test_a_failed_rank_shows_its_exception_and_a_rank_done_before_it_shows_finished(clean_kernel):
@@ -151,6 +154,9 @@ def test_a_failed_rank_shows_its_exception_and_a_rank_done_before_it_shows_finis
     assert re.search(r"^0\s+finished\s.*done$", text, re.MULTILINE), text  # its work was over before rank 1 failed
     assert re.search(r"^1\s+failed\s.*ValueError: x went wrong$", text, re.MULTILINE), text
     assert re.search(r"^2\s+stopped\s", text, re.MULTILINE), text
+    html = res.displays[-1]["data"]["text/html"]
+    assert ">logs: /" in html, "a failed cell shows where the rest of its output is"
+    assert re.search(r"(?s)^<div class='nbddp-run'.*?</div></div>$", html), "the view ends at its only </div></div>"
 
 
 def test_the_last_line_keeps_its_start_and_skips_stack_dumps(clean_kernel):
@@ -252,14 +258,6 @@ def test_a_long_redrawn_line_keeps_only_its_latest_state(clean_kernel):
 
 
 # -- issue 11: a %%ddp cell's output behaves like a notebook cell's ----------------------------------
-@pytest.fixture
-def pool(clean_kernel):
-    """The module kernel with a 2-rank pool, stopped after the test."""
-    assert "ready" in clean_kernel.ok("%ddp start --devices 2").stdout
-    yield clean_kernel
-    clean_kernel.ok("%ddp stop")
-
-
 BOUND = {  # how the notebook bound tqdm before the cell -> how the cell calls it
     "from tqdm.auto import tqdm": "tqdm",
     "from tqdm.notebook import tqdm": "tqdm",
@@ -324,8 +322,7 @@ def test_the_dashboard_shows_each_ranks_progress_and_bar(clean_kernel):
 def test_pool_ranks_draw_text_bars_for_tqdm_imported_after_the_start(runs_dir):
     """A fresh kernel: the pool's ranks are forked before tqdm exists; the notebook imports it after, and
     the cell's bars (names sent to the ranks, imported there) still draw as text."""
-    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
-    try:
+    with Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)}) as k:
         k.ok("%load_ext nbddp")
         k.ok("%ddp start --devices 2")
         k.ok("from tqdm.notebook import tqdm as nb_bar, trange\nfrom tqdm.auto import tqdm as auto_bar")
@@ -334,8 +331,6 @@ def test_pool_ranks_draw_text_bars_for_tqdm_imported_after_the_start(runs_dir):
                    "for i in trange(30, desc=f'trange {rank}', display=False):\n    pass\n")
         check_final_bars(res, descs=("nb {r}", "auto {r}", "trange {r}"))
         k.ok("%ddp stop")
-    finally:
-        k.shutdown()
 
 
 def test_a_bar_the_kernel_is_drawing_at_the_fork_does_not_block_the_ranks_bars(clean_kernel):

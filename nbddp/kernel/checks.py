@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import textwrap
 
 from ..errors import UsageError
 from ..hw import cuda, openmp
@@ -71,6 +72,7 @@ def before_fork(config) -> None:
 
 
 _warned_oversubscribed: set = set()
+NOTE_WIDTH = 88  # a note's lines: a notebook's text output wraps a longer line wherever it must, mid-word too
 
 
 def _oversubscribed(plan: devices.Plan, threads: int) -> list[str]:
@@ -81,6 +83,7 @@ def _oversubscribed(plan: devices.Plan, threads: int) -> list[str]:
         return []
     _warned_oversubscribed.add((plan.world_size, threads))
     per = f" x {threads} threads" if threads > 1 else ""
-    return [f"nbddp: {plan.world_size} CPU ranks{per} on {cores} cores: they take turns on the cores and every "
+    note = (f"nbddp: {plan.world_size} CPU ranks{per} on {cores} cores: they take turns on the cores and every "
             f"collective waits for the slowest, so steps run far slower than on {max(1, cores // threads)} rank(s). "
-            "Fine for trying code at this world size; interrupt and --timeout still stop every rank."]
+            "Fine for trying code at this world size; interrupt and --timeout still stop every rank.")
+    return [textwrap.fill(note, width=NOTE_WIDTH, break_long_words=False, break_on_hyphens=False)]
