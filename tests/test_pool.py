@@ -7,6 +7,7 @@ import psutil
 import pytest
 
 from torchrun import torchrun
+from helpers import pool_in, pool_pids
 from kernel import Kernel, said
 
 pytestmark = pytest.mark.timeout(240)
@@ -14,17 +15,9 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture
 def pool(clean_kernel):
-    """The module kernel with a 2-rank pool; stopped (and checked gone) after the test."""
-    k = clean_kernel
-    k.ok("import torch.distributed as dist")
-    res = k.ok("%ddp start --devices 2")
-    assert "pool of 2 rank(s) on cpu/gloo ready" in res.stdout
-    yield k
-    k.ok("%ddp stop")
-
-
-def pool_pids(k):
-    return [p.pid for p in k.process().children()]  # the ranks (each may have a guardian child)
+    """The module kernel with a 2-rank pool whose ranks were forked with the notebook's ``dist``; stopped
+    (and checked gone) after the test."""
+    yield from pool_in(clean_kernel, before="import torch.distributed as dist")
 
 
 def test_state_lives_across_cells_and_the_same_ranks_answer(pool):
@@ -183,28 +176,22 @@ def test_rich_outputs_and_out_work_in_the_pool(pool):
 
 
 def test_python_api():
-    k = Kernel(env={})
-    try:
+    with Kernel(env={}) as k:
         res = k.ok("import nbddp, torch, torch.distributed as dist\n"
                    "def total(x):\n    t = torch.tensor([float(x + dist.get_rank())])\n    dist.all_reduce(t)\n    return t.item()\n"
                    "with nbddp.Pool(devices=2) as pool:\n    print(pool.run(total, 1), pool.run(total, 10))\n", timeout=120)
         assert "[3.0, 3.0] [21.0, 21.0]" in res.stdout
         assert not k.process().children(recursive=True)
-    finally:
-        k.shutdown()
 
 
 def test_kernel_death_ends_the_pool():
-    k = Kernel(env={})
-    try:
+    with Kernel(env={}) as k:
         k.ok("%load_ext nbddp\n%ddp start --devices 2")
         ranks = k.process().children(recursive=True)
         assert len(k.process().children()) == 2
         os.kill(k.pid, 9)
         gone, alive = psutil.wait_procs(ranks, timeout=10)
         assert not alive
-    finally:
-        k.shutdown()
 
 
 def test_100_start_cell_stop_cycles_leave_the_kernel_flat(clean_kernel):
@@ -231,8 +218,7 @@ def test_100_start_cell_stop_cycles_leave_the_kernel_flat(clean_kernel):
 def test_a_pool_session_exports_to_one_torchrun_script(tmp_path):
     """The cells of a pool session, in order, become one script: state carries from cell to cell there too."""
 
-    k = Kernel(env={})
-    try:
+    with Kernel(env={}) as k:
         k.ok("%load_ext nbddp\nimport torch")
         k.ok("%ddp start --devices 2")
         shown = k.ok("%%ddp\nimport torch.distributed as dist\nw = torch.ones(1) * (rank + 1)\n"
@@ -242,8 +228,6 @@ def test_a_pool_session_exports_to_one_torchrun_script(tmp_path):
         k.ok("%ddp stop")
         script = tmp_path / "train.py"
         k.ok(f"%ddp_export {script}")
-    finally:
-        k.shutdown()
     text = script.read_text()
     assert "ddp start" not in text and "ddp stop" not in text, "the pool's own line magics are the notebook's only"
     logs = tmp_path / "logs"
@@ -335,3 +319,48 @@ def test_the_names_a_cell_bound_are_found_against_the_ranks_idle_snapshot():
     ns["d"] = [2]
     bound.before_cell({"d": b""})  # the notebook's value, brought by the command: not the cell's binding
     assert bound.since() == []
+
+
+def test_a_name_rebound_to_what_cannot_be_pickled_refuses_only_cells_that_read_it(pool):
+    """Issue 35: users reuse short names. A pool cell bound `s`; the notebook then rebinds `s` to a socket.
+    Cells that do not read `s` run (the ranks' stale `s` is dropped, said once); one that reads it is
+    refused with nothing run; once `s` is something that can be sent, it arrives."""
+    k = pool
+    k.ok("%%ddp --out s\ns = 'made on the ranks'\n")
+    k.ok("import socket\ns = socket.socket()")
+    try:
+        res = k.ok("%%ddp\nprint('s' in globals())\n")
+        assert said(res.stdout, 0, "False") and said(res.stdout, 1, "False"), res.stdout
+        assert "`s` was rebound in the notebook to socket.socket, which cannot be sent to the ranks" in res.stderr
+        assert "the ranks' old `s` is dropped" in res.stderr, res.stderr
+        res = k.ok("%%ddp\nprint('another cell')\n")
+        assert said(res.stdout, 0, "another cell") and "`s` was rebound" not in res.stderr, "said once"
+        res = k.run("%%ddp\nprint('ran', s)\n", timeout=60)
+        assert "`s` changed in the notebook since %ddp start and this cell reads it" in res.error_text, res.error_text
+        assert "cannot pickle" in res.error_text and "Nothing ran" in res.error_text
+        assert "ran" not in res.stdout
+    finally:
+        k.ok("s.close()")
+    k.ok("s = 7")
+    res = k.ok("%%ddp\nprint('s is', s)\n")
+    assert said(res.stdout, 0, "s is 7") and said(res.stdout, 1, "s is 7"), res.stdout
+
+
+def test_after_a_regroup_a_later_failure_of_the_old_ddp_model_says_to_wrap_it_again(pool):
+    """Issue 35: the pool's process group was made anew to free a rank; the next cell steps the DDP
+    model still bound to the old group and fails with gloo's "Connection closed by peer": the message says
+    again what to make anew, not only the first time."""
+    k = pool
+    k.ok("%%ddp\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+         "model = DDP(torch.nn.Linear(4, 1))\n"
+         "def step(bad=False):\n    if bad:\n        raise ValueError('bad batch')\n"
+         "    model(torch.randn(8, 4)).pow(2).mean().backward()\nstep()\n")
+    res = k.run("%%ddp\nstep(bad=(rank == 1))\n", timeout=60)
+    assert "its process group was made anew" in res.error_text, res.error_text
+    for _ in range(2):  # each time, not only the first
+        res = k.run("%%ddp\nstep()\n", timeout=60)
+        text = res.error_text
+        assert "Connection closed by peer" in text, text
+        assert "This pool's process group was made anew after an earlier cell" in text, text
+        assert "Make it again: model (DistributedDataParallel: model = DDP(model.module))" in text, text
+    k.ok("%%ddp\nmodel = DDP(model.module)\nstep()\n")

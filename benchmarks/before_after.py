@@ -1,0 +1,70 @@
+"""A redesign must not make cells slower: ``python benchmarks/before_after.py REV [--rounds N]``.
+
+Measures section 1's one-shot round trip and section 1c's pool cell (each with its anchor: a raw fork,
+two forked ranks on a pipe) for this checkout and for git revision ``REV`` (checked out in a temporary
+worktree), in kernels of their own that alternate round by round, so drift and the machine's other load
+hit both alike. Prints the medians, each side's ratio to its own anchor, and after / before.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import kernel_code as kc  # noqa: E402
+from run import POOL_CELLS, measures, new_kernel  # noqa: E402
+
+# the one-shot cell and the pool cell, each with the anchor of the same kernel
+FIGURES = {"one-shot %%ddp": ("round_trip", "nbddp %%ddp", "raw fork"), "pool %%ddp": ("pool", "pool", "floor")}
+
+
+def measure(src: Path, runs: int) -> dict:
+    """One kernel importing nbddp from ``src``: section 1 and 1c, as run.py runs them."""
+    k = new_kernel({"PYTHONPATH": str(src)})
+    try:
+        found = k.value("__import__('nbddp').__file__")
+        assert found.startswith(str(src)), f"the kernel imported nbddp from {found}, not {src}"
+        out = measures(k.ok(kc.ROUND_TRIP.replace("{runs}", str(runs)), timeout=600))
+        out.update(measures(k.ok(kc.POOL.replace("{runs}", str(POOL_CELLS * runs)), timeout=600)))
+        return out
+    finally:
+        k.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("rev", help="the revision before the change (e.g. a commit hash)")
+    parser.add_argument("--rounds", type=int, default=3, help="kernels per side, alternating")
+    parser.add_argument("--runs", type=int, default=5, help="section 1's runs per kernel (1c: 15 cells a run)")
+    args = parser.parse_args()
+    tree = Path(tempfile.mkdtemp(prefix="nbddp-before-"))
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.rev], check=True,
+                   capture_output=True)
+    try:
+        rows = {"before": [], "after": []}
+        for _ in range(args.rounds):
+            for side, src in (("before", tree), ("after", ROOT)):
+                rows[side].append(measure(src, args.runs))
+                print(side, json.dumps(rows[side][-1]["round_trip"]), flush=True)
+        print(f"\n| cell | before ({args.rev[:8]}) | × its anchor | after | × its anchor | after / before |")
+        print("|---|---|---|---|---|---|")
+        for label, (section, key, anchor) in FIGURES.items():
+            med = {side: statistics.median(r[section][key] for r in rs) for side, rs in rows.items()}
+            ratio = {side: statistics.median(r[section][key] / r[section][anchor] for r in rs)
+                     for side, rs in rows.items()}
+            print(f"| {label} | {med['before'] * 1e3:.2f} ms | {ratio['before']:.2f}× | {med['after'] * 1e3:.2f} ms "
+                  f"| {ratio['after']:.2f}× | {med['after'] / med['before']:.2f} |")
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+if __name__ == "__main__":
+    main()
