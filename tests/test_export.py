@@ -189,8 +189,7 @@ def test_the_readmes_example_exported_from_a_session_runs_under_torchrun(runs_di
 
     setup, train = readme_cells()
     assert "%%ddp --devices 2 --out state" in train and "loss.item()   " in train  # the comment that broke it
-    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
-    try:
+    with Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)}) as k:
         k.ok(setup, timeout=120)
         typo = k.run("Y = Y.summ()")
         assert typo.error and typo.error["ename"] == "AttributeError"
@@ -200,8 +199,6 @@ def test_the_readmes_example_exported_from_a_session_runs_under_torchrun(runs_di
         assert re.fullmatch(r"\d\.\d+(e-\d+)?", res.result), res.result
         script = tmp_path / "train.py"
         k.ok(f"%ddp_export {script}")
-    finally:
-        k.shutdown()
     text = script.read_text()
     assert "# --- cell 2 left out: it failed in the session (AttributeError: 'Tensor' object has no attribute " \
            "'summ') ---" in text
@@ -213,3 +210,23 @@ def test_the_readmes_example_exported_from_a_session_runs_under_torchrun(runs_di
     out = {int(p.parent.name): p.read_text() for p in logs.rglob("stdout.log")}
     assert re.fullmatch(r"loss \d\.\d{3}\n\d\.\d+(e-\d+)?\n", out[0]), out
     assert re.fullmatch(r"loss \d\.\d{3}\n", out[1]), out
+
+
+def test_a_notebook_that_made_accelerates_state_in_the_kernel_exports_a_script_that_runs(tmp_path):
+    """PartialState() in a plain cell made no group in the kernel; under torchrun every process runs that cell
+    first and it makes the group: the script's own setup uses it (and a cell's own init joins), never a
+    second init ("trying to initialize the default process group twice!")."""
+    pytest.importorskip("accelerate")
+    cells = ["%load_ext nbddp",
+             "from accelerate import PartialState\nstate = PartialState(cpu=True)  # CPU ranks: its MULTI_CPU path\nprint('processes', state.num_processes)",
+             "%%ddp --devices 2\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
+             "t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\n"
+             "print(f'rank {rank} of {world_size}: index {state.process_index}, sum {t.item()}')"]
+    script = tmp_path / "train.py"
+    script.write_text(export_cells(cells, script="train.py"))
+    logs = tmp_path / "logs"
+    run = torchrun(script, timeout=240, cwd=tmp_path, log_dir=logs)
+    out = "".join(p.read_text() for p in sorted(logs.rglob("stdout.log")))
+    assert run.returncode == 0 and "twice" not in run.stderr, run.stderr[-3000:]
+    assert "rank 0 of 2: index 0, sum 3.0" in out and "rank 1 of 2: index 1, sum 3.0" in out, out
+    assert "processes 2" in out, out  # the plain cell, on rank 0 only, saw torchrun's group

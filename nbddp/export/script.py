@@ -74,19 +74,36 @@ def _nbddp_show(value):
 SETUP = '''
 
 def _nbddp_process_group():
-    """What %%ddp did before running the cell: the process group and this rank's device."""
+    """What %%ddp did before running the cell: the process group and this rank's device. A notebook cell
+    run above may have made the group already (accelerate's PartialState(), Lightning, its own
+    init_process_group: in the kernel they made none, here torchrun's environment makes them): that group
+    is used, never a second one."""
     local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=device) if cuda else dist.init_process_group("gloo")
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
+def _nbddp_joins(init):
+    """A %%ddp cell's own init_process_group() joins the group its rank is in, as in the notebook (nbddp's
+    ranks start in one): called while a group is up it does nothing; after destroy_process_group() it
+    makes a new one."""
+    import functools
+
+    @functools.wraps(init)
+    def init_process_group(*args, **kwargs):
+        if not dist.is_initialized():
+            return init(*args, **kwargs)
+
+    return init_process_group
+
+
 rank, local_rank, world_size, device = _nbddp_process_group()
+dist.init_process_group = _nbddp_joins(dist.init_process_group)
 '''
 
 FOOTER = '''
