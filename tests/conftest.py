@@ -4,6 +4,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers import pool_in  # noqa: E402
 from kernel import Kernel  # noqa: E402
 
 
@@ -17,10 +18,9 @@ def runs_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def kernel(runs_dir):
     """One real kernel per test module, with nbddp loaded; every child it leaves is a test failure."""
-    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
-    k.ok("%load_ext nbddp\nimport torch, os, sys")
-    yield k
-    k.shutdown()
+    with Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)}) as k:
+        k.ok("%load_ext nbddp\nimport torch, os, sys")
+        yield k
 
 
 @pytest.fixture
@@ -29,3 +29,9 @@ def clean_kernel(kernel):
     yield kernel
     left = kernel.process().children(recursive=True)
     assert not left, f"processes left behind: {[(p.pid, p.name(), p.status()) for p in left]}"
+
+
+@pytest.fixture
+def pool(clean_kernel):
+    """The module kernel with a 2-rank pool, stopped after the test (and then no rank may be left)."""
+    yield from pool_in(clean_kernel)

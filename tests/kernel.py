@@ -174,6 +174,13 @@ class Kernel:
         self.interrupt_when("%%ddp --devices 2\nimport time\nprint('up', flush=True)\ntime.sleep(60)\n", "up", 2)
         self._warm = True
 
+    def __enter__(self) -> "Kernel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """``with Kernel(...) as k:``: shut down however the test ends, every child it left killed by pid."""
+        self.shutdown()
+
     def shutdown(self) -> None:
         kids = []
         try:

@@ -47,8 +47,7 @@ def test_load_ext_imports_torch_once_so_ranks_import_nothing(runs_dir):
     """Warm start: a notebook that never imported torch pays for it once, at %load_ext, not per rank per cell."""
     from kernel import Kernel
 
-    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
-    try:
+    with Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)}) as k:
         k.ok("import sys")
         assert k.value("'torch' in sys.modules") is False
         k.ok("%load_ext nbddp")
@@ -61,8 +60,6 @@ def test_load_ext_imports_torch_once_so_ranks_import_nothing(runs_dir):
         imported = k.value("imported")
         assert imported == [[], []], f"ranks imported {[len(i) for i in imported]} modules: {imported[0][:10]}"
         assert not res.stderr
-    finally:
-        k.shutdown()
 
 
 # -- a %%ddp cell behaves like a notebook cell: await, help, magics, readable tracebacks ------------------

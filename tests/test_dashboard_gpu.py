@@ -8,25 +8,11 @@ from nbddp.kernel.failure import RankExit
 from nbddp.kernel.supervisor import Output, Started
 from nbddp.views import dashboard
 
-
-class FakeNvml:
-    def __init__(self):
-        self.calls = 0
-
-    def count(self):
-        return 2
-
-    def names(self):
-        return ["Fake H100"] * 2
-
-    def sample(self, indices):
-        self.calls += 1
-        return [nvml.GpuSample(i, "Fake H100", util_percent=10.0 * self.calls + i, mem_used=(20 + self.calls) * 2**30,
-                               mem_total=80 * 2**30, power_w=300.0 + i, temp_c=60.0) for i in indices]
+from helpers import FakeNvml
 
 
 def test_gpu_utilisation_and_memory_per_rank_live_and_peak_at_the_end(monkeypatch, tmp_path):
-    fake = FakeNvml()
+    fake = FakeNvml(2, "Fake H100", readings=True)
     monkeypatch.setattr(nvml, "_backend", fake)
     view = dashboard.RunView(live=False)
     view.begin(devices.Plan("cuda", "nccl", (0, 1)), SimpleNamespace(path=tmp_path))
@@ -52,7 +38,7 @@ def test_gpu_utilisation_and_memory_per_rank_live_and_peak_at_the_end(monkeypatc
 def test_the_pool_view_keeps_gpu_and_memory_history_over_the_pools_life(monkeypatch, tmp_path):
     from nbddp.views import poolview
 
-    fake = FakeNvml()
+    fake = FakeNvml(2, "Fake H100", readings=True)
     monkeypatch.setattr(nvml, "_backend", fake)
     view = poolview.PoolView(devices.Plan("cuda", "nccl", (0, 1)), SimpleNamespace(path=tmp_path), shown=False)
     for r in (0, 1):

@@ -6,19 +6,7 @@ from nbddp.kernel import devices
 from nbddp.hw import nvml
 from nbddp.errors import UsageError
 
-
-class FakeNvml:
-    def __init__(self, n):
-        self.n = n
-
-    def count(self):
-        return self.n
-
-    def names(self):
-        return [f"Fake GPU {i}" for i in range(self.n)]
-
-    def sample(self, indices):
-        return []
+from helpers import FakeNvml
 
 
 class CudaBuilt(cuda.Cuda):
@@ -110,19 +98,10 @@ def use(i, *, procs=(), used=0.3, mode="default", mig=False, total=80):
     return nvml.GpuUse(i, f"Fake GPU {i}", int(used * GIB), total * GIB, tuple(procs), mode, mig)
 
 
-class BusyNvml(FakeNvml):
-    def __init__(self, uses):
-        super().__init__(len(uses))
-        self.uses = uses
-
-    def usage(self):
-        return self.uses
-
-
 @pytest.fixture
 def shared(monkeypatch):
     def use_gpus(*uses):
-        monkeypatch.setattr(nvml, "_backend", BusyNvml(list(uses)))
+        monkeypatch.setattr(nvml, "_backend", FakeNvml(len(uses), uses=uses))
         monkeypatch.setattr(cuda, "_backend", CudaBuilt())
 
     return use_gpus

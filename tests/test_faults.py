@@ -141,8 +141,7 @@ def test_unpicklable_return_value_of_launch_names_the_type(faulty):
 
 
 def test_ranks_die_with_the_kernel():
-    k = Kernel(env={})
-    try:
+    with Kernel(env={}) as k:
         k.ok("%load_ext nbddp")
         ranks_up = set()
 
@@ -166,5 +165,3 @@ def test_ranks_die_with_the_kernel():
         os.kill(k.pid, signal.SIGKILL)
         gone, alive = psutil.wait_procs(ranks, timeout=10)
         assert not alive, f"ranks outlived the kernel: {alive}"
-    finally:
-        k.shutdown()

@@ -3,18 +3,12 @@ shared object named libcuda.so.1, built here with gcc) loaded by stand-in librar
 import pytest
 
 from kernel import Kernel, said
+from helpers import fake_nvml_in_kernel
 from standin_driver import build
 
 pytestmark = pytest.mark.timeout(180)
 
-FAKE_NVML = """
-import nbddp, nbddp.hw.cuda, nbddp.hw.nvml
-class FakeNvml:
-    def count(self): return 2
-    def names(self): return ['Fake H100', 'Fake H100']
-    def sample(self, indices): return []
-nbddp.hw.nvml.use(FakeNvml())
-"""
+FAKE_NVML = fake_nvml_in_kernel(2, "Fake H100")  # 2 GPUs, no readings, every one free
 
 
 @pytest.fixture(scope="module")

@@ -175,39 +175,38 @@ def _iopub_until(k: Kernel, msg_id: str, pattern: str, timeout: float) -> re.Mat
 
 
 def test_kill_9_of_the_kernel_takes_every_process_a_rank_started(runs_dir):
-    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
     pids = []
-    try:
-        k.ok("%load_ext nbddp\nimport torch")
-        msg_id = k.execute(
-            "%%ddp --devices 2\n"
-            "import os, subprocess, multiprocessing as mp, time\n"
-            "sub = subprocess.Popen(['sleep', '300'])\n"
-            "forked = mp.get_context('fork').Process(target=time.sleep, args=(300,)); forked.start()\n"
-            "print(f'PIDS {os.getpid()} {sub.pid} {forked.pid}', flush=True)\n"
-            "time.sleep(300)\n")
-        found = set()
-        deadline = time.monotonic() + 60
-        while len(found) < 2 and time.monotonic() < deadline:
-            m = _iopub_until(k, msg_id, r"\[rank(\d)\]:PIDS (\d+) (\d+) (\d+)\n", deadline - time.monotonic())
-            found.add(m.group(0))
-            pids += [int(m.group(i)) for i in (2, 3, 4)]
-            if len(found) < 2:  # the other rank's line may already be in the same text
-                rest = re.findall(r"\[rank(\d)\]:PIDS (\d+) (\d+) (\d+)\n", m.string)
-                for line in rest:
-                    tag = f"[rank{line[0]}]:PIDS {line[1]} {line[2]} {line[3]}\n"
-                    if tag not in found:
-                        found.add(tag)
-                        pids += [int(x) for x in line[1:]]
-        assert len(set(pids)) == 6, pids
-        procs = [psutil.Process(p) for p in set(pids)]
-        os.kill(k.pid, signal.SIGKILL)
-        gone, alive = psutil.wait_procs(procs, timeout=15)
-        assert not alive, f"outlived the kernel: {[(p.pid, p.name()) for p in alive]}"
-    finally:
-        for p in set(pids):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        k.shutdown()
+    with Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)}) as k:
+        try:
+            k.ok("%load_ext nbddp\nimport torch")
+            msg_id = k.execute(
+                "%%ddp --devices 2\n"
+                "import os, subprocess, multiprocessing as mp, time\n"
+                "sub = subprocess.Popen(['sleep', '300'])\n"
+                "forked = mp.get_context('fork').Process(target=time.sleep, args=(300,)); forked.start()\n"
+                "print(f'PIDS {os.getpid()} {sub.pid} {forked.pid}', flush=True)\n"
+                "time.sleep(300)\n")
+            found = set()
+            deadline = time.monotonic() + 60
+            while len(found) < 2 and time.monotonic() < deadline:
+                m = _iopub_until(k, msg_id, r"\[rank(\d)\]:PIDS (\d+) (\d+) (\d+)\n", deadline - time.monotonic())
+                found.add(m.group(0))
+                pids += [int(m.group(i)) for i in (2, 3, 4)]
+                if len(found) < 2:  # the other rank's line may already be in the same text
+                    rest = re.findall(r"\[rank(\d)\]:PIDS (\d+) (\d+) (\d+)\n", m.string)
+                    for line in rest:
+                        tag = f"[rank{line[0]}]:PIDS {line[1]} {line[2]} {line[3]}\n"
+                        if tag not in found:
+                            found.add(tag)
+                            pids += [int(x) for x in line[1:]]
+            assert len(set(pids)) == 6, pids
+            procs = [psutil.Process(p) for p in set(pids)]
+            os.kill(k.pid, signal.SIGKILL)
+            gone, alive = psutil.wait_procs(procs, timeout=15)
+            assert not alive, f"outlived the kernel: {[(p.pid, p.name()) for p in alive]}"
+        finally:  # the rank's children, orphaned when the kernel was killed
+            for p in set(pids):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

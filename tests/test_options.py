@@ -8,6 +8,8 @@ import pytest
 import nbddp
 from nbddp.kernel import options
 
+from helpers import pool_pids
+
 pytestmark = pytest.mark.timeout(240)
 
 # (option text, what the refusal says): one per check in the table
@@ -92,17 +94,10 @@ def test_one_shot_cell_with_a_bad_option_runs_nothing(clean_kernel):
 
 
 @pytest.fixture
-def pool(clean_kernel):
-    k = clean_kernel
-    res = k.ok("%ddp start --devices 2")
-    assert "pool of 2 rank(s)" in res.stdout
-    k.ok("%%ddp\nstate = 41 + rank\n")
-    yield k
-    k.ok("%ddp stop")
-
-
-def pool_pids(k):
-    return sorted(p.pid for p in k.process().children())
+def pool(pool):
+    """conftest.py's pool, each rank holding ``state`` (41 + rank)."""
+    pool.ok("%%ddp\nstate = 41 + rank\n")
+    return pool
 
 
 def assert_pool_kept(k, pids):

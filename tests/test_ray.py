@@ -30,11 +30,10 @@ def cluster(runs_dir):
 def rk(cluster, runs_dir):
     """A kernel connected to the cluster, nbddp loaded."""
     c, _ = cluster
-    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
-    k.ok(f"%load_ext nbddp\nimport torch, os, sys\nimport ray\nray.init(address={c.address!r}, "
-         "logging_level='ERROR', log_to_driver=False)\nNone")
-    yield k
-    k.shutdown()
+    with Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)}) as k:
+        k.ok(f"%load_ext nbddp\nimport torch, os, sys\nimport ray\nray.init(address={c.address!r}, "
+             "logging_level='ERROR', log_to_driver=False)\nNone")
+        yield k
 
 
 def ranks_alive(pids) -> list:
@@ -466,8 +465,7 @@ def test_a_node_removed_ends_the_pool_naming_the_node(cluster, rk):
 
 def test_kernel_death_leaves_no_rank_on_any_node(cluster, runs_dir):
     c, _ = cluster
-    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
-    try:
+    with Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)}) as k:
         k.ok(f"%load_ext nbddp\nimport os\nimport ray\nray.init(address={c.address!r}, logging_level='ERROR', "
              "log_to_driver=False)\nNone")
         k.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
@@ -478,5 +476,3 @@ def test_kernel_death_leaves_no_rank_on_any_node(cluster, runs_dir):
         os.kill(k.pid, signal.SIGKILL)
         assert not wait_gone(pids, 30), "a rank outlived the kernel"
         assert not wait_gone([agent], 30), "the agent outlived the kernel"
-    finally:
-        k.shutdown()

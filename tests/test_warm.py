@@ -49,11 +49,8 @@ def test_what_a_rank_imported_is_learned_for_the_next_fork_but_never_a_new_libra
 
 
 def test_nbddp_warm_0_turns_it_off(runs_dir):
-    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir), "NBDDP_WARM": "0"})
-    try:
+    with Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir), "NBDDP_WARM": "0"}) as k:
         k.ok("%load_ext nbddp\nimport torch, sys")
         k.ok(FIRST_STEP)
         assert k.value("'torch._dynamo' in sys.modules") is False
         assert all(n > 100 for n in k.value("new")), "without warming, each rank imports DDP's modules itself"
-    finally:
-        k.shutdown()
