@@ -175,8 +175,8 @@ class ClusterGang(Gang):
         self.extra.update(sent)
         self.unsent -= set(sent)
         sizes = sending.sent_text(sent, namespace)
-        said = f"sent {', '.join(sizes)} to the other nodes' ranks, once (they do not share the notebook's memory)"
-        return [said] if sizes else []
+        note = f"sent {', '.join(sizes)} to the other nodes' ranks, once (they do not share the notebook's memory)"
+        return [note] if sizes else []
 
     def command(self, cmd, ranks=None) -> None:
         """As any gang's; the values ``send_missing`` pickled go with the next cell or update to each

@@ -120,7 +120,7 @@ class CellRun:
                 self.first_error = time.monotonic()
 
     @property
-    def some(self) -> bool:
+    def on_some_ranks(self) -> bool:
         """A pool's cell on some of its ranks (--ranks)."""
         return len(self.ranks) < self.gang.world_size
 
@@ -136,13 +136,15 @@ class CellRun:
             # kernel wires the cell's listeners (nothing is read before the wait)
             with starters.sigint_deferred():
                 if gang.started:
-                    gang.command(command, ranks=self.ranks if self.some else None)
+                    gang.command(command, ranks=self.ranks if self.on_some_ranks else None)
                 self._begin(sup)
-            if self.observer:  # before the forks: shown while ranks start, ipykernel's display waits on its
-                self.observer.begin(gang.plan, gang.run_dir)  # IO thread, which starting ranks starve of CPU
+            # the cell's dashboard is shown before the forks: ipykernel's display waits on its IO thread,
+            # which ranks that are starting starve of CPU
+            if self.observer:
+                self.observer.begin(gang.plan, gang.run_dir)
             if not gang.started:
                 gang.start(job_for, self.deadline)
-            elif self.some:  # the ranks left out are idle: as if they had answered at once
+            elif self.on_some_ranks:  # the ranks left out are idle: as if they had answered at once
                 self.last_reply = time.monotonic()
             if announced:  # a live gang: only the cell's own dashboard has not met the ranks
                 for p in sup.procs if self.observer else ():
@@ -188,11 +190,11 @@ class CellRun:
         self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
         self.probe = CollectiveProbe(sup, self.ranks, self.replies, self.stacks, self.relabel,
                                      say=lambda text: relay.sink.write("stderr", text),
-                                     on_alone=None if gang.persistent else sup.stop_all)
+                                     on_stranded=None if gang.persistent else sup.stop_all)
         listeners = [self, self.prompts, *([self.recovery] if self.recovery else []), self.stacks,
                      *([self.observer] if self.observer else [])]
-        sup.begin_cell(listeners, tick=getattr(gang.view or self.observer, "interval", None),  # a pool's view,
-                       on_timeout=self._timeout_rule)  # or the cell's dashboard
+        redraws = gang.view or self.observer  # a pool's view, or the cell's dashboard
+        sup.begin_cell(listeners, tick=getattr(redraws, "interval", None), on_timeout=self._timeout_rule)
         if gang.view is not None:
             gang.view.cell_began(self.label)
 
@@ -243,7 +245,7 @@ class CellRun:
         if not self.gang.alive or set(self.replies) >= set(self.ranks):
             return True
         self._probe()
-        if self.probe.alone:  # in a collective no peer will join: it cannot be interrupted, and the pool cannot live on
+        if self.probe.stranded:  # in a collective no peer will join: it cannot be interrupted, and the pool cannot live on
             return True
         if self.first_error is not None and self.interrupted_at is None and now >= self.first_error + PEER_GRACE_S:
             self._interrupt()  # a peer failed: the others would wait for it in their next collective
@@ -308,9 +310,9 @@ class CellRun:
             raise RankFailure((str(err) if err else "a rank of the pool exited") +
                               "\nThe pool has ended and its ranks' state is gone: %ddp start to begin again.",
                               rank=err.rank if err else None, cause=err.cause if err else "exit")
-        alone = self.probe.alone
-        if alone:
-            err = failure.alone(alone, sorted(r for r in self.replies if r not in alone), log_dir,
+        stranded = self.probe.stranded
+        if stranded:
+            err = failure.alone(stranded, sorted(r for r in self.replies if r not in stranded), log_dir,
                                 idle=[r for r in range(gang.world_size) if r not in self.ranks])
             raise self._with_fate(err, self.recovery.recover() if gang.persistent else None)
         # one function builds every exit record: from the process's end, or (a pool's) from its answer

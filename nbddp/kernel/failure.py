@@ -106,8 +106,8 @@ def exit_record(rank: int, records: dict, *, code: int | None, stopped: bool, **
     nbddp ended it (a signal, or its interrupt); it counts only if the rank did not end on its own first
     (an interrupt's own KeyboardInterrupt aside)."""
     error, left, done = records.get(Error), records.get(Exit), Done in records
-    ours = stopped and left is None and not done and (error is None or error.type == "KeyboardInterrupt")
-    return RankExit(rank, code, error=error, left=left, result=records.get(Result), done=done, stopped=ours, **more)
+    by_nbddp = stopped and left is None and not done and (error is None or error.type == "KeyboardInterrupt")
+    return RankExit(rank, code, error=error, left=left, result=records.get(Result), done=done, stopped=by_nbddp, **more)
 
 
 def failed(e: RankExit) -> bool:

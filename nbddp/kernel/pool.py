@@ -147,14 +147,14 @@ class Pool:
         self.reads |= code or set()  # a function a cell defined reads its globals when a later cell calls it
         with shared.carrying() if self.config.cluster else contextlib.nullcontext():  # other machines: bytes too
             sync = self.synced.changes(code or set(), self.reads, self.namespace or {}, self.rank_assigned)
-            said = sync.said
+            notes = sync.notes
             if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start
-                said += self.gang.send_missing(code or set(), self.reads, self.namespace or {}, self.rank_assigned)
+                notes += self.gang.send_missing(code or set(), self.reads, self.namespace or {}, self.rank_assigned)
         updates = sync.updates
         self.rank_assigned -= {*updates, *sync.dropped}
-        for line in said:
+        for line in notes:
             print(f"nbddp: {line}", file=sys.stderr)
-        if said:
+        if notes:
             sys.stderr.flush()  # before the ranks' output, where it belongs
         if ranks and (updates or sync.dropped) and self.alive:  # the ranks left out get the notebook's latest too
             self.gang.command(messages.Update(updates, sync.dropped), ranks=[r for r in range(world) if r not in ranks])

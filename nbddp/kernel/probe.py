@@ -2,7 +2,7 @@
 
 ``ALONE_S`` after the last answer, the ranks still running the cell are asked for their Python stacks
 (faulthandler; the stack capture keeps them from the cell's output). One waiting in a torch.distributed
-collective that no peer will join (they finished without it) is *alone*: under torchrun its peers would
+collective that no peer will join (they finished without it) is *stranded*: under torchrun its peers would
 exit and the collective fail, so the cell fails now instead of hanging. A rank merely slower goes on,
 asked again every ``STILL_S``; one whose stack has not moved between two asks is shown in the cell,
 once: it may be stuck in native code, or in one long call, and the user learns where without --timeout.
@@ -20,22 +20,22 @@ STILL_S = 30.0  # ... and asked again every STILL_S: a stack that has not moved 
 
 class CollectiveProbe:
     """For one cell on ``ranks``; ``replies`` (rank -> its answer) is the cell's, filled as answers come.
-    ``say(text)``: a line in the cell's output; ``on_alone()``: what a verdict of "alone" does at once
+    ``say(text)``: a line in the cell's output; ``on_stranded()``: what that verdict does at once
     (one-shot: stop every rank; a pool ends the cell and frees the rank by a fresh process group)."""
 
-    def __init__(self, sup, ranks, replies: dict, stacks: failure.StackCapture, relabel, say, on_alone=None):
+    def __init__(self, sup, ranks, replies: dict, stacks: failure.StackCapture, relabel, say, on_stranded=None):
         self.sup, self.ranks, self.replies, self.stacks = sup, ranks, replies, stacks
-        self.relabel, self.say, self.on_alone = relabel, say, on_alone
+        self.relabel, self.say, self.on_stranded = relabel, say, on_stranded
         self.asks = 0  # times the ranks still in the cell were asked where they are
         self.frames: dict[int, tuple] = {}  # rank -> its main thread's frames at the last ask
         self.shown_still: set[int] = set()  # ranks shown as not moving (said once each)
-        self.alone: dict[int, tuple[str, str]] = {}  # rank -> (collective, where): waiting for peers that finished
+        self.stranded: dict[int, tuple[str, str]] = {}  # rank -> (collective, where): waiting for peers that finished
         self.asked_after = 0.0  # the last answer's time when the ranks were last asked
 
     def due(self, last_reply: float | None) -> float | None:
         """When the ranks still in the cell are next asked: ALONE_S after the last answer, then every
-        STILL_S; never once a verdict is in (a rank alone, or every rank still there shown as not moving)."""
-        if last_reply is None or self.alone or (self.shown_still and self.shown_still >= set(self.frames)):
+        STILL_S; never once a verdict is in (a rank stranded, or every rank still there shown as not moving)."""
+        if last_reply is None or self.stranded or (self.shown_still and self.shown_still >= set(self.frames)):
             return None
         return last_reply + (ALONE_S if not self.asks else STILL_S * self.asks)
 
@@ -58,10 +58,10 @@ class CollectiveProbe:
         if None not in calls.values():  # (a rank still computing may yet join the others' collective)
             for rank, name in calls.items():  # ranks in the same collective may be waiting for each other
                 if list(calls.values()).count(name) == 1:
-                    self.alone[rank] = (name, failure.was_at(waiting[rank], self.relabel, "was in nbddp's own frames"))
-        if self.alone:
-            if self.on_alone is not None:
-                self.on_alone()
+                    self.stranded[rank] = (name, failure.was_at(waiting[rank], self.relabel, "was in nbddp's own frames"))
+        if self.stranded:
+            if self.on_stranded is not None:
+                self.on_stranded()
             return
         self._show_still(waiting)
 

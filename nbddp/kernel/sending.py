@@ -73,7 +73,7 @@ class Changes:
 
     updates: dict = field(default_factory=dict)
     dropped: tuple = ()
-    said: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
 
 
 class Synced:
@@ -113,13 +113,13 @@ class Synced:
                              "Nothing ran. Create it inside a %%ddp cell, or %ddp restart (the ranks then share "
                              "it).") from None
 
-        dropped, said = [], []
+        dropped, notes = [], []
 
         def let_go(name, value, e):
             if not _same(self.unsendable.get(name), value):  # (said once per value)
                 self.unsendable[name] = _token(value)
                 dropped.append(name)
-                said.append(f"`{name}` was rebound in the notebook to {values.describe(value)}, which cannot be "
+                notes.append(f"`{name}` was rebound in the notebook to {values.describe(value)}, which cannot be "
                             f"sent to the ranks ({type(e).__name__}: {e}); the ranks' old `{name}` is dropped, and "
                             f"a cell that reads `{name}` will be refused until it can be sent")
 
@@ -133,14 +133,14 @@ class Synced:
         sizes = sent_text(updates, namespace)
         if sizes:
             total = sum(len(b) for b in updates.values())
-            said.insert(0, f"sent {', '.join(sizes)} to every rank (new or rebound in the notebook since the pool "
+            notes.insert(0, f"sent {', '.join(sizes)} to every rank (new or rebound in the notebook since the pool "
                         "started)" + ("; %ddp restart shares big data copy-on-write instead" if total >= BIG_UPDATE
                                       else ""))
         both = [name for name in updates if name in rank_assigned]
         if both:
-            said.append(f"{', '.join(both)} changed both in the notebook and on the ranks: the ranks now use "
+            notes.append(f"{', '.join(both)} changed both in the notebook and on the ranks: the ranks now use "
                         "the notebook's value")
-        return Changes(updates, tuple(dropped), said)
+        return Changes(updates, tuple(dropped), notes)
 
 
 def _token(value):

@@ -62,7 +62,7 @@ def store_pipes(local, env=None, forked=None):
     FileStore, whose waits poll every 10 ms: a rendezvous that answers as soon as the key is set. No rank
     inherits another's pipes. ``env(spec)``: the rank's environment, if it differs from the spec's;
     ``forked(proc)``: called with each forked rank."""
-    ours = []  # the kernel's ends of the ranks' store pipes
+    kernel_ends = []  # the kernel's ends of the ranks' store pipes: no later rank inherits them
 
     def prepare(spec):
         req_r, req_w = os.pipe()
@@ -71,13 +71,13 @@ def store_pipes(local, env=None, forked=None):
         def on_fork(proc):
             os.close(req_w)
             os.close(rep_r)
-            ours.extend((req_r, rep_w))
+            kernel_ends.extend((req_r, rep_w))
             local.add(req_r, rep_w)
             if forked is not None:
                 forked(proc)
 
         spec = dataclasses.replace(spec, store_fds=(req_w, rep_r), env=env(spec) if env else spec.env)
-        return spec, [*ours, req_r, rep_w, local.wake_r, local.wake_w], on_fork
+        return spec, [*kernel_ends, req_r, rep_w, local.wake_r, local.wake_w], on_fork
 
     return prepare
 
@@ -88,8 +88,8 @@ def fork_specs(sup: Supervisor, starter, job, specs, deadline: float | None = No
     must not inherit besides the supervisor's, a function given the forked RankProc before it is added)."""
     with sigint_deferred() as interrupted:  # a rank forked is registered before an interrupt is raised
         for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
-            spec, theirs, forked = prepare(spec) if prepare else (spec, (), None)
-            proc = starter.start(spec, job, [*sup.all_fds(), *theirs])
+            spec, not_inherited, forked = prepare(spec) if prepare else (spec, (), None)
+            proc = starter.start(spec, job, [*sup.all_fds(), *not_inherited])
             if forked:
                 forked(proc)
             sup.add(proc)

@@ -181,7 +181,7 @@ def _join_group(spec: RankSpec) -> None:
 
     if spec.store_fds is None:
         store = dist.FileStore(spec.store_path, spec.world_size)
-    else:  # a cluster pool: the kernel's store, over pipes (no port)
+    else:  # a forked rank: the kernel's store, over two pipes (no port)
         from . import pipestore
 
         store = pipestore.connect(*spec.store_fds, spec.pg_timeout_s)
