@@ -16,7 +16,7 @@ from ..errors import RankFailure, UsageError
 from ..rank.jobs import CallJob
 from ..rank.server import Server
 from ..views.display import view_for_pool
-from ..wire import messages, shared, values
+from ..wire import messages, sharedbuffer, values
 from . import checks, engine, failure, options
 from .gang import Gang
 from .sending import Synced
@@ -145,7 +145,7 @@ class Pool:
         if ranks and max(ranks) >= world:
             raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
         self.reads |= code or set()  # a function a cell defined reads its globals when a later cell calls it
-        with shared.carrying() if self.config.cluster else contextlib.nullcontext():  # other machines: bytes too
+        with sharedbuffer.carrying() if self.config.cluster else contextlib.nullcontext():  # other machines: bytes too
             sync = self.synced.changes(code or set(), self.reads, self.namespace or {}, self.rank_assigned)
             notes = sync.notes
             if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start

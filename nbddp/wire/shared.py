@@ -17,29 +17,22 @@ bytes nobody writes, so the pages stay shared, in every rank and every loader wo
 The buffer is a memfd. A fork inherits its mapping; anywhere else (a pool started before the call, a
 spawned rank, a Ray node on the same machine) the twin travels by handle (the kernel's pid, fd and the
 buffer's inode) and is mapped there, never copied. To another machine (a Ray node) the bytes travel once
-per node (``carrying``) into a file of the node's run directory that its ranks map.
+per node (``sharedbuffer.carrying``) into a file of the node's run directory that its ranks map.
 """
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import itertools
-import mmap
-import os
 import pickle
 import sys
-import tempfile
-import weakref
 from array import array
 
 import cloudpickle
 
 from ..errors import UsageError
+from .sharedbuffer import Buffer, Writer
 
-_ALIGN = 64
 _BATCH = 8 * 2**20  # bytes pickled before one write to the buffer
-_carry = False  # pickling for another machine: the bytes go with the handle (``carrying``)
-_mapped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (host, inode) -> Buffer, this process
 
 
 def shared(obj):
@@ -74,122 +67,6 @@ def _pandas_kind(obj) -> str | None:
         if cls.__module__.partition(".")[0] == "pandas" and cls.__name__ in ("DataFrame", "Series"):
             return cls.__name__
     return None
-
-
-@contextlib.contextmanager
-def carrying():
-    """While pickling for ranks on other machines: twins carry their bytes (once per node)."""
-    global _carry
-    before, _carry = _carry, True
-    try:
-        yield
-    finally:
-        _carry = before
-
-
-# -- the buffer ------------------------------------------------------------------------------------------------
-class Buffer:
-    """One memfd, mapped read-only: the contents of one ``shared()`` call. Pickled by handle."""
-
-    def __init__(self, fd: int, size: int, owner: bool):
-        self.fd, self.size = fd, size
-        # the kernel maps every page at once: a page only one rank has mapped would count as that rank's
-        # private memory (USS), though it is the kernel's buffer, counted once
-        populate = getattr(mmap, "MAP_POPULATE", 0) if owner else 0
-        self.map = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
-        self.view = memoryview(self.map)
-        st = os.fstat(fd)
-        self.key = (_host(), st.st_ino)
-        self.pid = os.getpid()
-        if not owner:  # mapped: the descriptor is no longer needed
-            os.close(fd)
-            self.fd = None
-        _mapped[self.key] = self
-
-    def __reduce__(self):
-        carried = bytes(self.view[:self.size]) if _carry else None
-        return _attach, (self.key, self.pid, self.fd, self.size, carried)
-
-    def __del__(self):
-        if self.fd is not None and os.getpid() == self.pid:  # a fork's copy of the number may be reused there
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-
-
-class Writer:
-    """Builds a buffer: parts appended at aligned offsets, then sealed read-only."""
-
-    def __init__(self, name: str):
-        if hasattr(os, "memfd_create"):
-            self.fd = os.memfd_create(f"nbddp-shared-{name}", os.MFD_CLOEXEC)
-        else:  # no memfd (macOS): an unlinked file, shared with forks all the same
-            self.fd, path = tempfile.mkstemp(prefix=f"nbddp-shared-{name}-")
-            os.unlink(path)
-        self.pos = 0
-
-    def append(self, data) -> int:
-        """Writes ``data`` (bytes-like) at the next aligned offset; returns that offset."""
-        self.extend(b"\0" * (-self.pos % _ALIGN))
-        start = self.pos
-        self.extend(data)
-        return start
-
-    def extend(self, data) -> None:
-        """Writes ``data`` right after what is there (an item's bytes follow the last's)."""
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.pwrite(self.fd, view, self.pos)
-            self.pos += n
-            view = view[n:]
-
-    def seal(self) -> Buffer:
-        os.ftruncate(self.fd, max(self.pos, 1))
-        return Buffer(self.fd, self.pos, owner=True)
-
-
-def _host() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return os.uname().nodename
-
-
-def _attach(key, pid: int, fd, size: int, carried):
-    """In a rank (or the kernel): the buffer of ``key``, mapped once per process."""
-    buf = _mapped.get(tuple(key))
-    if buf is not None:
-        return buf
-    if key[0] == _host() and fd is not None:
-        try:
-            mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
-        except OSError:
-            mine = None
-        if mine is not None and os.fstat(mine).st_ino == key[1]:
-            return Buffer(mine, size, owner=False)
-        if mine is not None:
-            os.close(mine)
-    if carried is not None:
-        return Buffer(_node_file(key, carried), size, owner=False)
-    raise RuntimeError("this nbddp.shared data lives in the kernel's memory on another machine, or its "
-                       "kernel has let it go: make it again with nbddp.shared(...) in the notebook")
-
-
-def _node_file(key, data: bytes) -> int:
-    """Another machine: the bytes into one file of the node's run directory that every rank there maps
-    (the first writes it, the others open it; removed with the run directory)."""
-    err = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    folder = os.path.dirname(err) if err else os.environ.get("TMPDIR", "/tmp")
-    path = os.path.join(folder, f"shared-{key[1]}-{key[0][:8]}.bin")
-    try:
-        return os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        pass
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)  # whole, or not there: a peer never maps half a file
-    return os.open(path, os.O_RDONLY)
 
 
 # -- a list or tuple ------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``nbddp.shared`` for a pandas DataFrame or Series: every column's values in one shared buffer (shared.py),
+"""``nbddp.shared`` for a pandas DataFrame or Series: every column's values in one shared buffer (sharedbuffer.py),
 the twin a ``DataFrame``/``Series`` subclass that pickles by handle.
 
 Numbers, booleans, dates and durations stay numpy arrays (on the buffer); strings become Arrow strings
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from ..errors import UsageError
-from .shared import Buffer, Writer
+from .sharedbuffer import Buffer, Writer
 
 _STRING_FIX = "pip install pyarrow (pandas' Arrow string storage keeps strings in one buffer)"
 
