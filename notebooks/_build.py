@@ -5,6 +5,7 @@ The cells live here so the tutorials stay consistent; CI runs the saved notebook
 strictly (``--nbval --nbval-sanitize-with notebooks/nbval-sanitize.cfg``: every output must match, nbddp's
 timings, memory figures, run directories and live views sanitized).
 """
+import re
 import sys
 from pathlib import Path
 
@@ -115,7 +116,11 @@ NOTEBOOKS = {
            "before the cell runs, so Lightning's `strategy=\"ddp\"` and Accelerate's `Accelerator` find an "
            "already-launched job and join it instead of starting processes of their own. A rank is not an "
            "interactive session, so Lightning does not refuse `ddp` even when it was imported in the notebook."),
-        code("%load_ext nbddp\nimport torch, pytorch_lightning as pl"),
+        code("%load_ext nbddp\nimport logging, warnings\nimport torch, pytorch_lightning as pl\n"
+             "# quiet what Lightning itself says, which differs by machine and version (the ranks are forks: they\n"
+             "# inherit both): its banner and tips, and a deprecation inside its own code it has yet to fix\n"
+             "logging.getLogger('pytorch_lightning').setLevel(logging.WARNING)\n"
+             "warnings.filterwarnings('ignore', message='.*LeafSpec', module='pytorch_lightning')"),
         code("class Regression(pl.LightningModule):\n"
              "    def __init__(self):\n"
              "        super().__init__()\n"
@@ -343,7 +348,59 @@ NOTEBOOKS = {
 }
 
 
+# what a saved output must not hold: it would tie the notebook to the machine that built it (strict nbval
+# fails everywhere else) or show a third-party library's noise as the tutorial's output
+MACHINE = re.compile(r"(?<![\w.~])/(?:home|work|tmp|root|usr|opt|var|private|Users)/[^\s'\"<>]*|\S*site-packages\S*")
+WARNING = re.compile(r"\b\w*Warning: ")
+
+
+def outputs_text(cell) -> str:
+    """Every saved output of ``cell`` as text (streams, data of each MIME type, tracebacks)."""
+    import json
+
+    return "\n".join(json.dumps(o, ensure_ascii=False) for o in cell.get("outputs", []))
+
+
+def without_home(nb) -> None:
+    """This user's home spelled ``~`` (nbddp's run directories are under it: ``~/.cache/nbddp/runs``), as
+    the reader reads it and whoever rebuilds the notebook writes it."""
+    home = str(Path.home())
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            _replace_in(out, home + "/", "~/")
+
+
+def _replace_in(node, old: str, new: str):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            node[k] = _replace_in(v, old, new)
+    elif isinstance(node, list):
+        node[:] = [_replace_in(v, old, new) for v in node]
+    elif isinstance(node, str):
+        return node.replace(old, new)
+    return node
+
+
+def machine_bound(nb) -> list[str]:
+    """The outputs that name this machine's paths or carry a library's warning: (cell, what) as text."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        text = outputs_text(cell)
+        for hit in [*MACHINE.findall(text), *WARNING.findall(text)]:
+            found.append(f"cell {i}: {hit[:160]}")
+    return found
+
+
 def main(names):
+    if names[:1] == ["--scrub"]:  # saved notebooks, not run again: the home directory as ~, then the check
+        for path in [HERE / n for n in names[1:]] or sorted(HERE.glob("*.ipynb")):
+            nb = nbformat.read(path, as_version=4)
+            without_home(nb)
+            bad = machine_bound(nb)
+            if bad:
+                sys.exit(f"{path.name}: saved outputs tie it to this machine:\n" + "\n".join(bad))
+            nbformat.write(nb, path)
+        return
     for name, cells in NOTEBOOKS.items():
         if names and name not in names:
             continue
@@ -355,6 +412,10 @@ def main(names):
             errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
             if errors and "NBVAL_RAISES_EXCEPTION" not in cell.source:
                 sys.exit(f"{name}: unexpected error in cell:\n{cell.source}\n{errors[0].ename}: {errors[0].evalue}")
+        without_home(nb)
+        bad = machine_bound(nb)
+        if bad:  # fix the cause in the cell (a deprecated import, a library's logging), then build again
+            sys.exit(f"{name}: not saved: outputs tie it to this machine or show a library's warning:\n" + "\n".join(bad))
         nbformat.write(nb, HERE / name)
         print("wrote", name)
 
