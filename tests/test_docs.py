@@ -118,6 +118,7 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
     "does not run this cell (--ranks)", "--ranks runs a cell on some ranks of a running pool", "the pool has rank(s) 0-",
     "kept no failure", "no cell of this pool has failed on a rank", "looks into a running pool's ranks",
     "has no command pipe, so it cannot reach the notebook's input box", "post-mortem (%pdb is on)", "is still at",
+    "the cell is empty", "the cell never assigns it", "the cell assigns it, but not on rank", "holds a DTensor at",
 ]
 
 
