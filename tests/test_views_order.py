@@ -208,3 +208,51 @@ def test_a_pool_cell_shows_its_own_live_line_that_ends_as_its_final_line(runs_di
         k.ok("%ddp stop")
     finally:
         k.shutdown()
+
+
+def test_sampling_walks_a_ranks_pages_only_when_its_faults_say_its_memory_moved(monkeypatch):
+    """USS (a page-table walk, ~5 ms a rank) is the dashboard's one costly read: each rank's first in turn,
+    then at most every USS_EVERY samples and only after new page faults; RSS every sample (/proc, cheap)."""
+    import os
+
+    from nbddp.views import monitor
+
+    if not monitor.PROC:
+        pytest.skip("no /proc/PID/smaps_rollup here: psutil reads it")
+    go, wait = os.pipe()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(ready_w, b"r")  # (a fresh fork's first moments fault in many pages: it waits after them)
+        os.read(go, 1)
+        grown = bytearray(50 * 2**20)  # noqa: F841 (50 MiB of its own)
+        time.sleep(30)
+        os._exit(0)
+    walks = []
+    real = monitor.uss_of
+    monkeypatch.setattr(monitor, "uss_of", lambda p: walks.append(p) or real(p))
+    m = monitor.Monitor([])
+    m.watch(0, pid)
+    m.watch(1, os.getpid())  # rank 1: its first walk waits a sample
+    assert os.read(ready_r, 1) == b"r"
+    try:
+        m.sample()
+        assert walks == [pid] and m.ranks[0].rss > 0
+        m.sample()
+        assert walks == [pid, os.getpid()]
+        for _ in range(monitor.USS_EVERY * 2):  # idle: no walk
+            m.sample()
+        assert walks.count(pid) == 1
+        before = m.ranks[0].uss
+        os.write(wait, b"x")
+        deadline = time.monotonic() + 10
+        while m.ranks[0].uss < before + 40 * 2**20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            m.sample()
+        assert m.ranks[0].uss >= before + 40 * 2**20, m.ranks[0]
+        assert walks.count(pid) == 2, "one more walk once its faults grew"
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    m.sample()
+    assert 0 in m.lost and m.ranks[0].peak_uss >= 40 * 2**20

@@ -41,7 +41,6 @@ LAST = "width:100%;max-width:0;overflow:hidden;text-overflow:ellipsis;font-famil
 
 class RunView:
     interval = 1.0
-    USS_EVERY = 5  # ticks between USS samples: it changes slowly and costs ~3 ms a rank
 
     def __init__(self, live: bool):
         self.live = live  # a Jupyter-like front end: one output updated in place; elsewhere a text summary
@@ -136,7 +135,7 @@ class RunView:
 
     def tick(self) -> None:
         self.ticks += 1
-        self.monitor.sample(uss=self.ticks % self.USS_EVERY == 1)
+        self.monitor.sample()  # (each rank's private memory every monitor.USS_EVERY ticks, in turn)
         if self.handle is not None:
             self.handle.update(self.render_html(), self.render_text())
 

@@ -1,21 +1,32 @@
-"""Sampling what ranks use, about once a second: CPU and memory per rank (psutil), GPUs (NVML seam).
+"""Sampling what ranks use, about once a second: memory per rank (/proc, psutil where there is none), GPUs
+(NVML seam).
 
 Memory per CPU rank is shown three ways so copy-on-write is visible: RSS (all resident pages), USS
 (pages only this rank has: what it copied or allocated) and shared = RSS - USS (pages still shared
 with the notebook and the other ranks).
+
+It costs the kernel well under 1 % of a core (benchmarks/results.md, 3b): RSS is one read of
+``/proc/PID/statm`` (~10 µs); USS, from ``/proc/PID/smaps_rollup``, walks the rank's page tables (~5 ms per
+rank forked from a kernel with torch), so it is read only when the rank's page faults say it may have moved,
+at most every few samples (``Monitor.sample``). A rank's CPU time is not sampled:
+no view shows it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-import psutil
-
 from ..hw import nvml
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PROC = os.path.isdir("/proc/self") and os.path.exists("/proc/self/smaps_rollup")  # Linux >= 4.14
+USS_EVERY = 5  # samples at least between a rank's USS readings
+USS_FAULTS = 256  # page faults since its last reading (1 MiB of 4 KiB pages at least) before a rank's next
+PRIVATE = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")  # psutil's USS, from smaps_rollup
 
 
 @dataclass
 class RankSample:
-    cpu_percent: float = 0.0
     rss: int = 0
     uss: int = 0
     peak_rss: int = 0
@@ -32,42 +43,51 @@ class GpuHistory:
     peak_mem: int = 0
 
 
+class Gone(Exception):
+    """The rank's process has exited (a zombie until the kernel reaps it) or is gone."""
+
+
 class Monitor:
     def __init__(self, gpu_indices: list[int]):
         self.gpu_indices = gpu_indices
         self.ranks: dict[int, RankSample] = {}
         self.gpus: dict[int, GpuHistory] = {i: GpuHistory() for i in gpu_indices}
-        self._procs: dict[int, psutil.Process] = {}
         self._pids: dict[int, int] = {}
         self.lost: set[int] = set()  # ranks whose process was gone at a sample
+        self.samples = 0
+        self._uss_at: dict[int, tuple[int, int]] = {}  # rank -> (sample, its page faults) at its last USS
 
     def watch(self, rank: int, pid: int) -> None:
-        self._pids[rank] = pid  # psutil handles are made at the first sample: a short run never pays
+        self._pids[rank] = pid
         self.ranks[rank] = RankSample()
 
     def forget(self, rank: int) -> None:
-        self._procs.pop(rank, None)
         self._pids.pop(rank, None)
 
-    def sample(self, uss: bool = True) -> None:
-        """CPU and RSS of every rank; USS too when ``uss`` (it walks the page tables: ~3 ms a rank)."""
+    def sample(self, uss: bool | None = None) -> None:
+        """RSS of every rank; USS (it walks the page tables: ~5 ms a rank forked from a kernel with torch) of
+        every rank when ``uss``, of none when False, and by default when it may have moved: a rank's first
+        reading at sample ``rank % USS_EVERY`` (the ranks in turn: no sample walks them all), then at most
+        every ``USS_EVERY`` samples, and only once the rank has touched ``USS_FAULTS`` new pages since (its
+        page faults: a copy-on-write copy or an allocation is one). An idle or steady rank costs no walk."""
+        turn = self.samples
+        self.samples += 1
         for rank, pid in list(self._pids.items()):
-            if rank not in self._procs:
-                try:
-                    self._procs[rank] = psutil.Process(pid)
-                except psutil.Error:
-                    self._pids.pop(rank)
-        for rank, proc in list(self._procs.items()):
             s = self.ranks[rank]
             try:
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    raise psutil.ZombieProcess(proc.pid)
-                s.cpu_percent = proc.cpu_percent(None)
-                s.rss = proc.memory_info().rss
-                if uss:
-                    s.uss = proc.memory_full_info().uss
-            except psutil.Error:  # exited (a zombie until the kernel reaps it)
-                self._procs.pop(rank, None)
+                s.rss = rss_of(pid)
+                if uss is None and PROC:
+                    last = self._uss_at.get(rank)
+                    due = turn >= rank % USS_EVERY if last is None else (
+                        turn - last[0] >= USS_EVERY and faults_of(pid) - last[1] >= USS_FAULTS)
+                else:
+                    due = uss is not False
+                if due:
+                    faults = faults_of(pid) if PROC else 0
+                    s.uss = uss_of(pid)
+                    self._uss_at[rank] = (turn, faults)
+            except Gone:
+                self._pids.pop(rank, None)
                 self.lost.add(rank)
                 continue
             s.peak_rss, s.peak_uss = max(s.peak_rss, s.rss), max(s.peak_uss, s.uss)
@@ -77,6 +97,58 @@ class Monitor:
                 h.last = g
                 if g.mem_used is not None:
                     h.peak_mem = max(h.peak_mem, g.mem_used)
+
+
+def rss_of(pid: int) -> int:
+    """Resident bytes of a live process (a zombie's are none: it has exited)."""
+    if not PROC:
+        return _psutil(pid, lambda p: p.memory_info().rss)
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            resident = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        raise Gone(pid) from None
+    if resident == 0:  # a zombie's statm is all zeros: it has exited
+        raise Gone(pid)
+    return resident * PAGE
+
+
+def faults_of(pid: int) -> int:
+    """Page faults the process has taken (minor and major): each maps a page it touched anew."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return int(fields[7]) + int(fields[9])  # minflt, majflt (the stat file's fields 10 and 12)
+    except (OSError, IndexError, ValueError):
+        raise Gone(pid) from None
+
+
+def uss_of(pid: int) -> int:
+    """Bytes only this process holds (private clean + dirty + huge pages), as psutil's ``uss``."""
+    if not PROC:
+        return _psutil(pid, lambda p: p.memory_full_info().uss)
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            text = f.read()
+    except OSError:
+        raise Gone(pid) from None
+    total = 0
+    for line in text.splitlines():
+        if line.startswith(PRIVATE):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def _psutil(pid: int, read):
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            raise Gone(pid)
+        return read(proc)
+    except psutil.Error:
+        raise Gone(pid) from None
 
 
 def mb(n: int | None) -> str:

@@ -21,7 +21,6 @@ from .dashboard import CELL
 from .monitor import Monitor, duration, mb, uptime
 
 REFRESH_S = 1.0  # between cells: sample and redraw if changed
-USS_EVERY = 5  # samples between USS readings (it walks the page tables: ~3 ms a rank)
 SERIES_MAX = 512  # points kept per series; past that every other one goes, so the whole life stays
 SPARK_WIDTH = 40  # points drawn per series, whatever the pool's age
 SPAN_FLOOR = 0.1  # the range drawn spans at least this fraction of the highest value
@@ -115,7 +114,6 @@ class PoolView:
         self.running: str | None = None
         self.cell_t0 = 0.0
         self.ended: str | None = None
-        self._samples = 0
         self._drawn = ""
         self._timer = None
 
@@ -178,8 +176,7 @@ class PoolView:
 
     # -- sampling and drawing -----------------------------------------------------------------------
     def sample(self, uss: bool | None = None) -> None:
-        uss = self._samples % USS_EVERY == 0 if uss is None else uss
-        self._samples += 1
+        """Memory now (USS of every rank when ``uss``; by default each rank's in turn, monitor.py)."""
         self.monitor.sample(uss=uss)
         for r in self.monitor.lost:  # died between cells: the pool learns how at its next cell
             self.state[r] = "dead"
