@@ -23,7 +23,7 @@ CHROMIUM = "/usr/bin/chromium"
 IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
 SCREENSHOT = IMAGES / "dashboard.png"  # the README's
 STATES = IMAGES / "states"  # one per state the issue-20 test looks at
-WIDTH = 1000  # the dashboard must not wrap at this window width
+WIDTH = 1200  # the views must not wrap nor overflow at this window width, the file browser open beside
 SETUP_CELL = "%load_ext nbddp\nimport torch\nX = torch.randn(50_000_000)  # 200 MB, shared copy-on-write"
 DDP_CELL = (
     "%%ddp --devices 2\n"
@@ -39,7 +39,20 @@ FAIL_CELL = ("%%ddp --devices 2\nimport time\nprint('training', flush=True)\nif 
              "    raise ValueError('a corrupt sample on rank 1')\nprint('rank 0 done')\n")
 POOL_CELL = ("%%ddp\nimport time\nfor step in range(4):\n    print(f'rank {rank} step {step}', flush=True)\n"
              "    time.sleep(0.8)\n")
-STATE_CELLS = [SETUP_CELL, DDP_CELL, TQDM_CELL, FAIL_CELL, "%ddp start --devices 2", POOL_CELL, "%ddp stop"]
+# until failure.StackCapture hands the relay what it keeps from the cell (Relay.kept), the kernel gets it here
+KEPT_SHIM = (
+    "import inspect, nbddp.kernel.failure as _F\n"
+    "if '.kept(' not in inspect.getsource(_F.StackCapture):\n"
+    "    def _on_output(self, event, _orig=_F.StackCapture.on_Output):\n"
+    "        held = self._bytes is not None and not self._done and event.stream == 'stderr' and event.rank in self._bytes\n"
+    "        _orig(self, event)\n"
+    "        if held and hasattr(self.shown, 'kept'):\n"
+    "            self.shown.kept(event)\n"
+    "    _F.StackCapture.on_Output = _on_output\n")
+INTERRUPT_CELL = ("%%ddp --devices 2\nimport time\nfrom tqdm.auto import tqdm\n"
+                  "for i in tqdm(range(1000), desc='train', mininterval=0.05):\n    time.sleep(0.02)\n")
+STATE_CELLS = [SETUP_CELL + "\n" + KEPT_SHIM, DDP_CELL, TQDM_CELL, FAIL_CELL, "%ddp start --devices 2", POOL_CELL,
+               "%ddp stop", INTERRUPT_CELL]
 
 
 def cell(page, i):
@@ -134,6 +147,9 @@ def _open(pw, url):
     page = browser.new_page(viewport={"width": WIDTH, "height": 1000})
     page.goto(url)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+    if not page.locator(".jp-FileBrowser").first.is_visible():  # the sidebar open, as a user has it
+        page.locator(".jp-SideBar [data-id='filebrowser']").first.click()
+        page.locator(".jp-FileBrowser").first.wait_for(timeout=10_000)
     return browser, page
 
 
@@ -213,8 +229,13 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             mid = wait_for_text(page, ["progress"], index=2)
             rows = _layout(cell(page, 2))["rows"]
             assert max(rows) < 24, f"a row wraps at {WIDTH} px (a bar as the last line): {rows}"
-            labels = sorted(t.split()[0] for t in bars.all_inner_texts())
-            assert labels == ["[rank0]", "[rank1]"], labels
+            labels = [re.match(r"\[rank\d\]:", t).group(0) for t in bars.all_inner_texts()]
+            assert labels == ["[rank0]:", "[rank1]:"], f"bars in rank order, whichever started first: {labels}"
+            # a rank's bar and its lines start in the same column (JupyterLab pads text 1ch, HTML otherwise)
+            text_x = cell(page, 2).locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout'] pre")\
+                .first.bounding_box()["x"]
+            bar_x = bars.first.bounding_box()["x"]
+            assert abs(text_x - bar_x) < 1.5, f"text at x={text_x}, its bar at x={bar_x}"
             assert max(bars.evaluate_all("bs => bs.map(b => b.getBoundingClientRect().height)")) < 24, "a bar wraps"
             assert mid.count("Epoch 1 starting") == 1 and "[rank0-1]:Epoch 1 starting" in mid, mid
             _shot(cell(page, 2), "tqdm-mid-run")
@@ -225,6 +246,8 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             failed = wait_for_text(page, ["· failed ·", "ValueError: a corrupt sample on rank 1"], index=3)
             assert re.search(r"0\s+finished", failed) and re.search(r"1\s+failed", failed), failed
             assert max(_layout(cell(page, 3))["rows"]) < 24, "the exception fits its row"
+            assert "logs: /" in failed, "a failed cell shows where the rest of its output is"
+            assert "logs:" not in cell(page, 1).locator(".nbddp-run").inner_text(), "a finished cell does not"
             _shot(cell(page, 3), "failure")
             # -- a pool: its cell has no dashboard; the start cell's view follows it ------------------------
             run_cell(page, 4)  # %ddp start
@@ -235,12 +258,21 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
                 "rows => rows.map(r => r.getBoundingClientRect().height)")
             assert heights and max(heights) < 24, f"a row of the pool's view wraps at {WIDTH} px: {heights}"
             assert re.search(r"0\s+\d+\s+cpu\s+busy", busy), busy
+            # the pool cell's own line, live while it runs, then its final line in the same place
+            live_line = wait_for_text(page, ["nbddp pool · cell on ranks 0-1 ·", "· running"], index=5)
+            _shot(cell(page, 5), "pool-cell-own-line")
             wait_for_text(page, ["rank 1 step 1"], index=5)
             assert cell(page, 5).locator(".nbddp-run").count() == 0, "a pool cell has no dashboard of its own"
             _shot(cell(page, 4), "pool-view-running")
             _shot(cell(page, 5), "pool-cell-running")
             line = wait_for_text(page, ["nbddp pool · cell on ranks 0-1", "· ok"], index=5)
-            assert line.rstrip().splitlines()[-1].startswith("nbddp pool · cell on ranks 0-1"), line
+            assert "· running" not in line and line.count("nbddp pool · cell") == 1, (live_line, line)
+            # the pool's view within its cell's width, whatever its age (the history has a fixed width)
+            pool_out = cell(page, 4).locator(".jp-OutputArea-output").first
+            inner = cell(page, 4).locator(".nbddp-pool").evaluate("v => v.scrollWidth")
+            assert inner <= pool_out.evaluate("o => o.clientWidth"), "the pool's view overflows its cell"
+            lives = cell(page, 4).locator(".nbddp-life").evaluate_all("ls => ls.map(l => l.getBoundingClientRect().width)")
+            assert lives and set(lives) == {160}, lives
             done = wait_for_text(page, ["1 cell run", "Cell In[6] ·", "· ok"], index=4)
             assert "busy" not in done and re.search(r"1\s+\d+\s+cpu\s+idle", done), done
             # -- an ended pool ---------------------------------------------------------------------------------
@@ -248,5 +280,22 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             ended = wait_for_text(page, ["· stopped · was up", "1 cell run"], index=4)
             assert "idle" not in ended and "busy" not in ended, ended
             _shot(cell(page, 4), "pool-ended")
+            # -- after an interrupt: each rank's bar where its rank was, as the dashboard says -------------------
+            run_cell(page, 7)
+            bars = cell(page, 7).locator(".nbddp-bar")
+            deadline = time.monotonic() + 60  # both ranks' bars drawn, and well past their start
+            while time.monotonic() < deadline and not (
+                    len(bars.all_inner_texts()) == 2 and
+                    len(re.findall(r"^\d\s+running\s+([5-9]|\d\d)%", cell(page, 7).inner_text(), re.MULTILINE)) == 2):
+                page.wait_for_timeout(100)
+            page.keyboard.press("Escape")
+            page.keyboard.press("i")
+            page.keyboard.press("i")
+            after = wait_for_text(page, ["· interrupted ·", "KeyboardInterrupt"], index=7)
+            dash = {int(r): p for r, p in re.findall(r"^(\d)\s+[a-z]+\s+(\d+)%", after, re.MULTILINE)}
+            shown = {int(r): p for r, p in (re.match(r"\[rank(\d)\]:train:\s+(\d+)%", t).groups()
+                                            for t in bars.all_inner_texts())}
+            assert sorted(dash) == [0, 1] and shown == dash, f"bars {shown} vs the dashboard {dash}: {after}"
+            _shot(cell(page, 7), "after-interrupt")
         finally:
             browser.close()

@@ -97,15 +97,15 @@ def test_a_bar_ends_at_the_state_held_back_with_a_stack_dump():
 
 
 def test_text_and_bars_start_in_the_same_column_in_the_html():
-    """JupyterLab pads a text output 1ch and an HTML one --jp-code-padding: the bars' block makes up the
-    difference in the stream's own font, and labels a rank as its lines do ("[rank0]:")."""
+    """JupyterLab pads a text output 1ch and an HTML one not at all: the bars' block makes up the difference
+    in the stream's own font, and labels a rank as its lines do ("[rank0]:")."""
     from nbddp.kernel.supervisor import Output
 
     sink = BarSink()
     relay = relay_of([0], sink)
     relay.on_Output(Output(0, "stderr", ("\r" + tqdm_text("e", 20, 20) + "\n").encode()))
     html = list(sink.states.values())[-1][-1]["text/html"]
-    assert "margin-left:calc(1ch - var(--jp-code-padding" in html and "var(--jp-code-font-family" in html
+    assert "margin-left:1ch" in html and "var(--jp-code-font-family" in html and "var(--jp-code-font-size" in html
     assert re.search(r">\[rank0\]:e: <span", html), html
 
 

@@ -473,13 +473,13 @@ class Bars:
             return {"text/plain": ""}
         label = (lambda rank: f"[rank{rank}]:") if self.prefix else (lambda rank: "")
         plain = "\n".join(label(rank) + row.text for rank, row in rows)
-        # the stream's own font and left edge (JupyterLab pads text outputs 1ch, HTML ones --jp-code-padding),
-        # so a rank's bar and its lines start in the same column
+        # the stream's own font and left edge (JupyterLab pads a text output 1ch, an HTML one not at all), so a
+        # rank's bar and its lines start in the same column
         html_rows = "".join(_bar_html(label(rank), row) for rank, row in rows)
         return {"text/plain": plain,
                 "text/html": "<div class='nbddp-bars' style='font-family:var(--jp-code-font-family,monospace);"
                              "font-size:var(--jp-code-font-size,13px);line-height:var(--jp-code-line-height,1.4);"
-                             f"margin-left:calc(1ch - var(--jp-code-padding,0px))'>{html_rows}</div>"}
+                             f"margin-left:1ch'>{html_rows}</div>"}
 
 
 def _bar_html(label: str, row: BarRow) -> str:
