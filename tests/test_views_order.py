@@ -256,3 +256,16 @@ def test_sampling_walks_a_ranks_pages_only_when_its_faults_say_its_memory_moved(
         os.waitpid(pid, 0)
     m.sample()
     assert 0 in m.lost and m.ranks[0].peak_uss >= 40 * 2**20
+
+
+def test_the_many_cpu_ranks_note_wraps_between_words():
+    """The note was one 230-character line that a notebook breaks mid-word: lines of at most 88, whole words."""
+    from nbddp.kernel import checks, devices
+
+    checks._warned_oversubscribed.discard((64, 1))
+    note = checks._oversubscribed(devices.Plan("cpu", "gloo", (None,) * 64), 1)
+    if not note:
+        pytest.skip("this machine has 64 cores or more")
+    lines = note[0].splitlines()
+    assert len(lines) > 1 and max(map(len, lines)) <= checks.NOTE_WIDTH, lines
+    assert lines[0].startswith("nbddp: 64 CPU ranks on ") and " ".join(lines).endswith("still stop every rank.")
