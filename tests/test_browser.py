@@ -39,19 +39,9 @@ FAIL_CELL = ("%%ddp --devices 2\nimport time\nprint('training', flush=True)\nif 
              "    raise ValueError('a corrupt sample on rank 1')\nprint('rank 0 done')\n")
 POOL_CELL = ("%%ddp\nimport time\nfor step in range(4):\n    print(f'rank {rank} step {step}', flush=True)\n"
              "    time.sleep(0.8)\n")
-# until failure.StackCapture hands the relay what it keeps from the cell (Relay.kept), the kernel gets it here
-KEPT_SHIM = (
-    "import inspect, nbddp.kernel.failure as _F\n"
-    "if '.kept(' not in inspect.getsource(_F.StackCapture):\n"
-    "    def _on_output(self, event, _orig=_F.StackCapture.on_Output):\n"
-    "        held = self._bytes is not None and not self._done and event.stream == 'stderr' and event.rank in self._bytes\n"
-    "        _orig(self, event)\n"
-    "        if held and hasattr(self.shown, 'kept'):\n"
-    "            self.shown.kept(event)\n"
-    "    _F.StackCapture.on_Output = _on_output\n")
 INTERRUPT_CELL = ("%%ddp --devices 2\nimport time\nfrom tqdm.auto import tqdm\n"
                   "for i in tqdm(range(1000), desc='train', mininterval=0.05):\n    time.sleep(0.02)\n")
-STATE_CELLS = [SETUP_CELL + "\n" + KEPT_SHIM, DDP_CELL, TQDM_CELL, FAIL_CELL, "%ddp start --devices 2", POOL_CELL,
+STATE_CELLS = [SETUP_CELL, DDP_CELL, TQDM_CELL, FAIL_CELL, "%ddp start --devices 2", POOL_CELL,
                "%ddp stop", INTERRUPT_CELL]
 
 

@@ -110,17 +110,6 @@ def test_text_and_bars_start_in_the_same_column_in_the_html():
 
 
 # -- through a real kernel ---------------------------------------------------------------------------------
-# Until failure.StackCapture hands the relay what it keeps (Relay.kept), the kernel under test gets it here.
-KEPT_SHIM = """
-import inspect, nbddp.kernel.failure as _F
-if ".kept(" not in inspect.getsource(_F.StackCapture):
-    def _on_output(self, event, _orig=_F.StackCapture.on_Output):
-        held = self._bytes is not None and not self._done and event.stream == "stderr" and event.rank in self._bytes
-        _orig(self, event)
-        if held and hasattr(self.shown, "kept"):
-            self.shown.kept(event)
-    _F.StackCapture.on_Output = _on_output
-"""
 LONG_BARS = ("%%ddp --devices 2{opts}\nimport time\nfrom tqdm.auto import tqdm\n"
              "for i in tqdm(range(1000), desc=f'rank {{rank}}', mininterval=0.05):\n"
              "    if i == 30:\n        print('far', flush=True)\n    time.sleep(0.02)\n")
@@ -150,7 +139,6 @@ def logged_bar(runs_dir, rank: int) -> str:
 @pytest.mark.parametrize("how", ["interrupt", "timeout"])
 def test_a_bar_is_saved_at_the_ranks_last_state_however_the_cell_ends(clean_kernel, runs_dir, how):
     k = clean_kernel
-    k.ok(KEPT_SHIM)
     if how == "interrupt":
         res = k.interrupt_when(LONG_BARS.format(opts=""), "far", 2, timeout=60)
         assert res.error and res.error["ename"] == "KeyboardInterrupt", res

@@ -183,6 +183,8 @@ class StackCapture:
     def on_Output(self, event) -> None:
         if self._bytes is not None and not self._done and event.stream == "stderr" and event.rank in self._bytes:
             self._bytes[event.rank] += event.data
+            if self.shown is not None:  # a tqdm bar redrawn meanwhile still moves on (relay.Relay.kept)
+                self.shown.kept(event)
         elif self.shown is not None:
             self.shown.on_Output(event)
 
