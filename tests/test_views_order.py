@@ -203,9 +203,10 @@ def test_sampling_walks_a_ranks_pages_only_when_its_faults_say_its_memory_moved(
     then at most every USS_EVERY samples and only after new page faults; RSS every sample (/proc, cheap)."""
     import os
 
+    from nbddp.hw import procmem
     from nbddp.views import monitor
 
-    if not monitor.PROC:
+    if not procmem.PROC:
         pytest.skip("no /proc/PID/smaps_rollup here: psutil reads it")
     go, wait = os.pipe()
     ready_r, ready_w = os.pipe()
@@ -217,8 +218,8 @@ def test_sampling_walks_a_ranks_pages_only_when_its_faults_say_its_memory_moved(
         time.sleep(30)
         os._exit(0)
     walks = []
-    real = monitor.uss_of
-    monkeypatch.setattr(monitor, "uss_of", lambda p: walks.append(p) or real(p))
+    real = procmem.uss_of
+    monkeypatch.setattr(procmem, "uss_of", lambda p: walks.append(p) or real(p))
     m = monitor.Monitor([])
     m.watch(0, pid)
     m.watch(1, os.getpid())  # rank 1: its first walk waits a sample

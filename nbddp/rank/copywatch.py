@@ -8,6 +8,9 @@ the rank measures its private memory; the kernel says which names, by how much, 
 from __future__ import annotations
 
 import functools
+import os
+
+from ..hw import procmem
 
 LARGE_ITEMS = 10_000  # a container at least this long is worth watching
 NOTE_BYTES = 100 * 2**20  # a growth this large is worth a note
@@ -45,11 +48,9 @@ def _objects(value) -> bool:
 def private_bytes() -> int:
     """This process's private memory (USS, as the dashboard shows it), from one read of smaps_rollup."""
     try:
-        with open("/proc/self/smaps_rollup") as f:
-            fields = dict(line.split(":", 1) for line in f if line[:1].isupper())
-    except OSError:
+        return procmem.uss_of(os.getpid())
+    except procmem.Gone:
         return 0
-    return sum(int(fields.get(k, "0 kB").split()[0]) for k in ("Private_Clean", "Private_Dirty")) * 1024
 
 
 class Watch:

@@ -13,16 +13,12 @@ no view shows it.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from ..hw import nvml
+from ..hw import nvml, procmem
 
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-PROC = os.path.isdir("/proc/self") and os.path.exists("/proc/self/smaps_rollup")  # Linux >= 4.14
 USS_EVERY = 5  # samples at least between a rank's USS readings
 USS_FAULTS = 256  # page faults since its last reading (1 MiB of 4 KiB pages at least) before a rank's next
-PRIVATE = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")  # psutil's USS, from smaps_rollup
 
 
 @dataclass
@@ -41,10 +37,6 @@ class RankSample:
 class GpuHistory:
     last: nvml.GpuSample | None = None
     peak_mem: int = 0
-
-
-class Gone(Exception):
-    """The rank's process has exited (a zombie until the kernel reaps it) or is gone."""
 
 
 class Monitor:
@@ -75,18 +67,18 @@ class Monitor:
         for rank, pid in list(self._pids.items()):
             s = self.ranks[rank]
             try:
-                s.rss = rss_of(pid)
-                if uss is None and PROC:
+                s.rss = procmem.rss_of(pid)
+                if uss is None and procmem.PROC:
                     last = self._uss_at.get(rank)
                     due = turn >= rank % USS_EVERY if last is None else (
-                        turn - last[0] >= USS_EVERY and faults_of(pid) - last[1] >= USS_FAULTS)
+                        turn - last[0] >= USS_EVERY and procmem.faults_of(pid) - last[1] >= USS_FAULTS)
                 else:
                     due = uss is not False
                 if due:
-                    faults = faults_of(pid) if PROC else 0
-                    s.uss = uss_of(pid)
+                    faults = procmem.faults_of(pid) if procmem.PROC else 0
+                    s.uss = procmem.uss_of(pid)
                     self._uss_at[rank] = (turn, faults)
-            except Gone:
+            except procmem.Gone:
                 self._pids.pop(rank, None)
                 self.lost.add(rank)
                 continue
@@ -97,58 +89,6 @@ class Monitor:
                 h.last = g
                 if g.mem_used is not None:
                     h.peak_mem = max(h.peak_mem, g.mem_used)
-
-
-def rss_of(pid: int) -> int:
-    """Resident bytes of a live process (a zombie's are none: it has exited)."""
-    if not PROC:
-        return _psutil(pid, lambda p: p.memory_info().rss)
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as f:
-            resident = int(f.read().split()[1])
-    except (OSError, IndexError, ValueError):
-        raise Gone(pid) from None
-    if resident == 0:  # a zombie's statm is all zeros: it has exited
-        raise Gone(pid)
-    return resident * PAGE
-
-
-def faults_of(pid: int) -> int:
-    """Page faults the process has taken (minor and major): each maps a page it touched anew."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-        return int(fields[7]) + int(fields[9])  # minflt, majflt (the stat file's fields 10 and 12)
-    except (OSError, IndexError, ValueError):
-        raise Gone(pid) from None
-
-
-def uss_of(pid: int) -> int:
-    """Bytes only this process holds (private clean + dirty + huge pages), as psutil's ``uss``."""
-    if not PROC:
-        return _psutil(pid, lambda p: p.memory_full_info().uss)
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
-            text = f.read()
-    except OSError:
-        raise Gone(pid) from None
-    total = 0
-    for line in text.splitlines():
-        if line.startswith(PRIVATE):
-            total += int(line.split()[1]) * 1024
-    return total
-
-
-def _psutil(pid: int, read):
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            raise Gone(pid)
-        return read(proc)
-    except psutil.Error:
-        raise Gone(pid) from None
 
 
 def mb(n: int | None) -> str:
