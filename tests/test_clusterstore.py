@@ -43,7 +43,7 @@ def test_local_stores_close_twice_closes_nothing_that_reused_its_descriptors():
 
 
 def test_streams_close_twice_closes_nothing_that_reused_its_descriptors():
-    sup = Supervisor(Bus([]))
+    sup = Supervisor([])
     streams = remote.Streams(sup, groupstore.Store())
     sup.close()
     streams.close()
@@ -76,7 +76,7 @@ def test_an_interrupt_in_a_subscriber_loses_none_of_the_other_events_of_a_batch(
             if len(seen) == 1:
                 raise KeyboardInterrupt
 
-    sup = Supervisor(Bus([Interrupted()]))
+    sup = Supervisor([Interrupted()])
     streams = remote.Streams(sup, groupstore.Store())
     streams.procs[1] = remote.RemoteProc(1, 4242, -1, here=False)
     try:
@@ -95,7 +95,7 @@ def test_an_interrupt_in_a_subscriber_loses_none_of_the_other_events_of_a_batch(
 def test_a_wake_nobody_drains_yet_never_blocks_the_stream_reader_or_the_agent():
     from nbddp.cluster.agent import Agent
 
-    sup = Supervisor(Bus([]))
+    sup = Supervisor([])
     streams = remote.Streams(sup, groupstore.Store())
     agent = Agent()
 

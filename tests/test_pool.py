@@ -327,6 +327,8 @@ def test_a_name_rebound_to_what_cannot_be_pickled_refuses_only_cells_that_read_i
     refused with nothing run; once `s` is something that can be sent, it arrives."""
     k = pool
     k.ok("%%ddp --out s\ns = 'made on the ranks'\n")
+    k.ok("def uses_s():\n    return s")
+    assert said(k.ok("%%ddp\nprint(uses_s())\n").stdout, 1, "made on the ranks")
     k.ok("import socket\ns = socket.socket()")
     try:
         res = k.ok("%%ddp\nprint('s' in globals())\n")
@@ -339,6 +341,8 @@ def test_a_name_rebound_to_what_cannot_be_pickled_refuses_only_cells_that_read_i
         assert "`s` changed in the notebook since %ddp start and this cell reads it" in res.error_text, res.error_text
         assert "cannot pickle" in res.error_text and "Nothing ran" in res.error_text
         assert "ran" not in res.stdout
+        res = k.run("%%ddp\nprint('ran', uses_s())\n", timeout=60)  # a notebook function that reads it
+        assert "`s` changed in the notebook since %ddp start and this cell reads it" in res.error_text, res.error_text
     finally:
         k.ok("s.close()")
     k.ok("s = 7")

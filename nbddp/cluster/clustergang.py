@@ -41,6 +41,7 @@ class ClusterGang(Gang):
                          persistent=True, view_for=view_for and self._view_here(view_for))
         self.namespace = namespace or {}
         self.unsent = {k for k in self.namespace if notebook_name(k)}  # what the other nodes lack
+        self.unpicklable: dict = {}  # name -> the value of it that could not be sent (not tried again)
         self.extra: dict[str, bytes] = {}  # ... sent with the next cell
         self.given: set[int] = set()  # the remote ranks that had ``extra`` already (an Update to --ranks' others)
         self.store = groupstore.Store()
@@ -168,10 +169,9 @@ class ClusterGang(Gang):
                              f"the notebook's memory), but it cannot be pickled: {type(e).__name__}: {e}\n"
                              "Nothing ran. Create it inside a %%ddp cell.") from None
 
-        sent = sending.pickled_for_ranks(cell_reads, namespace, wanted=lacking, unpicklable=refuse)
-        sent.update(sending.pickled_for_ranks(set(reads) - set(sent), namespace,
-                                              wanted=lambda name, value: name not in sent and lacking(name, value),
-                                              unpicklable=lambda name, value, e: None))  # still owed: tried again
+        sent, let_go = sending.pickled_for_cell(cell_reads, reads, namespace, wanted=lacking, refuse=refuse,
+                                                unsendable=self.unpicklable)  # (still owed: tried again if it changes)
+        self.unpicklable.update({name: token for name, (token, _) in let_go.items()})
         self.extra.update(sent)
         self.unsent -= set(sent)
         sizes = sending.sent_text(sent, namespace)

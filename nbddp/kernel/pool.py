@@ -150,7 +150,10 @@ class Pool:
             notes = sync.notes
             if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start
                 notes += self.gang.send_missing(code or set(), self.reads, self.namespace or {}, self.rank_assigned)
+        label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
+        run = self._engine(config, label, relabel, observer, ranks)  # (a pool that ended refuses the cell here)
         updates = sync.updates
+        self.synced.commit(sync, self.namespace or {})
         self.rank_assigned -= {*updates, *sync.dropped}
         for line in notes:
             print(f"nbddp: {line}", file=sys.stderr)
@@ -160,9 +163,8 @@ class Pool:
             self.gang.command(messages.Update(updates, sync.dropped), ranks=[r for r in range(world) if r not in ranks])
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config),
                                updates, post_mortem=post_mortem, lead=ranks[0] if ranks else 0, dropped=sync.dropped)
-        label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
         try:
-            outcome = self._engine(config, label, relabel, observer, ranks).run(command=cmd)
+            outcome = run.run(command=cmd)
         except RankFailure as e:
             self.last_failed = e.rank  # %ddp debug's default rank
             raise

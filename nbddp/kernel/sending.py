@@ -1,13 +1,14 @@
 """Notebook values sent to ranks by value, each pickled once in the kernel, one that cannot be named
-with why: the globals a spawned rank's cell reads (``ship_globals``), and what a pool's ranks do not
-have yet (``Synced``: names the notebook created or rebound since the ranks last saw them)."""
+with why, through one worklist (``pickled_for_ranks``; a pool's cell: ``pickled_for_cell``): the globals
+a spawned rank's cell reads (``ship_globals``), what a pool's ranks do not have yet (``Synced``: names the
+notebook created or rebound since the ranks last saw them), and what a cluster pool's other nodes lack
+(cluster/clustergang.py)."""
 from __future__ import annotations
 
 import builtins
 import types
 import weakref
 from dataclasses import dataclass, field
-
 
 from ..errors import UsageError
 from ..ipy.cellcode import names_used, notebook_name, split_last_expression
@@ -45,6 +46,34 @@ def sent_text(blobs: dict[str, bytes], namespace: dict) -> list[str]:
             if not isinstance(namespace[name], types.ModuleType)]
 
 
+def reached(names, namespace: dict) -> set[str]:
+    """``names`` and the notebook names the functions and classes among them read, in turn."""
+    found, pending = set(), list(names)
+    while pending:
+        name = pending.pop()
+        if name not in found and name in namespace:
+            found.add(name)
+            pending += reads_of(namespace[name])
+    return found
+
+
+def pickled_for_cell(cell_reads, reads, namespace: dict, *, wanted, refuse, unsendable: dict):
+    """A pool cell's worklist: what it reaches (``cell_reads`` and what the notebook functions among them
+    read) is pickled or the cell refused (``refuse(name, value, error)`` raises); what the pool's earlier
+    cells read (``reads``) is pickled where it can be, and let go where not, but for a value already let go
+    (``unsendable``: name -> its token). Returns (name -> pickled value, name -> (token, why) let go now)."""
+    near = reached(cell_reads, namespace)
+    blobs = pickled_for_ranks(near, namespace, wanted=wanted, unpicklable=refuse)
+    let_go: dict[str, tuple] = {}
+
+    def note(name, value, e):
+        let_go[name] = (_token(value), f"{type(e).__name__}: {e}")
+
+    blobs.update(pickled_for_ranks(set(reads) - near - set(blobs), namespace, unpicklable=note, wanted=lambda name, value:
+                                   name not in blobs and wanted(name, value) and not _same(unsendable.get(name), value)))
+    return blobs, let_go
+
+
 def ship_globals(source: str, filename: str, user_ns: dict) -> dict[str, bytes]:
     """The globals a spawned rank needs, each pickled by value (a module by name), with the names a
     notebook function or class among them reads; an unpicklable one is named."""
@@ -74,6 +103,7 @@ class Changes:
     updates: dict = field(default_factory=dict)
     dropped: tuple = ()
     notes: list = field(default_factory=list)
+    let_go: dict = field(default_factory=dict)  # name -> the token of the value that could not be sent
 
 
 class Synced:
@@ -103,44 +133,38 @@ class Synced:
 
     def changes(self, cell_reads, reads, namespace: dict, rank_assigned: set) -> Changes:
         """What must go with a cell that reads ``cell_reads``, the pool's cells having read ``reads`` (a
-        function an earlier cell defined reads its globals when a later cell calls it)."""
-        def changed(name, value):
-            return not _same(self.known.get(name), value)
-
+        function an earlier cell defined reads its globals when a later cell calls it). Nothing is marked
+        sent until ``commit``: the cell may yet be refused."""
         def refuse(name, value, e):
             raise UsageError(f"`{name}` changed in the notebook since %ddp start and this cell reads it, so it "
                              f"must be sent to every rank, but it cannot be pickled: {type(e).__name__}: {e}\n"
                              "Nothing ran. Create it inside a %%ddp cell, or %ddp restart (the ranks then share "
                              "it).") from None
 
-        dropped, notes = [], []
-
-        def let_go(name, value, e):
-            if not _same(self.unsendable.get(name), value):  # (said once per value)
-                self.unsendable[name] = _token(value)
-                dropped.append(name)
-                notes.append(f"`{name}` was rebound in the notebook to {values.describe(value)}, which cannot be "
-                            f"sent to the ranks ({type(e).__name__}: {e}); the ranks' old `{name}` is dropped, and "
-                            f"a cell that reads `{name}` will be refused until it can be sent")
-
-        updates = pickled_for_ranks(cell_reads, namespace, wanted=changed, unpicklable=refuse)
-        updates.update(pickled_for_ranks(set(reads) - set(updates), namespace,
-                                         wanted=lambda name, value: name not in updates and changed(name, value),
-                                         unpicklable=let_go))
-        for name in updates:
-            self.known[name] = _token(namespace[name])
-            self.unsendable.pop(name, None)
+        updates, let_go = pickled_for_cell(cell_reads, reads, namespace, refuse=refuse, unsendable=self.unsendable,
+                                           wanted=lambda name, value: not _same(self.known.get(name), value))
+        notes = [f"`{name}` was rebound in the notebook to {values.describe(namespace[name])}, which cannot be sent "
+                 f"to the ranks ({why}); the ranks' old `{name}` is dropped, and a cell that reads `{name}` (or calls "
+                 "a notebook function that does) will be refused until it can be sent"
+                 for name, (_, why) in let_go.items()]
         sizes = sent_text(updates, namespace)
         if sizes:
             total = sum(len(b) for b in updates.values())
             notes.insert(0, f"sent {', '.join(sizes)} to every rank (new or rebound in the notebook since the pool "
-                        "started)" + ("; %ddp restart shares big data copy-on-write instead" if total >= BIG_UPDATE
-                                      else ""))
+                         "started)" + ("; %ddp restart shares big data copy-on-write instead" if total >= BIG_UPDATE
+                                       else ""))
         both = [name for name in updates if name in rank_assigned]
         if both:
             notes.append(f"{', '.join(both)} changed both in the notebook and on the ranks: the ranks now use "
-                        "the notebook's value")
-        return Changes(updates, tuple(dropped), notes)
+                         "the notebook's value")
+        return Changes(updates, tuple(let_go), notes, {name: token for name, (token, _) in let_go.items()})
+
+    def commit(self, changes: Changes, namespace: dict) -> None:
+        """The cell that carries ``changes`` goes to the ranks: what it sends and drops is theirs now."""
+        for name in changes.updates:
+            self.known[name] = _token(namespace[name])
+            self.unsendable.pop(name, None)
+        self.unsendable.update(changes.let_go)
 
 
 def _token(value):

@@ -280,6 +280,7 @@ class CellLine:
         self.progress: dict[int, float] = {}  # rank -> its last tqdm fraction (live line only)
         self.wrote = False
         self.display_id: str | None = None  # the live line's output, from the first tick on
+        self.finished = False  # the final line is drawn: ticks after it (a pool's health check) draw nothing
 
     def begin(self, plan, run_dir) -> None:
         self.plan, self.t0 = plan, time.monotonic()
@@ -304,7 +305,7 @@ class CellLine:
 
     def on_Tick(self, event) -> None:
         """The pool's tick while the cell runs (a cell past its first second): the live line, in place."""
-        if self.plan is None or not self.live:
+        if self.plan is None or not self.live or self.finished:
             return
         self._draw(self.head() + " · running" + self._progress())
 
@@ -324,6 +325,7 @@ class CellLine:
     def finish(self, error: BaseException | None) -> None:
         if self.plan is None:
             return
+        self.finished = True
         if isinstance(error, KeyboardInterrupt):
             outcome = "interrupted"
         elif self.failed:
