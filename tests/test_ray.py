@@ -394,12 +394,12 @@ def test_collective_traffic_goes_on_the_nodes_interface_or_the_one_the_user_name
 
 
 def test_no_interface_for_the_nodes_ray_address_is_refused_naming_nbddp_ifname(rk):
-    rk.ok("from nbddp.cluster import placement\n_ifname_for = placement.ifname_for\n"
-          "placement.ifname_for = lambda ip: None")  # as where Ray's address is a NAT'd or a DNS name's
+    rk.ok("from nbddp.cluster import netif\n_ifname_for = netif.ifname_for\n"
+          "netif.ifname_for = lambda ip: None")  # as where Ray's address is a NAT'd or a DNS name's
     try:
         res = rk.run("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
     finally:
-        rk.ok("placement.ifname_for = _ifname_for")
+        rk.ok("netif.ifname_for = _ifname_for")
     text = res.error_text
     assert re.search(r"the kernel's node \(node 0\): its Ray address \S+ is on none of its network interfaces", text), text
     assert "NBDDP_IFNAME" in text and "Nothing ran" in text, text

@@ -24,7 +24,7 @@ from ..kernel.gang import STOP_S, Gang
 from ..kernel.supervisor import GRACE_S
 from ..rank.worker import RankSpec
 from ..wire import framing, messages
-from . import placement, remote
+from . import netif, placement, remote
 
 START_S = 120.0  # every agent must have forked its ranks by then
 KEEP_S = 2.0  # how long the close waits for a kept agent's stream to end (its ranks have exited)
@@ -75,7 +75,7 @@ class ClusterGang(Gang):
         self.ray = ray = placement.connect(config.cluster)
         self.pg, nodes = placement.reserve(ray, config.nodes, D, self.plan.accelerator)
         user_if = os.environ.get("NBDDP_IFNAME")
-        ifname = user_if or placement.ifname_for(nodes[0].ip)
+        ifname = user_if or netif.ifname_for(nodes[0].ip)
         if not ifname and config.nodes > 1:  # gloo would advertise whatever the host name resolves to
             raise UsageError(placement.no_interface(nodes[0].ip, "the kernel's node (node 0)"))
         ifname = ifname or rendezvous.loopback_ifname()
@@ -225,19 +225,19 @@ class ClusterGang(Gang):
         """The agents stop their ranks; bounded: a hung agent is killed after."""
         if self.sup is None or self.streams is None:
             return
-        theirs = [p for p in self.sup.procs if not p.here]
-        if any(p.exit is None for p in theirs):
+        remote_procs = [p for p in self.sup.procs if not p.here]
+        if any(p.exit is None for p in remote_procs):
             end = time.monotonic() + GRACE_S + STOP_S
             self.sup.stop_all()
             try:
-                self.sup.wait(None, until=lambda: all(p.exit is not None for p in theirs) or time.monotonic() >= end,
+                self.sup.wait(None, until=lambda: all(p.exit is not None for p in remote_procs) or time.monotonic() >= end,
                               wake_at=end)
             except KeyboardInterrupt:
                 pass
-        self.reported = {p.rank for p in theirs if p.exit is not None and p.exit.code is not None}  # (a lost one's: None)
+        self.reported = {p.rank for p in remote_procs if p.exit is not None and p.exit.code is not None}  # (a lost one's: None)
         for link in self.links:
             link.lost = link.lost or "closed"
-        for p in theirs:
+        for p in remote_procs:
             if p.exit is None:
                 self.sup.ended(p, remote.lost_exit(p.rank, f"node {p.node} did not report its end"))
 

@@ -1,6 +1,6 @@
 """Which network interface carries a node's Ray address: where its ranks' gloo/NCCL traffic goes.
 
-Asked on both sides: by the kernel for its own node (node 0, through ``placement.ifname_for``) and by each
+Asked on both sides: by the kernel for its own node (node 0, from the cluster gang) and by each
 agent for the node it runs on (``Agent.where``). A module of its own so that the agent, which placement
 starts, needs nothing of placement's.
 """

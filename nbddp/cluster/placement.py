@@ -15,7 +15,6 @@ import socket
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from .netif import ifname_for  # noqa: F401 - the kernel's node's, read here by the cluster gang
 
 READY_S = 60.0  # the placement group must be placed by then
 PREFER_S = 1.0  # ... on the nodes where agents are kept, if it can be there by then (else anywhere)

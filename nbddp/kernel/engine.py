@@ -325,7 +325,7 @@ class CellRun:
         if cause:
             recover = gang.persistent and (self.interrupted_at or len(self.replies) < len(exits))
             err = failure.rank_failed(exits, self.relabel, log_dir)
-            hint = failure.old_group_hint(cause, gang.regrouped) if gang.persistent else ""
+            hint = failure.old_group_hint(cause, gang.old_group) if gang.persistent else ""
             if hint:  # (said before this cell's own regroup, if any, changes what the pool holds)
                 err = RankFailure(f"{err}\n{hint}", rank=err.rank, cause=err.cause, stacks=err.stacks)
             raise self._with_fate(err, self.recovery.recover() if recover else True if gang.persistent else None)

@@ -309,7 +309,7 @@ def pool_fate(survived: bool, regrouped=(), old_group_users=()) -> str:
     if survived and regrouped:
         bound = (": " + "; ".join(sorted(old_group_users))) if old_group_users else f" (none found on the ranks; {REWRAP})"
         return ("The pool and its state survived, and its process group was made anew: rank(s) "
-                f"{', '.join(map(str, regrouped))} waited in a collective that could only be ended by "
+                f"{ranks_text(regrouped, word=False)} waited in a collective that could only be ended by "
                 f"leaving the old group. Make again what was bound to the old group before the next step{bound}. "
                 "Tensors, optimizers and everything else are as they were.")
     if survived:
@@ -322,7 +322,7 @@ def interrupt_fate(survived: bool, regrouped=()) -> str:
     """What became of a pool after Jupyter's interrupt, for ``interrupted``."""
     if survived and regrouped:
         return ("the pool and its state survived; its process group was made anew to free rank(s) "
-                f"{', '.join(map(str, regrouped))} from a collective: wrap DDP models again "
+                f"{ranks_text(regrouped, word=False)} from a collective: wrap DDP models again "
                 "(model = DDP(model.module))")
     if survived:
         return "every rank stopped its cell; the pool and its state survived"
@@ -330,14 +330,13 @@ def interrupt_fate(survived: bool, regrouped=()) -> str:
             "%ddp start to begin again")
 
 
-def old_group_hint(cause: RankExit | None, regrouped) -> str:
-    """A pool whose process group was made anew (``regrouped``: its generation and what the ranks had
-    bound to the old group, or None): a later cell failing because a peer "went away" most often still
-    uses an object of the old group. Said again at each such failure, not only the first."""
-    if cause is None or not cause.peer_lost or not regrouped:
+def old_group_hint(cause: RankExit | None, old_group) -> str:
+    """A pool whose process group was made anew (``old_group``: what the ranks had bound to the old group,
+    or None if it never was): a later cell failing because a peer "went away" most often still uses an
+    object of the old group. Said again at each such failure, not only the first."""
+    if cause is None or not cause.peer_lost or old_group is None:
         return ""
-    _, users = regrouped
-    what = "; ".join(users) if users else REWRAP
+    what = "; ".join(old_group) if old_group else REWRAP
     return ("This pool's process group was made anew after an earlier cell was stopped in a collective; an "
             f"object made before that still uses the old group and fails this way. Make it again: {what}.")
 

@@ -32,7 +32,7 @@ class Gang:
         self.ready: set[int] = set()
         self.started = False
         self.generation = 0  # of its process group: a pool's is made anew when a rank is stuck in a collective
-        self.regrouped: tuple | None = None  # once made anew: (generation, what the ranks had bound to the old group)
+        self.old_group: tuple | None = None  # once its group was made anew: what the ranks had bound to the old one
         self.why: str | None = None  # how it ended, once closed ("stopped", "rank 1 exited: ...")
         self._cmd: dict[int, int] = {}
         self._starter = None

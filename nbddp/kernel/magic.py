@@ -60,14 +60,15 @@ def readable(doc: str, usage: str, example: str) -> str:
     return f"{usage}\n\n{textwrap.indent(example, '    ')}\n\n{body}\n"
 
 
-_exporter: list = []  # what %ddp_export writes the script with (register_exporter)
+_write_script = None  # what %ddp_export writes the script with (register_exporter)
 
 
 def register_exporter(export_cells) -> None:
     """``export_cells(cells, source=, script=, failed=)`` writes ``%ddp_export``'s torchrun script
     (export/script.py). export/ reads the options table, so it sits above the kernel: the package that
     loads the magics registers it (nbddp's ``__init__``), and the magic names no export module."""
-    _exporter[:] = [export_cells]
+    global _write_script
+    _write_script = export_cells
 
 
 EMPTY_CELL = ("%%ddp: the cell is empty: nothing below the %%ddp line for the ranks to run; nothing ran.\n"
@@ -325,13 +326,15 @@ class DDPMagics(Magics):
     def ddp_export(self, line):
         """%ddp_export train.py: write this session's %%ddp cells (and the cells they need) for torchrun."""
         path = line.strip() or "train.py"
+        if _write_script is None:
+            raise UsageError("%ddp_export: load the magics with %load_ext nbddp (it hands them the script writer).")
         # cells as typed ("%%ddp ...", not run_cell_magic(...)); front ends that run cells without
         # storing history (nbval, some IDEs) still reach pre_run_cell, which nbddp records from %load_ext on
         # (cells that failed, by execution count in the history, else by place in ours, are left out)
         history = self.shell.history_manager.input_hist_raw[1:]
         failed = {n - 1: why for _, n, why in self.failed if n} if history else {i: why for i, _, why in self.failed}
         with open(path, "w") as f:
-            f.write(_exporter[0](history or self.cells, source="this notebook session", script=path, failed=failed))
+            f.write(_write_script(history or self.cells, source="this notebook session", script=path, failed=failed))
         print(f"wrote {path}: its first lines give the torchrun command")
 
 
@@ -390,13 +393,16 @@ def _unbound(name: str, rank: int, flag: str, source: str, user_ns: dict) -> str
     if name in bound:
         return (f"the cell assigns it, but not on rank {rank} (a branch that rank did not take, or an exception "
                 f"it caught first). Assign `{name}` {where}, or leave it out of {flag}.")
+    assigns = f" (it assigns {', '.join(bound[:8])}{', ...' if len(bound) > 8 else ''})" if bound else ""
+    if name in user_ns:  # a notebook name the ranks lack (a pool started before it, a spawned rank)
+        return (f"the cell never assigns it{assigns}; the notebook has `{name}`, but {flag} brings back what the "
+                f"cell assigns on the ranks. Assign `{name}` in the cell {where}, or leave it out of {flag}.")
     known = [n for n in user_ns if not n.startswith("_")]
     close = difflib.get_close_matches(name, bound, n=3) or difflib.get_close_matches(name, known, n=3)
-    said = (f"the cell never assigns it" + (f" (it assigns {', '.join(bound[:8])}{', ...' if len(bound) > 8 else ''})"
-                                            if bound else "") + ", and the notebook has no such name.")
     fix = (f" Did you mean {' or '.join(f'`{c}`' for c in close)}? Put the name the cell assigns after {flag}"
            if close else f" Put a name the cell assigns after {flag}")
-    return f"{said}{fix}, or assign `{name}` in the cell {where}."
+    return (f"the cell never assigns it{assigns}, and the notebook has no such name.{fix}, or assign `{name}` "
+            f"in the cell {where}.")
 
 
 _usage, _, _rest = DDPMagics.ddp_pool.__doc__.partition("\n")

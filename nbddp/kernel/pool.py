@@ -23,7 +23,7 @@ from .sending import Synced
 
 START_S = 600.0  # the ranks of a new pool must all be in the process group by then
 NO_POOL = "no pool is running (%ddp start [options] starts one)"
-_cluster_gang: list = []  # what makes a --cluster pool's gang (register_cluster_gang)
+_make_cluster_gang = None  # what makes a --cluster pool's gang (register_cluster_gang)
 
 
 def register_cluster_gang(make) -> None:
@@ -31,7 +31,8 @@ def register_cluster_gang(make) -> None:
     ``ClusterGang``). cluster/ sits above the kernel, so the package that hands out the pool registers it
     (nbddp's ``__init__``, for ``nbddp.Pool`` and ``%load_ext``): the pool names no cluster module, and the
     cluster's modules and Ray are imported only when such a pool starts."""
-    _cluster_gang[:] = [make]
+    global _make_cluster_gang
+    _make_cluster_gang = make
 
 
 class Pool:
@@ -61,7 +62,10 @@ class Pool:
         plan = checks.preflight(self.config, pool=True)
         with checks.one_at_a_time():
             if self.config.cluster:  # ranks on several nodes (imports Ray only then)
-                gang = self.gang = _cluster_gang[0](self.config, plan, view_for=view_for_pool, namespace=self.namespace)
+                if _make_cluster_gang is None:
+                    raise UsageError("--cluster: nbddp's cluster pools are handed out by `import nbddp` (nbddp.Pool, or "
+                                     "%load_ext nbddp); this pool was made from nbddp.kernel.pool directly.")
+                gang = self.gang = _make_cluster_gang(self.config, plan, view_for=view_for_pool, namespace=self.namespace)
             else:
                 gang = self.gang = Gang(self.config, plan, persistent=True, view_for=view_for_pool)
             self.view = gang.view

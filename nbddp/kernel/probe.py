@@ -72,8 +72,8 @@ class CollectiveProbe:
                 self.shown_still.add(rank)
                 where = tracebacks.where(frames, self.relabel) or "nbddp's own frames (not in the cell's code)"
                 after = time.monotonic() - self.asked_after
-                self.say(f"nbddp: rank {rank} is still at {where}, {after:.0f} s after "
-                         f"{failure.ranks_text(finished)} finished, and its Python stack has not moved; "
-                         "Interrupt to stop it.\n")
+                others = f"{failure.ranks_text(finished)} finished" if finished else "the cell began"
+                self.say(f"nbddp: rank {rank} is still at {where}, {after:.0f} s after {others}, and its Python "
+                         "stack has not moved; Interrupt to stop it.\n")
             self.frames[rank] = tuple(frames)
 

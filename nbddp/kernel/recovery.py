@@ -43,7 +43,7 @@ class Recovery:
             if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
                                  "torn down by an interrupt while its process group was made anew"):
                 self.regrouped = stuck
-                gang.regrouped = (gang.generation, tuple(sorted(self.old_group_users)))
+                gang.old_group = tuple(sorted(self.old_group_users))
                 return True
             gang.close("torn down: its process group could not be made anew")
             return False

@@ -143,10 +143,10 @@ class Supervisor:
     """The ranks' one select loop. Its listeners: ``lifelong`` (given once: the gang's log, its view), and a
     cell's own, given at ``begin_cell`` for that cell only (the relay, the cell's dashboard, the engine)."""
 
-    def __init__(self, lifelong=(), tick: float | None = None):
+    def __init__(self, lifelong=()):
         self._lifelong = list(lifelong)
         self.bus = Bus(self._lifelong)
-        self.tick = tick  # seconds between Tick events (a dashboard's redraw), or None
+        self.tick: float | None = None  # seconds between Tick events (a dashboard's redraw): a cell's
         self.procs: list[RankProc] = []
         self.sel = selectors.DefaultSelector()
         self.kill_at: float | None = None
@@ -172,9 +172,6 @@ class Supervisor:
     def end_cell(self) -> None:
         """Only the lifelong listeners again (a pool's stop: no cell is there to show its ranks' last words)."""
         self.bus = Bus(self._lifelong)
-
-    def publish(self, event) -> None:
-        self.bus.publish(event)
 
     def add(self, proc: RankProc) -> None:
         self.procs.append(proc)

@@ -31,6 +31,10 @@ class Unsendable(TypeError):
     """A value that cannot leave the rank as it is; the message says what to send instead."""
 
 
+class DTensorFound(Unsendable):
+    """A DTensor met while pickling: ``pack`` says where it is in the value and what to send."""
+
+
 class _CPUPickler(cloudpickle.CloudPickler):
     """Pickles accelerator tensors as their CPU copies, so the kernel never touches a GPU."""
 
@@ -45,7 +49,7 @@ class _CPUPickler(cloudpickle.CloudPickler):
         torch = _torch()
         if torch is not None:
             if _is_dtensor(obj):
-                raise Unsendable(DTENSOR)
+                raise DTensorFound("a DTensor")
             if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
                 return _identity, (obj.detach().cpu(),)
             if isinstance(obj, torch.nn.Module):
@@ -55,9 +59,6 @@ class _CPUPickler(cloudpickle.CloudPickler):
         if isinstance(obj, (types.GeneratorType, types.AsyncGeneratorType, types.CoroutineType)):
             raise Unsendable(f"a {type(obj).__name__} cannot be pickled: send list(...) of what it yields")
         return super().reducer_override(obj)
-
-
-DTENSOR = "a DTensor"  # an Unsendable's message for one: pack() says where it is and what to send
 
 
 def _is_dtensor(obj) -> bool:
@@ -95,7 +96,8 @@ def _dtensor_problem(obj) -> str:
     """A DTensor refused: where it is in the value, why, and the one line that sends full tensors."""
     torch = _torch()
     at = _dtensor_at(obj)
-    where = "is a DTensor" if not at else f"holds a DTensor at {at}"
+    where = ("is a DTensor" if at == "" else "holds a DTensor (deep inside)" if at is None
+             else f"holds a DTensor at {at}")
     if torch is not None and isinstance(obj, torch.nn.Module):
         fix = ("send its full state dict instead: torch.distributed.checkpoint.state_dict.get_model_state_dict("
                "model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)), run on every rank")
@@ -193,9 +195,9 @@ def pack(obj, *, max_bytes: int, notebook: dict | None = None) -> Item:
     """One value as an Item: pickled, or the reason it cannot travel (never raises)."""
     try:
         blob = dumps(obj, notebook)
+    except DTensorFound:
+        return Item(problem=_dtensor_problem(obj))
     except Unsendable as e:
-        if str(e) == DTENSOR:
-            return Item(problem=_dtensor_problem(obj))
         return Item(problem=f"{describe(obj)}: {e}")
     except Exception as e:  # noqa: BLE001
         return Item(problem=f"{describe(obj)} cannot be pickled: {type(e).__name__}: {e}")
