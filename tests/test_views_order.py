@@ -258,3 +258,98 @@ def test_the_many_cpu_ranks_note_wraps_between_words():
     lines = note[0].splitlines()
     assert len(lines) > 1 and max(map(len, lines)) <= checks.NOTE_WIDTH, lines
     assert lines[0].startswith("nbddp: 64 CPU ranks on ") and " ".join(lines).endswith("still stop every rank.")
+
+
+# -- the bars' cost: what is published, what is kept ------------------------------------------------------
+def test_64_ranks_ending_a_bar_publish_a_few_outputs_not_one_a_rank():
+    """Each publish carries every row: one a rank's final state was O(ranks²) bytes an epoch at 64 ranks."""
+    from nbddp.kernel.supervisor import Output
+
+    sink = BarSink()
+    relay = relay_of(range(64), sink)
+    for r in range(64):
+        relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("epoch 0", 0, 20)).encode()))
+    for r in range(64):
+        relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("epoch 0", 20, 20) + "\n").encode()))
+        relay.release_due()
+    assert list(sink.states) == ["bars0"] and len(sink.states["bars0"]) <= 3, len(sink.states["bars0"])
+    last = sink.states["bars0"][-1]["text/plain"].splitlines()
+    assert len(last) == 64 and all("20/20" in ln for ln in last), "the last state shown at once"
+    # and at an interrupt: every bar still drawing kept, one publish for the group
+    sink = BarSink()
+    relay = relay_of(range(64), sink)
+    for r in range(64):
+        relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("epoch 0", 3, 20)).encode()))
+    relay.close_all()
+    assert len(sink.states["bars0"]) == 2, len(sink.states["bars0"])
+    assert "#ef6c00" in sink.states["bars0"][-1]["text/html"] and "#1565c0" not in sink.states["bars0"][-1]["text/html"]
+
+
+def test_a_rows_final_state_waits_for_the_next_redraw_and_the_close_shows_it():
+    from nbddp.kernel.supervisor import Output
+    from nbddp.views.relay import BAR_EVERY_S
+
+    sink = BarSink()
+    relay = relay_of(range(2), sink)
+    for r in (0, 1):
+        relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("e", 1, 20)).encode()))
+    relay.on_Output(Output(0, "stderr", ("\r" + tqdm_text("e", 20, 20) + "\n").encode()))
+    assert len(sink.states["bars0"]) == 1, "rank 1's bar still draws: rank 0's end waits for the redraw"
+    due = relay.release_due()
+    assert due is not None and due - time.monotonic() <= BAR_EVERY_S
+    time.sleep(max(0.0, due - time.monotonic()))
+    relay.release_due()
+    assert len(sink.states["bars0"]) == 2 and "20/20" in sink.states["bars0"][-1]["text/plain"].splitlines()[0]
+    assert relay.release_due() is None
+    relay.on_Output(Output(1, "stderr", ("\r" + tqdm_text("e", 7, 20)).encode()))
+    relay.close_all()
+    assert "7/20" in sink.states["bars0"][-1]["text/plain"].splitlines()[1]
+
+
+def test_thousands_of_short_bars_keep_few_groups_and_a_cheap_due():
+    """tqdm(leave=False) a step: a group a step; finished groups go, and due() looks only at dirty ones."""
+    from nbddp.kernel.supervisor import Output
+    from nbddp.views.relay import BAR_KEEP
+
+    for ranks, drawing in ((range(4), range(4)), (range(2), [0])):  # every rank's bars; rank 0's only
+        sink = BarSink()
+        relay = relay_of(ranks, sink)
+        for step in range(3000):
+            for r in drawing:
+                relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("step", 20, 20) + "\n").encode()))
+            relay.release_due()
+        bars = relay.bars
+        assert len(bars.groups) <= BAR_KEEP + 1 and len(bars.settled) <= BAR_KEEP and not bars.dirty, len(bars.groups)
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            bars.due()
+        assert time.perf_counter() - t0 < 0.05
+        relay.close_all()
+
+
+def test_a_bar_cleared_before_it_was_shown_publishes_nothing():
+    """A quick tqdm(leave=False) bar: no empty output for it in the saved notebook."""
+    from nbddp.kernel.supervisor import Output
+    from nbddp.views.relay import BAR_GATHER_S
+
+    sink = BarSink()
+    relay = relay_of(range(2), sink)
+    for r in (0, 1):
+        relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("step", 3, 20)).encode()))
+        relay.on_Output(Output(r, "stderr", ("\r" + " " * 40 + "\r").encode()))  # cleared (rank 0: before shown)
+    time.sleep(BAR_GATHER_S + 0.05)
+    relay.release_due()
+    relay.on_Output(Output(0, "stderr", ("\r" + tqdm_text("step", 3, 20)).encode()))
+    relay.on_Output(Output(0, "stderr", ("\r" + " " * 40 + "\r").encode()))  # gathering (rank 1's not in)
+    time.sleep(BAR_GATHER_S + 0.05)
+    relay.release_due()
+    relay.close_all()
+    firsts = [states[0] for states in sink.states.values()]
+    assert all(s is not None and s.get("text/plain") for s in firsts), sink.states
+    # a bar shown, then cleared: its output is blanked in place (an update, not a new output)
+    sink = BarSink()
+    relay = relay_of([0], sink)
+    relay.on_Output(Output(0, "stderr", ("\r" + tqdm_text("step", 3, 20)).encode()))
+    relay.on_Output(Output(0, "stderr", ("\r" + " " * 40 + "\r").encode()))
+    relay.close_all()
+    assert [s["text/plain"][:14] for s in sink.states["bars0"]] == ["[rank0]:step: ", ""], sink.states

@@ -32,8 +32,9 @@ MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
 MERGE_S = 0.3  # how long a rank's line waits for the same line from the other ranks
 TQDM = re.compile(r"(\d{1,3})%\|[^|]*\|\s*[\d.]+[kMGTPEZY]?/[\d.]+[kMGTPEZY]?(?:\s|$)")  # 45%|####  | 45/100
 BAR = re.compile(r"(?P<desc>.*?)(?P<pct>\d{1,3})%\|[^|]*\|(?P<rest>.*)")
-BAR_EVERY_S = 0.2  # a bar is redrawn in the cell at most this often (its final state always)
+BAR_EVERY_S = 0.2  # a bar is redrawn in the cell at most this often (its group's last state at once)
 BAR_GATHER_S = 0.5  # a new group of bars waits this long at most for every rank's bar, to show them in rank order
+BAR_KEEP = 64  # groups of bars kept, complete and shown, that a rank drawing no bar yet might still add to
 
 
 def progress(line: str) -> float | None:
@@ -189,7 +190,7 @@ class Relay:
         merging = prefix and ranks_output == "all" and len(ranks) > 1  # among the ranks running the cell
         self.merger = Merger(ranks, self._write) if merging else None
         live = getattr(sink, "live", None)
-        shown = ranks if ranks_output == "all" else [r for r in ranks if r == 0] if ranks_output == "0" else []
+        shown = [r for r in ranks if self._shown(r)]
         self.bars = Bars(sink, prefix, self._holding, self._before_bar, shown) if live is not None and live() else None
 
     def on_Output(self, event) -> None:
@@ -292,6 +293,7 @@ class Relay:
             self._emit(rank, stream, tail)
 
     def _shown(self, rank: int) -> bool:
+        """Whether the cell shows ``rank``'s output (--ranks-output), one running the cell or not."""
         return self.ranks_output == "all" or (self.ranks_output == "0" and rank == 0)
 
     def _emit(self, rank: int, stream: str, block: bytes) -> None:
@@ -383,11 +385,21 @@ class BarGroup:
 class Bars:
     """Each rank's tqdm bars as progress bars in the cell, in rank order: a rank's n-th bar is a row of the
     n-th group, one output redrawn by display id at most every BAR_EVERY_S (the engine wakes for a redraw
-    that waited), a final state at once. A group is first shown once every rank shown has its row there, or
-    BAR_GATHER_S after the first (a rank drawing no bar is not waited for longer), and not while lines a
-    rank of it wrote before its bar wait to be merged (``holding``, at most MERGE_S), so it goes below them.
+    that waited). A group is first shown once every rank shown has its row there, or BAR_GATHER_S after the
+    first (a rank drawing no bar is not waited for longer), and not while lines a rank of it wrote before its
+    bar wait to be merged (``holding``, at most MERGE_S), so it goes below them; a bar's final state shows it
+    at once if it was not shown yet. A row's final state is redrawn at once only when it completes the group
+    (every rank's row there and final or cleared), else with the group's next redraw: 64 ranks ending a bar
+    publish a few outputs, not 64 of every row. An output is never published empty (a bar cleared before it
+    was shown leaves nothing in the notebook).
 
-    ``ranks``: the ranks whose bars are shown; ``before()``: what a final state shown at once first releases
+    Only groups with a redraw waiting (``dirty``) are looked at each turn of the engine's loop, and a group
+    is forgotten once complete and shown and no rank can add a row to it (each rank still writing has started
+    a later bar); of those a rank drawing no bar might still add to, the latest ``BAR_KEEP`` are kept (a
+    ``tqdm(leave=False)`` a step makes thousands of groups in a cell): a rank that many bars behind shows its
+    later bars in outputs of their own.
+
+    ``ranks``: the ranks whose bars are shown; ``before()``: what a group shown at once first releases
     (the merger's held lines)."""
 
     def __init__(self, sink, prefix: bool, holding, before, ranks=(0,)):
@@ -395,14 +407,17 @@ class Bars:
         self.expected = set(ranks)  # ranks still writing whose bars a group waits for
         self.open: dict[tuple[int, str], BarGroup] = {}  # (rank, stream) -> the group of its bar drawing now
         self.started: dict[int, int] = {}  # rank -> how many bars it started
-        self.groups: dict[int, BarGroup] = {}  # by number
+        self.groups: dict[int, BarGroup] = {}  # by number: the groups a rank may still draw in or add to
+        self.dirty: set[int] = set()  # groups changed since last shown
+        self.settled: set[int] = set()  # groups complete and shown (kept while a rank may add a row)
 
     def draw(self, rank: int, stream: str, text: str) -> None:
         """A bar's latest redraw."""
         key, now = (rank, stream), time.monotonic()
         group = self.open.get(key) or self._start(rank, text, now)
         self.open[key] = group
-        group.rows[rank].text, group.changed = text, True
+        group.rows[rank].text = text
+        self._changed(group)
         self._redraw(group, now)
 
     def done(self, rank: int, stream: str, text: str) -> None:
@@ -410,14 +425,17 @@ class Bars:
         now = time.monotonic()
         group = self.open.pop((rank, stream), None) or self._start(rank, text, now)
         row = group.rows[rank]
-        row.text, row.final, group.changed = text, True, True
-        self._show(group, now)
+        row.text, row.final = text, True
+        self._changed(group)
+        if group.display_id is None or self._complete(group):  # its place in the cell, or its last state
+            self._show(group, now)
 
     def cleared(self, rank: int, stream: str) -> None:
         """tqdm(leave=False) cleared the bar: its row goes."""
         group = self.open.pop((rank, stream))
-        group.rows[rank].cleared = group.changed = True
-        if group.display_id is not None:
+        group.rows[rank].cleared = True
+        self._changed(group)
+        if group.display_id is not None and self._complete(group):
             self._show(group, time.monotonic())
 
     def kept(self, rank: int, stream: str, text: str) -> None:
@@ -431,23 +449,40 @@ class Bars:
 
     def due(self) -> float | None:
         """Redraws that waited are made; when the next is due."""
+        if not self.dirty:
+            return None
         now = time.monotonic()
-        due = [t for group in self.groups.values() if group.changed and (t := self._redraw(group, now))]
+        due = [t for number in list(self.dirty) if (t := self._redraw(self.groups[number], now))]
         return min(due) if due else None
 
     def close(self) -> None:
-        """The cell ended, however it ended: each bar still drawing is kept at the last state its rank drew."""
-        for (rank, stream), group in list(self.open.items()):
-            self.done(rank, stream, group.rows[rank].text)
+        """The cell ended, however it ended: each bar still drawing is kept at the last state its rank drew,
+        every group redrawn once."""
+        for (rank, _), group in self.open.items():
+            group.rows[rank].final = True
+            self._changed(group)
+        self.open.clear()
+        now = time.monotonic()
+        for number in sorted(self.dirty):
+            self._show(self.groups[number], now)
 
     def _start(self, rank: int, text: str, now: float) -> BarGroup:
         number = self.started.get(rank, 0)
         self.started[rank] = number + 1
         group = self.groups.get(number)
-        if group is None:
+        if group is None:  # (a group forgotten that a rank far behind adds to: a new output)
             group = self.groups[number] = BarGroup(number, opened_at=now)
+        self.settled.discard(number)
         group.rows[rank] = BarRow(text)
         return group
+
+    def _changed(self, group: BarGroup) -> None:
+        group.changed = True
+        self.dirty.add(group.number)
+
+    def _complete(self, group: BarGroup) -> bool:
+        """Every rank's row is there and no bar of it is drawing any more."""
+        return self.expected <= group.rows.keys() and all(row.final or row.cleared for row in group.rows.values())
 
     def _redraw(self, group: BarGroup, now: float) -> float | None:
         """Shown or redrawn now if it may be; else when it may."""
@@ -462,15 +497,34 @@ class Bars:
         return None
 
     def _show(self, group: BarGroup, now: float) -> None:
+        data = self._data(group)
         if group.display_id is None:
-            self.before()  # below what its ranks wrote before it
-        group.display_id = self.sink.bar(group.number, group.display_id, self._data(group))
+            if data is not None:  # (nothing to show yet: every row of it cleared)
+                self.before()  # below what its ranks wrote before it
+                group.display_id = self.sink.bar(group.number, None, data)
+        else:
+            group.display_id = self.sink.bar(group.number, group.display_id, data or {"text/plain": ""})
         group.drawn_at, group.changed = now, False
+        self.dirty.discard(group.number)
+        if all(row.final or row.cleared for row in group.rows.values()):
+            self.settled.add(group.number)
+            self._forget()
 
-    def _data(self, group: BarGroup) -> dict:
+    def _forget(self) -> None:
+        """Groups complete and shown that no rank can add to go, and of the rest all but the latest BAR_KEEP."""
+        floor = min((self.started.get(r, 0) for r in self.expected), default=None)
+        gone = [n for n in self.settled if floor is None or n < floor]
+        if len(self.settled) - len(gone) > BAR_KEEP:
+            gone += sorted(n for n in self.settled if not (floor is None or n < floor))[:-BAR_KEEP]
+        for n in gone:
+            self.settled.discard(n)
+            self.groups.pop(n, None)
+
+    def _data(self, group: BarGroup) -> dict | None:
+        """The group's output (None: every row cleared)."""
         rows = [(rank, row) for rank, row in sorted(group.rows.items()) if not row.cleared]
         if not rows:
-            return {"text/plain": ""}
+            return None
         label = (lambda rank: f"[rank{rank}]:") if self.prefix else (lambda rank: "")
         plain = "\n".join(label(rank) + row.text for rank, row in rows)
         # the stream's own font and left edge (JupyterLab pads a text output 1ch, an HTML one not at all), so a
