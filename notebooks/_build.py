@@ -235,7 +235,7 @@ NOTEBOOKS = {
              "print(f'rank {rank}: holds {held / 2**10:.0f} KiB; DDP would hold {ddp / 2**10:.0f} KiB')\n"
              "full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))\n"
              "dcp.save({'model': model.state_dict()}, checkpoint_id=ckpt)\n"
-             "round(loss.item(), 3)"),
+             "round(loss.item(), 2)  # FSDP's reductions may differ in the last digits from run to run"),
         code("# NBVAL_CHECK_OUTPUT\n"
              "print(memory['ratio'])  # the sharded part: 1/world_size\n"
              "assert abs(memory['ratio'] - 1 / 2) < 0.01, memory\n"
@@ -244,7 +244,7 @@ NOTEBOOKS = {
              "    notebook_loss = torch.nn.functional.mse_loss(ref(X), Y).item()\n"
              "print({k: tuple(v.shape) for k, v in full_state.items()})"),
         md("A fresh sharded model loads the checkpoint (each rank reads only its shards) and scores the same."),
-        code("%%ddp --devices 2\n"
+        code("%%ddp --devices 2 --out loaded_loss\n"
              "import torch.distributed.checkpoint as dcp\n"
              "from torch.distributed.fsdp import fully_shard\n"
              "model = make_model()\n"
@@ -257,8 +257,8 @@ NOTEBOOKS = {
              "model.load_state_dict(state['model'])\n"
              "with torch.no_grad():\n"
              "    loaded_loss = torch.nn.functional.mse_loss(model(X), Y).item()\n"
-             "loaded_loss"),
-        code("assert abs(Out[max(Out)] - notebook_loss) < 1e-5, (Out[max(Out)], notebook_loss)\n"
+             "round(loaded_loss, 4)"),
+        code("assert abs(loaded_loss - notebook_loss) < 1e-5, (loaded_loss, notebook_loss)\n"
              "import shutil; shutil.rmtree(ckpt)\nprint('checkpoint round trip matches the notebook')"),
     ],
     "08-pool.ipynb": [
