@@ -353,3 +353,88 @@ def test_a_bar_cleared_before_it_was_shown_publishes_nothing():
     relay.on_Output(Output(0, "stderr", ("\r" + " " * 40 + "\r").encode()))
     relay.close_all()
     assert [s["text/plain"][:14] for s in sink.states["bars0"]] == ["[rank0]:step: ", ""], sink.states
+
+
+# -- sampling: what a rank's private memory costs, and a figure for every rank -------------------------------
+def fake_proc(monkeypatch, proc: bool) -> list:
+    """procmem as a machine with (or without) smaps_rollup, its ranks' pids made up: the USS walks made."""
+    from nbddp.hw import procmem
+
+    walks = []
+    monkeypatch.setattr(procmem, "PROC", proc)
+    monkeypatch.setattr(procmem, "rss_of", lambda pid: 100 * 2**20)
+    monkeypatch.setattr(procmem, "faults_of", lambda pid: 10**6 + len(walks) * 10**4)  # always moving
+    monkeypatch.setattr(procmem, "uss_of", lambda pid: walks.append(pid) or 60 * 2**20)
+    return walks
+
+
+@pytest.mark.parametrize("proc", [True, False])
+def test_without_smaps_rollup_a_rank_is_walked_at_most_every_uss_every_samples(monkeypatch, proc):
+    """psutil's memory_full_info walks the pages too: it was read for every rank at every sample."""
+    from nbddp.views import monitor
+
+    walks = fake_proc(monkeypatch, proc)
+    m = monitor.Monitor([])
+    for rank in range(8):
+        m.watch(rank, 1000 + rank)
+    n = monitor.USS_EVERY * 4
+    for _ in range(n):
+        m.sample()
+    for rank in range(8):
+        assert 1 <= walks.count(1000 + rank) <= n // monitor.USS_EVERY, (rank, walks.count(1000 + rank))
+    del walks[:]
+    m.sample(force=True)
+    assert sorted(walks) == [1000 + r for r in range(8)]
+
+
+class _Plan:
+    def __init__(self, n):
+        self.world_size, self.device_ids, self.accelerator, self.backend = n, (None,) * n, "cpu", "gloo"
+
+
+class _RunDir:
+    path = "/tmp/nbddp-test-run"
+
+
+def test_a_short_cells_final_table_has_every_ranks_private_memory(monkeypatch):
+    """The samples read the ranks' USS in turn (rank r's first at sample r % USS_EVERY): a cell done after a
+    tick or two had it blank for most ranks. A rank done, or leaving, reads those never read; a quick cell
+    (never sampled) pays no walk."""
+    from types import SimpleNamespace
+
+    from nbddp.kernel.supervisor import Exited, Message, Started
+    from nbddp.views import monitor
+    from nbddp.views.dashboard import RunView
+    from nbddp.wire.messages import Result
+
+    walks = fake_proc(monkeypatch, True)
+    exit_ok = SimpleNamespace(ok=True, code=0, stopped=False, max_rss=0)
+    for sampled in (True, False):
+        del walks[:]
+        view = RunView(live=False)
+        view.begin(_Plan(8), _RunDir())
+        for rank in range(8):
+            view.on_Started(Started(rank, 1000 + rank))
+        if sampled:
+            view.tick()
+            assert sorted(walks) == [1000 + r for r in range(8) if r % monitor.USS_EVERY == 0]
+        view.on_Message(Message(3, Result(value=None)))
+        view.on_Exited(Exited(3, exit_ok))
+        for rank in range(8):
+            if rank != 3:
+                view.on_Message(Message(rank, Result(value=None)))
+                view.on_Exited(Exited(rank, exit_ok))
+        view.finish(None)
+        cols, rows = view.rows()
+        if sampled:
+            assert sorted(walks) == [1000 + r for r in range(8)], "each rank read once"
+            assert all(row.get("private memory") == "60 MB" for row in rows), rows
+        else:
+            assert not walks and "private memory" not in cols
+
+
+def test_a_one_rank_pool_says_rank_not_ranks():
+    from nbddp.views.poolview import PoolView
+
+    assert " · 1 rank · cpu/gloo · " in PoolView(_Plan(1), _RunDir(), shown=False).title()
+    assert " · 2 ranks · cpu/gloo · " in PoolView(_Plan(2), _RunDir(), shown=False).title()

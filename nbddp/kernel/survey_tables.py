@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 
 from ..rank.survey import Survey
+from ..views.output import text_table
 from . import failure
 
 
@@ -112,8 +113,7 @@ def _size(n) -> str:
 def _table(head: tuple, rows: list, caps: tuple) -> str:
     """Columns padded to their widest cell, each cut at its cap (``elide``): a row is at most ``WIDTH``."""
     cells = [[elide(str(c), cap, key=i == 0) for i, (c, cap) in enumerate(zip(row, caps))] for row in (head, *rows)]
-    widths = [max(len(c) for c in col) for col in zip(*cells)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+    return "\n".join(text_table(cells))
 
 
 def elide(text: str, cap: int, key: bool = False) -> str:

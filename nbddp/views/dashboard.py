@@ -22,6 +22,7 @@ import time
 from ..wire.messages import Error, Exit, Ready, Result
 from .iopub import line_bundle, publish_line
 from .monitor import Monitor, duration, mb
+from .output import Slot, text_table
 from .relay import last_bar, latest_redraw, progress, rank_span
 
 STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
@@ -47,7 +48,6 @@ class RunView:
         self.handle = None
         self.error: BaseException | None = None
         self.plan = None  # set by begin(); a run that failed before its ranks existed shows nothing
-        self.ticks = 0
 
     # -- the launcher's calls, then the supervisor's events ---------------------------------------
     def begin(self, plan, run_dir) -> None:
@@ -63,7 +63,8 @@ class RunView:
         self.ended: dict[int, float] = {}
         self.state = {r: "starting" for r in range(plan.world_size)}
         if self.live:  # the slot, at the top of the cell's output before any rank writes
-            self.handle = _Display(self.render_html(), self.render_text())
+            self.handle = Slot()
+            self.handle.show(self._bundle())
 
     def on_Started(self, event) -> None:
         self.monitor.watch(event.rank, event.pid)
@@ -76,8 +77,10 @@ class RunView:
             self.answered.add(rank)
             if rec.copied:  # it copied notebook Python objects as it read them (rank/copywatch.py)
                 self.copied[rank] = (rec.copied[0], ", ".join(name for name, _ in rec.copied[1]))
+            self._read_unread()
         elif isinstance(rec, Error) and rec.type != "KeyboardInterrupt":
             self.raised.setdefault(rank, f"{rec.type}: {rec.message}".strip().rstrip(":"))
+            self._read_unread()
         elif isinstance(rec, Exit) and rec.code not in (0, None):
             self.raised.setdefault(rank, f"exit({rec.code!r})")
 
@@ -122,6 +125,7 @@ class RunView:
         if self.plan is None:
             return
         self.monitor.forget(rank)
+        self._read_unread()
         s = self.monitor.ranks.get(rank)
         if s is not None and exit.max_rss:
             s.peak_rss = max(s.peak_rss, exit.max_rss)  # the kernel's exact figure (wait4)
@@ -134,20 +138,30 @@ class RunView:
                 self.raised[rank] = f"killed by {_signal_name(-exit.code)}"
 
     def tick(self) -> None:
-        self.ticks += 1
-        self.monitor.sample()  # (each rank's private memory every monitor.USS_EVERY ticks, in turn)
+        self.monitor.sample()  # (a rank's private memory when its page faults say it moved: monitor.py)
         if self.handle is not None:
-            self.handle.update(self.render_html(), self.render_text())
+            self.handle.update(self._bundle())
+
+    def _read_unread(self) -> None:
+        """Once the cell has been sampled (past its first tick), a rank done or leaving has each rank's
+        private memory read that no sample reached yet (the samples read the ranks in turn), so the table has
+        a figure for every rank; a quick cell, never sampled, pays nothing."""
+        if self.monitor.samples:
+            self.monitor.read_unread()
 
     def finish(self, error: BaseException | None) -> None:
         if self.plan is None:
             return
         self.error = error
         self.done = True
+        self._read_unread()
         if self.handle is not None:
-            self.handle.update(self.render_html(), self.render_text())
+            self.handle.update(self._bundle())
         else:
             print(self.render_text())
+
+    def _bundle(self) -> dict:
+        return {"text/html": self.render_html(), "text/plain": self.render_text()}
 
     # -- rendering: one table, live and final ---------------------------------------------------------
     done = False
@@ -254,9 +268,7 @@ class RunView:
         cols, rows = self.rows()
         table = [cols] + [[row.get(c, "") if c != "last line" else _cut(row.get(c, "")) for c in cols]
                           for row in rows]
-        widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
-        lines = [self.title()]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+        lines = [self.title(), *text_table(table)]
         lines.append(f"logs: {self.run_dir.path}")
         return "\n".join(lines)
 
@@ -266,9 +278,9 @@ class CellLine:
 
     A cell that ends within a second gets the line once, at the end, queued on ipykernel's IO thread
     (iopub.py): it costs a quick cell only that. A longer cell shows the line from the pool's first tick
-    (its supervisor's 1 Hz ``Tick``), live: running for how long, each rank's tqdm progress, updated in place
-    by display id each tick, and ends as the same final line, in the same place. The pool's own view (the
-    ``%ddp start`` cell) carries the detail."""
+    (its supervisor's 1 Hz ``Tick``), live: running for how long, each rank's tqdm progress, published as
+    display data and updated in place by display id each tick (a ``Slot``), and ends as the same final line,
+    in the same place. The pool's own view (the ``%ddp start`` cell) carries the detail."""
 
     LIVE_RANKS = 4  # ranks named one by one in the live line; beyond, the range of their progress
 
@@ -279,7 +291,7 @@ class CellLine:
         self.failed: dict[int, str] = {}
         self.progress: dict[int, float] = {}  # rank -> its last tqdm fraction (live line only)
         self.wrote = False
-        self.display_id: str | None = None  # the live line's output, from the first tick on
+        self.slot: Slot | None = None  # the live line's output, from the first tick on
         self.finished = False  # the final line is drawn: ticks after it (a pool's health check) draw nothing
 
     def begin(self, plan, run_dir) -> None:
@@ -333,7 +345,7 @@ class CellLine:
         else:
             outcome = "failed" if error is not None else "ok"
         line = f"{self.head()} · {outcome}"
-        if self.display_id is not None:  # the live line ends as the final one, where it is
+        if self.slot is not None:  # the live line ends as the final one, where it is
             self._draw(line)
         elif self.live:
             publish_line(line, flush=self.wrote)
@@ -341,16 +353,13 @@ class CellLine:
             print(line)
 
     def _draw(self, line: str) -> None:
-        from IPython.display import publish_display_data
-
-        update = self.display_id is not None
-        if not update:
-            import uuid
-
-            self.display_id = f"nbddp-line-{uuid.uuid4().hex[:12]}"
+        if self.slot is None:
+            self.slot = Slot("nbddp-line-")
             sys.stdout.flush()  # what the ranks wrote so far goes above it
             sys.stderr.flush()
-        publish_display_data(line_bundle(line), transient={"display_id": self.display_id}, update=update)
+            self.slot.show(line_bundle(line))
+        else:
+            self.slot.update(line_bundle(line))
 
 
 def _cut(text: str, width: int = 80) -> str:
@@ -364,25 +373,3 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-class _Display:
-    """One output slot, updated in place by display id (ipyparallel's pattern). Bundles are built here:
-    IPython's formatter machinery costs milliseconds per call, which every short run would pay."""
-
-    def __init__(self, html_text: str, text: str):
-        import uuid
-
-        self.display_id = uuid.uuid4().hex
-        self._drawn = html_text
-        self._publish(False, {"text/html": html_text, "text/plain": text})
-
-    def update(self, html_text: str, text: str) -> None:
-        if html_text != self._drawn:
-            self._drawn = html_text
-            self._publish(True, {"text/html": html_text, "text/plain": text})
-
-    def _publish(self, update: bool, data: dict) -> None:
-        from IPython.display import publish_display_data
-
-        publish_display_data(data, transient={"display_id": self.display_id}, update=update)

@@ -16,7 +16,8 @@ def view_for_session() -> RunView:
 
 
 def line_for_pool_cell(ranks=None) -> CellLine:
-    """A pool cell's view: one line at the end (the pool's own view has the detail); ``ranks``: --ranks."""
+    """A pool cell's view: its one line, live from the pool's first tick of a cell past a second, then its
+    final line (the pool's own view has the detail); ``ranks``: --ranks."""
     return CellLine(live=_live(running_shell()), ranks=ranks)
 
 

@@ -56,39 +56,59 @@ class Monitor:
     def forget(self, rank: int) -> None:
         self._pids.pop(rank, None)
 
-    def sample(self, uss: bool | None = None) -> None:
+    def sample(self, force: bool = False) -> None:
         """RSS of every rank; USS (it walks the page tables: ~5 ms a rank forked from a kernel with torch) of
-        every rank when ``uss``, of none when False, and by default when it may have moved: a rank's first
-        reading at sample ``rank % USS_EVERY`` (the ranks in turn: no sample walks them all), then at most
-        every ``USS_EVERY`` samples, and only once the rank has touched ``USS_FAULTS`` new pages since (its
-        page faults: a copy-on-write copy or an allocation is one). An idle or steady rank costs no walk."""
+        every rank when ``force``, else when it may have moved: a rank's first reading at sample
+        ``rank % USS_EVERY`` (the ranks in turn: no sample walks them all), then at most every ``USS_EVERY``
+        samples, and (with /proc) only once the rank has touched ``USS_FAULTS`` new pages since (its page
+        faults: a copy-on-write copy or an allocation is one). An idle or steady rank costs no walk."""
         turn = self.samples
         self.samples += 1
         for rank, pid in list(self._pids.items()):
             s = self.ranks[rank]
             try:
                 s.rss = procmem.rss_of(pid)
-                if uss is None and procmem.PROC:
-                    last = self._uss_at.get(rank)
-                    due = turn >= rank % USS_EVERY if last is None else (
-                        turn - last[0] >= USS_EVERY and procmem.faults_of(pid) - last[1] >= USS_FAULTS)
-                else:
-                    due = uss is not False
+                last = self._uss_at.get(rank)
+                if force:
+                    due = True
+                elif last is None:
+                    due = turn >= rank % USS_EVERY
+                else:  # (without /proc there are no page faults to ask: every USS_EVERY samples)
+                    due = turn - last[0] >= USS_EVERY and (
+                        not procmem.PROC or procmem.faults_of(pid) - last[1] >= USS_FAULTS)
                 if due:
-                    faults = procmem.faults_of(pid) if procmem.PROC else 0
-                    s.uss = procmem.uss_of(pid)
-                    self._uss_at[rank] = (turn, faults)
+                    self._read_uss(rank, pid, turn)
             except procmem.Gone:
-                self._pids.pop(rank, None)
-                self.lost.add(rank)
+                self._lost(rank)
                 continue
-            s.peak_rss, s.peak_uss = max(s.peak_rss, s.rss), max(s.peak_uss, s.uss)
+            s.peak_rss = max(s.peak_rss, s.rss)
         if self.gpu_indices:
             for g in nvml.backend().sample(self.gpu_indices):
                 h = self.gpus[g.index]
                 h.last = g
                 if g.mem_used is not None:
                     h.peak_mem = max(h.peak_mem, g.mem_used)
+
+    def read_unread(self) -> None:
+        """One USS reading of each rank still here that no sample has read yet (the stagger reaches a rank's
+        first at sample ``rank % USS_EVERY``: a short cell's last samples may leave it blank)."""
+        for rank, pid in list(self._pids.items()):
+            if rank not in self._uss_at:
+                try:
+                    self._read_uss(rank, pid, self.samples - 1)
+                except procmem.Gone:
+                    self._lost(rank)
+
+    def _read_uss(self, rank: int, pid: int, turn: int) -> None:
+        s = self.ranks[rank]
+        faults = procmem.faults_of(pid) if procmem.PROC else 0
+        s.uss = procmem.uss_of(pid)
+        s.peak_uss = max(s.peak_uss, s.uss)
+        self._uss_at[rank] = (turn, faults)
+
+    def _lost(self, rank: int) -> None:
+        self._pids.pop(rank, None)
+        self.lost.add(rank)
 
 
 def mb(n: int | None) -> str:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import collections
 import html
 import time
-import uuid
 
 from ..wire.messages import Error, Exit, Result
 from .dashboard import CELL
 from .monitor import Monitor, duration, mb, uptime
+from .output import Slot, text_table
 
 REFRESH_S = 1.0  # between cells: sample and redraw if changed
 SERIES_MAX = 512  # points kept per series; past that every other one goes, so the whole life stays
@@ -83,7 +83,7 @@ class LifeSeries:
                 f"width:{SPARK_WIDTH * LINE_STEP_PX}px;height:{LINE_HEIGHT_PX}px;background:#f3f3f3'>{cells}</span>")
 
 
-class Life(str):
+class LifeCell(str):
     """A table cell drawing a series: its text form, with its HTML form (``html``) beside."""
 
     def __new__(cls, text: str, html_text: str):
@@ -100,7 +100,7 @@ class PoolView:
     def __init__(self, plan, run_dir, *, shown: bool):
         self.plan, self.run_dir = plan, run_dir
         self.shown = shown  # a Jupyter-like session: one output, updated in place by display id
-        self.display_id = f"nbddp-pool-{uuid.uuid4().hex[:12]}"
+        self.slot = Slot("nbddp-pool-")  # one output: every copy shown (%ddp status) stays live
         self.monitor = Monitor([d for d in plan.device_ids if d is not None])
         self.started = time.time()
         self.rss = {r: LifeSeries() for r in range(plan.world_size)}
@@ -114,7 +114,6 @@ class PoolView:
         self.running: str | None = None
         self.cell_t0 = 0.0
         self.ended: str | None = None
-        self._drawn = ""
         self._timer = None
 
     # -- the pool's calls ---------------------------------------------------------------------------
@@ -156,7 +155,7 @@ class PoolView:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._drawn:  # it was shown: its last state stays in the notebook
+        if self.slot.drawn is not None:  # it was shown: its last state stays in the notebook
             self._publish(update=True)
 
     # -- supervisor events during a cell ------------------------------------------------------------
@@ -175,9 +174,9 @@ class PoolView:
         self.redraw()
 
     # -- sampling and drawing -----------------------------------------------------------------------
-    def sample(self, uss: bool | None = None) -> None:
-        """Memory now (USS of every rank when ``uss``; by default each rank's in turn, monitor.py)."""
-        self.monitor.sample(uss=uss)
+    def sample(self, uss: bool = False) -> None:
+        """Memory now (USS of every rank when ``uss``; else each rank's in turn, monitor.py)."""
+        self.monitor.sample(force=uss)
         for r in self.monitor.lost:  # died between cells: the pool learns how at its next cell
             self.state[r] = "dead"
         for r, s in self.monitor.ranks.items():
@@ -212,19 +211,17 @@ class PoolView:
 
     def _publish(self, update: bool) -> None:
         bundle = {"text/html": self.render_html(), "text/plain": self.render_text()}
-        if update and bundle["text/html"] == self._drawn:
-            return
-        self._drawn = bundle["text/html"]
-        from IPython.display import publish_display_data
-
-        publish_display_data(bundle, transient={"display_id": self.display_id}, update=update)
+        if update:
+            self.slot.update(bundle)
+        else:
+            self.slot.show(bundle)
 
     # -- rendering ----------------------------------------------------------------------------------
     def title(self) -> str:
         p = self.plan
         up = f"was up {uptime(self.ended_at - self.started)}" if self.ended else f"up {uptime(time.time() - self.started)}"
         state = self.ended or (f"running {self.running}" if self.running else "idle")
-        return (f"nbddp pool · {p.world_size} ranks · {p.accelerator}/{p.backend} · {state} · {up} · "
+        return (f"nbddp pool · {p.world_size} rank{'' if p.world_size == 1 else 's'} · {p.accelerator}/{p.backend} · {state} · {up} · "
                 f"{self.cells_run} cell{'' if self.cells_run == 1 else 's'} run")
 
     def rows(self) -> list[list[str]]:
@@ -254,12 +251,12 @@ class PoolView:
     @staticmethod
     def _life(series: LifeSeries, scale: tuple[float, float] | None = None, figures: bool = True) -> str:
         """The series over the pool's life (its range at least ``MEMORY_FLOOR`` wide), then its lowest and
-        highest figure; a ``Life``: the text, with its HTML (a thin line) beside."""
+        highest figure; a ``LifeCell``: the text, with its HTML (a thin line) beside."""
         if not series.values:
             return ""
         scale = scale or series.scale(MEMORY_FLOOR)
         figures_text = f" {mb(min(series.values))}–{mb(max(series.values))}" if figures else ""
-        return Life(series.spark(scale) + figures_text, series.line_html(scale) + html.escape(figures_text))
+        return LifeCell(series.spark(scale) + figures_text, series.line_html(scale) + html.escape(figures_text))
 
     def gpu_rows(self) -> list[list[str]]:
         if not self.gpu_util:
@@ -276,9 +273,7 @@ class PoolView:
     def render_text(self) -> str:
         lines = [self.title()]
         for table in (self.rows(), self.gpu_rows()):
-            if table:
-                widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-                lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+            lines += text_table(table)
         if self.cells:
             lines.append("cells: " + "; ".join(self.cell_rows()))
         lines.append(f"logs: {self.run_dir.path}")
@@ -288,7 +283,7 @@ class PoolView:
         """The dashboard's style (dashboard.py): small, one line a row at any width."""
         def table(rows):
             head = "".join(f"<th style='{CELL};font-weight:600;color:#555'>{html.escape(c)}</th>" for c in rows[0])
-            body = "".join("<tr>" + "".join(f"<td style='{CELL}'>{c.html if isinstance(c, Life) else html.escape(c)}</td>"
+            body = "".join("<tr>" + "".join(f"<td style='{CELL}'>{c.html if isinstance(c, LifeCell) else html.escape(c)}</td>"
                                             for c in r) + "</tr>" for r in rows[1:])
             return f"<table style='{SMALL_TABLE}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
