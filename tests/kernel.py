@@ -23,6 +23,11 @@ class CellResult:
     prompts: list = field(default_factory=list)  # input_request prompts the front end was asked (converse)
 
     @property
+    def shown(self) -> str:
+        """What the cell showed as text: its stdout, then each display's text/plain (%ddp who and diff's tables)."""
+        return self.stdout + "".join(d["data"].get("text/plain", "") for d in self.displays if "data" in d)
+
+    @property
     def error_text(self) -> str:
         if not self.error:
             return self.stderr  # IPython's own UsageError is printed, not raised as an error message

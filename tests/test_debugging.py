@@ -16,11 +16,6 @@ def pdb_prompts(prompts, rank):
     return len(prompts)
 
 
-def shown(res):
-    """What %ddp who / %ddp diff showed: its table as text (the display's text/plain)."""
-    return res.stdout + "".join(d["data"].get("text/plain", "") for d in res.displays if "data" in d)
-
-
 def answers(*lines):
     """A front end that types ``lines`` in order into the input box."""
     left = list(lines)
@@ -119,7 +114,7 @@ def test_who_and_diff_show_where_ranks_disagree(clean_kernel):
                         "model(torch.randn(8, 4)).sum().backward(); opt.step()\n"
                         "from collections import OrderedDict\nfrom math import sqrt\nclass Mine:\n    pass\n"
                         "def helper():\n    return 1\n", timeout=60)
-        who = shown(clean_kernel.ok("%ddp who", timeout=60))
+        who = clean_kernel.ok("%ddp who", timeout=60).shown
         rows = {line.split()[0]: line for line in who.splitlines()[2:]}
         assert "Tensor" in rows["w"] and "≠ rank 0: (3,) float32 cpu; rank 1: (4,) float32 cpu" in rows["w"], who
         assert "DistributedDataParallel" in rows["model"] and "10 parameters" in rows["model"], who
@@ -129,19 +124,19 @@ def test_who_and_diff_show_where_ranks_disagree(clean_kernel):
         assert not {"open", "exit", "In", "DDP", "OrderedDict", "sqrt", "torch", "os"} & set(rows), who
         assert "type" in rows["Mine"] and "function" in rows["helper"], who  # the notebook's own are listed
 
-        same = shown(clean_kernel.ok("%ddp diff model.state_dict()", timeout=60))
+        same = clean_kernel.ok("%ddp diff model.state_dict()", timeout=60).shown
         assert "2 ranks: all 2 entries agree" in same, same  # DDP kept the replicas in sync
         clean_kernel.ok("%%ddp --ranks 1\nwith torch.no_grad():\n    model.module.bias.add_(0.5)\ntorch.rand(3)\n",
                         timeout=60)
-        off = shown(clean_kernel.ok("%ddp diff model.state_dict()", timeout=60))
+        off = clean_kernel.ok("%ddp diff model.state_dict()", timeout=60).shown
         assert "1 of 2 entries differs" in off and "module.bias" in off and "module.weight" not in off, off
         assert "largest relative gap" in off, off
         table = [d["data"]["text/html"] for d in clean_kernel.ok("%ddp diff model.state_dict()", timeout=60).displays
                  if "text/html" in d.get("data", {})]
         assert len(table) == 1 and 'title="module.bias"' in table[0], table  # one output: text and HTML
-        optim = shown(clean_kernel.ok("%ddp diff opt.state_dict()", timeout=60))
+        optim = clean_kernel.ok("%ddp diff opt.state_dict()", timeout=60).shown
         assert "2 ranks: all" in optim and "agree" in optim, optim  # SGD's param groups, the same on both
-        rng = shown(clean_kernel.ok("%ddp diff torch.get_rng_state()", timeout=60))
+        rng = clean_kernel.ok("%ddp diff torch.get_rng_state()", timeout=60).shown
         assert "1 of 1 entry differs" in rng, rng  # rank 1 drew numbers rank 0 did not
         bad = clean_kernel.run("%ddp diff no_such_name", timeout=60)
         assert "NameError" in bad.error_text, bad.error_text
@@ -181,10 +176,10 @@ def test_diff_compares_the_shard_each_rank_holds_for_fsdp2(clean_kernel):
         clean_kernel.ok("%%ddp\nfrom torch.distributed.fsdp import fully_shard\ntorch.manual_seed(0)\n"
                         "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n"
                         "for layer in net:\n    fully_shard(layer)\nfully_shard(net)\n", timeout=120)
-        out = shown(clean_kernel.ok("%ddp diff net.state_dict()", timeout=60))
+        out = clean_kernel.ok("%ddp diff net.state_dict()", timeout=60).shown
         assert "DTensor entries: each rank's own shard compared" in out, out
         assert "0.weight" in out, out  # rank 0 holds rows 0-3, rank 1 rows 4-7: different shards
-        who = shown(clean_kernel.ok("%ddp who", timeout=60))
+        who = clean_kernel.ok("%ddp who", timeout=60).shown
         assert "net" in who and "Sequential" in who, who
     finally:
         clean_kernel.ok("%ddp stop", timeout=60)

@@ -222,11 +222,11 @@ def test_a_display_is_rich_from_every_node(pool):
 def test_who_diff_and_restart_on_a_pool_across_nodes(pool):
     k, _ = pool
     k.ok("%%ddp\nw = torch.zeros(3 + rank)\nsteps = 5\n")
-    who = k.ok("%ddp who", timeout=60).stdout
+    who = k.ok("%ddp who", timeout=60).shown
     rows = {line.split()[0]: line for line in who.splitlines()[2:]}
     assert "≠ rank 0: (3,) float32 cpu; rank 1: (4,) float32 cpu" in rows["w"], who
     assert rows["steps"].split()[1:] == ["int", "5"], who
-    same = k.ok("%ddp diff {'a': torch.ones(2)}", timeout=60).stdout
+    same = k.ok("%ddp diff {'a': torch.ones(2)}", timeout=60).shown
     assert "2 ranks: all" in same and "agree" in same, same
     res = k.ok("%ddp restart", timeout=120)
     assert "pool of 2 rank(s) on cpu/gloo ready" in res.stdout, res.stdout + res.stderr
