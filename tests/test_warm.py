@@ -54,3 +54,16 @@ def test_nbddp_warm_0_turns_it_off(runs_dir):
         k.ok(FIRST_STEP)
         assert k.value("'torch._dynamo' in sys.modules") is False
         assert all(n > 100 for n in k.value("new")), "without warming, each rank imports DDP's modules itself"
+
+
+def test_the_notebooks_own_fork_right_after_load_ext_waits_for_the_warming_imports(runs_dir):
+    """A fork that is not nbddp's (torch.multiprocessing with fork, as Lightning's ddp_notebook and
+    Accelerate's notebook_launcher do) right after %load_ext: before the fix its child hung on a module
+    lock the warming thread held (its first all_reduce never came)."""
+    with Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)}) as k:
+        k.ok("%load_ext nbddp\nimport os, tempfile, torch, torch.distributed as dist, torch.multiprocessing as mp\n"
+             "def job(rank, path):\n    torch.set_num_threads(1)\n"
+             "    dist.init_process_group('gloo', init_method=f'file://{path}', rank=rank, world_size=2)\n"
+             "    t = torch.ones(1)\n    dist.all_reduce(t)\n    assert t.item() == 2\n    dist.destroy_process_group()\n"
+             "mp.start_processes(job, args=(os.path.join(tempfile.mkdtemp(), 'store'),), nprocs=2, start_method='fork')\n"
+             "print('both ranks done')", timeout=90)

@@ -42,6 +42,7 @@ WARM_IMPORTS = (
 NEVER = ("__main__", "torch.cuda", "torch._inductor", "triton", "torch.compiler", "nbddp")
 
 _thread: threading.Thread | None = None
+_hooked = False  # os.register_at_fork(before=_join) done (once a process: it cannot be undone)
 _learned: list[str] = []  # modules ranks imported, for the next fork
 _tried: set[str] = set()  # each name imported (or failed) once: a failure is not retried at every cell
 
@@ -57,6 +58,24 @@ def start() -> None:
     if enabled() and names and _thread is None:
         _thread = threading.Thread(target=_import_all, args=(names,), name=driverwatch.WARM_THREAD, daemon=True)
         _thread.start()
+        _hook_forks()
+
+
+def _hook_forks() -> None:
+    """Any fork in the kernel waits for the warming thread, not only nbddp's: the notebook's own
+    ``torch.multiprocessing`` start with fork, Lightning's ``ddp_notebook``, Accelerate's
+    ``notebook_launcher`` would otherwise copy a module lock the thread holds, and their child hang on its
+    first import of that module (measured: a raw fork's first all_reduce right after %load_ext)."""
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        os.register_at_fork(before=_join)
+
+
+def _join() -> None:
+    thread = _thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
 
 
 def wait() -> None:
