@@ -2,8 +2,8 @@
 
 Measures section 1's one-shot round trip and section 1c's pool cell (each with its anchor: a raw fork,
 two forked ranks on a pipe) for this checkout and for git revision ``REV`` (checked out in a temporary
-worktree), in kernels of their own that alternate round by round, so drift and the machine's other load
-hit both alike. Prints the medians, each side's ratio to its own anchor, and after / before.
+worktree), in kernels of their own that alternate (each side first in every other round), so drift, the order and
+the machine's other load hit both alike. Prints the medians, each side's ratio to its own anchor, and after / before.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def measure(src: Path, runs: int) -> dict:
     try:
         found = k.value("__import__('nbddp').__file__")
         assert found.startswith(str(src)), f"the kernel imported nbddp from {found}, not {src}"
+        k.ok("from nbddp.kernel import warm\nwarm.wait()")  # (before ad85344 the anchor's own fork could hang on it)
         out = measures(k.ok(kc.ROUND_TRIP.replace("{runs}", str(runs)), timeout=600))
         out.update(measures(k.ok(kc.POOL.replace("{runs}", str(POOL_CELLS * runs)), timeout=600)))
         return out
@@ -50,8 +51,8 @@ def main() -> None:
                    capture_output=True)
     try:
         rows = {"before": [], "after": []}
-        for _ in range(args.rounds):
-            for side, src in (("before", tree), ("after", ROOT)):
+        for i in range(args.rounds):  # each side first in every other round: the order's own effect evens out
+            for side, src in (("before", tree), ("after", ROOT))[::1 if i % 2 == 0 else -1]:
                 rows[side].append(measure(src, args.runs))
                 print(side, json.dumps(rows[side][-1]["round_trip"]), flush=True)
         print(f"\n| cell | before ({args.rev[:8]}) | × its anchor | after | × its anchor | after / before |")
