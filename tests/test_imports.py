@@ -52,17 +52,25 @@ def imports(module: str, path: Path, known: dict) -> list[tuple[str, str | None,
     taken from it or None for the module itself, line). ``from a import b`` where ``a.b`` is a module
     imports that module; otherwise it takes the attribute ``b`` of ``a``."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node, base, alias in _package_imports(module, path, ast.parse(path.read_text(), str(path)), known):
+        if base is None:
+            found.append((alias.name, None, node.lineno))
+        else:
+            sub = f"{base}.{alias.name}"
+            found.append((sub, None, node.lineno) if sub in known else (base, alias.name, node.lineno))
+    return found
+
+
+def _package_imports(module: str, path: Path, tree: ast.AST, known: dict):
+    """Each import of a package module anywhere in ``tree``: (node, None, alias) for ``import x``, (node,
+    the module it imports from, alias) for each name of ``from x import a, b``."""
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(a.name, None, node.lineno) for a in node.names if a.name in known]
+            yield from ((node, None, a) for a in node.names if a.name in known)
         elif isinstance(node, ast.ImportFrom):
             base = _base(module, path, node)
-            if base not in known:
-                continue
-            for a in node.names:
-                sub = f"{base}.{a.name}"
-                found.append((sub, None, node.lineno) if sub in known else (base, a.name, node.lineno))
-    return found
+            if base in known:
+                yield from ((node, base, a) for a in node.names)
 
 
 def graph() -> dict[str, dict[str, int]]:
@@ -217,21 +225,13 @@ def private_uses() -> list[str]:
                 for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in theirs
                 and node.attr not in defined[module] and not _own(node.value)]
         bound = {}  # local name -> the package module it is bound to, wherever in the file
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name in known:
-                        bound[a.asname or a.name.partition(".")[0]] = a.asname and a.name or a.name.partition(".")[0]
-            elif isinstance(node, ast.ImportFrom):
-                base = _base(module, path, node)
-                if base not in known:
-                    continue
-                for a in node.names:
-                    sub = f"{base}.{a.name}"
-                    if sub in known:
-                        bound[a.asname or a.name] = sub
-                    elif _private(a.name) and base != module:
-                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {base}.{a.name}")
+        for node, base, a in _package_imports(module, path, tree, known):
+            if base is None:
+                bound[a.asname or a.name.partition(".")[0]] = a.asname and a.name or a.name.partition(".")[0]
+            elif f"{base}.{a.name}" in known:
+                bound[a.asname or a.name] = f"{base}.{a.name}"
+            elif _private(a.name) and base != module:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {base}.{a.name}")
         for node in ast.walk(tree):
             if not isinstance(node, ast.Attribute):
                 continue
