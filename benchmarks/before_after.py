@@ -40,6 +40,27 @@ def measure(src: Path, runs: int) -> dict:
         k.shutdown()
 
 
+def render(result: dict) -> str:
+    """results.md's section 10."""
+    rev = result["rev"][:8]
+    lines = ["## 10. Before and after the engine split (issue 36)", "",
+             f"`python benchmarks/before_after.py {rev} --rounds {result['rounds']} --runs {result['runs']}`: sections "
+             f"1 and 1c for {rev} (before the split) and for this code, in {2 * result['rounds']} kernels that "
+             "alternate (each side first in every other round), each cell against its own anchor of the same kernel "
+             "(a raw fork's round trip; two forked ranks on a pipe). Medians over the rounds:", "",
+             f"| cell | before ({rev}) | × its anchor | after | × its anchor | after / before |",
+             "|---|---|---|---|---|---|"]
+    worst = 0.0
+    for label, f in result["figures"].items():
+        worst = max(worst, f["after"] / f["before"])
+        lines.append(f"| {label} | {f['before'] * 1e3:.2f} ms | {f['before_ratio']:.2f}× | {f['after'] * 1e3:.2f} ms "
+                     f"| {f['after_ratio']:.2f}× | {f['after'] / f['before']:.2f} |")
+    lines += ["", f"Target: not slower (after / before ≤ 1.05) — {'met' if worst <= 1.05 else '**not met**'}. A run "
+              "that always put \"before\" first in a round read 1.11 and 1.12: the kernel started second in a round was "
+              "the slower one, whichever code it ran, so the sides alternate."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rev", help="the revision before the change (e.g. a commit hash)")
@@ -55,14 +76,17 @@ def main() -> None:
             for side, src in (("before", tree), ("after", ROOT))[::1 if i % 2 == 0 else -1]:
                 rows[side].append(measure(src, args.runs))
                 print(side, json.dumps(rows[side][-1]["round_trip"]), flush=True)
-        print(f"\n| cell | before ({args.rev[:8]}) | × its anchor | after | × its anchor | after / before |")
-        print("|---|---|---|---|---|---|")
+        figures = {}
         for label, (section, key, anchor) in FIGURES.items():
             med = {side: statistics.median(r[section][key] for r in rs) for side, rs in rows.items()}
             ratio = {side: statistics.median(r[section][key] / r[section][anchor] for r in rs)
                      for side, rs in rows.items()}
-            print(f"| {label} | {med['before'] * 1e3:.2f} ms | {ratio['before']:.2f}× | {med['after'] * 1e3:.2f} ms "
-                  f"| {ratio['after']:.2f}× | {med['after'] / med['before']:.2f} |")
+            figures[label] = {"before": med["before"], "before_ratio": ratio["before"], "after": med["after"],
+                              "after_ratio": ratio["after"]}
+        result = {"rev": args.rev, "rounds": args.rounds, "runs": args.runs, "figures": figures}
+        path = HERE / "results.json"  # run.py writes it into results.md (section 10) with the rest
+        path.write_text(json.dumps({**json.loads(path.read_text()), "before_after": result}, indent=1))
+        print(render(result))
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
 

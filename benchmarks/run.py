@@ -351,6 +351,10 @@ def report(r: dict) -> str:
         import bench_firststep
 
         lines += [bench_firststep.render(r["firststep"]), ""]
+    if "before_after" in r:
+        import before_after
+
+        lines += [before_after.render(r["before_after"]), ""]
     return "\n".join(lines) + "\n"
 
 
