@@ -310,12 +310,7 @@ def check_bars() -> tuple[bool, str]:
         res = k.ok("%%ddp --devices 1\nfrom tqdm.auto import tqdm\nx = torch.randn(1024, 1024, device=device)\n"
                    "for i in tqdm(range(50), mininterval=0, desc='gpu'):\n    x = x @ x / x.norm()\n"
                    "torch.cuda.synchronize()\n", timeout=120)
-        last = {}
-        for d in res.displays:
-            did = d.get("transient", {}).get("display_id", "")
-            if "-bar" in did:
-                last[did] = d["data"]
-        bars = list(last.values())
+        bars = list(res.bar_states.values())
         ok = (len(bars) == 1 and bars[0]["text/plain"].startswith("[rank0]:gpu: 100%") and "50/50" in bars[0]["text/plain"]
               and "nbddp-bar" in bars[0]["text/html"] and "%|" not in res.stderr)
         return ok, bars[0]["text/plain"] if bars else "no bar drawn"

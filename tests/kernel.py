@@ -23,6 +23,16 @@ class CellResult:
     prompts: list = field(default_factory=list)  # input_request prompts the front end was asked (converse)
 
     @property
+    def bar_states(self) -> dict[str, dict]:
+        """Each progress-bar output's last state (what the saved notebook keeps), by its display id."""
+        last = {}
+        for d in self.displays:
+            did = d.get("transient", {}).get("display_id", "")
+            if "-bar" in did:
+                last[did] = d["data"]
+        return last
+
+    @property
     def shown(self) -> str:
         """What the cell showed as text: its stdout, then each display's text/plain (%ddp who and diff's tables)."""
         return self.stdout + "".join(d["data"].get("text/plain", "") for d in self.displays if "data" in d)

@@ -266,20 +266,10 @@ BOUND = {  # how the notebook bound tqdm before the cell -> how the cell calls i
 FROZEN = re.compile(r"\| 0/30")  # a widget bar's text form, never updated after its first draw
 
 
-def bar_states(res) -> dict[str, dict]:
-    """Each progress bar's last state, by its display id."""
-    last = {}
-    for d in res.displays:
-        did = d.get("transient", {}).get("display_id", "")
-        if "-bar" in did:
-            last[did] = d["data"]
-    return last
-
-
 def check_final_bars(res, total=30, descs=("rank {r}",)):
     """One output per bar, every rank's row in it in rank order, at 100 % in the end, labelled with its rank;
     no text bar in the stream."""
-    bars = list(bar_states(res).values())
+    bars = list(res.bar_states.values())
     assert len(bars) == len(descs), f"one output per bar (every rank's row in it): {bars}"
     for desc in descs:
         mine = [b for b in bars if f":{desc.format(r=0)}:" in b["text/plain"]]

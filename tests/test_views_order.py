@@ -117,10 +117,7 @@ LONG_BARS = ("%%ddp --devices 2{opts}\nimport time\nfrom tqdm.auto import tqdm\n
 
 def bar_rows(res) -> dict[int, str]:
     """The saved (last) state of the cell's bar output: each rank's text bar."""
-    last = {}
-    for d in res.displays:
-        if "-bars" in d.get("transient", {}).get("display_id", ""):
-            last = d["data"]
+    last = list(res.bar_states.values())[-1] if res.bar_states else {}
     rows = {}
     for line in last.get("text/plain", "").splitlines():
         m = re.match(r"\[rank(\d+)\]:(.*)$", line)
@@ -159,11 +156,7 @@ def test_bars_stay_in_rank_order_across_epochs_in_a_real_cell(clean_kernel):
         "%%ddp --devices 4\nimport time\nfrom tqdm.auto import tqdm\nfor epoch in range(3):\n"
         "    time.sleep(0.05 * ((rank + epoch * 3) % 4))\n"
         "    for i in tqdm(range(10), desc=f'epoch {epoch}'):\n        time.sleep(0.01)\n", timeout=90)
-    outputs = {}
-    for d in res.displays:
-        did = d.get("transient", {}).get("display_id", "")
-        if "-bars" in did:
-            outputs[did] = d["data"]["text/plain"]
+    outputs = {did: data["text/plain"] for did, data in res.bar_states.items()}
     assert len(outputs) == 3, outputs
     for epoch, text in enumerate(outputs.values()):
         rows = text.splitlines()
