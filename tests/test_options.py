@@ -89,8 +89,35 @@ def test_one_shot_cell_with_a_bad_option_runs_nothing(clean_kernel):
         res = k.run(f"%%ddp --devices 2 {text}\nprint('ran')\n")
         assert said in res.error_text and "Nothing ran" in res.error_text, res.error_text
         assert "ran" not in res.stdout
-    res = k.run("%%ddp --ranks-output 2\nprint('ran')\n")  # argparse's own choice check (IPython prints it)
+    res = k.run("%%ddp --ranks-output 2\nprint('ran')\n")  # argparse's own choice check
     assert "invalid choice: '2'" in res.error_text and "ran" not in res.stdout
+
+
+# a line that does not parse, and what the refusal says
+UNPARSED = [('--devices 2 --out "x', "a quotation mark is not closed"),
+            ("--devices 2 x \\", "it ends with a backslash"),
+            ("--devcies 2", "unrecognized arguments: --devcies 2"),
+            ("--timeout soon", "argument --timeout: invalid float value: 'soon'"),
+            ("--out", "expected at least one argument")]
+
+
+@pytest.mark.parametrize("line,said", UNPARSED)
+def test_a_line_that_does_not_parse_is_nbddps_usage_error_saying_what_was_wrong(line, said):
+    with pytest.raises(nbddp.UsageError, match=re.escape(said)):
+        options.parse(line)
+
+
+def test_bad_quoting_and_other_parse_failures_run_nothing_in_a_kernel(clean_kernel):
+    """``%%ddp --out "x`` was a bare ``ValueError: No closing quotation``; IPython printed argparse's complaints
+    (not an error: a notebook running all cells went on). Each is an error of its own now, and nothing ran."""
+    k = clean_kernel
+    cells = [f"%%ddp {line}\nprint('ran')\n" for line, _ in UNPARSED] + ['%ddp start --devices "2']
+    for code, said in zip(cells, [s for _, s in UNPARSED] + ["a quotation mark is not closed"]):
+        res = k.run(code)
+        assert res.error and res.error["ename"] == "UsageError", (code, res)
+        assert said in res.error_text and "Nothing ran" in res.error_text, (code, res.error_text)
+        assert "ValueError" not in res.error_text and "Traceback" not in res.error_text, res.error_text
+        assert "ran" not in res.stdout and not k.process().children(), "nothing was launched"
 
 
 @pytest.fixture

@@ -217,11 +217,29 @@ def argument_specs(scopes=(LAUNCH, CELL, NAMES)):
         yield GROUPS[o.group], o.flags, kw
 
 
+# shlex's complaints, said as what to fix
+QUOTING = {"No closing quotation": "a quotation mark is not closed: close it (--out \"x\"), or quote nothing",
+           "No escaped character": "it ends with a backslash, which escapes nothing"}
+
+
 def parse(line: str) -> dict:
-    """The options a ``%%ddp`` line gave, by name, each checked (export reads cells with it too)."""
+    """The options a ``%%ddp`` line gave, by name, each checked (export reads cells with it too). A line
+    that does not parse (bad quoting, an option ``%%ddp`` does not have, a value of the wrong kind) is a
+    ``UsageError`` saying what was wrong, before anything runs."""
     import shlex
 
-    explicit = dict(vars(_parser().parse_args(shlex.split(line)))) if line.strip() else {}
+    from IPython.core.error import UsageError as ArgumentError  # what MagicArgumentParser raises
+
+    if not line.strip():
+        return {}
+    try:
+        words = shlex.split(line)
+    except ValueError as e:
+        raise UsageError(f"bad options `{line.strip()}`: {QUOTING.get(str(e), str(e))}.\nNothing ran.") from None
+    try:
+        explicit = dict(vars(_parser().parse_args(words)))
+    except ArgumentError as e:
+        raise UsageError(f"bad options `{line.strip()}`: {e}.\nNothing ran; %%ddp? lists every option.") from None
     for name, value in explicit.items():
         o = BY_NAME[name]
         if o.scope != NAMES and (problem := o.check(value)):
