@@ -140,8 +140,8 @@ def test_an_interrupt_says_where_each_rank_was_without_nbddp_frames(ddp):
                            "print('up', flush=True)\nwait_here()\n", "up", 2)
     assert res.error["ename"] == "KeyboardInterrupt", res
     text = res.error_text
-    assert "interrupted while rank(s) 0, 1 ran the cell" in text, text
-    assert re.search(r"ranks 0, 1 were at Cell In\[\d+\], line 4, in wait_here: time.sleep\(60\)", text), text
+    assert "interrupted while rank(s) 0-1 ran the cell" in text, text
+    assert re.search(r"ranks 0-1 were at Cell In\[\d+\], line 4, in wait_here: time.sleep\(60\)", text), text
     assert "nbddp/" not in text and "selectors" not in text, text
     nxt = k.ok(head + "\nprint('next')\n").stdout
     assert said(nxt, 0, "next") and said(nxt, 1, "next"), nxt
@@ -169,7 +169,7 @@ def test_timeout_shows_each_stack_once_trimmed_to_the_users_frames(ddp):
     text = res.error_text
     assert "--timeout 2s expired" in text
     # both ranks stuck at the same place: shown once, for both
-    assert re.search(r"ranks 0, 1 were here:\n  Cell In\[\d+\], line 5 in stuck_here\n    time.sleep\(0.05\)\n"
+    assert re.search(r"ranks 0-1 were here:\n  Cell In\[\d+\], line 5 in stuck_here\n    time.sleep\(0.05\)\n"
                      r"  Cell In\[\d+\], line 6 in <module>\n    stuck_here\(\)\n"
                      r"  \(most recent call first; every thread's whole stack is in .*rankN.log\)", text), text
     assert "nbddp/" not in text and "threading.py" not in text and "ipykernel" not in text, text
@@ -180,7 +180,7 @@ def test_a_timeout_while_a_cell_awaits_says_so(clean_kernel):
     res = clean_kernel.run("%%ddp --devices 2 --timeout 2\nimport asyncio\nawait asyncio.sleep(60)\n", timeout=60)
     text = res.error_text
     assert text.count("(waiting in an `await` of the cell: a coroutine's frames are not on the stack while it "
-                      "waits;") == 1 and "ranks 0, 1 were here:" in text, text
+                      "waits;") == 1 and "ranks 0-1 were here:" in text, text
 
 
 @pytest.mark.parametrize("code", ["%%ddp --devices 2\n", "%%ddp --devices 2", "%%ddp\n\n   \n"])

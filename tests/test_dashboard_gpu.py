@@ -24,14 +24,14 @@ def test_gpu_utilisation_and_memory_per_rank_live_and_peak_at_the_end(monkeypatc
         view.tick()
     live = view.render_text()
     row1 = next(line for line in live.splitlines() if line.startswith("1 "))
-    assert "51% · 25.0 GB / 80.0 GB" in row1, live  # rank 1's device at the 5th sample
+    assert "51% · 25.0 GiB / 80.0 GiB" in row1, live  # rank 1's device at the 5th sample
     assert row1.endswith("epoch 3 loss 0.2"), live  # rank 1's last line, from its output events
     assert "GPU" in view.render_html() and "W" not in live and "°C" not in live  # no power or temperature
     for r in (0, 1):
         view.exited(r, RankExit(r, 0, done=True, max_rss=3 * 2**30))
     view.finish(None)
     text = view.render_text()
-    assert "25.0 GB / 80.0 GB peak" in text and "nccl" in text and "finished" in text
+    assert "25.0 GiB / 80.0 GiB peak" in text and "nccl" in text and "finished" in text
     assert "%" not in text.split("\n", 1)[1], "no utilisation once the ranks are gone"
 
 
@@ -54,6 +54,6 @@ def test_the_pool_view_keeps_gpu_and_memory_history_over_the_pools_life(monkeypa
     assert view.gpu_util[1].values[0] == 11.0, "the first sample is still there"
     gpu = next(line for line in text.splitlines() if line.startswith("cuda:1"))
     assert len(gpu.split()[1]) <= poolview.SPARK_WIDTH and gpu.split()[1].endswith("█")  # utilisation rose
-    assert "21.0 GB–" in gpu  # memory over the pool's life, with its range from the first sample on
+    assert "21.0 GiB–" in gpu  # memory over the pool's life, with its range from the first sample on
     for r in (0, 1):
         assert f"cuda:{r}" in [line.split()[2] for line in text.splitlines() if line.startswith(f"{r} ")]

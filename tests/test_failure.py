@@ -97,19 +97,20 @@ def test_a_ranks_stack_keeps_only_the_users_frames_of_the_threads_that_have_some
 
 def test_many_ranks_that_say_the_same_are_said_once():
     """600 ranks stuck or failing alike: one line (ranges of ranks), not 600 stacks or lines."""
-    from nbddp.kernel.failure import RankExit, ranks_text, interrupted, rank_failed, timed_out
+    from nbddp.kernel.failure import RankExit, interrupted, rank_failed, timed_out
+    from nbddp.units import ranks_text
     from nbddp.wire.messages import Error
 
-    assert ranks_text([3]) == "rank 3" and ranks_text([0, 1]) == "ranks 0, 1"
-    assert ranks_text([*range(17), *range(18, 600)]) == "ranks 0–16, 18–599"
+    assert ranks_text([3]) == "rank 3" and ranks_text([0, 1]) == "ranks 0-1"
+    assert ranks_text([*range(17), *range(18, 600)]) == "ranks 0-16,18-599"
     err = Error(phase="cell", type="ValueError", message="boom", traceback="ValueError: boom\n", time=1.0)
     exits = [RankExit(r, 1, error=err) for r in range(600)]
     text = str(rank_failed(exits, {}, "/runs/x"))
-    assert "ranks 1–599 failed the same way" in text and text.count("failed the same way") == 1, text
+    assert "ranks 1-599 failed the same way" in text and text.count("failed the same way") == 1, text
     stack = 'Thread 0x1 (most recent call first):\n  File "/tmp/ipykernel_1/2.py", line 4 in <module>\n'
     text = str(timed_out(2, list(range(600)), {r: stack for r in range(600)}, {"/tmp/ipykernel_1/2.py": "Cell In[2]"},
                          "/runs/x"))
-    assert "with ranks 0–599 still running" in text and text.count("were here:") == 1 and "rankN.log" in text, text
+    assert "with ranks 0-599 still running" in text and text.count("were here:") == 1 and "rankN.log" in text, text
     exc = interrupted([0, 1, 2], {0: "was at Cell In[2], line 4", 1: "was at Cell In[2], line 4",
                                   2: "failed: ValueError: x"}, "/runs/x", "nbddp stopped every rank")
-    assert "ranks 0, 1 were at Cell In[2], line 4" in str(exc) and "rank 2 failed: ValueError: x" in str(exc)
+    assert "ranks 0-1 were at Cell In[2], line 4" in str(exc) and "rank 2 failed: ValueError: x" in str(exc)

@@ -15,14 +15,15 @@ PACKAGE = ROOT / "nbddp"
 # rule to one module (export reads only the options table and the device specs of the kernel side).
 MAY_IMPORT = {
     "errors": set(),
-    "wire": {"errors"},
-    "hw": {"errors"},
-    "ipy": {"hw", "errors"},
-    "rank": {"wire", "ipy", "hw", "errors"},
-    "views": {"wire", "ipy", "hw", "errors"},
-    "kernel": {"rank", "views", "wire", "ipy", "hw", "errors"},
-    "export": {"kernel.options", "kernel.devices", "ipy", "errors"},
-    "cluster": {"kernel", "rank", "views", "wire", "ipy", "hw", "errors"},
+    "units": set(),  # how sizes and ranks are written: every part may use it
+    "wire": {"errors", "units"},
+    "hw": {"errors", "units"},
+    "ipy": {"hw", "errors", "units"},
+    "rank": {"wire", "ipy", "hw", "errors", "units"},
+    "views": {"wire", "ipy", "hw", "errors", "units"},
+    "kernel": {"rank", "views", "wire", "ipy", "hw", "errors", "units"},
+    "export": {"kernel.options", "kernel.devices", "ipy", "errors", "units"},
+    "cluster": {"kernel", "rank", "views", "wire", "ipy", "hw", "errors", "units"},
     # the public API, the command line and the demo sit on top
     "__init__": {"*"}, "cli": {"*"}, "demo": {"*"},
 }

@@ -62,8 +62,8 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         after = wait_update(k, did, lambda t: "1 cell run" in t and "busy" not in t)
         assert "Cell In[" in after and " · ok" in after
         life = [line for line in after.splitlines() if line.startswith(("0 ", "1 "))]
-        assert len(life) == 2 and all("MB–" in line for line in life), after
-        top = [int(line.rsplit("–", 1)[1].split()[0]) for line in life]
+        assert len(life) == 2 and all(re.search(r"iB–[\d.]+ [MG]iB$", line) for line in life), after
+        top = [float(n) * (1024 if unit == "GiB" else 1) for n, unit in (line.rsplit("–", 1)[1].split() for line in life)]
         assert all(t >= 64 for t in top), f"the 64 MiB each rank allocated shows in its history: {after}"
         # a quick cell adds a line too; a failed one says so
         kinds = []
@@ -86,7 +86,7 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         stop = k.ok("%ddp stop")
     final = [d["data"]["text/plain"] for d in stop.displays if d.get("transient", {}).get("display_id") == did]
     assert final and re.search(r"· stopped · was up \d+ s · 3 cells run", final[-1]), stop.displays
-    assert re.search(r"^0\s+\d+\s+cpu\s+stopped\s+\S+ \d+ MB–\d+ MB$", final[-1], re.MULTILINE), final[-1]  # no memory now
+    assert re.search(r"^0\s+\d+\s+cpu\s+stopped\s+\S+ [\d.]+ [KMG]iB–[\d.]+ [KMG]iB$", final[-1], re.MULTILINE), final[-1]  # no memory now
     assert "idle" not in final[-1] and "RSS  " not in final[-1]
 
 
@@ -153,7 +153,7 @@ def test_the_pool_views_words_and_scales_are_honest(tmp_path):
     for v in (1000, 1010, 1030):  # a 3 % change
         life.add(v * 2**20)
     drawn = poolview.PoolView._life(life)
-    assert set(drawn.split()[0]) <= set("▂▃▄▅▆▇") and drawn.endswith(" 1000 MB–1030 MB"), \
+    assert set(drawn.split()[0]) <= set("▂▃▄▅▆▇") and drawn.endswith(" 1000 MiB–1.0 GiB"), \
         f"a 3 % change is not full scale, nor a solid block: {drawn}"
     flat = poolview.LifeSeries()
     for _ in range(3):

@@ -250,11 +250,11 @@ def test_a_cell_that_copied_a_large_notebook_list_names_it_with_the_fix(clean_ke
         cell = "%%ddp --devices 2 --gather total\ntotal = sum(r['label'] for r in {name})\n"
         res = k.ok(cell.format(name="big"), timeout=120)
         note = re.search(r"nbddp: this cell copied notebook data into its ranks as it read `big` \(a list of "
-                         r"2,000,000 items\): private memory rank 0 \+(\d+) MiB, rank 1 \+(\d+) MiB\..*Share them "
+                         r"2,000,000 items\): private memory rank 0 \+([\d.]+ [MG]iB), rank 1 \+([\d.]+ [MG]iB)\..*Share them "
                          r"instead, in the notebook: big = nbddp.shared\(big\)", res.stderr)
-        assert note and all(int(m) >= 100 for m in note.groups()), res.stderr
+        assert note and all(float(m.split()[0]) * (1024 if m.endswith('GiB') else 1) >= 100 for m in note.groups()), res.stderr
         board = res.displays[-1]["data"]["text/plain"]  # the dashboard's final state says it too
-        assert re.search(r"\+\d+ MB copied from big", board), board
+        assert re.search(r"\+[\d.]+ [MG]iB copied from big", board), board
         k.ok("shared_big = nbddp.shared(big)", timeout=120)
         res = k.ok(cell.format(name="shared_big"), timeout=120)
         assert "copied" not in res.stderr and k.value("total")[0] == sum(i % 7 for i in range(2_000_000))

@@ -135,7 +135,7 @@ def test_the_dashboard_sits_above_the_stream_and_updates_in_place_to_its_final_s
     html, text = final["text/html"], final["text/plain"]
     assert "white-space:nowrap" in html and len(re.findall(r"^\d\s+finished\s", text, re.MULTILINE)) == 2, text
     assert re.search(r"nbddp · 2 ranks · cpu/gloo · finished · \d+\.\d s", text)
-    assert re.search(r"^1\s+finished\s+\d+\.\d s\s+\d+ MB\s+working on rank 1$", text, re.MULTILINE), text
+    assert re.search(r"^1\s+finished\s+\d+\.\d s\s+[\d.]+ MiB\s+working on rank 1$", text, re.MULTILINE), text
     # one table, live and final: the same columns, nothing empty
     header = [ln for ln in text.splitlines() if ln.startswith("rank ")]
     assert header[0].split() == ["rank", "state", "time", "private", "memory", "last", "line"], header
@@ -452,7 +452,8 @@ def merging_relay(world_size=2):
 
 def test_the_merger_keeps_each_ranks_order_and_waits_only_for_ranks_still_writing():
     from nbddp.kernel.supervisor import Output, OutputClosed
-    from nbddp.views.relay import MERGE_S, rank_span
+    from nbddp.units import rank_span
+    from nbddp.views.relay import MERGE_S
 
     assert [rank_span(r) for r in ([0, 1], [0, 1, 2, 5], [3], [0, 2])] == ["0-1", "0-2,5", "3", "0,2"]
     relay, sink = merging_relay(3)

@@ -421,7 +421,7 @@ def test_a_short_cells_final_table_has_every_ranks_private_memory(monkeypatch):
         cols, rows = view.rows()
         if sampled:
             assert sorted(walks) == [1000 + r for r in range(8)], "each rank read once"
-            assert all(row.get("private memory") == "60 MB" for row in rows), rows
+            assert all(row.get("private memory") == "60.0 MiB" for row in rows), rows
         else:
             assert not walks and "private memory" not in cols
 

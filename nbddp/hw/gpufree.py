@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..units import size
 from . import nvml
 
 BUSY_MEMORY_FRACTION = 0.10  # the one threshold: more than this share of a GPU's memory in use = busy
@@ -27,7 +28,7 @@ def why_busy(use: nvml.GpuUse, own_pids: set[int] = frozenset()) -> str | None:
             line += "; it is in exclusive-process mode, so a rank could not create a context there"
         return line
     if use.mem_used is not None and use.mem_total and use.mem_used > BUSY_MEMORY_FRACTION * use.mem_total:
-        return (f"{_gib(use.mem_used)} of its {_gib(use.mem_total)} memory is in use "
+        return (f"{size(use.mem_used)} of its {size(use.mem_total)} memory is in use "
                 f"(over {BUSY_MEMORY_FRACTION:.0%}, by processes NVML does not show here)")
     return None
 
@@ -71,7 +72,7 @@ def _own_pids() -> set[int]:
 
 def _process(pid: int, used: int | None) -> str:
     who = _user(pid)
-    parts = [p for p in (who, _gib(used) if used is not None else None) if p]
+    parts = [p for p in (who, size(used) if used is not None else None) if p]
     return f"pid {pid}" + (f" {' '.join(parts)}" if parts else "")
 
 
@@ -83,6 +84,3 @@ def _user(pid: int) -> str | None:
     except Exception:  # another container's pid, or no permission
         return None
 
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"

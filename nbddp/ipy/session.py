@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..hw import nccl, nvml
+from ..units import size
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Environment:
 
     def __str__(self) -> str:
         gpus = ", ".join(f"cuda:{i} {n}" for i, n in enumerate(self.gpus)) or "none (NVML sees no GPU)"
-        shm = f"{self.shm_free_bytes / 2**30:.1f} GiB free" if self.shm_free_bytes is not None else "n/a"
+        shm = f"{size(self.shm_free_bytes)} free" if self.shm_free_bytes is not None else "n/a"
         return "\n".join([
             f"session:   {self.session} (widgets: {'yes' if self.widgets else 'no'})",
             f"platform:  {self.platform}",

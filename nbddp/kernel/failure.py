@@ -10,6 +10,7 @@ from .. import errors
 from ..ipy import tracebacks
 from ..wire.messages import PHASES, Done, Error, Exit, Result
 from ..errors import RankFailure
+from ..units import ranks_text
 
 # what gloo and NCCL raise in a collective when another rank died or left
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -254,22 +255,6 @@ def interrupted(running: list[int], states: dict[int, str], log_dir: str, fate: 
 
 def _plural(state: str) -> str:
     return "were " + state[4:] if state.startswith("was ") else state
-
-
-def ranks_text(ranks, word: bool = True) -> str:
-    """``rank 3`` / ``ranks 0-15, 17, 20-63``: consecutive ranks as ranges, so 600 ranks fit one line."""
-    ranks = sorted(ranks)
-    spans, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        spans += [str(r) for r in ranks[i:j + 1]] if j <= i + 1 else [f"{ranks[i]}–{ranks[j]}"]
-        i = j + 1
-    text = ", ".join(spans)
-    if not word:
-        return text
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def alone(stuck: dict[int, tuple[str, str]], finished: list[int], log_dir: str, idle=()) -> RankFailure:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from ..ipy import tracebacks
+from ..units import ranks_text
 from . import failure
 
 ALONE_S = 2.0  # a rank still in the cell this long after every other rank answered: where is it?
@@ -72,7 +73,7 @@ class CollectiveProbe:
                 self.shown_still.add(rank)
                 where = tracebacks.where(frames, self.relabel) or "nbddp's own frames (not in the cell's code)"
                 after = time.monotonic() - self.asked_after
-                others = f"{failure.ranks_text(finished)} finished" if finished else "the cell began"
+                others = f"{ranks_text(finished)} finished" if finished else "the cell began"
                 self.say(f"nbddp: rank {rank} is still at {where}, {after:.0f} s after {others}, and its Python "
                          "stack has not moved; Interrupt to stop it.\n")
             self.frames[rank] = tuple(frames)

@@ -11,6 +11,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
+from ..units import size
 from ..ipy.cellcode import names_used, notebook_name, split_last_expression
 from ..wire import values
 
@@ -42,7 +43,7 @@ def pickled_for_ranks(names, namespace: dict, *, wanted=None, unpicklable) -> di
 
 def sent_text(blobs: dict[str, bytes], namespace: dict) -> list[str]:
     """``name (what it is, its size)`` for each value sent, but modules (a module travels by name)."""
-    return [f"{name} ({values.describe(namespace[name])}, {size_text(len(blob))})" for name, blob in blobs.items()
+    return [f"{name} ({values.describe(namespace[name])}, {size(len(blob))})" for name, blob in blobs.items()
             if not isinstance(namespace[name], types.ModuleType)]
 
 
@@ -200,6 +201,3 @@ def reads_of(value) -> set[str]:
         return found
     return set()
 
-
-def size_text(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} B"

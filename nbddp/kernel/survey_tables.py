@@ -10,8 +10,8 @@ from __future__ import annotations
 import html
 
 from ..rank.survey import Survey
+from ..units import ranks_text, size
 from ..views.output import text_table
-from . import failure
 
 
 WIDTH = 110  # characters of a row: JupyterLab's output at 1200 px, sidebar open, in its monospace font
@@ -39,14 +39,14 @@ def who_parts(per_rank: list[dict]) -> tuple:
         have = [i for i, s in enumerate(seen) if s is not None]
         kinds = {(s[0], s[1]) for s in seen if s is not None}
         first = seen[have[0]]
-        size = _size(first[2])
+        shown = "" if first[2] is None else size(first[2])
         if len(have) < ranks:
-            rows.append((name, first[0], f"≠ on {failure.ranks_text(have)} only", size))
+            rows.append((name, first[0], f"≠ on {ranks_text(have)} only", shown))
         elif len(kinds) == 1:
-            rows.append((name, first[0], first[1], size))
+            rows.append((name, first[0], first[1], shown))
         else:
             rows.append((name, " / ".join(sorted({k for k, _ in kinds})),
-                         "≠ " + "; ".join(f"rank {i}: {s[1] or s[0]}" for i, s in enumerate(seen)), size))
+                         "≠ " + "; ".join(f"rank {i}: {s[1] or s[0]}" for i, s in enumerate(seen)), shown))
     head = f"nbddp who · {len(names)} name(s) on {ranks} rank(s); ≠ where ranks disagree in type or shape"
     return head, ("name", "type", "what", "size"), rows
 
@@ -85,7 +85,7 @@ def diff_parts(expr: str, per_rank: list[dict]) -> tuple:
 def _how(fps: list) -> str:
     missing = [i for i, fp in enumerate(fps) if fp is None]
     if missing:
-        return f"missing on {failure.ranks_text(missing)}"
+        return f"missing on {ranks_text(missing)}"
     whats = {fp["what"] for fp in fps}
     if len(whats) > 1:
         return "; ".join(f"rank {i}: {fp['what']}" for i, fp in enumerate(fps))
@@ -98,16 +98,6 @@ def _how(fps: list) -> str:
         return f"largest relative gap {rel:.2g}; {label} {', '.join(parts)}" if rel else \
             f"same norm ({base:.6g}) but other values"
     return "; ".join(f"rank {i}: {fp.get('shown', fp['what'])}" for i, fp in enumerate(fps))
-
-
-def _size(n) -> str:
-    if n is None:
-        return ""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
 
 
 def _table(head: tuple, rows: list, caps: tuple) -> str:

@@ -11,6 +11,7 @@ import functools
 import os
 
 from ..hw import procmem
+from ..units import size
 
 LARGE_ITEMS = 10_000  # a container at least this long is worth watching
 NOTE_BYTES = 100 * 2**20  # a growth this large is worth a note
@@ -78,7 +79,7 @@ def note(copied: dict) -> str | None:
     if not copied:
         return None
     held = dict(pair for _, pairs in copied.values() for pair in pairs)
-    grew = ", ".join(f"rank {r} +{b / 2**20:,.0f} MiB" for r, (b, _) in sorted(copied.items()))
+    grew = ", ".join(f"rank {r} +{size(b)}" for r, (b, _) in sorted(copied.items()))
     which = " and ".join(f"`{n}` ({what})" for n, what in sorted(held.items()))
     fix = "; ".join(f"{n} = nbddp.shared({n})" for n in sorted(held))
     return (f"this cell copied notebook data into its ranks as it read {which}: private memory {grew}. "

@@ -21,9 +21,10 @@ import time
 
 from ..wire.messages import Error, Exit, Ready, Result
 from .iopub import line_bundle, publish_line
-from .monitor import Monitor, duration, mb
+from ..units import ranks_text, size
+from .monitor import Monitor, duration
 from .output import Slot, text_table
-from .relay import last_bar, latest_redraw, progress, rank_span
+from .relay import last_bar, latest_redraw, progress
 
 STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
                  "stopped": "#ef6c00", "interrupted": "#ef6c00"}
@@ -208,12 +209,12 @@ class RunView:
                 row["progress"] = f"{self.progress[r]:.0%}"
             s = mem.get(r)
             if s is not None:  # final: the peak; the rest of RSS is still shared copy-on-write with the notebook
-                row["private memory"] = mb(s.peak_uss if final else s.uss)
-                row["private memory:hover"] = (f"peak: private {mb(s.peak_uss)}, RSS {mb(s.peak_rss)}" if final else
-                                               f"RSS {mb(s.rss)}, of which {mb(s.shared)} shared copy-on-write")
+                row["private memory"] = size(s.peak_uss if final else s.uss)
+                row["private memory:hover"] = (f"peak: private {size(s.peak_uss)}, RSS {size(s.peak_rss)}" if final else
+                                               f"RSS {size(s.rss)}, of which {size(s.shared)} shared copy-on-write")
             if r in self.copied:  # the rank's own figure for the cell: sampling may not have seen it
                 grew, names = self.copied[r]
-                row["private memory"] = f"{row.get('private memory', '')} +{mb(grew)} copied from {names}".strip()
+                row["private memory"] = f"{row.get('private memory', '')} +{size(grew)} copied from {names}".strip()
                 row["private memory:hover"] = f"copied reading {names} (Python objects): nbddp.shared({names}) shares it"
             if dev is not None:
                 row["GPU"] = self._gpu(dev, final)
@@ -231,7 +232,7 @@ class RunView:
             return ""
         used = h.peak_mem if final else g.mem_used
         util = "" if final or g.util_percent is None else f"{g.util_percent:.0f}% · "
-        return f"{util}{mb(used)} / {mb(g.mem_total)}" + (" peak" if final else "")
+        return f"{util}{size(used)} / {size(g.mem_total)}" + (" peak" if final else "")
 
     def render_html(self) -> str:
         cols, rows = self.rows()
@@ -322,8 +323,7 @@ class CellLine:
         self._draw(self.head() + " · running" + self._progress())
 
     def head(self) -> str:
-        ran = list(self.ranks or range(self.plan.world_size))
-        ranks = f"ranks {rank_span(ran)}" if len(ran) > 1 else f"rank {ran[0]}"
+        ranks = ranks_text(self.ranks or range(self.plan.world_size))
         return f"nbddp pool · {self.what} on {ranks} · {duration(time.monotonic() - self.t0)}"
 
     def _progress(self) -> str:

@@ -111,12 +111,6 @@ class Monitor:
         self.lost.add(rank)
 
 
-def mb(n: int | None) -> str:
-    if n is None:
-        return "-"
-    return f"{n / 2**30:.1f} GB" if n >= 10 * 2**30 else f"{n / 2**20:.0f} MB"
-
-
 def duration(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.1f} s"
 

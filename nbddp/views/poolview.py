@@ -17,7 +17,8 @@ import time
 
 from ..wire.messages import Error, Exit, Result
 from .dashboard import CELL
-from .monitor import Monitor, duration, mb, uptime
+from ..units import size
+from .monitor import Monitor, duration, uptime
 from .output import Slot, text_table
 
 REFRESH_S = 1.0  # between cells: sample and redraw if changed
@@ -240,8 +241,8 @@ class PoolView:
             state = self.state[r]
             if state == "busy" and self.running:
                 state = f"busy: {self.running} {time.monotonic() - self.cell_t0:.0f} s"
-            rows.append([str(r), str(self.pids.get(r, "-")), self._device(r, dev), state, mb(s.rss) if s else "-",
-                         mb(s.uss) if s and s.uss else "-", self._life(self.rss[r])])
+            rows.append([str(r), str(self.pids.get(r, "-")), self._device(r, dev), state, size(s.rss) if s else "-",
+                         size(s.uss) if s and s.uss else "-", self._life(self.rss[r])])
         return rows
 
     def _device(self, rank: int, dev) -> str:
@@ -255,7 +256,7 @@ class PoolView:
         if not series.values:
             return ""
         scale = scale or series.scale(MEMORY_FLOOR)
-        figures_text = f" {mb(min(series.values))}–{mb(max(series.values))}" if figures else ""
+        figures_text = f" {size(min(series.values))}–{size(max(series.values))}" if figures else ""
         return LifeCell(series.spark(scale) + figures_text, series.line_html(scale) + html.escape(figures_text))
 
     def gpu_rows(self) -> list[list[str]]:

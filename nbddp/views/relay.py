@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..ipy.session import running_shell
+from ..units import rank_span
 from ..wire import messages
 from ..wire.budget import Budget
 
@@ -41,19 +42,6 @@ def progress(line: str) -> float | None:
     """The fraction a tqdm bar drawn as text shows (``desc: 45%|####5     | 45/100 [...]``), else None."""
     m = TQDM.search(line)
     return min(1.0, int(m.group(1)) / 100) if m else None
-
-
-def rank_span(ranks) -> str:
-    """0,1,2,5 -> "0-2,5": the ranks a merged line came from."""
-    out, run = [], []
-    for r in sorted(ranks):
-        if run and r != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(r)
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
 
 
 class CellSink:

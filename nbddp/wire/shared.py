@@ -30,6 +30,7 @@ from array import array
 import cloudpickle
 
 from ..errors import UsageError
+from ..units import size
 from .sharedbuffer import Buffer, Writer
 
 _BATCH = 8 * 2**20  # bytes pickled before one write to the buffer
@@ -137,11 +138,8 @@ class SharedSequence(collections.abc.Sequence):
     def __repr__(self) -> str:
         head = ", ".join(repr(x) for x in itertools.islice(self, 3))
         more = ", ..." if len(self) > 3 else ""
-        return f"nbddp.shared([{head}{more}]) ({len(self):,} items, {_mib(self._buf.size)} shared)"
+        return f"nbddp.shared([{head}{more}]) ({len(self):,} items, {size(self._buf.size)} shared)"
 
     def __reduce__(self):
         return SharedSequence, (self._buf, *self._layout, self._index)
 
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"

@@ -21,6 +21,7 @@ import types
 
 import cloudpickle
 
+from ..units import size
 from .messages import Item
 
 NEVER_DEFINED = "never defined"  # an --out/--gather name the cell did not define on that rank
@@ -202,13 +203,10 @@ def pack(obj, *, max_bytes: int, notebook: dict | None = None) -> Item:
     except Exception as e:  # noqa: BLE001
         return Item(problem=f"{describe(obj)} cannot be pickled: {type(e).__name__}: {e}")
     if len(blob) > max_bytes:
-        return Item(problem=f"{describe(obj)} is {_mb(len(blob))} pickled, over the limit of {_mb(max_bytes)} "
+        return Item(problem=f"{describe(obj)} is {size(len(blob))} pickled, over the limit of {size(max_bytes)} "
                             "(--max-value-mb): send a smaller part, or save it to a file and load it in the notebook")
     return Item(blob=blob)
 
-
-def _mb(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def describe(obj) -> str:
