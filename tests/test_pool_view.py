@@ -34,6 +34,11 @@ def wait_update(k, display_id: str, predicate, timeout: float = 20, on_text=None
     raise AssertionError(f"no update of {display_id} matched within {timeout} s; last: {seen[-1:]}")
 
 
+def own_line(res) -> str:
+    """A pool cell's own line, as it was drawn last."""
+    return [d for d in res.displays if d.get("transient", {}).get("display_id", "").startswith("nbddp-line-")][-1]["data"]["text/plain"]
+
+
 def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(clean_kernel):
     k = clean_kernel
     start = k.ok("%ddp start --devices 2")
@@ -52,11 +57,12 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
 
         long_res = k.collect(long_cell, timeout=60, on_message=watch)
         assert any("busy: Cell In[" in t for t in busy), busy
-        # the cell itself gets no dashboard, only its one line, live from the first tick (a 2.5 s cell), ending
-        # as the final line in the same output (the start cell's view has the detail)
+        # the cell itself gets no dashboard, only its one line: its place as the cell begins, live from the first
+        # tick (a 2.5 s cell), ending as the final line in the same output (the start cell's view has the detail)
         own = [d for d in long_res.displays if d.get("transient", {}).get("display_id") != did]
         assert len({d["transient"]["display_id"] for d in own}) == 1, own
-        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 1\.\d s · running", own[0]["data"]["text/plain"]), own
+        assert own[0]["data"]["text/plain"] == "nbddp pool · cell on ranks 0-1 · running", own
+        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 1\.\d s · running", own[1]["data"]["text/plain"]), own
         assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 2\.\d s · ok", own[-1]["data"]["text/plain"]), own
         # between cells, on the kernel's own loop: the cell is listed, the ranks idle, their memory grew
         after = wait_update(k, did, lambda t: "1 cell run" in t and "busy" not in t)
@@ -68,15 +74,15 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         # a quick cell adds a line too; a failed one says so
         kinds = []
         quick = k.collect(k.execute("%%ddp\nprint(rank)\nrank + 40\n"), on_message=lambda kind, _: kinds.append(kind))
-        # the summary after the ranks' text and before Out[] (it is sent on ipykernel's IO thread, in order)
-        assert [m for m in kinds if m in ("stream", "display_data", "execute_result")][-2:] == \
-            ["display_data", "execute_result"], kinds
+        # the line's place first, above the ranks' text (queued on ipykernel's IO thread, in order), Out[] last
+        shown = [m for m in kinds if m in ("stream", "display_data", "execute_result")]
+        assert shown[0] == "display_data" and shown.count("display_data") == 1 and shown[-1] == "execute_result", kinds
         assert quick.result == "40", quick
-        line = quick.displays[-1]["data"]["text/plain"]
+        line = own_line(quick)
         assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · [\d.]+ ms · ok", line), quick.displays
         assert sorted(quick.stdout.splitlines()) == ["[rank0]:0", "[rank1]:1"]
         failed = k.run("%%ddp\nraise ValueError('boom')\n")
-        assert failed.displays[-1]["data"]["text/plain"].endswith(
+        assert own_line(failed).endswith(
             "· failed: rank 0 ValueError, rank 1 ValueError"), failed.displays
         after = wait_update(k, did, lambda t: "3 cells run" in t)
         assert after.count(" · ok") == 2 and " · failed" in after, after
@@ -103,14 +109,15 @@ def test_pool_cells_looped_in_one_notebook_cell_show_their_lines_while_it_runs(c
                              f"    get_ipython().run_cell_magic('ddp', '', 'x = rank + ' + str(i) + ';')\n"
                              f"time.sleep(2)")
 
-            def watch(kind, content):
-                if kind == "display_data" and content["data"]["text/plain"].startswith("nbddp pool · "):
+            def watch(kind, content):  # each line's final state (its place, reserved as its cell began, filled)
+                if kind == "update_display_data" and content["data"]["text/plain"].startswith("nbddp pool · "):
                     got.append(time.monotonic())
 
             res = k.collect(cell, timeout=60, on_message=watch)
             done = time.monotonic()
             assert res.status == "ok" and len(got) == rounds, res
-            lines = [d["data"]["text/plain"] for d in res.displays if "transient" not in d or not d["transient"]]
+            lines = [d["data"]["text/plain"] for d in res.displays
+                     if d["transient"].get("display_id", "").startswith("nbddp-line-") and "· running" not in d["data"]["text/plain"]]
             assert len(lines) == rounds and all(re.fullmatch(r"nbddp pool · cell on ranks 0-1 · [\d.]+ ms · ok", t)
                                                 for t in lines), res.displays
             assert done - got[-1] > 1.0, f"the lines came with the cell's end, not while it ran ({done - got[-1]:.2f} s)"

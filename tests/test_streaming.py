@@ -523,11 +523,14 @@ def test_the_nbval_sanitizer_makes_a_runs_first_and_last_views_alike():
             "0     finished  1.9 s  76 MB           epoch 2\nlogs: /tmp/x/20261122-190121.161910023-3769-73e176")
     assert clean(first) == clean(last) == "NBDDP-DASHBOARD"
     assert clean("nbddp pool · cell on ranks 0-1 · 1.7 ms · ok") == clean("nbddp pool · cell on ranks 0-1 · 2.3 s · ok")
-    # a pool cell's line: nbval sees its first state (live: "running") where the saved notebook has its last
-    assert clean("nbddp pool · cell on ranks 0-1 · 1.2 s · running · rank 0 40%, rank 1 38%") == \
+    # a pool cell's line: nbval sees its first state (its place, reserved: "running") where the saved notebook
+    # has its last
+    assert clean("nbddp pool · cell on ranks 0-1 · running") == \
+        clean("nbddp pool · cell on ranks 0-1 · 1.2 s · running · rank 0 40%, rank 1 38%") == \
         clean("nbddp pool · cell on ranks 0-1 · 2.3 s · failed: rank 1 ValueError") == \
         "nbddp pool · cell on ranks 0-1 · TIME · OUTCOME"
     bars = ["[rank1]:epoch 1:   0%|          | 0/20 [00:00<?, ?it/s]", "[rank0]:epoch 1: 100%|##########| 20/20 [00:01]"]
     assert clean(bars[0]) == clean(bars[1]) == "[rankN]:epoch 1: PROGRESS-BAR"
     assert clean("ready in 0.07 s, 12 MB, Cell In[12], pid 4242") == "ready in TIME s, N MB, Cell In[N], pid PID"
+    assert clean("12.3 KiB") == clean("123 MiB") == clean("1.2 GiB") == "N MB", "every size units.size writes"
     assert clean("[rank0-1]:epoch 0 mean loss 0.4686") == "[rank0-1]:epoch 0 mean loss 0.4686", "the user's own output stays"

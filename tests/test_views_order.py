@@ -164,28 +164,91 @@ def test_bars_stay_in_rank_order_across_epochs_in_a_real_cell(clean_kernel):
         assert all(row.startswith(f"[rank{r}]:epoch {epoch}: 100%") for r, row in enumerate(rows)), rows
 
 
+def line_messages(seq) -> list:
+    """(kind, content) of the pool cell's own line (its display id), in order."""
+    return [(kind, c) for kind, c in seq if kind in ("display_data", "update_display_data")
+            and c.get("transient", {}).get("display_id", "").startswith("nbddp-line-")]
+
+
+def outputs(seq) -> list[str]:
+    """The cell's outputs as they land, in order: "line" (the line's own output, made), "text" (a stream),
+    "display" (another output made: a bar, a rank's display), "error", "out" (Out[]). Updates (the line's, the
+    pool view's in the %ddp start cell) make no output."""
+    shown = []
+    for kind, c in seq:
+        did = c.get("transient", {}).get("display_id", "") if isinstance(c, dict) else ""
+        if kind == "display_data":
+            shown.append("line" if did.startswith("nbddp-line-") else "display")
+        elif kind in ("stream", "error"):
+            shown.append("text" if kind == "stream" else "error")
+        elif kind == "execute_result":
+            shown.append("out")
+    return shown
+
+
+def run_seq(k, code, timeout=60):
+    seq = []
+    res = k.collect(k.execute(code), timeout=timeout, on_message=lambda kind, c: seq.append((kind, c)))
+    return res, seq
+
+
 def test_a_pool_cell_shows_its_own_live_line_that_ends_as_its_final_line(runs_dir):
     """A pool cell past its first second: its own line, live each tick (running, each rank's progress), then
-    the final line in the same output; a quick cell: the one final line only."""
+    the final line in the same output; a quick cell: its place, then its final line there."""
     k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
     try:
         k.ok("%load_ext nbddp")
         k.ok("%ddp start --devices 2")
-        seq = []
-        res = k.collect(k.execute("%%ddp\nimport time\nfrom tqdm.auto import tqdm\n"
-                                  "for i in tqdm(range(30), desc='train'):\n    time.sleep(0.1)\n"),
-                        timeout=60, on_message=lambda kind, c: seq.append((kind, c)))
+        res, seq = run_seq(k, "%%ddp\nimport time\nfrom tqdm.auto import tqdm\n"
+                              "for i in tqdm(range(30), desc='train'):\n    time.sleep(0.1)\n")
         assert res.error is None, res.error_text
-        lines = [(kind, c) for kind, c in seq if kind in ("display_data", "update_display_data")
-                 and c.get("transient", {}).get("display_id", "").startswith("nbddp-line-")]
+        lines = line_messages(seq)
         assert lines and lines[0][0] == "display_data" and all(kind == "update_display_data" for kind, _ in lines[1:])
         texts = [c["data"]["text/plain"] for _, c in lines]
-        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 1\.\d s · running( · .*)?", texts[0]), texts
+        assert texts[0] == "nbddp pool · cell on ranks 0-1 · running", texts  # its place, as the cell began
+        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 1\.\d s · running( · .*)?", texts[1]), texts
         assert any(re.search(r"· running · rank 0 \d+%, rank 1 \d+%$", t) for t in texts), texts
         assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · \d\.\d s · ok", texts[-1]), texts
-        quick = k.ok("%%ddp\nrank")
-        assert [d["data"]["text/plain"][-4:] for d in quick.displays if "transient" not in d
-                or not d["transient"].get("display_id", "").startswith("nbddp-pool-")] == ["· ok"], quick.displays
+        quick, seq = run_seq(k, "%%ddp\nrank")
+        assert [c["data"]["text/plain"].rsplit(" · ", 1)[-1] for _, c in line_messages(seq)] == ["running", "ok"], seq
+        k.ok("%ddp stop")
+    finally:
+        k.shutdown()
+
+
+def test_a_pool_cells_line_is_the_first_of_its_outputs_never_between_its_lines(runs_dir):
+    """Issue 42: the live line was published at the first tick, after the text so far, and the text after it
+    ran below it (stream, stream, display, stream): in the browser it sat in the middle of the output. Its
+    place is now reserved before any of the cell's output, whatever the cell does: text before and after
+    its first second, a quick cell, a failure, a tqdm bar (a display of its own), and a notebook cell that
+    printed before it ran a pool cell (that text was the notebook cell's first)."""
+    k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)})
+    try:
+        k.ok("%load_ext nbddp")
+        k.ok("%ddp start --devices 2")
+        cells = {
+            "long": ("%%ddp\nimport time\nprint('before its first second', flush=True)\nfor i in range(4):\n"
+                     "    time.sleep(0.4)\n    print(f'step {i}', flush=True)\n", "ok"),
+            "quick": ("%%ddp\nprint('hello')\nrank\n", "ok"),
+            "failed": ("%%ddp\nimport time\nprint('start', flush=True)\ntime.sleep(1.3)\nprint('more', flush=True)\n"
+                       "raise ValueError('boom')\n", "failed: rank 0 ValueError, rank 1 ValueError"),
+            "bars": ("%%ddp\nimport time\nfrom tqdm.auto import tqdm\nprint('epoch 1', flush=True)\n"
+                     "for i in tqdm(range(15)):\n    time.sleep(0.1)\nprint('done', flush=True)\n", "ok"),
+        }
+        for name, (code, outcome) in cells.items():
+            for _ in range(2):  # the second: the IO thread's queue already ticking from the first line
+                res, seq = run_seq(k, code)
+                shown = outputs(seq)
+                assert shown[0] == "line" and shown.count("line") == 1, (name, shown)
+                assert "text" in shown, (name, shown)
+                lines = line_messages(seq)
+                assert all(kind == "update_display_data" for kind, _ in lines[1:]), (name, lines)
+                assert lines[-1][1]["data"]["text/plain"].endswith(f"· {outcome}"), (name, lines[-1])
+        # text the notebook cell wrote before it ran a pool cell stays above that cell's line
+        res, seq = run_seq(k, "print('the notebook first')\nget_ipython().run_cell_magic('ddp', '', 'print(rank)')\n")
+        shown = outputs(seq)
+        first_text = next(c["text"] for kind, c in seq if kind == "stream")
+        assert shown[:3] == ["text", "line", "text"] and first_text.startswith("the notebook first"), (shown, seq)
         k.ok("%ddp stop")
     finally:
         k.shutdown()

@@ -9,18 +9,18 @@ and the start of each rank's last line (or its exception). A column no rank has 
 out. All updates happen on the kernel's main thread, at the supervisor's 1 Hz tick.
 
 A pool cell gets no dashboard of its own (the ``%ddp start`` cell's view follows every rank): one line
-(``CellLine``) says what runs, on which ranks, how long and how it ended: written once at the end of a
-quick cell, live from the first tick of a longer one.
+(``CellLine``) says what runs, on which ranks, how long and how it ended, always the first of the cell's
+outputs: its place reserved as the cell begins, filled at the end of a quick cell, live from the first
+tick of a longer one.
 """
 from __future__ import annotations
 
 import html
 import re
-import sys
 import time
 
 from ..wire.messages import Error, Exit, Ready, Result
-from .iopub import line_bundle, publish_line
+from .iopub import line_bundle, publish_line, unsent
 from ..units import ranks_text, size
 from .monitor import Monitor, duration
 from .output import Slot, text_table
@@ -277,11 +277,13 @@ class RunView:
 class CellLine:
     """A pool cell's one line in its own output: what runs, on which ranks, how long, and how it ended.
 
-    A cell that ends within a second gets the line once, at the end, queued on ipykernel's IO thread
-    (iopub.py): it costs a quick cell only that. A longer cell shows the line from the pool's first tick
-    (its supervisor's 1 Hz ``Tick``), live: running for how long, each rank's tqdm progress, published as
-    display data and updated in place by display id each tick (a ``Slot``), and ends as the same final line,
-    in the same place. The pool's own view (the ``%ddp start`` cell) carries the detail."""
+    The line is the first of the cell's outputs, always: its place is reserved as the cell begins, before
+    any rank's text or display (``running``), queued on ipykernel's IO thread without a wake (iopub.py), so a
+    quick cell pays next to nothing for it; its final line fills that place (an update, queued the same
+    way). A cell past its first second has it live from the pool's first tick (its supervisor's 1 Hz
+    ``Tick``): running for how long, each rank's tqdm progress, updated in place by display id (a ``Slot``),
+    ending as the final line. Updates never move an output, so the ranks' lines all run below it. The
+    pool's own view (the ``%ddp start`` cell) carries the detail."""
 
     LIVE_RANKS = 4  # ranks named one by one in the live line; beyond, the range of their progress
 
@@ -291,12 +293,20 @@ class CellLine:
         self.plan = None
         self.failed: dict[int, str] = {}
         self.progress: dict[int, float] = {}  # rank -> its last tqdm fraction (live line only)
-        self.wrote = False
-        self.slot: Slot | None = None  # the live line's output, from the first tick on
+        self.slot: Slot | None = None  # the line's output (live): its place, reserved as the cell begins
+        self.ticked = False  # a tick drew the live line in it
         self.finished = False  # the final line is drawn: ticks after it (a pool's health check) draw nothing
 
     def begin(self, plan, run_dir) -> None:
+        """The line's place at the top of the cell's output. Queued without a wake, it goes out before any
+        text written after it (ipykernel wakes its IO thread for that text, and sends in order); text this
+        notebook cell wrote just before, still unsent, is flushed first."""
         self.plan, self.t0 = plan, time.monotonic()
+        if self.live:
+            self.slot = Slot("nbddp-line-")
+            line = self.head(timed=False) + " · running"
+            self.slot.drawn = line_bundle(line)
+            publish_line(line, flush=unsent(), display_id=self.slot.display_id)
 
     def on_Started(self, event) -> None:
         pass
@@ -307,7 +317,6 @@ class CellLine:
             self.failed.setdefault(event.rank, getattr(rec, "type", "exit"))
 
     def on_Output(self, event) -> None:
-        self.wrote = True  # the relay put text on the kernel's streams: it goes out before the line
         if b"%|" in event.data:  # (a tqdm bar's redraw: a quick cell's output pays one search)
             text = last_bar(event.data.decode("utf-8", "replace"))
             if text is not None:
@@ -318,13 +327,15 @@ class CellLine:
 
     def on_Tick(self, event) -> None:
         """The pool's tick while the cell runs (a cell past its first second): the live line, in place."""
-        if self.plan is None or not self.live or self.finished:
+        if self.slot is None or self.finished:
             return
-        self._draw(self.head() + " · running" + self._progress())
+        self.ticked = True
+        self.slot.update(line_bundle(self.head() + " · running" + self._progress()))
 
-    def head(self) -> str:
+    def head(self, timed: bool = True) -> str:
         ranks = ranks_text(self.ranks or range(self.plan.world_size))
-        return f"nbddp pool · {self.what} on {ranks} · {duration(time.monotonic() - self.t0)}"
+        took = f" · {duration(time.monotonic() - self.t0)}" if timed else ""
+        return f"nbddp pool · {self.what} on {ranks}{took}"
 
     def _progress(self) -> str:
         if not self.progress:
@@ -345,22 +356,12 @@ class CellLine:
         else:
             outcome = "failed" if error is not None else "ok"
         line = f"{self.head()} · {outcome}"
-        if self.slot is not None:  # the live line ends as the final one, where it is
-            self._draw(line)
-        elif self.live:
-            publish_line(line, flush=self.wrote)
+        if self.ticked:  # the live line ends as the final one, where it is
+            self.slot.update(line_bundle(line))
+        elif self.slot is not None:  # a quick cell's: its place filled, queued as it was reserved
+            publish_line(line, flush=False, display_id=self.slot.display_id, update=True)
         else:
             print(line)
-
-    def _draw(self, line: str) -> None:
-        if self.slot is None:
-            self.slot = Slot("nbddp-line-")
-            sys.stdout.flush()  # what the ranks wrote so far goes above it
-            sys.stderr.flush()
-            self.slot.show(line_bundle(line))
-        else:
-            self.slot.update(line_bundle(line))
-
 
 def _cut(text: str, width: int = 80) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"

@@ -1,9 +1,11 @@
 """A pool cell's line onto the kernel's iopub socket, made and sent on ipykernel's IO thread, with its next
-wake rather than one of its own.
+wake rather than one of its own: its place as the cell begins (a display id), and a quick cell's final line
+there (an update).
 
 IPython's display machinery costs ~0.8 ms a call; ipykernel's IO thread makes and sends every iopub
 message in the order they were queued, so a message queued there goes out in order with the kernel's own
-(the cell's text before it, its ``Out[]`` and the kernel's idle status after it). Waking that thread for the
+(the place before the cell's first text or display, whose write wakes the thread; the final line before
+the cell's ``Out[]`` and the kernel's idle status). Waking that thread for the
 line costs the cell ~0.17 ms of a ~1.2 ms pool cell (the wake, then the thread takes the GIL to make and
 send the message while the cell ends; measured interleaved, the thread drained between cells as between
 notebook cells). So the line is queued without a wake: the kernel's next message (the cell's ``Out[]``, its
@@ -25,30 +27,33 @@ LATE_S = 0.1  # at most this late: a line no message of the kernel's sent
 IDLE_S = 30.0  # the tick stops after this long without a line
 
 
-def publish_line(line: str, flush: bool) -> None:
+def publish_line(line: str, flush: bool, display_id: str | None = None, update: bool = False) -> None:
     """A one-line static summary (``text/plain``, grey ``text/html``) as display data. ``flush``: the
-    cell wrote text to the kernel's streams, which goes first."""
+    cell wrote text to the kernel's streams, which goes first. ``display_id``: its output's id, for later
+    updates (``update``: this one redraws that output in place, wherever it is)."""
     data = line_bundle(line)
+    transient = {"display_id": display_id} if display_id else {}
     pub = getattr(running_shell(), "display_pub", None)
     session, socket = getattr(pub, "session", None), getattr(pub, "pub_socket", None)
     if session is None or socket is None:  # not ipykernel's publisher: the ordinary way
         from IPython.display import publish_display_data
 
-        publish_display_data(data)
+        publish_display_data(data, transient=transient or None, update=update)
         return
     if flush:
         sys.stdout.flush()
         sys.stderr.flush()
-    content, parent, ident = {"data": data, "metadata": {}, "transient": {}}, pub.parent_header, pub.topic
+    content, parent, ident = {"data": data, "metadata": {}, "transient": transient}, pub.parent_header, pub.topic
+    kind = "update_display_data" if update else "display_data"
     io_thread = getattr(socket, "io_thread", None)
     later = _later(io_thread)
     if later is None:  # no IO thread to queue on: sent from here
-        session.send(socket, "display_data", content, parent=parent, ident=ident)
+        session.send(socket, kind, content, parent=parent, ident=ident)
         return
 
     def send():
         if io_thread.socket is not None:  # (None once the kernel is shutting down)
-            session.send(io_thread.socket, "display_data", content, parent=parent, ident=ident)
+            session.send(io_thread.socket, kind, content, parent=parent, ident=ident)
 
     later.queue(send)
 
@@ -56,6 +61,12 @@ def publish_line(line: str, flush: bool) -> None:
 def line_bundle(line: str) -> dict:
     """A pool cell's line as display data: its text, and the same in small grey HTML."""
     return {"text/plain": line, "text/html": f"<div style='color:#888;font-size:smaller'>{html.escape(line)}</div>"}
+
+
+def unsent() -> bool:
+    """Whether the kernel's streams hold text not sent yet (ipykernel's: a flush is pending). Text written
+    once nothing is pending wakes the IO thread, so a line queued before it goes out first."""
+    return any(getattr(s, "_flush_pending", False) for s in (sys.stdout, sys.stderr))
 
 
 def _queueable(io_thread) -> bool:
