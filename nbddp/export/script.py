@@ -71,13 +71,58 @@ def _nbddp_show(value):
     print(pretty(value))
 '''
 
-SETUP = '''
+GROUPS = '''
+
+_nbddp_groups = {"store": None, "rank": 0, "world_size": 1, "made": 0, "kept": []}
+
+
+def _nbddp_group_calls():
+    """The cells' own process-group calls behave as they did in the notebook, where every %%ddp cell ran
+    in a group nbddp made (installed before any cell, so a library's calls go through them too):
+    - init_process_group() while a group is up joins it: it does nothing;
+    - destroy_process_group() is real (what follows sees no group); the group's object is kept until the
+      script ends, as in the notebook: freed while its worker thread still drops a finished collective,
+      gloo's teardown can deadlock;
+    - an init after a destroy makes a new group with the same ranks, on the first group's store under a key
+      prefix of its own: torch names a re-made group as it named the first one, whose keys are still in
+      torchrun's store, and a plain second init would wait forever for peers at the old addresses."""
+    import functools
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+
+    init, destroy, groups = c10d.init_process_group, c10d.destroy_process_group, _nbddp_groups
+
+    @functools.wraps(init)
+    def init_process_group(*args, **kwargs):
+        if dist.is_initialized():
+            return None
+        call = inspect.signature(init).bind(*args, **kwargs)
+        if groups["store"] is not None and call.arguments.get("store") is None:
+            call.arguments.update(init_method=None, rank=groups["rank"], world_size=groups["world_size"],
+                                  store=dist.PrefixStore(f"nbddp-group-{groups['made']}", groups["store"]))
+        init(*call.args, **call.kwargs)
+        groups["made"] += 1
+        if groups["store"] is None:
+            groups.update(store=c10d._get_default_store(), rank=dist.get_rank(), world_size=dist.get_world_size())
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None):
+        if group is None or group is c10d.GroupMember.WORLD:
+            groups["kept"].extend(getattr(c10d._world, "pg_map", ()))
+        else:
+            groups["kept"].append(group)
+        return destroy(group)
+
+    dist.init_process_group = c10d.init_process_group = init_process_group
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
+
 
 def _nbddp_process_group():
-    """What %%ddp did before running the cell: the process group and this rank's device. A notebook cell
-    run above may have made the group already (accelerate's PartialState(), Lightning, its own
-    init_process_group: in the kernel they made none, here torchrun's environment makes them): that group
-    is used, never a second one."""
+    """What %%ddp did before running the cell: the process group and this rank's device. A cell above may
+    have made the group already (accelerate's PartialState(), Lightning, its own init_process_group: in
+    the kernel they made none, here torchrun's environment makes them): that group is used, never a second
+    one; a cell above that destroyed it leaves this cell a new one, as each %%ddp cell had one."""
     local_rank = int(os.environ["LOCAL_RANK"])
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -88,28 +133,19 @@ def _nbddp_process_group():
     return dist.get_rank(), local_rank, dist.get_world_size(), device
 
 
-def _nbddp_joins(init):
-    """A %%ddp cell's own init_process_group() joins the group its rank is in, as in the notebook (nbddp's
-    ranks start in one): called while a group is up it does nothing; after destroy_process_group() it
-    makes a new one."""
-    import functools
-
-    @functools.wraps(init)
-    def init_process_group(*args, **kwargs):
-        if not dist.is_initialized():
-            return init(*args, **kwargs)
-
-    return init_process_group
-
-
-rank, local_rank, world_size, device = _nbddp_process_group()
-dist.init_process_group = _nbddp_joins(dist.init_process_group)
+_nbddp_group_calls()
 '''
+
+SETUP = "rank, local_rank, world_size, device = _nbddp_process_group()\n"
 
 FOOTER = '''
 if dist.is_initialized():  # a cell may have destroyed the group itself, as torchrun scripts do
     dist.barrier()  # every rank is past its last collective before the group is torn down
     dist.destroy_process_group()
+if _nbddp_groups["kept"]:  # the destroyed groups go now, not as the interpreter exits (gloo can abort there)
+    import time
+    time.sleep(0.1)  # the GIL free a moment: a group's worker still dropping a finished collective finishes
+    _nbddp_groups["kept"].clear()
 '''
 
 IMPORTS = {"subprocess": "import subprocess", "io": "import contextlib\nimport io"}
@@ -156,10 +192,13 @@ def _names(code: str) -> tuple[set[str], set[str]]:
 
 
 def export_cells(cells: list[str], source: str = "a notebook", script: str = "train.py",
-                 failed: dict[int, str] | None = None) -> str:
-    """The script for these cells (in execution order). ``failed``: the cells (their index here) that
+                 failed: dict[int, str] | None = None,
+                 left_out: list[tuple[int | None, str]] | None = None) -> str:
+    """The script for these cells (in the notebook's order). ``failed``: the cells (their index here) that
     failed in the session, and why: left out, with a comment where they were (a typo the user fixed in
-    the next cell must not end the script)."""
+    the next cell must not end the script). ``left_out``, for a session's cells (each cell once, in the
+    order the cells first ran: kernel/history.py): the runs not in the script, as (the index of their
+    cell here, or None for a deleted cell; what happened), said in the header for the cells it keeps."""
     failed = {i: _left_out(i, cells[i], why) for i, why in (failed or {}).items() if i < len(cells)}
     cells = ["" if _skipped(c) or i in failed else c for i, c in enumerate(cells)]
     ddp_positions = [i for i, c in enumerate(cells) if is_ddp(c)]
@@ -181,7 +220,6 @@ def export_cells(cells: list[str], source: str = "a notebook", script: str = "tr
             needed |= used
     nproc = 2
     parts = []
-    setup_done = False
     in_notebook_cells = False
     for i in sorted(keep | {i for i in failed if i < ddp_positions[-1]}):
         if i in failed:
@@ -198,13 +236,25 @@ def export_cells(cells: list[str], source: str = "a notebook", script: str = "tr
             in_notebook_cells = False
         options, _ = _split_magic(cells[i])
         nproc = _devices(options) or nproc
-        if not setup_done:
-            parts.append(SETUP)
-            setup_done = True
-        parts.append(f"\n# --- %%ddp cell {i + 1} ({options or 'no options'}) ---\n{_with_result(python[i])}\n")
+        parts.append(f"\n# --- %%ddp cell {i + 1} ({options or 'no options'}) ---\n{SETUP}{_with_result(python[i])}\n")
     helpers = "".join(f"{IMPORTS[n]}\n" for n in sorted(needs) if n in IMPORTS)
-    helpers += RANDOM_STATE + (TIME_HELPERS if "time" in needs else "")
-    return HEADER.format(source=source, nproc=nproc, script=script) + helpers + "".join(parts) + FOOTER
+    helpers += RANDOM_STATE + GROUPS + (TIME_HELPERS if "time" in needs else "")
+    header = HEADER.format(source=source, nproc=nproc, script=script)
+    if left_out is not None:
+        header += _session_note(left_out, shown=keep | set(failed))
+    return header + helpers + "".join(parts) + FOOTER
+
+
+def _session_note(left_out: list[tuple[int | None, str]], shown: set[int]) -> str:
+    """The header's word on a session's cells: which run of each cell is here, in which order, and the
+    runs left out (of the cells the script holds, and deleted cells)."""
+    note = ("\n# Each notebook cell once, as it last ran without an error, in the order the cells first ran in\n"
+            "# the session (the kernel never sees the notebook's layout: a cell inserted above another and run\n"
+            "# after it comes after it). Cells are known by the id the notebook sends, else by their text.\n")
+    lines = [what for i, what in left_out if i is None or i in shown]
+    if lines:
+        note += "# Runs of the session left out:\n" + "".join(f"#   {' '.join(what.split())}\n" for what in lines)
+    return note
 
 
 def _left_out(i: int, cell: str, why: str, shown: int = 3) -> str:

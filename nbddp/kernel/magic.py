@@ -15,6 +15,7 @@ from ..ipy import cellcode, cells, tracebacks
 from ..views.display import line_for_pool_cell, view_for_session
 from ..wire import messages, values
 from . import checks, engine, options, sending
+from .history import History, request_metadata
 
 COMPILED_KEPT = 64
 
@@ -64,7 +65,7 @@ _write_script = None  # what %ddp_export writes the script with (register_export
 
 
 def register_exporter(export_cells) -> None:
-    """``export_cells(cells, source=, script=, failed=)`` writes ``%ddp_export``'s torchrun script
+    """``export_cells(cells, source=, script=, failed=, left_out=)`` writes ``%ddp_export``'s torchrun script
     (export/script.py). export/ reads the options table, so it sits above the kernel: the package that
     loads the magics registers it (nbddp's ``__init__``), and the magic names no export module."""
     global _write_script
@@ -91,21 +92,22 @@ class DDPMagics(Magics):
 
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
-        self.cells: list[str] = []
-        self.failed: list[tuple[int, int | None, str]] = []  # (index in cells, execution count, why): not exported
+        self.history = History()  # the session's cells, each once, for %ddp_export (history.py)
         self.pool = None  # %ddp start's Pool, while one runs
         self.pool_options = ""
         self._pdb_back = False  # %pdb was on and a cell's traceback was shown without it (_ranks_debug_themselves)
         self._compiled: dict[str, tuple] = {}  # cell text -> (source, names read, execution count, file name)
         if shell is not None:
             self.unregister_events(shell)  # %reload_ext: one recorder, not two
+            self.history.loaded(shell)
             for event, handler in (("pre_run_cell", self._record), ("post_run_cell", self._ran)):
                 shell.events.register(event, handler)
                 DDPMagics._handlers.append((shell, event, handler))
             shell.input_transformers_cleanup.append(keep_empty_body)
 
     def _record(self, info) -> None:
-        self.cells.append(info.raw_cell)
+        meta = request_metadata(self.shell, info)  # the front end's cell id, and the cells it deleted
+        self.history.started(info.raw_cell, meta.get("cellId"), meta.get("deletedCells"))
         pool = self.pool
         if pool is not None and pool.alive and not info.raw_cell.lstrip().startswith(("%%ddp", "%ddp")):
             # what this notebook cell binds is the notebook's latest word, sent even if equal to an older value
@@ -131,9 +133,8 @@ class DDPMagics(Magics):
         if self._pdb_back:
             self.shell.call_pdb, self._pdb_back = True, False
         error = result.error_before_exec or result.error_in_exec
-        if error is not None and self.cells:
-            why = f"{type(error).__name__}: {error}".strip().rstrip(":")
-            self.failed.append((len(self.cells) - 1, result.execution_count, why))
+        why = None if error is None else f"{type(error).__name__}: {error}".strip().rstrip(":")
+        self.history.ended(getattr(getattr(result, "info", None), "raw_cell", None), result.execution_count, why)
 
     @classmethod
     def unregister_events(cls, shell) -> None:
@@ -328,13 +329,11 @@ class DDPMagics(Magics):
         path = line.strip() or "train.py"
         if _write_script is None:
             raise UsageError("%ddp_export: load the magics with %load_ext nbddp (it hands them the script writer).")
-        # cells as typed ("%%ddp ...", not run_cell_magic(...)); front ends that run cells without
-        # storing history (nbval, some IDEs) still reach pre_run_cell, which nbddp records from %load_ext on
-        # (cells that failed, by execution count in the history, else by place in ours, are left out)
-        history = self.shell.history_manager.input_hist_raw[1:]
-        failed = {n - 1: why for _, n, why in self.failed if n} if history else {i: why for i, _, why in self.failed}
+        # each cell once, as typed ("%%ddp ...", not run_cell_magic(...)) and last run without an error
+        session = self.history.export()
         with open(path, "w") as f:
-            f.write(_write_script(history or self.cells, source="this notebook session", script=path, failed=failed))
+            f.write(_write_script(session.cells, source="this notebook session", script=path, failed=session.failed,
+                                  left_out=session.left_out))
         print(f"wrote {path}: its first lines give the torchrun command")
 
 
