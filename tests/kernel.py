@@ -66,6 +66,45 @@ class Kernel:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
+        self.stray: dict[str, list] = {}  # iopub messages of other requests, set aside by collect (follow)
+        self.shared = False  # another client of a kernel someone else started (another_client)
+
+    def another_client(self) -> "Kernel":
+        """A second front end on this kernel (a reloaded page, a second tab): its own session and requests."""
+        from jupyter_client.session import Session
+
+        other = Kernel.__new__(Kernel)  # (a session of its own: its shell socket's identity is its session id)
+        session = Session(key=self.km.session.key, signature_scheme=self.km.session.signature_scheme)
+        other.km, other.kc = self.km, self.km.client(session=session)
+        other.kc.start_channels()
+        other.kc.wait_for_ready(timeout=60)
+        other.stray, other.shared = {}, True
+        return other
+
+    def follow(self, msg_id: str, until, timeout: float = 60) -> CellResult:
+        """What arrives for request ``msg_id`` after its reply (a background cell's output), from what other
+        cells' collection set aside and what arrives now, until ``until(result)`` holds, or fail at the deadline."""
+        res = CellResult()
+        deadline = time.monotonic() + timeout
+        pending = self.stray.pop(msg_id, [])
+        while not until(res):
+            if pending:
+                msg = pending.pop(0)
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"follow: not there within {timeout}s; so far: {res}")
+                try:
+                    msg = self.kc.get_iopub_msg(timeout=min(left, 0.5))
+                except queue.Empty:
+                    continue
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    self.stray.setdefault(msg["parent_header"].get("msg_id"), []).append(msg)
+                    continue
+            _add(res, msg["msg_type"], msg["content"])
+        if pending:  # what came after: still there for the next follow or collect
+            self.stray[msg_id] = pending + self.stray.get(msg_id, [])
+        return res
 
     @property
     def pid(self) -> int:
@@ -115,24 +154,13 @@ class Kernel:
             except queue.Empty:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
+                self.stray.setdefault(msg["parent_header"].get("msg_id"), []).append(msg)
                 continue
             kind, content = msg["msg_type"], msg["content"]
             if on_message:
                 on_message(kind, content)
-            if kind == "stream":
-                if content["name"] == "stdout":
-                    res.stdout += content["text"]
-                else:
-                    res.stderr += content["text"]
-            elif kind == "execute_result":
-                res.result = content["data"].get("text/plain")
-            elif kind == "error":
-                res.error = content
-            elif kind in ("display_data", "update_display_data"):
-                res.displays.append(content)
-            elif kind in ("comm_open", "comm_msg"):
-                res.comms.append(content)
-            elif kind == "status" and content["execution_state"] == "idle":
+            _add(res, kind, content)
+            if kind == "status" and content["execution_state"] == "idle":
                 res.seconds = time.monotonic() - start
                 res.status = self._reply(msg_id, deadline)
                 return res
@@ -197,6 +225,9 @@ class Kernel:
         self.shutdown()
 
     def shutdown(self) -> None:
+        if self.shared:  # another client's: only its channels end
+            self.kc.stop_channels()
+            return
         kids = []
         try:
             kids = self.process().children(recursive=True)
@@ -210,3 +241,20 @@ class Kernel:
             except psutil.NoSuchProcess:
                 pass
 
+
+
+def _add(res: CellResult, kind: str, content: dict) -> None:
+    """One iopub message into ``res``."""
+    if kind == "stream":
+        if content["name"] == "stdout":
+            res.stdout += content["text"]
+        else:
+            res.stderr += content["text"]
+    elif kind == "execute_result":
+        res.result = content["data"].get("text/plain")
+    elif kind == "error":
+        res.error = content
+    elif kind in ("display_data", "update_display_data"):
+        res.displays.append(content)
+    elif kind in ("comm_open", "comm_msg"):
+        res.comms.append(content)

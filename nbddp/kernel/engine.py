@@ -57,14 +57,14 @@ class Outcome:
         return [e.result or messages.Result() for e in self.exits]
 
 
-def one_shot(command, config, *, plan=None, namespace=None, observer=None, relabel=None) -> Outcome:
+def one_shot(command, config, *, plan=None, namespace=None, observer=None, relabel=None, on_start=None) -> Outcome:
     """A one-shot cell: ranks started for ``command`` (a ``RunCell`` or ``Call``), which they run and leave.
-    ``namespace``: the kernel's user_ns, which forked ranks share copy-on-write."""
+    ``namespace``: the kernel's user_ns, which forked ranks share copy-on-write; ``on_start(gang)``: see CellRun."""
     plan = plan or checks.preflight(config)  # a caller that passes the plan ran preflight itself
     with checks.one_at_a_time():
         gang = Gang(config, plan, persistent=False)
         fork = config.start_method == "fork"
-        return CellRun(gang, config, relabel=relabel, observer=observer).run(
+        return CellRun(gang, config, relabel=relabel, observer=observer, on_start=on_start).run(
             lambda pipes: Server(first=command, cmd_pipes=pipes, namespace=namespace if fork else None))
 
 
@@ -90,10 +90,14 @@ class CellRun:
 
     Its parts, each a listener of the cell or called from its wait: the ranks' prompts (``Prompts``), the
     stacks asked for (``failure.StackCapture``, in front of the relay), the collective probe
-    (``CollectiveProbe``), a pool's recovery (``Recovery``); what the cell's end says is failure.py's."""
+    (``CollectiveProbe``), a pool's recovery (``Recovery``); what the cell's end says is failure.py's.
+    ``on_start(gang)``: called once the ranks have the cell (a background cell's: from then on it can be
+    interrupted through ``gang.sup``, and the notebook goes on)."""
 
-    def __init__(self, gang: Gang, config, *, label: str = "", relabel=None, observer=None, ranks=None):
+    def __init__(self, gang: Gang, config, *, label: str = "", relabel=None, observer=None, ranks=None,
+                 on_start=None):
         self.gang, self.config, self.label, self.observer = gang, config, label[:80], observer
+        self.on_start = on_start
         self.ranks = tuple(ranks) if ranks else tuple(range(gang.world_size))  # a pool's --ranks: only these run it
         self.prompts = Prompts(gang)  # the ranks' input() and pdb prompts, asked in the notebook in turn
         self.deadline: float | None = None  # --timeout's, moved on by the time prompts waited for the user
@@ -152,6 +156,8 @@ class CellRun:
             else:
                 sup.announce()
                 announced = True
+            if self.on_start is not None:
+                self.on_start(gang)
             self._wait(lambda: self.deadline)
         except KeyboardInterrupt as e:
             error = e

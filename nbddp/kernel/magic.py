@@ -4,6 +4,7 @@ goes to the one cell engine (engine.py), one-shot or in the pool."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 
@@ -14,10 +15,35 @@ from ..errors import ResultError, UsageError
 from ..ipy import cellcode, cells, tracebacks
 from ..views.display import line_for_pool_cell, view_for_session
 from ..wire import messages, values
-from . import checks, engine, options, sending
+from ..views import output
+from . import background, checks, engine, options, sending
+from .background import Background, Job, WaitForNames
 from .history import History, request_metadata
 
 COMPILED_KEPT = 64
+INTERRUPT_WAIT_S = 30.0  # %ddp interrupt waits this long for the background cell to end and say how
+
+
+def _wait_timeout(rest: str) -> float | None:
+    """``%ddp wait``'s ``--timeout S``; bad input is a usage error (nothing waited for)."""
+    parts = rest.replace("=", " ").split()
+    if not parts:
+        return None
+    if len(parts) == 2 and parts[0] in ("--timeout", "-t"):
+        try:
+            value = float(parts[1])
+        except ValueError:
+            value = -1.0
+        if value > 0:
+            return value
+    raise UsageError(f"%ddp wait {rest}: say %ddp wait, or %ddp wait --timeout SECONDS (a number > 0); "
+                     "nothing was waited for.")
+
+
+def _fate(err) -> str:
+    """What a background cell's end said of the pool (its last line naming the pool), or ''."""
+    lines = [ln for ln in str(err or "").splitlines() if "pool" in ln.lower()]
+    return lines[-1].strip() if lines else ""
 
 
 def option_groups(func):
@@ -97,13 +123,22 @@ class DDPMagics(Magics):
         self.pool_options = ""
         self._pdb_back = False  # %pdb was on and a cell's traceback was shown without it (_ranks_debug_themselves)
         self._compiled: dict[str, tuple] = {}  # cell text -> (source, names read, execution count, file name)
+        self.background = Background(shell)  # %%ddp --bg cells, and what became of them
         if shell is not None:
             self.unregister_events(shell)  # %reload_ext: one recorder, not two
             self.history.loaded(shell)
-            for event, handler in (("pre_run_cell", self._record), ("post_run_cell", self._ran)):
+            for event, handler in (("pre_run_cell", self._record), ("post_run_cell", self._ran),
+                                   ("pre_run_cell", self._land)):
                 shell.events.register(event, handler)
                 DDPMagics._handlers.append((shell, event, handler))
             shell.input_transformers_cleanup.append(keep_empty_body)
+            shell.ast_transformers.append(WaitForNames(self.background))
+            background.install(self.background)
+
+    def _land(self, info) -> None:
+        """Background cells that ended since the last cell: their results land now, their failures are said."""
+        if self.background.jobs and not info.raw_cell.lstrip().startswith("%ddp wait"):  # (it says them itself)
+            self.background.land()
 
     def _record(self, info) -> None:
         meta = request_metadata(self.shell, info)  # the front end's cell id, and the cells it deleted
@@ -146,6 +181,7 @@ class DDPMagics(Magics):
             cls._handlers.remove((owner, event, handler))
         while keep_empty_body in shell.input_transformers_cleanup:
             shell.input_transformers_cleanup.remove(keep_empty_body)
+        shell.ast_transformers[:] = [t for t in shell.ast_transformers if not isinstance(t, WaitForNames)]
 
     @option_groups
     @cell_magic
@@ -175,15 +211,26 @@ class DDPMagics(Magics):
         if not cell.strip():
             raise UsageError(EMPTY_CELL)
         given, names = options.split(explicit)
+        in_background = names.pop("background", False)
+        if not in_background:  # never two cells in the ranks at once
+            self.background.before_foreground("this %%ddp cell")
         outs, gathers = names.get("out", []), names.get("gather", [])
         if self.pool is not None and self.pool.alive:
-            return self._in_pool(given, outs, gathers, cell, names.get("ranks"))
-        if self.pool is not None and self.pool.ended:  # never a silent one-shot cell instead
+            work, deliver = self._in_pool(given, outs, gathers, cell, names.get("ranks"))
+        elif self.pool is not None and self.pool.ended:  # never a silent one-shot cell instead
             raise UsageError(self.pool.lost())
-        if "ranks" in names:
+        elif "ranks" in names:
             raise UsageError("--ranks runs a cell on some ranks of a running pool, and no pool is running; nothing "
                              "ran.\n%ddp start [options] starts one; a one-shot cell runs on every rank it starts "
                              "(--devices N).")
+        else:
+            work, deliver = self._one_shot(given, outs, gathers, cell)
+        if not in_background:
+            return deliver(work(None))
+        return self._in_background(work, deliver, (*outs, *gathers), cell)
+
+    def _one_shot(self, given: dict, outs, gathers, cell):
+        """A one-shot cell, checked and made ready: (work(on_start) -> each rank's Result, deliver)."""
         config = options.config(given)
         shell = self.shell
         source, filename, _ = self._compile(cell)
@@ -194,11 +241,44 @@ class DDPMagics(Magics):
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates,
                                post_mortem=bool(getattr(shell, "call_pdb", False)))
         relabel = tracebacks.cell_labels(shell)
-        outcome = engine.one_shot(cmd, config, plan=plan, namespace=shell.user_ns, observer=view_for_session(),
-                                  relabel=relabel)
-        for note in outcome.notes:
-            print(f"nbddp: {note}", file=sys.stderr)
-        return _deliver(outcome.results(), outs, gathers, shell.user_ns, source)
+        observer = view_for_session()
+
+        def work(on_start):
+            outcome = engine.one_shot(cmd, config, plan=plan, namespace=shell.user_ns, observer=observer,
+                                      relabel=relabel, on_start=on_start)
+            for note in outcome.notes:
+                output.current().write("stderr", f"nbddp: {note}\n")
+            return outcome.results()
+
+        work.observer = observer
+        return work, lambda per_rank: _deliver(per_rank, outs, gathers, shell.user_ns, source)
+
+    def _in_background(self, work, deliver, names, cell):
+        """``--bg``: the cell goes to the background thread (Background); this cell returns once its ranks
+        have it. Rank 0's last expression is shown in the background cell's output when it ends."""
+        shell = self.shell
+
+        def work_and_show(on_start):
+            per_rank = work(on_start)
+            first = per_rank[0] if per_rank else None
+            if first is not None and first.value is not None and first.value.blob is not None:
+                value = values.loads(first.value.blob)
+                if value is not None:
+                    data, metadata = shell.display_formatter.format(value)
+                    output.current().display(data, metadata, None)
+                per_rank = [dataclasses.replace(first, value=None), *per_rank[1:]]
+            return per_rank
+
+        number = cells.running(shell)
+        label = (cell.strip().splitlines() or [""])[0][:60]
+        job = Job(number, label, work_and_show, deliver, tuple(names),
+                  output.Detached(output.kernel_sockets(), output.request_header()),
+                  observer=getattr(work, "observer", None))
+        print(f"nbddp: background cell [{number}] sent: the notebook is free. Its output keeps arriving here; "
+              "%ddp status, %ddp attach (elsewhere, after a reload), %ddp wait, %ddp interrupt.", file=sys.stderr)
+        sys.stderr.flush()
+        self.background.submit(job)
+        return None
 
     def _compile(self, cell):
         """The cell as IPython runs it: its source (transformed), file name (Cell In[n]) and the names it
@@ -222,6 +302,7 @@ class DDPMagics(Magics):
         return source, filename, names
 
     def _in_pool(self, given: dict, outs, gathers, cell, ranks=None):
+        """A pool cell, checked and made ready: (work(on_start) -> each rank's Result, deliver)."""
         clash = self.pool.conflicts(given)
         if clash:
             raise UsageError("this cell asks for " + ", ".join(clash) + ", which the running pool cannot change; "
@@ -229,13 +310,22 @@ class DDPMagics(Magics):
                              "one-shot cells).")
         per_cell = {k: v for k, v in given.items() if k not in options.POOL_FIXED}
         source, filename, names = self._compile(cell)
-        per_rank = self.pool.cell(source, filename, outs=outs, gathers=gathers, code=names,
-                                  relabel=tracebacks.cell_labels(self.shell), observer=line_for_pool_cell(ranks),
-                                  ranks=ranks, post_mortem=bool(getattr(self.shell, "call_pdb", False)), **per_cell)
-        try:
-            return _deliver(per_rank, outs, gathers, self.shell.user_ns, source)
-        finally:
-            self.pool.synced.accept([*outs, *gathers], self.shell.user_ns)
+        pool, user_ns = self.pool, self.shell.user_ns
+        relabel, observer = tracebacks.cell_labels(self.shell), line_for_pool_cell(ranks)
+        post_mortem = bool(getattr(self.shell, "call_pdb", False))
+
+        def work(on_start):
+            return pool.cell(source, filename, outs=outs, gathers=gathers, code=names, relabel=relabel,
+                             observer=observer, ranks=ranks, post_mortem=post_mortem, on_start=on_start, **per_cell)
+
+        def deliver(per_rank):
+            try:
+                return _deliver(per_rank, outs, gathers, user_ns, source)
+            finally:
+                pool.synced.accept([*outs, *gathers], user_ns)
+
+        work.observer = observer
+        return work, deliver
 
     @line_magic("ddp")
     def ddp_pool(self, line):
@@ -259,7 +349,13 @@ class DDPMagics(Magics):
                 self.pool.show()  # the pool's live dashboard, once more (the same output id)
             else:
                 print(self.pool.status() if self.pool is not None else NO_POOL)
+            work = self.background.status()
+            if work:
+                print("background cells:\n" + "\n".join(f"  {line}" for line in work))
             return
+        if verb in ("wait", "interrupt", "attach"):
+            return self._background_verb(verb, rest.strip())
+        self.background.before_foreground(f"%ddp {verb}")  # never two cells in the ranks at once
         if verb in ("debug", "who", "diff"):
             with self._ranks_debug_themselves():
                 return self._look(verb, rest.strip())
@@ -294,8 +390,41 @@ class DDPMagics(Magics):
             if pool.view.shown:
                 pool.show()  # its dashboard, below that line, live for the pool's life
             return
-        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options], status, debug [RANK], who "
-                         "or diff EXPR.")
+        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options], status, debug [RANK], who, "
+                         "diff EXPR, wait [--timeout S], interrupt or attach.")
+
+    def _background_verb(self, verb: str, rest: str):
+        """``%ddp wait [--timeout S]``, ``%ddp interrupt``, ``%ddp attach``: background cells (background.py)."""
+        work = self.background
+        if verb == "wait":
+            timeout = _wait_timeout(rest)
+            if not work.jobs:
+                print("nbddp: no background cell has run (%%ddp --bg sends one)")
+            return work.wait(timeout)
+        if rest:
+            raise UsageError(f"%ddp {verb} takes nothing after it; nothing was done.")
+        if verb == "attach":
+            job = work.attach(output.request_header())
+            if job is None:
+                print("nbddp: no background cell to attach to (%%ddp --bg sends one)")
+            elif job.done.is_set():
+                print(f"nbddp: background cell {job.name} ended ({job.state}); above is what it showed", file=sys.stderr)
+            return None
+        running = work.interrupt()
+        if running is None:
+            print("nbddp: no background cell is running; nothing was interrupted")
+            return None
+        print(f"nbddp: interrupting background cell {running.name}: its report arrives in its own output",
+              file=sys.stderr)
+        sys.stderr.flush()
+        if running.done.wait(INTERRUPT_WAIT_S):
+            work.land(quiet_failures=True)
+            print(f"nbddp: {running.describe()}" + (f"; {_fate(running.error)}" if _fate(running.error) else ""),
+                  file=sys.stderr)
+        else:
+            print(f"nbddp: {running.name} has not ended within {INTERRUPT_WAIT_S:g} s; %ddp status shows it, "
+                  "%ddp interrupt again tears it down.", file=sys.stderr)
+        return None
 
     def _look(self, verb: str, rest: str):
         """``%ddp debug [RANK]``, ``%ddp who``, ``%ddp diff EXPR``: into the pool's ranks."""

@@ -81,6 +81,7 @@ def _size(positive):
 GROUPS = {
     "ranks": "Ranks (fixed when the ranks start: for a pool, its whole life)",
     "pool": "A pool's cell (one %%ddp cell in a running pool)",
+    "background": "In the background (one %%ddp cell)",
     "values": "Values back into the notebook (one %%ddp cell)",
     "output": "Output, limits and time (per cell; at %ddp start: the pool's defaults)",
 }
@@ -118,6 +119,13 @@ OPTIONS = (
            help="Run the cell on these ranks of the pool only (0 or 0,2), to look at or fix one rank's state; a "
            "collective called there fails fast, and the pool lives on. Its last expression and --out come from "
            "the first of them, --gather from each."),
+    Option("background", ("--bg",), False, scope=NAMES, group="background", type=bool,
+           help="Run the cell in the background: the notebook cell returns once the ranks have it, and the "
+           "notebook goes on meanwhile. Its output keeps arriving in this cell (JupyterLab); %%ddp status shows "
+           "the work, %%ddp attach shows it live in another cell (after a page reload), %%ddp wait waits for it, "
+           "%%ddp interrupt stops it. Its --out/--gather names land in the notebook when it has ended, at the "
+           "next cell; a cell that reads one waits for it. A second --bg cell queues behind the first; a "
+           "blocking %%%%ddp cell waits for both."),
     Option("out", ("-o", "--out"), (), scope=NAMES, group="values", metavar="NAME", nargs="+",
            help="Variables to bring back from rank 0 into the notebook (tensors arrive on the CPU; classes the "
            "notebook defined stay the notebook's own)."),
@@ -207,7 +215,7 @@ def argument_specs(scopes=(LAUNCH, CELL, NAMES)):
             continue
         kw = {"dest": o.name, "default": argparse.SUPPRESS, "help": o.help}
         if o.type is bool:
-            kw.update(action="store_false")
+            kw.update(action="store_false" if o.default else "store_true")
         elif o.scope == NAMES and o.nargs:
             kw.update(nargs=o.nargs, metavar=o.metavar)
         else:
@@ -261,4 +269,4 @@ def _parser():
 def split(explicit: dict) -> tuple[dict, dict]:
     """(Config options, names options) of a parse."""
     return ({k: v for k, v in explicit.items() if BY_NAME[k].scope != NAMES},
-            {k: list(v) for k, v in explicit.items() if BY_NAME[k].scope == NAMES})
+            {k: v if isinstance(v, bool) else list(v) for k, v in explicit.items() if BY_NAME[k].scope == NAMES})

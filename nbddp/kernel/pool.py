@@ -8,13 +8,13 @@ rebound since the start is sent once (sending.Synced).
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 
 
 from ..errors import RankFailure, UsageError
 from ..rank.jobs import CallJob
 from ..rank.server import Server
+from ..views import output
 from ..views.display import view_for_pool
 from ..wire import messages, sharedbuffer, values
 from . import checks, engine, failure, options
@@ -140,10 +140,10 @@ class Pool:
         return engine.returned(outcome.results())
 
     def cell(self, source: str, filename: str, *, outs=(), gathers=(), code=None, relabel=None,
-             observer=None, ranks=None, post_mortem=False, **per_cell) -> list:
+             observer=None, ranks=None, post_mortem=False, on_start=None, **per_cell) -> list:
         """A %%ddp cell in the pool; each rank's Result (of ``ranks`` only, if given). ``code``: the names
-        the cell reads. ``post_mortem``: IPython's %pdb. ``per_cell``: the cell's own options (checked by the
-        caller), over the pool's."""
+        the cell reads. ``post_mortem``: IPython's %pdb. ``on_start``: engine.CellRun's. ``per_cell``: the
+        cell's own options (checked by the caller), over the pool's."""
         config = options.config(per_cell, base=self.config)
         world = self.gang.world_size if self.gang else 0
         if ranks and max(ranks) >= world:
@@ -155,14 +155,15 @@ class Pool:
             if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start
                 notes += self.gang.send_missing(code or set(), self.reads, self.namespace or {}, self.rank_assigned)
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
-        run = self._engine(config, label, relabel, observer, ranks)  # (a pool that ended refuses the cell here)
+        run = self._engine(config, label, relabel, observer, ranks, on_start)  # (a pool that ended refuses the cell here)
         updates = sync.updates
         self.synced.commit(sync, self.namespace or {})
         self.rank_assigned -= {*updates, *sync.dropped}
+        place = output.current()  # this cell, or a background cell's own output
         for line in notes:
-            print(f"nbddp: {line}", file=sys.stderr)
+            place.write("stderr", f"nbddp: {line}\n")
         if notes:
-            sys.stderr.flush()  # before the ranks' output, where it belongs
+            place.flush("stderr")  # before the ranks' output, where it belongs
         if ranks and (updates or sync.dropped) and self.alive:  # the ranks left out get the notebook's latest too
             self.gang.command(messages.Update(updates, sync.dropped), ranks=[r for r in range(world) if r not in ranks])
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config),
@@ -173,7 +174,7 @@ class Pool:
             self.last_failed = e.rank  # %ddp debug's default rank
             raise
         for note in outcome.notes:
-            print(f"nbddp: {note}", file=sys.stderr)
+            place.write("stderr", f"nbddp: {note}\n")
         per_rank = outcome.results()
         for res in per_rank:
             self.rank_assigned |= set(res.assigned)
@@ -189,13 +190,14 @@ class Pool:
             raise UsageError(f"%ddp debug {rank}: the pool has rank(s) 0-{self.gang.world_size - 1}.")
         self._engine(self.config, f"debug rank {rank}", ranks=[rank]).run(command=messages.PostMortem())
 
-    def _engine(self, config, label, relabel=None, observer=None, ranks=None) -> engine.CellRun:
+    def _engine(self, config, label, relabel=None, observer=None, ranks=None, on_start=None) -> engine.CellRun:
         if self.ended:
             raise UsageError(self.lost().replace("%ddp restart", "Pool.start()").replace(
                 "; %ddp stop goes back to one-shot cells", ""))
         if not self.alive:
             raise UsageError("the pool is not running: %ddp start (or Pool.start()) first.")
-        return engine.CellRun(self.gang, config, label=label, relabel=relabel, observer=observer, ranks=ranks)
+        return engine.CellRun(self.gang, config, label=label, relabel=relabel, observer=observer, ranks=ranks,
+                              on_start=on_start)
 
     # -- what %ddp status shows ------------------------------------------------------------------------
     def status(self) -> str:

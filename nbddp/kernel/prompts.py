@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from ..ipy.session import running_shell
+from ..views import output
 from ..wire import messages
 
 HOLD_S = 0.5  # the rank answered last asks again within this: still its turn (a pdb session)
@@ -68,7 +69,13 @@ class Prompts:
 
 
 def ask(prompt: str, password: bool) -> str:
-    """The front end's answer: ipykernel's input request (as ``input()`` in a plain cell), else the terminal."""
+    """The front end's answer: ipykernel's input request (as ``input()`` in a plain cell), else the terminal.
+    A background cell's request has ended: nothing can answer, as in a front end without an input box."""
+    if not output.current().can_ask:
+        from IPython.core.error import StdinNotImplementedError
+
+        raise StdinNotImplementedError("a background cell (%%ddp --bg) cannot ask the notebook for input: its "
+                                       "request has ended. Run the cell without --bg to answer input() or pdb.")
     kernel = getattr(running_shell(), "kernel", None)
     if kernel is None:
         import getpass

@@ -156,6 +156,12 @@ class Supervisor:
         self._stacks_then = None  # what to do once the stacks asked for are in
         self._exits_seen = 0
         self.on_timeout = self.stop_all  # what --timeout does once the stacks are in (a pool interrupts)
+        # an interrupt from another thread (%ddp interrupt, for a background cell's loop): a flag and a wake
+        self._interrupt = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, (None, "wake"))
 
     def begin_cell(self, listeners=(), *, tick: float | None = None, on_timeout=None) -> None:
         """A cell's listeners after the lifelong ones, its tick and its --timeout rule (``on_timeout``,
@@ -166,6 +172,7 @@ class Supervisor:
         self.on_timeout = on_timeout or self.stop_all
         self.timed_out = []
         self._stacks_until = self._stacks_then = None
+        self._interrupt = False  # (one asked between cells, as the last ended, is for that one)
         for p in self.procs:  # what a rank said in earlier cells must not explain how this one ends
             p.records.clear()
 
@@ -196,7 +203,17 @@ class Supervisor:
                 self.bus.publish(Started(proc.rank, proc.pid))
 
     def all_fds(self) -> list[int]:
-        return [fd for p in self.procs for fd in (*p.fds, p.exit_fd)]
+        """The kernel's descriptors a rank forked now must not inherit."""
+        return [fd for p in self.procs for fd in (*p.fds, p.exit_fd)] + [self._wake_r, self._wake_w]
+
+    def interrupt(self) -> None:
+        """From any thread: the loop raises KeyboardInterrupt in the thread that runs it, as Jupyter's
+        interrupt does on the main thread (a background cell's ``%ddp interrupt``)."""
+        self._interrupt = True
+        try:
+            os.write(self._wake_w, b"!")
+        except (BlockingIOError, OSError):
+            pass  # already woken (or closed: the gang has ended)
 
     def live(self) -> list[RankProc]:
         return [p for p in self.procs if p.exit is None]
@@ -231,6 +248,13 @@ class Supervisor:
                 next_tick = now + self.tick
 
     def _event(self, proc: RankProc, kind: str, fd: int) -> None:
+        if kind == "wake":
+            while _read(fd):
+                pass
+            if self._interrupt:
+                self._interrupt = False
+                raise KeyboardInterrupt
+            return
         if kind == "source":
             proc()  # a watched fd's callback
             return
@@ -398,6 +422,9 @@ class Supervisor:
                 os.close(p.exit_fd)
                 p.exit_fd = -1
         self.sel.close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        self._wake_r = self._wake_w = -1
 
 
 def _read(fd: int) -> bytes | None:

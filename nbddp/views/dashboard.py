@@ -23,11 +23,11 @@ from ..wire.messages import Error, Exit, Ready, Result
 from .iopub import line_bundle, publish_line, unsent
 from ..units import ranks_text, size
 from .monitor import Monitor, duration
+from . import output
 from .output import Slot, text_table
+from .theme import FAILED, MUTED, STATES
 from .relay import last_bar, latest_redraw, progress
 
-STATE_COLOURS = {"starting": "#888", "running": "#1565c0", "finished": "#2e7d32", "failed": "#c62828",
-                 "stopped": "#ef6c00", "interrupted": "#ef6c00"}
 # a stack dump's lines (faulthandler at an interrupt or --timeout, a traceback) are not a rank's last line
 DUMP_LINE = re.compile(r"\s*(File( \"|\s*$)|Thread 0x|Current thread 0x|Stack \(most recent call first\)|"
                        r"Traceback \(most recent call last\)|Fatal Python error|<no Python frame>)")
@@ -159,7 +159,7 @@ class RunView:
         if self.handle is not None:
             self.handle.update(self._bundle())
         else:
-            print(self.render_text())
+            output.current().write("stdout", self.render_text() + "\n")
 
     def _bundle(self) -> dict:
         return {"text/html": self.render_html(), "text/plain": self.render_text()}
@@ -237,8 +237,8 @@ class RunView:
     def render_html(self) -> str:
         cols, rows = self.rows()
         esc = html.escape
-        head = "".join(f"<th style='{CELL};font-weight:600;color:#555'>{esc(c)}</th>" for c in cols[:-1])
-        head += f"<th style='{CELL};{LAST};font-family:inherit;font-weight:600;color:#555'>{esc(cols[-1])}</th>"
+        head = "".join(f"<th style='{CELL};font-weight:600;color:{MUTED}'>{esc(c)}</th>" for c in cols[:-1])
+        head += f"<th style='{CELL};{LAST};font-family:inherit;font-weight:600;color:{MUTED}'>{esc(cols[-1])}</th>"
         body = []
         for row in rows:
             cells = []
@@ -246,20 +246,20 @@ class RunView:
                 value, hover = esc(row.get(c, "")), row.get(c + ":hover")
                 style = CELL + (";" + LAST if c == "last line" else "")
                 if c == "state":
-                    value = f"<span style='color:{STATE_COLOURS.get(row[c], '#000')}'>{value}</span>"
+                    value = f"<span style='color:{STATES.get(row[c], 'inherit')}'>{value}</span>"
                 if row.get(c + ":error"):
-                    style += ";color:#c62828"
+                    style += f";color:{FAILED}"
                 title = f" title='{esc(hover)}'" if hover else (f" title='{value}'" if c == "last line" else "")
                 cells.append(f"<td style='{style}'{title}>{value}</td>")
             body.append("<tr>" + "".join(cells) + "</tr>")
-        colour = STATE_COLOURS.get(self.status(), "#000")
+        colour = STATES.get(self.status(), "inherit")
         t = self.title().split(" · ")
         t[-2] = f"<span style='color:{colour}'>{t[-2]}</span>"
         # the run directory: on the title's hover always, shown only once a cell failed or was interrupted
         # (where a user goes to read the rest); a <span>, so the view still ends with its only "</div></div>"
         # (notebooks/nbval-sanitize.cfg finds the view by it)
         logs = esc(str(self.run_dir.path))
-        shown = (f"<span style='display:block;color:#888'>logs: {logs}</span>"
+        shown = (f"<span style='display:block;color:{MUTED}'>logs: {logs}</span>"
                  if self.status() in ("failed", "interrupted") else "")
         return (f"<div class='nbddp-run' style='font-size:12px'><div title='logs: {logs}'><b>nbddp</b> · "
                 f"{' · '.join(t[1:])}</div><div><table style='{TABLE}'><thead><tr>{head}</tr></thead>"
@@ -361,7 +361,7 @@ class CellLine:
         elif self.slot is not None:  # a quick cell's: its place filled, queued as it was reserved
             publish_line(line, flush=False, display_id=self.slot.display_id, update=True)
         else:
-            print(line)
+            output.current().write("stdout", line + "\n")
 
 def _cut(text: str, width: int = 80) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"

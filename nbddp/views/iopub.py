@@ -22,6 +22,8 @@ import threading
 import time
 
 from ..ipy.session import running_shell
+from .theme import MUTED
+from . import output
 
 LATE_S = 0.1  # at most this late: a line no message of the kernel's sent
 IDLE_S = 30.0  # the tick stops after this long without a line
@@ -33,6 +35,10 @@ def publish_line(line: str, flush: bool, display_id: str | None = None, update: 
     updates (``update``: this one redraws that output in place, wherever it is)."""
     data = line_bundle(line)
     transient = {"display_id": display_id} if display_id else {}
+    place = output.current()
+    if place is not output.HERE:  # a background cell's: sent to its own cell, in order with its text
+        place.display(data, {}, display_id, update=update)
+        return
     pub = getattr(running_shell(), "display_pub", None)
     session, socket = getattr(pub, "session", None), getattr(pub, "pub_socket", None)
     if session is None or socket is None:  # not ipykernel's publisher: the ordinary way
@@ -60,7 +66,7 @@ def publish_line(line: str, flush: bool, display_id: str | None = None, update: 
 
 def line_bundle(line: str) -> dict:
     """A pool cell's line as display data: its text, and the same in small grey HTML."""
-    return {"text/plain": line, "text/html": f"<div style='color:#888;font-size:smaller'>{html.escape(line)}</div>"}
+    return {"text/plain": line, "text/html": f"<div class='nbddp-line' style='color:{MUTED};font-size:smaller'>{html.escape(line)}</div>"}
 
 
 def unsent() -> bool:

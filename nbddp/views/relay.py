@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import html
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 
-from ..ipy.session import running_shell
 from ..units import rank_span
 from ..wire import messages
+from .theme import DONE, RUNNING, TRACK, WARN
 from ..wire.budget import Budget
+from . import output
 
 MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
 MERGE_S = 0.3  # how long a rank's line waits for the same line from the other ranks
@@ -65,9 +65,9 @@ class CellSink:
         write): when a rank's text changes stream, the other stream's is sent first, within the budget."""
         last = self._last.get(rank, stream)
         if last != stream and self._order_budget.take():
-            _std(last).flush()
+            output.current().flush(last)
         self._last[rank] = stream
-        _std(stream).write(text)
+        output.current().write(stream, text)
 
     def display(self, rank: int, rec, label: str | None) -> None:
         publish = _publisher()
@@ -136,16 +136,14 @@ class CellSink:
             publish({"text/plain": ""}, {}, transient={"display_id": target}, update=True)
 
 
-def _std(stream: str):
-    return sys.stderr if stream == "stderr" else sys.stdout
-
-
 def _publisher():
-    if running_shell() is None:
+    """The display publisher of the place output goes to (this cell, or a background cell's), None outside
+    a kernel: ``publish(data, metadata, transient=, update=)``."""
+    place = output.current()
+    if not place.live:
         return None
-    from IPython.display import publish_display_data
-
-    return publish_display_data
+    return lambda data, metadata, transient=None, update=False: place.display(
+        data, metadata, (transient or {}).get("display_id"), update=update)
 
 
 class Relay:
@@ -528,9 +526,9 @@ def _bar_html(label: str, row: BarRow) -> str:
     """One rank's bar: its label and description, the bar, the percentage and tqdm's counts and rate."""
     m = BAR.match(row.text)
     pct = min(100, int(m.group("pct")))
-    colour = "#1565c0" if not row.final else "#2e7d32" if pct == 100 else "#ef6c00"
+    colour = RUNNING if not row.final else DONE if pct == 100 else WARN
     esc = html.escape
-    bar = (f"<span style='display:inline-block;width:160px;height:10px;background:#e0e0e0;vertical-align:middle;"
+    bar = (f"<span style='display:inline-block;width:160px;height:10px;background:{TRACK};vertical-align:middle;"
            f"border-radius:2px'><span style='display:inline-block;width:{pct}%;height:100%;background:{colour};"
            "border-radius:2px'></span></span>")
     return ("<div class='nbddp-bar' style='white-space:pre;overflow:hidden;text-overflow:ellipsis'>"

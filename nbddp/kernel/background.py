@@ -1,0 +1,342 @@
+"""Background cells (``%%ddp --bg``): a cell that runs in the ranks while the notebook goes on.
+
+The cell is sent, and the notebook cell returns once its ranks have it (the kernel's main thread waits
+those milliseconds, so the ranks see the notebook as it is, as a blocking cell's do); the one cell engine
+then supervises it on the background thread, its views publishing into the background cell's output
+(``output.Detached``: the background cell's request is their parent, so a front end that keeps listening
+to a cell after it returned, as JupyterLab does, shows them live) and kept for ``%ddp attach``.
+
+The rules, in one place:
+- never two cells in the ranks at once: one background thread runs the cells sent with ``--bg`` in order
+  (a second one queues, and says so); a blocking ``%%ddp`` cell, ``%ddp who/diff/debug/stop/restart`` wait
+  for the background work first and say so (``Background.before_foreground``; an interrupt stops the
+  waiting, not the training);
+- results land on the kernel's main thread, between cells (``Background.land``: the next cell's
+  ``pre_run_cell``, ``%ddp wait``, a waiting cell), never in the middle of another cell's run; a notebook
+  cell that reads a name a background cell will bring back waits for it first (``WaitForNames``, an AST
+  transformer: the same notebook gives the same results headless);
+- Jupyter's interrupt reaches the main thread only (ranks ignore SIGINT): interrupting another cell never
+  touches background ranks; ``%ddp interrupt`` interrupts the background cell as Jupyter's interrupt does a
+  blocking one (``Supervisor.interrupt``), and cancels the cells queued behind it;
+- a failure is reported in the background cell's own output as a blocking cell reports it, and said once
+  more in the next cell (or ``%ddp wait``).
+"""
+from __future__ import annotations
+
+import ast
+import collections
+import dataclasses
+import sys
+import threading
+import time
+
+from ..errors import NbddpError, interrupt
+from ..views import output
+
+KEPT_JOBS = 16  # ended background cells remembered (%ddp status, %ddp attach)
+
+
+class BackgroundFailed(NbddpError):
+    """A background cell that ``%ddp wait`` (or a cell waiting for its names) waited for failed."""
+
+
+class StillRunning(NbddpError):
+    """``%ddp wait --timeout S``: background work still runs after S seconds (it goes on)."""
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One background cell. ``work(on_start)`` runs it on the background thread and returns each rank's
+    Result (raising as a blocking cell would); ``deliver(per_rank)`` brings its --out/--gather names into
+    the notebook, on the main thread; ``observer``: its view (a rank's progress for ``%ddp status``)."""
+
+    number: int
+    label: str
+    work: object
+    deliver: object
+    names: tuple
+    place: output.Detached
+    observer: object = None
+    state: str = "queued"  # queued | running | ok | failed | interrupted | cancelled
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
+    began: float | None = None
+    ended: float | None = None
+    results: list | None = None
+    error: BaseException | None = None
+    landed: bool = False
+    parked: bool = False  # the cell that sent it waited for its start: a refusal is raised there, as usual
+    started: threading.Event = dataclasses.field(default_factory=threading.Event)  # the ranks have it (or it ended)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _sup: object = None
+    _interrupt_asked: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"[{self.number}]"
+
+    def on_start(self, gang) -> None:
+        """The engine's: the ranks have the cell; an interrupt asked meanwhile reaches it now."""
+        self._sup = gang.sup
+        self.started.set()
+        if self._interrupt_asked:
+            self._sup.interrupt()
+
+    def interrupt(self) -> None:
+        self._interrupt_asked = True
+        if self._sup is not None:
+            self._sup.interrupt()
+
+    def progress(self) -> str:
+        """``rank 0 45%, rank 1 44%`` from its view's last tqdm states ('' when none drew a bar)."""
+        got = getattr(self.observer, "progress", None) or {}
+        return ", ".join(f"rank {r} {f:.0%}" for r, f in sorted(got.items()))
+
+    def describe(self) -> str:
+        now = time.monotonic()
+        if self.state == "queued":
+            return f"{self.name} queued {now - self.submitted:.0f} s · {self.label}"
+        took = (self.ended or now) - (self.began or now)
+        bar = self.progress()
+        return f"{self.name} {self.state} {took:.1f} s · {self.label}" + (f" · {bar}" if bar else "")
+
+
+class Background:
+    """The kernel's background work: its cells in order on one thread (a thread for the kernel's life, so
+    ranks it forks, whose parent-death signal follows the thread that forked them, live as long as their
+    cell), and what became of them."""
+
+    def __init__(self, shell):
+        self.shell = shell
+        self.jobs: collections.deque[Job] = collections.deque(maxlen=KEPT_JOBS)
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    # -- the notebook's side (main thread) ---------------------------------------------------------
+    def active(self) -> list[Job]:
+        return [j for j in self.jobs if not j.done.is_set()]
+
+    def submit(self, job: Job) -> None:
+        """Send ``job``: it starts now (the main thread waits until its ranks have it) or queues."""
+        ahead = self.active()
+        job.parked = not ahead
+        with self._cv:
+            self.jobs.append(job)
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="nbddp-background", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        if ahead:
+            print(f"nbddp: {job.name} queued behind background cell {', '.join(j.name for j in ahead)}: it starts "
+                  "when that ends (%ddp status shows the work, %ddp interrupt stops it)", file=sys.stderr)
+            return
+        job.started.wait()  # (interruptible: an interrupt here leaves it starting in the background)
+        if job._sup is None and job.done.is_set() and job.error is not None:
+            # refused before its ranks had it (a pool that ended, a devices check): raised here, as a blocking
+            # cell raises it; nothing runs
+            job.landed = True
+            raise job.error
+
+    def before_foreground(self, what: str) -> None:
+        """``what`` (a blocking %%ddp cell, %ddp who, ...) runs in the ranks once the background work ended:
+        it waits, saying so; the background's results land first."""
+        ahead = self.active()
+        if ahead:
+            self._wait(ahead, None, f"{what} did not run",
+                       f"nbddp: {what} waits for background cell {', '.join(j.name for j in ahead)} to end "
+                       "(an interrupt stops the waiting, not the training; %ddp interrupt stops it)")
+        self.land()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """``%ddp wait``: until every background cell ended; their results land; a failure is raised."""
+        jobs = self.active()
+        if jobs:
+            self._wait(jobs, timeout, "%ddp wait stopped waiting",
+                       f"nbddp: waiting for background cell {', '.join(j.name for j in jobs)} (an interrupt stops "
+                       "the waiting, not the training)")
+        failed = [j for j in self.jobs if j.state in ("failed", "interrupted") and not j.landed]
+        for line in self.land(quiet_failures=True):
+            print(line, file=sys.stderr)
+        if failed:
+            raise BackgroundFailed(_failure_summary(failed))
+
+    def wait_for_names(self, names) -> None:
+        """A notebook cell reads ``names``, which background cells will bring back: it waits for them."""
+        jobs = [j for j in self.active() if set(j.names) & set(names)]
+        if jobs:
+            wanted = sorted(set(names) & {n for j in jobs for n in j.names})
+            self._wait(jobs, None, "the cell did not run",
+                       f"nbddp: this cell reads {', '.join(wanted)}, which background cell "
+                       f"{', '.join(j.name for j in jobs)} brings back: waiting for it (an interrupt stops the "
+                       "waiting, not the training)")
+        failed = [j for j in self.jobs if set(j.names) & set(names) and j.state in ("failed", "interrupted")
+                  and not j.landed]
+        self.land()
+        if failed:
+            raise BackgroundFailed(_failure_summary(failed) + f"\n{', '.join(sorted(names))} did not arrive; "
+                                   "the cell did not run.")
+
+    def pending_names(self) -> set[str]:
+        """Names background cells still running (or queued) will bring back."""
+        return {n for j in self.active() for n in j.names}
+
+    def land(self, quiet_failures: bool = False) -> list[str]:
+        """Ended cells' results into the notebook, and their failures said once (printed here, on the main
+        thread, between cells); ``quiet_failures``: the lines returned instead (``%ddp wait`` raises them)."""
+        said = []
+        for job in [j for j in self.jobs if j.done.is_set() and not j.landed]:
+            job.landed = True
+            if job.state == "ok":
+                try:
+                    job.deliver(job.results)
+                    if job.names:
+                        said.append(f"nbddp: background cell {job.name} ended: {', '.join(job.names)} "
+                                    "arrived in the notebook")
+                except NbddpError as e:
+                    said.append(f"nbddp: background cell {job.name}: {e}")
+            elif job.state in ("failed", "interrupted") and not quiet_failures:
+                said.append(_failure_summary([job]))
+        if not quiet_failures:
+            for line in said:
+                print(line, file=sys.stderr)
+        return said
+
+    def interrupt(self) -> Job | None:
+        """``%ddp interrupt``: the running background cell interrupted, the cells queued behind it cancelled;
+        the running one, or None."""
+        with self._cv:
+            queued = list(self._queue)
+            self._queue.clear()
+        for job in queued:
+            job.state = "cancelled"
+            job.ended = time.monotonic()
+            job.place.write("stderr", "nbddp: cancelled by %ddp interrupt before it started; nothing ran.\n")
+            job.place.flush()
+            job.started.set()
+            job.done.set()
+        running = next((j for j in self.jobs if j.state == "running"), None)
+        if running is not None:
+            running.interrupt()
+        return running
+
+    def attach(self, parent: dict) -> Job | None:
+        """``%ddp attach``: the running background cell (else the last one) shown in the asking cell."""
+        job = next((j for j in reversed(self.jobs) if j.state == "running"), None) or (
+            next((j for j in reversed(self.jobs) if j.state != "queued"), None))
+        if job is not None:
+            job.place.attach(parent)
+        return job
+
+    def status(self) -> list[str]:
+        return [j.describe() for j in self.jobs]
+
+    def _wait(self, jobs: list[Job], timeout: float | None, stopped: str, say: str) -> None:
+        """Until ``jobs`` ended (``say`` said first); an interrupt, even while saying it, stops the waiting."""
+        end = None if timeout is None else time.monotonic() + timeout
+        try:
+            print(say, file=sys.stderr)
+            sys.stderr.flush()
+            for job in jobs:
+                left = None if end is None else max(0.0, end - time.monotonic())
+                if not job.done.wait(left):
+                    raise StillRunning(f"still running after {timeout:g} s: "
+                                       f"{'; '.join(j.describe() for j in jobs if not j.done.is_set())}.\n"
+                                       "The training goes on: %ddp wait again, %ddp status to look, %ddp attach to "
+                                       "watch it here, %ddp interrupt to stop it.")
+        except KeyboardInterrupt:
+            running = [j.name for j in jobs if not j.done.is_set()]
+            raise interrupt(f"{stopped}: the interrupt stopped the waiting. Background cell {', '.join(running)} "
+                            "goes on in its ranks; %ddp interrupt stops it, %ddp status shows it.") from None
+
+    # -- the background thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                job = self._queue.popleft()
+            self._run(job)
+
+    def _run(self, job: Job) -> None:
+        job.state, job.began = "running", time.monotonic()
+        with output.routed(job.place):
+            try:
+                job.results = job.work(job.on_start)
+                job.state = "ok"
+            except KeyboardInterrupt as e:
+                job.state, job.error = "interrupted", e
+                self._report(job, e)
+            except BaseException as e:  # noqa: BLE001 - reported in its cell, said again in the next one
+                job.state, job.error = "failed", e
+                self._report(job, e)
+            finally:
+                job.ended = time.monotonic()
+                job.place.flush()
+                job.started.set()
+                job.done.set()
+
+    def _report(self, job: Job, err: BaseException) -> None:
+        """The failure in the background cell's output, as a blocking cell shows it (a refusal before the
+        ranks had the cell is raised by the cell that sent it instead)."""
+        if job.parked and job._sup is None:
+            return
+        render = getattr(err, "_render_traceback_", None)
+        if render is not None:
+            lines = render()
+        else:
+            try:
+                lines = self.shell.InteractiveTB.structured_traceback(type(err), err, err.__traceback__)
+            except Exception:  # noqa: BLE001 - a plain line still says what happened
+                lines = [f"{type(err).__name__}: {err}"]
+        job.place.error(type(err).__name__, str(err).split("\n", 1)[0], list(lines))
+
+
+def _failure_summary(jobs: list[Job]) -> str:
+    parts = []
+    for job in jobs:
+        text = str(job.error or "").strip()
+        first, _, rest = text.partition("\n")
+        fate = [ln for ln in rest.splitlines() if "pool" in ln.lower()][-1:]  # what became of the pool, if said
+        parts.append(f"nbddp: background cell {job.name} {job.state}: {first}" + "".join(f"\n  {ln}" for ln in fate)
+                     + "\n  (its own output has the whole report; %ddp attach shows it again)")
+    return "\n".join(parts)
+
+
+class WaitForNames(ast.NodeTransformer):
+    """An AST transformer: a notebook cell that reads a name a background cell will bring back first waits
+    for that cell (a call put before its first statement, on that statement's line: tracebacks keep the
+    cell's line numbers). Costs a cell nothing while no background cell has names to bring back."""
+
+    def __init__(self, background: Background):
+        self.background = background
+
+    def visit_Module(self, node: ast.Module) -> ast.Module:
+        pending = self.background.pending_names()
+        if not pending or not node.body:
+            return node
+        read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        wanted = sorted(read & pending)
+        if not wanted:
+            return node
+        call = ast.parse(f"__import__('nbddp.kernel.background', fromlist=['x']).waiting({wanted!r})").body[0]
+        ast.copy_location(call, node.body[0])
+        ast.fix_missing_locations(call)
+        for sub in ast.walk(call):
+            sub.lineno = sub.end_lineno = node.body[0].lineno
+        node.body.insert(0, call)
+        return node
+
+
+_instance: Background | None = None  # the kernel's (DDPMagics makes it): what WaitForNames' call reaches
+
+
+def install(background: Background) -> None:
+    global _instance
+    _instance = background
+
+
+def waiting(names) -> None:
+    """The call WaitForNames puts at the top of a cell that reads what a background cell brings back."""
+    if _instance is not None:
+        _instance.wait_for_names(names)
