@@ -1,4 +1,5 @@
-"""The dashboard as a user sees it: JupyterLab on loopback, driven in headless Chromium by Playwright.
+"""The dashboard as a user sees it: JupyterLab on loopback, driven in headless Chromium by Playwright, in
+JupyterLab's light theme and in its dark one.
 
 CI installs Debian's chromium and sets NBDDP_REQUIRE_BROWSER=1, so this test can never skip there.
 """
@@ -38,11 +39,15 @@ TQDM_CELL = ("%%ddp --devices 2\nimport time\nfrom tqdm.auto import tqdm\nprint(
 FAIL_CELL = ("%%ddp --devices 2\nimport time\nprint('training', flush=True)\nif rank == 1:\n    time.sleep(1.5)\n"
              "    raise ValueError('a corrupt sample on rank 1')\nprint('rank 0 done')\n")
 POOL_CELL = ("%%ddp\nimport time\nfor step in range(4):\n    print(f'rank {rank} step {step}', flush=True)\n"
-             "    time.sleep(0.8)\n")
+             "    time.sleep(0.8)\nweights = torch.full((256, 64), float(rank))\n")
 INTERRUPT_CELL = ("%%ddp --devices 2\nimport time\nfrom tqdm.auto import tqdm\n"
                   "for i in tqdm(range(1000), desc='train', mininterval=0.05):\n    time.sleep(0.02)\n")
-STATE_CELLS = [SETUP_CELL, DDP_CELL, TQDM_CELL, FAIL_CELL, "%ddp start --devices 2", POOL_CELL,
+STATE_CELLS = [SETUP_CELL, DDP_CELL, TQDM_CELL, FAIL_CELL, "%ddp start --devices 2", POOL_CELL, "%ddp who",
                "%ddp stop", INTERRUPT_CELL]
+THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
+VIEWS = ".nbddp-run, .nbddp-bars, .nbddp-pool, .nbddp-line, .nbddp-table"  # every HTML view of nbddp's
+MIN_CONTRAST = 3.0  # text against what is behind it (WCAG's ratio; JupyterLab's own warning colour is ~3.8)
+LIGHT_BOX_MAX = 0.001  # of a view's pixels, its text hidden, in the dark theme: light boxes, tracks, borders
 
 
 def cell(page, i):
@@ -78,12 +83,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def states_lab(tmp_path):
-    yield from _lab(tmp_path, STATE_CELLS)
+@pytest.fixture(params=list(THEMES))
+def states_lab(request, tmp_path):
+    """(url, theme): JupyterLab in the theme its user settings name."""
+    for url in _lab(tmp_path, STATE_CELLS, theme=request.param):
+        yield url, request.param
 
 
-def _lab(tmp_path, cells):
+def _lab(tmp_path, cells, theme="light"):
     if not os.path.exists(CHROMIUM):
         if os.environ.get("NBDDP_REQUIRE_BROWSER"):
             pytest.fail(f"{CHROMIUM} is missing but NBDDP_REQUIRE_BROWSER is set (apt-get install chromium)")
@@ -95,13 +102,18 @@ def _lab(tmp_path, cells):
         "nbformat": 4, "nbformat_minor": 5,
     }
     (tmp_path / "dash.ipynb").write_text(json.dumps(nb))
+    settings = tmp_path / "cfg" / "lab" / "user-settings"
+    themes = settings / "@jupyterlab" / "apputils-extension" / "themes.jupyterlab-settings"
+    themes.parent.mkdir(parents=True, exist_ok=True)
+    themes.write_text(json.dumps({"theme": THEMES[theme]}))
     token, port = secrets.token_hex(16), free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
          f"--IdentityProvider.token={token}", "--allow-root", f"--ServerApp.root_dir={tmp_path}",
          "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")},
+        env={**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"),
+             "JUPYTERLAB_SETTINGS_DIR": str(settings)},
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -128,7 +140,7 @@ def _lab(tmp_path, cells):
         shutil.rmtree(tmp_path / "rt", ignore_errors=True)
 
 
-def _open(pw, url):
+def _open(pw, url, theme="light"):
     browser = pw.chromium.launch(
         executable_path=CHROMIUM,
         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -137,6 +149,7 @@ def _open(pw, url):
     page = browser.new_page(viewport={"width": WIDTH, "height": 1000})
     page.goto(url)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+    page.wait_for_function("name => document.body.dataset.jpThemeName === name", arg=THEMES[theme], timeout=30_000)
     if not page.locator(".jp-FileBrowser").first.is_visible():  # the sidebar open, as a user has it
         page.locator(".jp-SideBar [data-id='filebrowser']").first.click()
         page.locator(".jp-FileBrowser").first.wait_for(timeout=10_000)
@@ -164,9 +177,82 @@ def _stream_top(c) -> float:
     return c.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']").first.bounding_box()["y"]
 
 
-def _shot(c, name: str) -> None:
+def _shot(c, name: str, theme: str) -> None:
+    """The cell's screenshot (``NAME.png``, ``NAME-dark.png``), and each nbddp view in it legible."""
     STATES.mkdir(parents=True, exist_ok=True)
-    c.screenshot(path=str(STATES / f"{name}.png"))
+    c.screenshot(path=str(STATES / (f"{name}.png" if theme == "light" else f"{name}-{theme}.png")))
+    views = c.locator(VIEWS)
+    assert views.count(), f"{name}: no view of nbddp's in the cell"
+    for i in range(views.count()):
+        worst = views.nth(i).evaluate(CONTRAST)
+        assert worst is None or worst[0] >= MIN_CONTRAST, f"{name} ({theme}): text hard to read: {worst}"
+    if theme == "dark":  # what each view paints, its text hidden (a rank's own "█" is text, and legible); the
+        c.evaluate(HIDE_TEXT)  # cell's class, not the view's: a live view is drawn anew at each update
+        try:
+            for i in range(views.count()):
+                light = _light(_still(views.nth(i)))
+                assert light <= LIGHT_BOX_MAX, (f"{name}: {light:.2%} of a view ({views.nth(i).get_attribute('class')}) "
+                                                "is painted light in the dark theme")
+        finally:
+            c.evaluate("c => c.classList.remove('nbddp-test-no-text')")
+
+
+# the lowest contrast of any text in the view against what is behind it (its own background or the first of
+# its ancestors'), colours composited over white as the page's canvas: [ratio, text, colour, background]
+CONTRAST = r"""view => {
+  const rgba = s => { const m = s.match(/rgba?\(([^)]+)\)/); if (!m) return [0, 0, 0, 0];
+    const p = m[1].split(/[\s,\/]+/).filter(Boolean).map(Number); return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1]; };
+  const over = (top, under) => [0, 1, 2].map(i => top[i] * top[3] + under[i] * (1 - top[3]));
+  const behind = el => { const chain = []; for (let e = el; e; e = e.parentElement) chain.unshift(e);
+    return chain.reduce((under, e) => over(rgba(getComputedStyle(e).backgroundColor), under), [255, 255, 255]); };
+  const lum = c => c.map(v => { v /= 255; return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); })
+    .reduce((s, v, i) => s + v * [0.2126, 0.7152, 0.0722][i], 0);
+  let worst = null;
+  for (const el of [view, ...view.querySelectorAll('*')]) {
+    if (![...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim())) continue;
+    const back = behind(el), fore = over(rgba(getComputedStyle(el).color), back);
+    const [a, b] = [lum(fore), lum(back)].sort((x, y) => y - x);
+    const ratio = (a + 0.05) / (b + 0.05);
+    if (!worst || ratio < worst[0]) worst = [ratio, el.textContent.trim().slice(0, 40), getComputedStyle(el).color, back];
+  }
+  return worst;
+}"""
+
+
+def _still(view) -> bytes:
+    """The view's screenshot; a live view drawn anew meanwhile (a bar, each 0.2 s) is taken again."""
+    from playwright.sync_api import Error
+
+    for _ in range(10):
+        try:
+            return view.screenshot(timeout=5_000)
+        except Error as e:
+            if "not attached" not in str(e):
+                raise
+    return view.screenshot(timeout=5_000)
+
+
+HIDE_TEXT = """cell => {
+  if (!document.getElementById('nbddp-test-no-text')) {
+    const style = document.createElement('style');
+    style.id = 'nbddp-test-no-text';
+    style.textContent = '.nbddp-test-no-text, .nbddp-test-no-text * { color: transparent !important; }';
+    document.head.appendChild(style);
+  }
+  cell.classList.add('nbddp-test-no-text');
+}"""
+
+
+def _light(png: bytes) -> float:
+    """The fraction of the image's pixels that are light (each channel >= 200 of 255: white, #f3f3f3, the
+    light greys of a light theme's boxes and tracks)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    return float((rgb.min(axis=2) >= 200).mean())
 
 
 def _dismiss_toasts(page) -> None:
@@ -179,11 +265,14 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
     """Issue 20 in a real front end: each state screenshotted (docs/images/states/) and its layout checked:
     the dashboard above the stream from the start, no row wrapping at 1000 px, the live table and the final
     one the same size and columns, a progress bar per rank, a failure's exception, a pool cell without a
-    dashboard of its own while the start cell's view follows it, an ended pool shown as ended."""
+    dashboard of its own while the start cell's view follows it, its own line above its output, %ddp who, an
+    ended pool shown as ended. Issue 42: all of it in JupyterLab's light theme and its dark one, every view
+    legible in both (its text's contrast; no light box in the dark theme)."""
     from playwright.sync_api import expect, sync_playwright
 
+    url, theme = states_lab
     with sync_playwright() as pw:
-        browser, page = _open(pw, states_lab)
+        browser, page = _open(pw, url, theme)
         try:
             _run_first_cell(page, expect)  # %load_ext nbddp, the 200 MB tensor
             _dismiss_toasts(page)
@@ -195,15 +284,16 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             live = _layout(one)
             assert live["top"] < _stream_top(one), "the dashboard sits above the stream"
             assert max(live["rows"]) < 24, f"a row wraps at {WIDTH} px: {live['rows']}"
-            _shot(one, "one-shot-running")
-            one.screenshot(path=str(SCREENSHOT))
+            _shot(one, "one-shot-running", theme)
+            if theme == "light":
+                one.screenshot(path=str(SCREENSHOT))
             streamed = one.locator(".jp-OutputArea").inner_text()
             assert "[rank0]:rank 0 step 0" in streamed and "[rank1]:rank 1 step 0" in streamed
             wait_for_text(page, ["· finished ·"], index=1)
             done = _layout(one)
             assert done["headers"] == live["headers"] and abs(done["height"] - live["height"]) < 2, (live, done)
             assert one.locator(".nbddp-run").count() == 1 and done["top"] == live["top"], "nothing jumps"
-            _shot(one, "one-shot-done")
+            _shot(one, "one-shot-done", theme)
             # -- tqdm mid-run: a bar per rank, the dashboard's progress column ---------------------------------
             run_cell(page, 2)
             bars = cell(page, 2).locator(".nbddp-bar")
@@ -228,7 +318,7 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             assert abs(text_x - bar_x) < 1.5, f"text at x={text_x}, its bar at x={bar_x}"
             assert max(bars.evaluate_all("bs => bs.map(b => b.getBoundingClientRect().height)")) < 24, "a bar wraps"
             assert mid.count("Epoch 1 starting") == 1 and "[rank0-1]:Epoch 1 starting" in mid, mid
-            _shot(cell(page, 2), "tqdm-mid-run")
+            _shot(cell(page, 2), "tqdm-mid-run", theme)
             wait_for_text(page, ["· finished ·"], index=2)
             assert bars.locator("span span").evaluate_all("spans => spans.map(s => s.style.width)") == ["100%"] * 2
             # -- a failure: the failed rank's exception, the rank done before it "finished" -------------------
@@ -238,7 +328,7 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             assert max(_layout(cell(page, 3))["rows"]) < 24, "the exception fits its row"
             assert "logs: /" in failed, "a failed cell shows where the rest of its output is"
             assert "logs:" not in cell(page, 1).locator(".nbddp-run").inner_text(), "a finished cell does not"
-            _shot(cell(page, 3), "failure")
+            _shot(cell(page, 3), "failure", theme)
             # -- a pool: its cell has no dashboard; the start cell's view follows it ------------------------
             run_cell(page, 4)  # %ddp start
             wait_for_text(page, ["nbddp pool · 2 ranks", "0 cells run"], index=4)
@@ -250,11 +340,13 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             assert re.search(r"0\s+\d+\s+cpu\s+busy", busy), busy
             # the pool cell's own line, live while it runs, then its final line in the same place
             live_line = wait_for_text(page, ["nbddp pool · cell on ranks 0-1 ·", "· running"], index=5)
-            _shot(cell(page, 5), "pool-cell-own-line")
+            _shot(cell(page, 5), "pool-cell-own-line", theme)
             wait_for_text(page, ["rank 1 step 1"], index=5)
+            own_top = cell(page, 5).locator(".nbddp-line").bounding_box()["y"]
+            assert own_top < _stream_top(cell(page, 5)), "the pool cell's line sits above its output, not among it"
             assert cell(page, 5).locator(".nbddp-run").count() == 0, "a pool cell has no dashboard of its own"
-            _shot(cell(page, 4), "pool-view-running")
-            _shot(cell(page, 5), "pool-cell-running")
+            _shot(cell(page, 4), "pool-view-running", theme)
+            _shot(cell(page, 5), "pool-cell-running", theme)
             line = wait_for_text(page, ["nbddp pool · cell on ranks 0-1", "· ok"], index=5)
             assert "· running" not in line and line.count("nbddp pool · cell") == 1, (live_line, line)
             # the pool's view within its cell's width, whatever its age (the history has a fixed width)
@@ -265,27 +357,32 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             assert lives and set(lives) == {160}, lives
             done = wait_for_text(page, ["1 cell run", "Cell In[6] ·", "· ok"], index=4)
             assert "busy" not in done and re.search(r"1\s+\d+\s+cpu\s+idle", done), done
+            assert cell(page, 5).locator(".nbddp-line").bounding_box()["y"] < _stream_top(cell(page, 5)), "in place"
+            # -- %ddp who: the ranks' names side by side ---------------------------------------------------------
+            run_cell(page, 6)
+            wait_for_text(page, ["nbddp who", "weights"], index=6)
+            _shot(cell(page, 6), "pool-who", theme)
             # -- an ended pool ---------------------------------------------------------------------------------
-            run_cell(page, 6)  # %ddp stop
-            ended = wait_for_text(page, ["· stopped · was up", "1 cell run"], index=4)
+            run_cell(page, 7)  # %ddp stop
+            ended = wait_for_text(page, ["· stopped · was up", " run"], index=4)
             assert "idle" not in ended and "busy" not in ended, ended
-            _shot(cell(page, 4), "pool-ended")
+            _shot(cell(page, 4), "pool-ended", theme)
             # -- after an interrupt: each rank's bar where its rank was, as the dashboard says -------------------
-            run_cell(page, 7)
-            bars = cell(page, 7).locator(".nbddp-bar")
+            run_cell(page, 8)
+            bars = cell(page, 8).locator(".nbddp-bar")
             deadline = time.monotonic() + 60  # both ranks' bars drawn, and well past their start
             while time.monotonic() < deadline and not (
                     len(bars.all_inner_texts()) == 2 and
-                    len(re.findall(r"^\d\s+running\s+([5-9]|\d\d)%", cell(page, 7).inner_text(), re.MULTILINE)) == 2):
+                    len(re.findall(r"^\d\s+running\s+([5-9]|\d\d)%", cell(page, 8).inner_text(), re.MULTILINE)) == 2):
                 page.wait_for_timeout(100)
             page.keyboard.press("Escape")
             page.keyboard.press("i")
             page.keyboard.press("i")
-            after = wait_for_text(page, ["· interrupted ·", "KeyboardInterrupt"], index=7)
+            after = wait_for_text(page, ["· interrupted ·", "KeyboardInterrupt"], index=8)
             dash = {int(r): p for r, p in re.findall(r"^(\d)\s+[a-z]+\s+(\d+)%", after, re.MULTILINE)}
             shown = {int(r): p for r, p in (re.match(r"\[rank(\d)\]:train:\s+(\d+)%", t).groups()
                                             for t in bars.all_inner_texts())}
             assert sorted(dash) == [0, 1] and shown == dash, f"bars {shown} vs the dashboard {dash}: {after}"
-            _shot(cell(page, 7), "after-interrupt")
+            _shot(cell(page, 8), "after-interrupt", theme)
         finally:
             browser.close()

@@ -93,7 +93,9 @@ def test_a_bar_ends_at_the_state_held_back_with_a_stack_dump():
     relay.kept(Output(0, "stderr", kept.encode()))
     relay.close_all()
     last = list(sink.states.values())[-1][-1]
-    assert "136/1000" in last["text/plain"] and "#ef6c00" in last["text/html"], last  # final, not finished
+    from nbddp.views.theme import WARN
+
+    assert "136/1000" in last["text/plain"] and WARN in last["text/html"], last  # final, not finished
 
 
 def test_text_and_bars_start_in_the_same_column_in_the_html():
@@ -338,7 +340,9 @@ def test_64_ranks_ending_a_bar_publish_a_few_outputs_not_one_a_rank():
         relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("epoch 0", 3, 20)).encode()))
     relay.close_all()
     assert len(sink.states["bars0"]) == 2, len(sink.states["bars0"])
-    assert "#ef6c00" in sink.states["bars0"][-1]["text/html"] and "#1565c0" not in sink.states["bars0"][-1]["text/html"]
+    from nbddp.views.theme import RUNNING, WARN
+
+    assert WARN in sink.states["bars0"][-1]["text/html"] and RUNNING not in sink.states["bars0"][-1]["text/html"]
 
 
 def test_a_rows_final_state_waits_for_the_next_redraw_and_the_close_shows_it():

@@ -129,7 +129,7 @@ def _html(head: str, columns: tuple, rows: list, caps: tuple) -> str:
         return "<tr>" + "".join(f'<{tag} style="{cell}" title="{html.escape(str(v))}">{html.escape(str(v))}</{tag}>'
                                 for v in values) + "</tr>"
 
-    return (f'<div style="max-width:{WIDTH}ch"><div style="white-space:pre-wrap;'
+    return (f'<div class="nbddp-table" style="max-width:{WIDTH}ch"><div style="white-space:pre-wrap;'
             f'font-family:var(--jp-code-font-family,monospace)">{html.escape(head)}</div>'
             + (f'<table style="table-layout:fixed;width:100%;border-collapse:collapse;margin:2px 0 0 0">{cols}'
                f"<thead>{row(columns, 'th')}</thead><tbody>{''.join(row(r, 'td') for r in rows)}</tbody></table>"

@@ -20,6 +20,7 @@ from .dashboard import CELL
 from ..units import size
 from .monitor import Monitor, duration, uptime
 from .output import Slot, text_table
+from .theme import BOX, MUTED, RUNNING, TEXT
 
 REFRESH_S = 1.0  # between cells: sample and redraw if changed
 SERIES_MAX = 512  # points kept per series; past that every other one goes, so the whole life stays
@@ -71,7 +72,7 @@ class LifeSeries:
         span = (high - low) or 1.0
         return "".join(BARS[max(0, min(len(BARS) - 1, int((v - low) / span * len(BARS))))] for v in self.points())
 
-    def line_html(self, scale: tuple[float, float] | None = None, colour: str = "#1565c0") -> str:
+    def line_html(self, scale: tuple[float, float] | None = None, colour: str = RUNNING) -> str:
         """The same points as a thin line (a 2 px top edge per point) in a box of fixed size."""
         if not self.values:
             return ""
@@ -81,7 +82,7 @@ class LifeSeries:
             f"<span style='display:inline-block;width:{LINE_STEP_PX}px;height:{2 + round(max(0.0, min(1.0, (v - low) / span)) * (LINE_HEIGHT_PX - 2))}px;"
             f"border-top:2px solid {colour};box-sizing:border-box'></span>" for v in self.points())
         return (f"<span class='nbddp-life' style='display:inline-flex;align-items:flex-end;vertical-align:middle;"
-                f"width:{SPARK_WIDTH * LINE_STEP_PX}px;height:{LINE_HEIGHT_PX}px;background:#f3f3f3'>{cells}</span>")
+                f"width:{SPARK_WIDTH * LINE_STEP_PX}px;height:{LINE_HEIGHT_PX}px;background:{BOX}'>{cells}</span>")
 
 
 class LifeCell(str):
@@ -283,7 +284,7 @@ class PoolView:
     def render_html(self) -> str:
         """The dashboard's style (dashboard.py): small, one line a row at any width."""
         def table(rows):
-            head = "".join(f"<th style='{CELL};font-weight:600;color:#555'>{html.escape(c)}</th>" for c in rows[0])
+            head = "".join(f"<th style='{CELL};font-weight:600;color:{MUTED}'>{html.escape(c)}</th>" for c in rows[0])
             body = "".join("<tr>" + "".join(f"<td style='{CELL}'>{c.html if isinstance(c, LifeCell) else html.escape(c)}</td>"
                                             for c in r) + "</tr>" for r in rows[1:])
             return f"<table style='{SMALL_TABLE}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
@@ -293,7 +294,7 @@ class PoolView:
         if self.gpu_util:
             parts.append(table(self.gpu_rows()))
         if self.cells:
-            parts.append("<div style='color:#444'>" + "<br>".join(html.escape(c) for c in self.cell_rows()) + "</div>")
-        parts.append(f"<div style='color:#888'>logs: {html.escape(str(self.run_dir.path))}</div></div>")
+            parts.append(f"<div style='color:{TEXT}'>" + "<br>".join(html.escape(c) for c in self.cell_rows()) + "</div>")
+        parts.append(f"<div style='color:{MUTED}'>logs: {html.escape(str(self.run_dir.path))}</div></div>")
         return "".join(parts)
 
