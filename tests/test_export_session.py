@@ -82,6 +82,10 @@ def test_each_cell_once_as_last_run_in_the_order_cells_first_ran():
     assert notes["In [1]"][1].startswith("In [1]: superseded by In [20]")
     ran(h, "%%ddp\nprint('gone')", 22, cell_id="c")  # run again (undo, then run): back in its place
     assert h.export().cells[4] == "%%ddp\nprint('gone')"
+    h.started("y = 1\n", "f")
+    h.ended("x = 1", 23, "SyntaxError")  # not the cell that started (IPython refused it before it ran)
+    h.ended(None, 24, "NameError: z")  # an IPython that does not say which cell: the one that started
+    assert h.export().failed[6] == "NameError: z"
 
 
 def test_the_header_says_which_runs_were_left_out_and_the_order():

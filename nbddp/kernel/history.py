@@ -101,11 +101,12 @@ class History:
         self._running = Run(source)
         cell.runs.append(self._running)
 
-    def ended(self, source: str, number: int | None, error: str | None) -> None:
-        """The cell ``started`` last has run (post_run_cell); a cell IPython refused before running it
-        (its input transformation failed) never started, and is not this one."""
+    def ended(self, source: str | None, number: int | None, error: str | None) -> None:
+        """The cell ``started`` last has run (post_run_cell; ``source`` None where IPython does not say
+        which cell). A cell IPython refused before running it (its input transformation failed) never
+        started, and is not this one."""
         run = self._running
-        if run is None or run.done or run.source != source:
+        if run is None or run.done or (source is not None and run.source.strip() != source.strip()):
             return
         run.number, run.error, run.done = number, error, True
         self._running = None
