@@ -68,6 +68,10 @@ def run(quick: bool, only: str | None = None) -> dict:
         import bench_ray
 
         return {**json.loads((HERE / "results.json").read_text()), "ray": bench_ray.measure(quick)}
+    if only == "background":  # issue 41's section: background cells, a kernel of their own
+        import bench_background
+
+        return {**json.loads((HERE / "results.json").read_text()), "background": bench_background.measure(quick)}
     if only == "firststep":  # issue 34's section: a real first step and real data, kernels of their own
         import bench_firststep
 
@@ -121,6 +125,10 @@ def run(quick: bool, only: str | None = None) -> dict:
 
     results["firststep"] = bench_firststep.measure(quick)
     print("done: firststep", flush=True)
+    import bench_background
+
+    results["background"] = bench_background.measure(quick)
+    print("done: background", flush=True)
     return results
 
 
@@ -355,6 +363,10 @@ def report(r: dict) -> str:
         import before_after
 
         lines += [before_after.render(r["before_after"]), ""]
+    if "background" in r:
+        import bench_background
+
+        lines += [bench_background.render(r["background"]), ""]
     return "\n".join(lines) + "\n"
 
 
