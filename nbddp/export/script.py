@@ -81,8 +81,8 @@ def _nbddp_group_calls():
     in a group nbddp made (installed before any cell, so a library's calls go through them too):
     - init_process_group() while a group is up joins it: it does nothing;
     - destroy_process_group() is real (what follows sees no group); the group's object is kept until the
-      script ends, as in the notebook: freed while its worker thread still drops a finished collective,
-      gloo's teardown can deadlock;
+      script's end (as nbddp's ranks keep it until they are idle): freed while its worker thread still
+      drops a finished collective, gloo's teardown can deadlock;
     - an init after a destroy makes a new group with the same ranks, on the first group's store under a key
       prefix of its own: torch names a re-made group as it named the first one, whose keys are still in
       torchrun's store, and a plain second init would wait forever for peers at the old addresses."""
