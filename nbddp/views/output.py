@@ -117,6 +117,7 @@ class Detached:
         self.targets: list[dict] = [parent]  # parent headers; 0: the background cell itself
         self.kept: list[list] = []  # [kind, key, payload] in order: ("stream", name, text), ("display", id, (data, md)), ("error", None, content)
         self._displays: dict[str, list] = {}  # display id -> its entry in kept
+        self._foreign: set[str] = set()  # display ids another cell showed (first seen here as an update: the pool's view)
         self._shown: list[set] = [set()]  # per target: display ids it has been shown
         self._pending: list[list] = []  # [name, text] not sent yet, in order
         self._lines = 0
@@ -161,6 +162,8 @@ class Detached:
             if entry is None:
                 entry = self._displays[display_id] = ["display", display_id, (data, metadata)]
                 self.kept.append(entry)
+                if update:
+                    self._foreign.add(display_id)
             else:
                 entry[2] = (data, metadata)
             for i in range(len(self.targets)):
@@ -212,9 +215,16 @@ class Detached:
                 self._lines -= excess
 
     def _send_display(self, i: int, display_id: str, data: dict, metadata: dict, update: bool) -> None:
-        # an attached cell gets display ids of its own: an update reaches each copy once
-        target_id = display_id if i == 0 else f"{display_id}-a{i}"
+        # an attached cell gets display ids of its own: an update reaches each copy once. Not so another cell's
+        # display updated from here (the pool's view, which the pool also updates between cells, from the main
+        # thread): an attached copy keeps its id, as %ddp status shows it, so that every later update, whoever
+        # sends it, reaches it (a front end routes an update by display id to each output shown with it); the
+        # updates sent to the background cell's own request reach it that way, and are not sent again
+        foreign = display_id in self._foreign
+        target_id = display_id if i == 0 or foreign else f"{display_id}-a{i}"
         first = target_id not in self._shown[i]
+        if foreign and i > 0 and update and not first:
+            return
         self._shown[i].add(target_id)
         update = update and not (first and i > 0)  # a display the attached cell never saw arrives as new
         content = {"data": data, "metadata": metadata, "transient": {"display_id": target_id}}
