@@ -282,7 +282,7 @@ def test_a_dead_agent_ends_the_pool_naming_the_node_and_its_ranks_go_with_it(poo
     agent.kill()
     res = k.run("%%ddp\nprint('after')\n", timeout=60)
     text = res.error_text
-    assert re.search(r"rank 1 on node 1 \(.*\) failed: NodeLost: node 1 \(.*\) lost \(ranks 1\): ActorDiedError", text) \
+    assert re.search(r"rank 1 on node 1 \(.*\) failed: NodeLost: node 1 \(.*\) lost \(rank 1\): ActorDiedError", text) \
         or "the pool has ended: rank 1 on node 1" in text, text  # (lost during the cell, or before it)
     assert not wait_gone(pids), "rank 1 died with its agent, rank 0 was stopped"
 
@@ -451,7 +451,7 @@ def test_a_node_removed_ends_the_pool_naming_the_node(cluster, rk):
         res = rk.collect(res_id, timeout=60)
         took = time.monotonic() - t0
         text = res.error_text
-        assert re.search(r"rank 2 on node 2 \(.*\) failed: NodeLost: node 2 \(.*\) lost \(ranks 2\)", text), text
+        assert re.search(r"rank 2 on node 2 \(.*\) failed: NodeLost: node 2 \(.*\) lost \(rank 2\)", text), text
         assert "The pool has ended" in text, text
         assert not wait_gone(pids), "no rank is left on any node"
         assert took < 30, took

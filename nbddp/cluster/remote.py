@@ -23,6 +23,7 @@ import time
 
 from ..kernel import failure
 from ..kernel.supervisor import RankProc
+from ..units import ranks_text
 from ..wire import messages
 
 LOST = "NodeLost"
@@ -139,7 +140,7 @@ class Streams:
             for rank in link.ranks:
                 proc = self.procs[rank]
                 if proc.exit is None:
-                    why_lost = f"node {link.node} lost (ranks {', '.join(map(str, link.ranks))})" + (f": {why}" if why else "")
+                    why_lost = f"node {link.node} lost ({ranks_text(link.ranks)})" + (f": {why}" if why else "")
                     sup.ended(proc, lost_exit(rank, why_lost, stopped=proc.stop_sent))
             return
         proc = self.procs.get(event.rank)
