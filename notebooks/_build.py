@@ -345,6 +345,88 @@ NOTEBOOKS = {
         code("%ddp stop"),
         code("ray.shutdown()\ncluster.shutdown()"),
     ],
+    "11-background-training.ipynb": [
+        md("# Long training in the background\n\n`%%ddp --bg` sends a cell to the ranks and gives the notebook back at "
+           "once: the cell returns as soon as its ranks have it, and you go on working (look at the data, plot, "
+           "write the next cell) while they train. Its `--out`/`--gather` names arrive in the notebook when it has "
+           "ended; a cell that reads one of them first waits for it, so the same notebook, run top to bottom "
+           "(nbval, papermill, \"Run All\"), gives the same results as run by hand."),
+        code("%load_ext nbddp\nimport torch\nimport matplotlib.pyplot as plt\ntorch.manual_seed(0)\n"
+             "X = torch.randn(4096, 16)\nY = X @ torch.randn(16, 1) + 0.1 * torch.randn(4096, 1)   # shared copy-on-write"),
+        code("%ddp start --devices 2 --seed 0"),
+        md("## Send the training to the background\n\nThe cell below returns within a fraction of a second. Its "
+           "output (each rank's lines, the tqdm bars, the pool's line for the cell and, at the end, its outcome) "
+           "keeps arriving **in this cell** in JupyterLab, however many cells you run meanwhile (VS Code: until "
+           "you run another cell; see docs/environments.md).\n\n"
+           "*In this saved notebook* the cell shows only what arrived before it returned: a notebook run top to "
+           "bottom (as this one was built) records a cell's output while it runs. `%ddp attach`, further down, "
+           "shows all of it. What a background cell shows depends on timing, so its cell (and the others that "
+           "look at it while it runs) carries `# NBVAL_IGNORE_OUTPUT`: nbval, which tests this notebook, "
+           "compares every other cell's output."),
+        code("%%ddp --bg --gather losses\n"
+             "# 4 epochs of DDP training, each rank on its half of the data, with a progress bar\n"
+             "# NBVAL_IGNORE_OUTPUT\n"
+             "import time\n"
+             "from tqdm.auto import tqdm\n"
+             "from torch.utils.data import DataLoader, DistributedSampler, TensorDataset\n"
+             "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 1))\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.02)\n"
+             "data = TensorDataset(X, Y)\n"
+             "sampler = DistributedSampler(data, seed=0)          # each rank its half, reshuffled every epoch\n"
+             "loader = DataLoader(data, batch_size=64, sampler=sampler)\n"
+             "losses = []\n"
+             "with tqdm(total=4 * len(loader), desc='training') as bar:\n"
+             "    for epoch in range(4):\n"
+             "        sampler.set_epoch(epoch)\n"
+             "        for xb, yb in loader:\n"
+             "            opt.zero_grad()\n"
+             "            loss = torch.nn.functional.mse_loss(model(xb), yb)\n"
+             "            loss.backward()\n"
+             "            opt.step()\n"
+             "            losses.append(loss.item())\n"
+             "            bar.update()\n"
+             "            time.sleep(0.05)                     # stands for a bigger model's step\n"
+             "print(f'{len(losses)} steps, last loss {losses[-1]:.4f}')"),
+        md("## Meanwhile, the notebook is free\n\nA plain cell runs at once, in the kernel, while the ranks train. "
+           "(Only a cell that reads `losses` waits, and a blocking `%%ddp` cell: the ranks run one cell at a time.)"),
+        code("fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3))\n"
+             "left.hist(Y.squeeze().numpy(), bins=50)\nleft.set_title('Y')\n"
+             "right.scatter(X[:, 0].numpy(), Y.squeeze().numpy(), s=1, alpha=0.3)\n"
+             "right.set_xlabel('X[:, 0]'); right.set_ylabel('Y')\nplt.show()\n"
+             "print(f'{len(X)} rows, Y mean {Y.mean():.3f}, std {Y.std():.3f}')"),
+        md("`%ddp status` shows the pool and the background work: each background cell, its state, its time so far "
+           "and each rank's last tqdm fraction."),
+        code("# NBVAL_IGNORE_OUTPUT\n%ddp status"),
+        md("## The results\n\nThis cell reads `losses`, which the background cell brings back with `--gather`: "
+           "it waits for the training to end first (and says so), then runs with the ranks' values. Results land "
+           "only between cells (as the next cell starts, or in `%ddp wait`), never in the middle of one."),
+        code("# NBVAL_IGNORE_OUTPUT\n"
+             "steps = [len(curve) for curve in losses]"),
+        md("`%ddp wait` waits for every background cell (`--timeout S` to wait at most S seconds) and brings its "
+           "results; a background failure not said yet is raised here, which fails a notebook run top to bottom. "
+           "Here the previous cell already waited, so it returns at once."),
+        code("%ddp wait"),
+        code("# NBVAL_CHECK_OUTPUT\nprint(f'{len(losses)} ranks, {steps} steps; last loss {losses[0][-1]:.4f} (rank 0), '\n"
+             "      f'{losses[1][-1]:.4f} (rank 1)')"),
+        code("for r, curve in enumerate(losses):\n    plt.plot(curve, label=f'rank {r}')\n"
+             "plt.yscale('log'); plt.xlabel('step'); plt.ylabel('MSE'); plt.legend(); plt.show()"),
+        md("## Watching it again: `%ddp attach`\n\nAfter a page reload (or in a second tab) the background cell's "
+           "output no longer reaches its cell. `%ddp attach`, in any cell, shows the running background cell "
+           "there: what it showed so far, then live to its end. Once it has ended, it shows the last one's whole "
+           "output, as here."),
+        code("# NBVAL_IGNORE_OUTPUT\n%ddp attach"),
+        md("## Interrupts\n\n- **The stop button never reaches background ranks.** Jupyter's interrupt stops the "
+           "kernel's running cell only: interrupting a plain cell, or a cell waiting for the training (`%ddp wait`, "
+           "a cell reading `losses`), stops that cell, or the waiting, and the training goes on.\n"
+           "- **`%ddp interrupt` stops the background cell**, as the stop button stops a blocking `%%ddp` cell: "
+           "the report (where every rank was) arrives in the background cell's own output, the pool and what "
+           "its ranks hold survive, and background cells queued behind it are cancelled.\n\n"
+           "A second `%%ddp --bg` cell queues behind the first; a blocking `%%ddp` cell, `%ddp who` or "
+           "`%ddp stop` wait for the background work to end (and say so). A background failure is reported in "
+           "its own output and said once more in the next cell you run. More in docs/user-guide.md, *Training that "
+           "outlives the cell*."),
+        code("%ddp stop"),
+    ],
 }
 
 
