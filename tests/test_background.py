@@ -135,7 +135,22 @@ def test_a_background_failure_is_reported_in_its_cell_and_said_once_in_the_next(
     nxt = pool.ok("1")
     assert "background cell" in nxt.stderr and "failed" in nxt.stderr and "bad batch" in nxt.stderr, nxt.stderr
     assert "bad batch" not in pool.ok("2").stderr  # said once
-    assert pool.ok("%ddp wait").error is None  # already said: nothing to raise
+    waited = pool.run("%ddp wait")  # a headless run must still fail here, whatever cells ran in between
+    assert waited.error is not None and waited.error["ename"] == "BackgroundFailed" and "bad batch" in waited.error_text
+    assert pool.ok("%ddp wait").error is None  # raised once
+
+
+def test_a_cell_reading_a_name_a_failed_background_cell_never_brought_fails_once(pool):
+    pool.ok("losses = 'stale'")
+    sent_id = pool.execute("%%ddp --bg --gather losses\nif rank == 1:\n    raise ValueError('bad batch')\nlosses = [1.0]")
+    if pool.collect(sent_id, timeout=30).error is None:
+        pool.follow(sent_id, lambda r: r.error is not None, timeout=30)
+    pool.ok("pass")  # its failure is said here
+    res = pool.run("print('losses =', losses)")
+    assert res.error is not None and res.error["ename"] == "BackgroundFailed", res
+    assert "losses did not arrive; the cell did not run" in res.error_text and "stale" not in res.stdout
+    assert pool.ok("%ddp wait").error is None  # raised once, by that cell
+    assert "stale" in pool.ok("print(losses)").stdout  # then the notebook's own value, as it was
 
 
 def test_ddp_wait_raises_a_failure_not_said_yet(pool):
@@ -198,3 +213,30 @@ def test_a_kernel_shut_down_mid_background_cell_leaves_nothing(runs_dir):
         assert len(kids) >= 2
     gone, alive = psutil.wait_procs(kids, timeout=15)
     assert not alive, [(p.pid, p.name()) for p in alive]
+
+
+def test_a_waiting_cell_may_start_with_future_imports_and_the_pool_api_waits_its_turn(pool):
+    msg_id = send(pool, TRAIN.format(opts="--out late", steps=6, pause=0.2, tail="late = 'here'"))
+    res = pool.ok("from __future__ import annotations\nprint(late)", timeout=60)
+    assert res.stdout.strip() == "here" and "waiting for it" in res.stderr
+    msg_id = send(pool, TRAIN.format(opts="", steps=6, pause=0.2, tail=""))
+    res = pool.ok("magics = get_ipython().magics_manager.registry['DDPMagics']\n"
+                  "print(magics.pool.run(lambda: 1), flush=True)", timeout=60)  # the ranks' API, not the magic
+    assert "[1, 1]" in res.stdout and "waiting for the pool's cell running in the background" in res.stderr, res
+    pool.follow(msg_id, pool_line_ended, timeout=30)
+
+
+def test_a_background_cell_that_failed_is_left_out_of_the_export(pool, tmp_path):
+    pool.ok("%%ddp\ngood = 1")
+    sent_id = pool.execute("%%ddp --bg\nraise ValueError('late failure')")
+    sent = pool.collect(sent_id, timeout=30)
+    assert sent.status == "ok"  # the notebook cell returned; the failure is reported in its output
+    if sent.error is None:
+        pool.follow(sent_id, lambda r: r.error is not None, timeout=30)
+    msg_id = pool.execute("1")
+    assert "late failure" in pool.collect(msg_id, timeout=60).stderr  # its failure lands here, said once
+    script = tmp_path / "train.py"
+    pool.ok(f"%ddp_export {script}")
+    lines = [ln.strip() for ln in script.read_text().splitlines()]
+    assert "good = 1" in lines
+    assert "raise ValueError('late failure')" not in lines  # (a comment at most)

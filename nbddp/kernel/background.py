@@ -63,16 +63,23 @@ class Job:
     ended: float | None = None
     results: list | None = None
     error: BaseException | None = None
-    landed: bool = False
+    landed: bool = False  # its results delivered, or its failure said
+    raised: bool = False  # its failure raised by a waiter (%ddp wait, a cell that needed its names): once
     parked: bool = False  # the cell that sent it waited for its start: a refusal is raised there, as usual
     started: threading.Event = dataclasses.field(default_factory=threading.Event)  # the ranks have it (or it ended)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     _sup: object = None
     _interrupt_asked: bool = False
 
+    tag: str = ""  # told apart from another background cell of the same number (nbval runs cells unnumbered)
+
     @property
     def name(self) -> str:
-        return f"[{self.number}]"
+        return f"[{self.number}{self.tag}]"
+
+    @property
+    def failed(self) -> bool:
+        return self.state in ("failed", "interrupted")
 
     def on_start(self, gang) -> None:
         """The engine's: the ranks have the cell; an interrupt asked meanwhile reaches it now."""
@@ -111,6 +118,7 @@ class Background:
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self.on_failed = None  # on_failed(job), as its failure lands: its cell failed after all (%ddp_export)
 
     # -- the notebook's side (main thread) ---------------------------------------------------------
     def active(self) -> list[Job]:
@@ -120,6 +128,8 @@ class Background:
         """Send ``job``: it starts now (the main thread waits until its ranks have it) or queues."""
         ahead = self.active()
         job.parked = not ahead
+        same = sum(j.number == job.number for j in self.jobs)
+        job.tag = "abcdefghijklmnopqrstuvwxyz"[same % 26] if same else ""
         with self._cv:
             self.jobs.append(job)
             self._queue.append(job)
@@ -131,7 +141,11 @@ class Background:
             print(f"nbddp: {job.name} queued behind background cell {', '.join(j.name for j in ahead)}: it starts "
                   "when that ends (%ddp status shows the work, %ddp interrupt stops it)", file=sys.stderr)
             return
-        job.started.wait()  # (interruptible: an interrupt here leaves it starting in the background)
+        try:
+            job.started.wait()
+        except KeyboardInterrupt:
+            raise interrupt(f"interrupted while background cell {job.name} was being sent: it goes on in the "
+                            "background; %ddp interrupt stops it, %ddp status shows it.") from None
         if job._sup is None and job.done.is_set() and job.error is not None:
             # refused before its ranks had it (a pool that ended, a devices check): raised here, as a blocking
             # cell raises it; nothing runs
@@ -155,11 +169,9 @@ class Background:
             self._wait(jobs, timeout, "%ddp wait stopped waiting",
                        f"nbddp: waiting for background cell {', '.join(j.name for j in jobs)} (an interrupt stops "
                        "the waiting, not the training)")
-        failed = [j for j in self.jobs if j.state in ("failed", "interrupted") and not j.landed]
         for line in self.land(quiet_failures=True):
             print(line, file=sys.stderr)
-        if failed:
-            raise BackgroundFailed(_failure_summary(failed))
+        self._raise_failed(self.jobs, "")
 
     def wait_for_names(self, names) -> None:
         """A notebook cell reads ``names``, which background cells will bring back: it waits for them."""
@@ -170,16 +182,23 @@ class Background:
                        f"nbddp: this cell reads {', '.join(wanted)}, which background cell "
                        f"{', '.join(j.name for j in jobs)} brings back: waiting for it (an interrupt stops the "
                        "waiting, not the training)")
-        failed = [j for j in self.jobs if set(j.names) & set(names) and j.state in ("failed", "interrupted")
-                  and not j.landed]
         self.land()
+        self._raise_failed([j for j in self.jobs if set(j.names) & set(names)],
+                           f"\n{', '.join(sorted(names))} did not arrive; the cell did not run.")
+
+    def _raise_failed(self, jobs, then: str) -> None:
+        """A failure among ``jobs`` that no waiter raised yet is raised (once), however often it was said: a
+        headless run (nbclient, papermill) must fail there, whatever cells ran in between."""
+        failed = [j for j in jobs if j.failed and not j.raised]
+        for job in failed:
+            job.raised = True
         if failed:
-            raise BackgroundFailed(_failure_summary(failed) + f"\n{', '.join(sorted(names))} did not arrive; "
-                                   "the cell did not run.")
+            raise BackgroundFailed(_failure_summary(failed) + then)
 
     def pending_names(self) -> set[str]:
-        """Names background cells still running (or queued) will bring back."""
-        return {n for j in self.active() for n in j.names}
+        """Names background cells still running (or queued) will bring back, and those of a failed one no
+        waiter raised yet (a cell that reads one fails rather than read an older value)."""
+        return {n for j in self.jobs if not j.done.is_set() or (j.failed and not j.raised) for n in j.names}
 
     def land(self, quiet_failures: bool = False) -> list[str]:
         """Ended cells' results into the notebook, and their failures said once (printed here, on the main
@@ -187,6 +206,8 @@ class Background:
         said = []
         for job in [j for j in self.jobs if j.done.is_set() and not j.landed]:
             job.landed = True
+            if job.failed and self.on_failed is not None:
+                self.on_failed(job)
             if job.state == "ok":
                 try:
                     job.deliver(job.results)
@@ -195,7 +216,7 @@ class Background:
                                     "arrived in the notebook")
                 except NbddpError as e:
                     said.append(f"nbddp: background cell {job.name}: {e}")
-            elif job.state in ("failed", "interrupted") and not quiet_failures:
+            elif job.failed and not quiet_failures:
                 said.append(_failure_summary([job]))
         if not quiet_failures:
             for line in said:
@@ -335,12 +356,15 @@ class WaitForNames(ast.NodeTransformer):
         wanted = sorted(read & pending)
         if not wanted:
             return node
+        at = next((i for i, st in enumerate(node.body)  # after `from __future__ import ...`, which come first
+                   if not (isinstance(st, ast.ImportFrom) and st.module == "__future__")), len(node.body))
+        line = node.body[min(at, len(node.body) - 1)].lineno
         call = ast.parse(f"__import__('nbddp.kernel.background', fromlist=['x']).waiting({wanted!r})").body[0]
-        ast.copy_location(call, node.body[0])
-        ast.fix_missing_locations(call)
         for sub in ast.walk(call):
-            sub.lineno = sub.end_lineno = node.body[0].lineno
-        node.body.insert(0, call)
+            if hasattr(sub, "lineno"):
+                sub.lineno = sub.end_lineno = line
+                sub.col_offset, sub.end_col_offset = 0, 0
+        node.body.insert(at, call)
         return node
 
 

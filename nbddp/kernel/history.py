@@ -111,6 +111,14 @@ class History:
         run.number, run.error, run.done = number, error, True
         self._running = None
 
+    def failed_later(self, number: int, error: str) -> None:
+        """Cell ``number`` ran without an error but its work failed after (a ``%%ddp --bg`` cell): as failed."""
+        for cell in self.cells:
+            for run in cell.runs:
+                if run.number == number and run.error is None:
+                    run.error = error
+                    return
+
     def _find(self, source: str, cell_id: str | None) -> Cell:
         if cell_id is not None and cell_id in self._by_id:
             return self._by_id[cell_id]

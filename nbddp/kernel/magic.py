@@ -124,6 +124,7 @@ class DDPMagics(Magics):
         self._pdb_back = False  # %pdb was on and a cell's traceback was shown without it (_ranks_debug_themselves)
         self._compiled: dict[str, tuple] = {}  # cell text -> (source, names read, execution count, file name)
         self.background = Background(shell)  # %%ddp --bg cells, and what became of them
+        self.background.on_failed = self._failed_in_background
         if shell is not None:
             self.unregister_events(shell)  # %reload_ext: one recorder, not two
             self.history.loaded(shell)
@@ -134,6 +135,11 @@ class DDPMagics(Magics):
             shell.input_transformers_cleanup.append(keep_empty_body)
             shell.ast_transformers.append(WaitForNames(self.background))
             background.install(self.background)
+
+    def _failed_in_background(self, job) -> None:
+        """A background cell's work failed after its notebook cell returned: %ddp_export leaves it out."""
+        first = (str(job.error).splitlines() or [""])[0]
+        self.history.failed_later(job.number, f"{type(job.error).__name__}: {first}".rstrip(": "))
 
     def _land(self, info) -> None:
         """Background cells that ended since the last cell: their results land now, their failures are said."""
@@ -270,7 +276,7 @@ class DDPMagics(Magics):
             return per_rank
 
         number = cells.running(shell)
-        label = (cell.strip().splitlines() or [""])[0][:60]
+        label = next((ln.strip() for ln in cell.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")[:60]
         job = Job(number, label, work_and_show, deliver, tuple(names),
                   output.Detached(output.kernel_sockets(), output.request_header()),
                   observer=getattr(work, "observer", None))
@@ -419,6 +425,7 @@ class DDPMagics(Magics):
         sys.stderr.flush()
         if running.done.wait(INTERRUPT_WAIT_S):
             work.land(quiet_failures=True)
+            running.raised = True  # asked for: not a failure %ddp wait raises
             print(f"nbddp: {running.describe()}" + (f"; {_fate(running.error)}" if _fate(running.error) else ""),
                   file=sys.stderr)
         else:

@@ -8,6 +8,8 @@ rebound since the start is sent once (sending.Synced).
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 import time
 
 
@@ -51,6 +53,7 @@ class Pool:
         self.synced = Synced(namespace or {})  # which notebook values the ranks have (made anew at start())
         self.rank_assigned: set[str] = set()  # names the ranks bound themselves: theirs until the notebook rebinds them
         self.reads: set[str] = set()  # every name the pool's cells' code reads, functions' bodies too
+        self._turn = threading.Lock()  # one cell in the ranks at a time (a background cell's thread, the notebook's)
 
     # -- life --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -136,11 +139,17 @@ class Pool:
     def run_job(self, job, label: str) -> list:
         """``job(ctx)`` on every rank (a job that needs the rank's context, such as its namespace: %ddp who);
         each rank's value, as ``run``."""
-        outcome = self._engine(self.config, label).run(command=messages.Call(values.to_ranks(job)))
+        with self.one_cell():
+            outcome = self._engine(self.config, label).run(command=messages.Call(values.to_ranks(job)))
         return engine.returned(outcome.results())
 
-    def cell(self, source: str, filename: str, *, outs=(), gathers=(), code=None, relabel=None,
-             observer=None, ranks=None, post_mortem=False, on_start=None, **per_cell) -> list:
+    def cell(self, source: str, filename: str, **kw) -> list:
+        """A %%ddp cell in the pool, once no other cell is in its ranks; each rank's Result (``_cell``)."""
+        with self.one_cell():
+            return self._cell(source, filename, **kw)
+
+    def _cell(self, source: str, filename: str, *, outs=(), gathers=(), code=None, relabel=None,
+              observer=None, ranks=None, post_mortem=False, on_start=None, **per_cell) -> list:
         """A %%ddp cell in the pool; each rank's Result (of ``ranks`` only, if given). ``code``: the names
         the cell reads. ``post_mortem``: IPython's %pdb. ``on_start``: engine.CellRun's. ``per_cell``: the
         cell's own options (checked by the caller), over the pool's."""
@@ -188,7 +197,19 @@ class Pool:
             raise UsageError("%ddp debug: no cell of this pool has failed on a rank; give the rank (%ddp debug 1).")
         if not 0 <= rank < self.gang.world_size:
             raise UsageError(f"%ddp debug {rank}: the pool has rank(s) 0-{self.gang.world_size - 1}.")
-        self._engine(self.config, f"debug rank {rank}", ranks=[rank]).run(command=messages.PostMortem())
+        with self.one_cell():
+            self._engine(self.config, f"debug rank {rank}", ranks=[rank]).run(command=messages.PostMortem())
+
+    @contextlib.contextmanager
+    def one_cell(self):
+        """The ranks for one cell: another thread's cell (a background one) ends first, said once."""
+        if not self._turn.acquire(blocking=False):
+            print("nbddp: waiting for the pool's cell running in the background to end", file=sys.stderr, flush=True)
+            self._turn.acquire()
+        try:
+            yield
+        finally:
+            self._turn.release()
 
     def _engine(self, config, label, relabel=None, observer=None, ranks=None, on_start=None) -> engine.CellRun:
         if self.ended:

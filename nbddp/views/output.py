@@ -99,6 +99,7 @@ class routed:
 
 FLUSH_S = 0.05  # a background cell's text goes out at most this late (ipykernel's own streams: 0.2 s)
 KEPT_LINES = 500  # of a background cell's text, kept for a cell that attaches later (the logs keep all)
+KEPT_DISPLAYS = 200  # of its displays (each bar group, each rank's plot), at their latest state
 
 
 class Detached:
@@ -162,6 +163,10 @@ class Detached:
             if entry is None:
                 entry = self._displays[display_id] = ["display", display_id, (data, metadata)]
                 self.kept.append(entry)
+                if len(self._displays) > KEPT_DISPLAYS:  # the oldest go, but the first (the dashboard, the line)
+                    oldest = next(e for e in self.kept[1:] if e[0] == "display")
+                    self.kept.remove(oldest)
+                    del self._displays[oldest[1]]
                 if update:
                     self._foreign.add(display_id)
             else:
