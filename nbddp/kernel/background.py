@@ -114,7 +114,7 @@ class Background:
 
     def __init__(self, shell):
         self.shell = shell
-        self.jobs: collections.deque[Job] = collections.deque(maxlen=KEPT_JOBS)
+        self.jobs: list[Job] = []  # in the order sent: those still to run or land, and the last KEPT_JOBS ended
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -132,6 +132,9 @@ class Background:
         job.tag = "abcdefghijklmnopqrstuvwxyz"[same % 26] if same else ""
         with self._cv:
             self.jobs.append(job)
+            ended = [j for j in self.jobs if j.done.is_set() and j.landed]
+            for old in ended[:max(0, len(ended) - KEPT_JOBS)]:
+                self.jobs.remove(old)
             self._queue.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="nbddp-background", daemon=True)
@@ -277,10 +280,10 @@ class Background:
                 while not self._queue:
                     self._cv.wait()
                 job = self._queue.popleft()
+                job.state, job.began = "running", time.monotonic()  # (under the lock: %ddp interrupt finds it)
             self._run(job)
 
     def _run(self, job: Job) -> None:
-        job.state, job.began = "running", time.monotonic()
         with output.routed(job.place), _responsive():
             try:
                 job.results = job.work(job.on_start)

@@ -1,28 +1,15 @@
 """The one cell engine: a cell (or a function) on a gang of ranks, from its command to one outcome.
 
-Every cell goes this one way — a one-shot ``%%ddp`` cell, a pool's cell, ``nbddp.launch`` and
-``Pool.run``: subscribers wired on the supervisor's bus (logs, the gang's lifelong view, the cell's
-relay behind the stack capture, the cell's dashboard, the engine itself for the ranks' answers), the
-deadline (``--timeout``: stacks, then the gang's rule), an interrupt turned into where each rank was,
-the failure rules, and one conclusion: each rank's exit record, the root cause, the results.
+Every cell goes this one way — a one-shot ``%%ddp`` cell, a pool's cell, ``nbddp.launch``, ``Pool.run``,
+and either in the background: subscribers wired on the supervisor's bus (logs, the gang's lifelong view, the
+cell's relay behind the stack capture, the cell's dashboard, the engine itself for the ranks' answers), the
+deadline (``--timeout``: stacks, then the kind's rule), an interrupt turned into where each rank was, the
+failure rules, and one conclusion: each rank's exit record, the root cause, the results.
 
-A one-shot cell is a pool that lives for one cell (``one_shot``: start, run the cell, stop). What
-differs between the two is small and named by ``Gang.persistent``:
-
-=====================  ==========================================  ==============================================
-                       one-shot (ranks end with the cell)          pool (ranks live on)
-=====================  ==========================================  ==============================================
-the cell arrives       with the fork (spawn: pickled with the job) on each rank's command pipe
-the cell is over       when every rank has exited                  when every rank answered (or one died)
-a rank fails           the others are stopped (nothing to keep)    the others are interrupted after PEER_GRACE_S,
-                                                                   then a health check (a barrier); ranks stuck in
-                                                                   a collective (gloo) are freed by a fresh group
-an interrupt           each rank's stack (faulthandler), then stop KeyboardInterrupt in each cell, health check
---timeout              stacks, then stop                           stacks, then interrupt as above
-every rank answered    each told to leave (Stop), then they exit   the cell is over; the ranks wait for the next
-a rank alone in a      ALONE_S on: the cell fails naming it, the   the same; every rank leaves the process group
-collective             ranks are stopped                           and makes a fresh one (Regroup): the pool lives
-=====================  ==========================================  ==============================================
+What differs by kind of cell (one-shot, pool, background) is asked of the cell's rules (rules.py, where the
+table of them is); what happens when is on the supervisor's schedule (``Supervisor.at``): a failed peer's
+grace, the probe, a prompt's turn, the relay's releases. The loop's question, whether the cell is over, has
+no effect of its own.
 """
 from __future__ import annotations
 
@@ -32,17 +19,15 @@ from dataclasses import dataclass
 from ..errors import RankFailure, ResultError
 from ..ipy import tracebacks
 from ..rank import copywatch
-from ..rank.server import INTERRUPT, Server
+from ..rank.server import Server
 from ..views.relay import CellSink, Relay
 from ..wire import messages, values
-from . import checks, failure, starters, warm
+from . import checks, failure, rules, starters, warm
 from .gang import Gang
 from .probe import CollectiveProbe
 from .prompts import Prompts
-from .recovery import HEALTH_S, Recovery
+from .stacks import StackCapture
 from .supervisor import Started
-
-PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
 
 
 @dataclass
@@ -88,40 +73,60 @@ class CellRun:
     """One cell on ``gang``'s ranks: its conversation with them. ``run(job_for)`` for a gang not started
     yet (one-shot: the ranks are started with the cell), ``run(command=...)`` for a live one (a pool's).
 
-    Its parts, each a listener of the cell or called from its wait: the ranks' prompts (``Prompts``), the
-    stacks asked for (``failure.StackCapture``, in front of the relay), the collective probe
-    (``CollectiveProbe``), a pool's recovery (``Recovery``); what the cell's end says is failure.py's.
-    ``on_start(gang)``: called once the ranks have the cell (a background cell's: from then on it can be
-    interrupted through ``gang.sup``, and the notebook goes on)."""
+    Its parts, each a listener of the cell or an action on the supervisor's schedule: the ranks' prompts
+    (``Prompts``), the stacks asked for (``stacks.StackCapture``, in front of the relay), the collective
+    probe (``CollectiveProbe``), the relay's clock (``RelayClock``), and the cell's rules (rules.py: a
+    pool's ``Recovery`` among them); what the cell's end says is failure.py's. ``on_start(gang)``: a
+    background cell's, called once the ranks have the cell (rules.Background)."""
 
     def __init__(self, gang: Gang, config, *, label: str = "", relabel=None, observer=None, ranks=None,
                  on_start=None):
         self.gang, self.config, self.label, self.observer = gang, config, label[:80], observer
-        self.on_start = on_start
+        self.rules = rules.for_cell(gang, on_start)
         self.ranks = tuple(ranks) if ranks else tuple(range(gang.world_size))  # a pool's --ranks: only these run it
-        self.prompts = Prompts(gang)  # the ranks' input() and pdb prompts, asked in the notebook in turn
+        self.prompts = Prompts(gang, asks=self.rules.asks)  # the ranks' input() and pdb prompts, asked in turn
         self.deadline: float | None = None  # --timeout's, moved on by the time prompts waited for the user
         self.relabel = tracebacks.cell_labels() if relabel is None else relabel
         self.replies: dict[int, object] = {}  # rank -> its answer to the cell (Result, Error or Exit)
         self.first_error: float | None = None  # when the first rank failed the cell
-        self.interrupted_at: float | None = None  # pool: when the ranks still running were interrupted
         self.last_reply: float | None = None  # when the last answer came
-        self.leave_sent = False  # one-shot: Stop sent (leave), every rank having answered
-        self.survived = True  # pool: whether it lives on after an interrupt
         self.relay: Relay | None = None
-        self.stacks: failure.StackCapture | None = None
+        self.stacks: StackCapture | None = None
         self.probe: CollectiveProbe | None = None
-        self.recovery = Recovery(gang, self.ranks, self.replies, self._wait_for) if gang.persistent else None
+        self.sup = gang.sup  # (kept: a one-shot gang lets go of it as it closes, before the cell concludes)
+        self._timers: list = []  # what this engine put on the schedule (the relay's clock aside): see quiet()
 
     # -- the ranks' answers, from the supervisor's bus --------------------------------------------------
     def on_Message(self, event) -> None:
         rec = event.record
-        if isinstance(rec, (messages.Result, messages.Error, messages.Exit)):
-            self.replies.setdefault(event.rank, rec)
-            self.last_reply = time.monotonic()
-            failed = isinstance(rec, messages.Error) or (isinstance(rec, messages.Exit) and rec.code != 0)
-            if failed and self.first_error is None:  # exit(0) on one rank is an early leave: the others go on
-                self.first_error = time.monotonic()
+        if isinstance(rec, messages.InputRequest):
+            self._at(self.prompts.due() or time.monotonic(), self._ask)  # (Prompts, a listener after this, queues it)
+        if not isinstance(rec, (messages.Result, messages.Error, messages.Exit)) or event.rank in self.replies:
+            return
+        self.replies[event.rank] = rec
+        self._answered()
+        failed = isinstance(rec, messages.Error) or (isinstance(rec, messages.Exit) and rec.code != 0)
+        if failed and self.first_error is None:  # exit(0) on one rank is an early leave: the others go on
+            self.first_error = time.monotonic()
+            self._at(self.first_error + rules.PEER_GRACE_S, lambda: self.rules.peer_failed(self))
+
+    def _answered(self) -> None:
+        self.last_reply = time.monotonic()
+        if len(self.replies) == self.gang.world_size:
+            self.rules.all_answered(self)
+        due = self.probe.due(self.last_reply) if self.probe is not None else None
+        if due is not None:
+            self._at(due, self._probe)
+
+    def _at(self, when: float, action) -> None:
+        self._timers.append(self.sup.at(when, action))
+
+    def quiet(self) -> None:
+        """The cell's own rules stop acting (a pool's recovery runs the loop next: only the relay's clock
+        and the supervisor's own deadlines go on)."""
+        for timer in self._timers:
+            timer.cancel()
+        self._timers = []
 
     @property
     def on_some_ranks(self) -> bool:
@@ -130,7 +135,7 @@ class CellRun:
 
     # -- the cell ------------------------------------------------------------------------------------
     def run(self, job_for=None, *, command=None) -> Outcome:
-        gang, sup = self.gang, self.gang.sup
+        gang, sup = self.gang, self.sup
         start = time.monotonic()
         self.deadline = None if self.config.timeout is None else start + self.config.timeout
         error, announced, running = None, gang.started, []
@@ -149,37 +154,28 @@ class CellRun:
             if not gang.started:
                 gang.start(job_for, self.deadline)
             elif self.on_some_ranks:  # the ranks left out are idle: as if they had answered at once
-                self.last_reply = time.monotonic()
+                self._answered()
             if announced:  # a live gang: only the cell's own dashboard has not met the ranks
                 for p in sup.procs if self.observer else ():
                     self.observer.on_Started(Started(p.rank, p.pid))
             else:
                 sup.announce()
                 announced = True
-            if self.on_start is not None:
-                self.on_start(gang)
-            self._wait(lambda: self.deadline)
+            self.rules.started(self)
+            self.wait(lambda: self.deadline)
         except KeyboardInterrupt as e:
             error = e
-            running = self._stop_at_interrupt(announced)
+            running = self.rules.interrupt(self, announced)
         except BaseException as e:
             error = e
             gang.close(f"torn down: nbddp failed in the kernel ({type(e).__name__}: {e})")
             raise
         finally:
-            if self.relay is not None:
-                self.relay.close_all()
-            if self.observer:
-                self.observer.finish(error)
-            if not gang.persistent:
-                gang.close()  # every rank has exited (or was stopped and reaped): the gang ends with the cell
-            warm.learn(m for r in self.replies.values() if isinstance(r, messages.Result) for m in r.imported)
-            if gang.view is not None and error is not None:
-                gang.view.cell_ended("interrupted" if isinstance(error, KeyboardInterrupt) else "failed")
+            self._finish(error)
         if error is not None:
-            raise self._interrupted(running, announced) from None
+            raise self.rules.interrupted(self, running, announced) from None
         try:
-            outcome = self._conclude(sup, start)
+            outcome = self._conclude(start)
         except BaseException:
             if gang.view is not None:
                 gang.view.cell_ended("failed")
@@ -193,37 +189,42 @@ class CellRun:
         gang = self.gang
         self.relay = relay = new_relay(self.config, f"{gang.run_dir.run_id}-{gang.view.cells_run if gang.view else 0}",
                                        self.ranks)
-        self.stacks = failure.StackCapture(relay)  # the relay behind it: stacks asked for are shown once
+        self.stacks = StackCapture(relay)  # the relay behind it: stacks asked for are shown once
         self.probe = CollectiveProbe(sup, self.ranks, self.replies, self.stacks, self.relabel,
                                      say=lambda text: relay.sink.write("stderr", text),
-                                     on_stranded=None if gang.persistent else sup.stop_all)
-        listeners = [self, self.prompts, *([self.recovery] if self.recovery else []), self.stacks,
+                                     on_stranded=self.rules.stranded(self))
+        listeners = [self, self.prompts, *self.rules.listeners(self), self.stacks, RelayClock(relay, sup),
                      *([self.observer] if self.observer else [])]
         redraws = gang.view or self.observer  # a pool's view, or the cell's dashboard
-        sup.begin_cell(listeners, tick=getattr(redraws, "interval", None), on_timeout=self._timeout_rule)
+        sup.begin_cell(listeners, tick=getattr(redraws, "interval", None), on_timeout=lambda: self.rules.timed_out(self))
         if gang.view is not None:
             gang.view.cell_began(self.label)
 
-    def _wait(self, deadline, until=None, wake_at=None) -> None:
-        def wake():  # the next moment a rule acts (a past one has acted: waking for it again would spin)
-            now = time.monotonic()
-            marks = [t for t in (wake_at, self.first_error and self.first_error + PEER_GRACE_S,
-                                 self.interrupted_at and self.interrupted_at + HEALTH_S,
-                                 self.probe.due(self.last_reply), self.prompts.due(),
-                                 self.relay and self.relay.release_due()) if t and t > now]
-            return min(marks) if marks else None
+    def _finish(self, error) -> None:
+        """However the cell ended: the relay's last lines and bars, the dashboard's last state, the rules'
+        end (one-shot: the gang closes), modules the ranks imported warmed for the next fork."""
+        gang = self.gang
+        if self.relay is not None:
+            self.relay.close_all()
+        if self.observer:
+            self.observer.finish(error)
+        self.rules.end(self)
+        warm.learn(m for r in self.replies.values() if isinstance(r, messages.Result) for m in r.imported)
+        if gang.view is not None and error is not None:
+            gang.view.cell_ended("interrupted" if isinstance(error, KeyboardInterrupt) else "failed")
 
-        over = self._cell_over if self.gang.persistent else self._one_shot_over
-        self.gang.sup.wait(deadline, until=until or over, wake_at=wake)
+    def wait(self, deadline, until=None, wake_at=None) -> None:
+        """The supervisor's loop until the cell is over (its rules say), or ``until()``."""
+        self.sup.wait(deadline, until=until or (lambda: self.rules.over(self)), wake_at=wake_at)
 
-    def _wait_for(self, until, wake_at) -> None:
+    def wait_for(self, until, wake_at) -> None:
         """The loop until ``until()`` (a pool's recovery: its health check), prompts still answered."""
-        self._wait(None, until=until, wake_at=wake_at)
+        self.wait(None, until=until, wake_at=wake_at)
 
     def _ask(self) -> None:
         """A rank's prompt whose turn it is, asked in the notebook (this waits for the user); the engine's
         clocks move on by that pause, so a debugging session trips no deadline or health rule."""
-        if self.interrupted_at is not None:  # the ranks were told to stop: nothing more to ask
+        if not self.rules.may_ask(self):
             self.prompts.drop()
             return
         paused = self.prompts.serve()
@@ -231,125 +232,65 @@ class CellRun:
             for name in ("deadline", "last_reply", "first_error"):
                 if getattr(self, name) is not None:
                     setattr(self, name, getattr(self, name) + paused)
+        if self.prompts.due() is not None:  # another waits its turn
+            self._at(self.prompts.due(), self._ask)
 
     def _probe(self) -> None:
-        self.probe.check(self.last_reply, stopping=self.interrupted_at is not None)
-
-    def _one_shot_over(self) -> bool:
-        """One-shot: once every rank has answered, each is told to leave (nbddp's own synchronisation, on
-        the command pipes: never a collective on the user's group); over when every rank has exited."""
-        self._ask()
-        if self.gang.piped and not self.leave_sent and len(self.replies) == self.gang.world_size:
-            self.leave_sent = True
-            self.gang.command(messages.Stop())
-        self._probe()
-        return False
-
-    def _cell_over(self) -> bool:
-        self._ask()
-        now = time.monotonic()
-        if not self.gang.alive or set(self.replies) >= set(self.ranks):
-            return True
-        self._probe()
-        if self.probe.stranded:  # in a collective no peer will join: it cannot be interrupted, and the pool cannot live on
-            return True
-        if self.first_error is not None and self.interrupted_at is None and now >= self.first_error + PEER_GRACE_S:
-            self._interrupt()  # a peer failed: the others would wait for it in their next collective
-        return self.interrupted_at is not None and now >= self.interrupted_at + HEALTH_S
-
-    def _timeout_rule(self) -> None:
-        """Once --timeout's stacks are in: a pool's ranks are interrupted, one-shot ranks stopped."""
-        if self.gang.persistent:
-            self._interrupt()
-        else:
-            self.gang.sup.stop_all()
-
-    def _interrupt(self) -> None:
-        """Pool: KeyboardInterrupt into every rank still running the cell (SIGUSR2)."""
-        if self.interrupted_at is None and self.gang.sup is not None:
-            self.interrupted_at = time.monotonic()
-            for p in self.gang.sup.live():
-                if p.rank in self.ranks and p.rank not in self.replies:
-                    p.signal(INTERRUPT, group=False)
-
-    def _stop_at_interrupt(self, announced: bool) -> list[int]:
-        """Jupyter's interrupt: which ranks ran the cell; one-shot ranks are asked for their stacks and
-        stopped, a pool's get a KeyboardInterrupt in their cell and a health check."""
-        gang = self.gang
-        if gang.persistent:
-            running = [r for r in self.ranks if r not in self.replies]
-            self._interrupt()
-            try:
-                self._wait(None)
-            except KeyboardInterrupt:  # a second interrupt tears the pool down
-                gang.close("torn down by a second interrupt")
-                self.survived = False
-                return running
-            self.survived = self.recovery.recover()
-            return running
-        sup = gang.sup  # where was each rank? its stack, then stop
-        asked = sup.request_stacks(then=sup.stop_all) if announced else []
-        running = [r for r in asked if r not in self.replies]  # (one that answered waits only to leave)
-        if not announced:
-            sup.stop_all()
-        sup.reap()  # a second interrupt kills at once
-        return running
-
-    def _interrupted(self, running: list[int], announced: bool) -> KeyboardInterrupt:
-        if self.gang.persistent:
-            states = failure.reply_states(running, self.replies, self.relabel)
-            fate = failure.interrupt_fate(self.survived, self.recovery.regrouped)
-        else:
-            states = {r: failure.was_at(tracebacks.main_thread(dump), self.relabel, "was not in the cell's code "
-                                        "(starting up, or in nbddp's own frames)")
-                      for r, dump in self.stacks.stacks().items()}
-            fate = "nbddp stopped every rank" if announced else "nbddp stopped every rank as it started"
-        return failure.interrupted(running, states, str(self.gang.run_dir.path), fate)
+        self.probe.check(self.last_reply, stopping=self.rules.told_to_stop())
+        due = self.probe.due(self.last_reply)
+        if due is not None and due > time.monotonic():
+            self._at(due, self._probe)
 
     # -- one outcome -----------------------------------------------------------------------------------
-    def _conclude(self, sup, start: float) -> Outcome:
-        gang, log_dir = self.gang, str(self.gang.run_dir.path)
-        if gang.persistent and not gang.alive:  # a rank died: the pool ends with it
-            dead = [p.exit for p in sup.procs if p.exit is not None]
-            gang.close("a rank exited")
-            err = failure.rank_failed(dead, self.relabel, log_dir) if failure.root_cause(dead) else None
-            raise RankFailure((str(err) if err else "a rank of the pool exited") +
-                              "\nThe pool has ended and its ranks' state is gone: %ddp start to begin again.",
-                              rank=err.rank if err else None, cause=err.cause if err else "exit")
+    def _conclude(self, start: float) -> Outcome:
+        sup, log_dir, rules_ = self.sup, str(self.gang.run_dir.path), self.rules
+        self.quiet()
+        rules_.check_alive(self)  # a pool whose rank died ends with it
         stranded = self.probe.stranded
         if stranded:
             err = failure.alone(stranded, sorted(r for r in self.replies if r not in stranded), log_dir,
-                                idle=[r for r in range(gang.world_size) if r not in self.ranks])
-            raise self._with_fate(err, self.recovery.recover() if gang.persistent else None)
-        # one function builds every exit record: from the process's end, or (a pool's) from its answer
-        exits = [self._cell_exit(r) for r in self.ranks] if gang.persistent else [p.exit for p in sup.procs]
+                                idle=[r for r in range(self.gang.world_size) if r not in self.ranks])
+            raise rules_.with_fate(self, err, recover=True)
+        exits = rules_.exits(self)  # one function builds every exit record: from a process's end, or an answer
         if sup.timed_out:
             err = failure.timed_out(self.config.timeout, sup.timed_out, self.stacks.stacks(), self.relabel, log_dir,
-                                    "their cells were interrupted" if gang.persistent else "all ranks stopped")
-            raise self._with_fate(err, self.recovery.recover() if gang.persistent else None)
+                                    rules_.timeout_fate)
+            raise rules_.with_fate(self, err, recover=True)
         cause = failure.root_cause(exits)
         if cause:
-            recover = gang.persistent and (self.interrupted_at or len(self.replies) < len(exits))
             err = failure.rank_failed(exits, self.relabel, log_dir)
-            hint = failure.old_group_hint(cause, gang.old_group) if gang.persistent else ""
+            hint = failure.old_group_hint(cause, self.gang.old_group)
             if hint:  # (said before this cell's own regroup, if any, changes what the pool holds)
                 err = RankFailure(f"{err}\n{hint}", rank=err.rank, cause=err.cause, stacks=err.stacks)
-            raise self._with_fate(err, self.recovery.recover() if recover else True if gang.persistent else None)
+            # the ranks come back through a recovery if some were told to stop or never answered
+            raise rules_.with_fate(self, err, recover=rules_.told_to_stop() or len(self.replies) < len(exits))
         copied = copywatch.note({e.rank: e.result.copied for e in exits if e.result is not None and e.result.copied})
         notes = failure.notes(exits, self.relabel) + ([copied] if copied else [])
         return Outcome(exits, log_dir, time.monotonic() - start, notes)
 
-    def _cell_exit(self, rank: int) -> failure.RankExit:
+    def cell_exit(self, rank: int) -> failure.RankExit:
         """A pool rank's exit record for this cell, from its answer (it has not exited)."""
         rec = self.replies.get(rank)
         code = {messages.Result: 0, messages.Error: 1}.get(type(rec), getattr(rec, "code", None))
         records = {type(rec): rec, **({messages.Done: messages.Done()} if isinstance(rec, messages.Result) else {})}
-        return failure.exit_record(rank, records if rec is not None else {}, code=code,
-                                   stopped=self.interrupted_at is not None or rec is None, node=self.gang.node_of(rank))
+        stopped = self.rules.told_to_stop() or rec is None
+        return failure.exit_record(rank, records if rec is not None else {}, code=code, stopped=stopped,
+                                   node=self.gang.node_of(rank))
 
-    def _with_fate(self, err: RankFailure, survived: bool | None) -> RankFailure:
-        """A pool's failure says what became of the pool (``survived`` None: a one-shot cell's, as it is)."""
-        if survived is None:
-            return err
-        fate = failure.pool_fate(survived, self.recovery.regrouped, self.recovery.old_group_users)
-        return RankFailure(f"{err}\n{fate}", rank=err.rank, cause=err.cause, stacks=err.stacks)
+
+class RelayClock:
+    """The relay's releases on the supervisor's schedule: lines held for merging whose wait is over, bars due
+    a redraw (``Relay.release_due``, after each event the relay saw, then at the time it names)."""
+
+    def __init__(self, relay: Relay, sup):
+        self.relay, self.sup = relay, sup
+        self.timer = None
+
+    def arm(self, event=None) -> None:
+        due = self.relay.release_due()
+        if due is not None and (self.timer is None or self.timer.cancelled or due < self.timer.when):
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = self.sup.at(due, self.arm)
+
+    on_Output = on_OutputClosed = on_Message = on_Exited = arm

@@ -166,43 +166,6 @@ def notes(exits: list[RankExit], relabel) -> list[str]:
     return out
 
 
-class StackCapture:
-    """Subscribes to the supervisor's events: from a StacksRequested on, each such rank's stderr is
-    faulthandler's dump of its stacks. It is kept here for the report (trimmed to the user's frames
-    there) and not passed on to ``shown`` (the relay), so the cell shows the stacks once; the log writer
-    subscribes on its own and keeps every byte. Every other event goes to ``shown`` unchanged."""
-
-    def __init__(self, shown=None):
-        self.shown = shown
-        self._bytes: dict[int, bytearray] | None = None
-        self._done = False
-
-    def on_StacksRequested(self, event) -> None:
-        self._bytes = {r: bytearray() for r in event.ranks}
-        self._done = False
-
-    def on_Output(self, event) -> None:
-        if self._bytes is not None and not self._done and event.stream == "stderr" and event.rank in self._bytes:
-            self._bytes[event.rank] += event.data
-            if self.shown is not None:  # a tqdm bar redrawn meanwhile still moves on (relay.Relay.kept)
-                self.shown.kept(event)
-        elif self.shown is not None:
-            self.shown.on_Output(event)
-
-    def __getattr__(self, name):  # the relay's other events (OutputClosed, Message, ...), as they come
-        shown = self.__dict__.get("shown")
-        if name.startswith("on_") and shown is not None:
-            return getattr(shown, name)
-        raise AttributeError(name)
-
-    def release(self) -> None:
-        """The stacks asked for are in: the ranks' stderr goes to the cell again (the stacks are kept)."""
-        self._done = True
-
-    def stacks(self) -> dict[int, str]:
-        return {r: b.decode("utf-8", "replace") for r, b in (self._bytes or {}).items()}
-
-
 def timed_out(timeout: float, live: list[int], stacks: dict[int, str], relabel, log_dir: str,
               fate: str = "all ranks stopped") -> RankFailure:
     lines = [f"--timeout {timeout:g}s expired with {ranks_text(live)} still running; {fate}."]

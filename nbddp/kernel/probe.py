@@ -14,6 +14,7 @@ import time
 from ..ipy import tracebacks
 from ..units import ranks_text
 from . import failure
+from .stacks import StackCapture
 
 ALONE_S = 2.0  # a rank still in the cell this long after every other rank answered: where is it?
 STILL_S = 30.0  # ... and asked again every STILL_S: a stack that has not moved is shown in the cell
@@ -24,7 +25,7 @@ class CollectiveProbe:
     ``say(text)``: a line in the cell's output; ``on_stranded()``: what that verdict does at once
     (one-shot: stop every rank; a pool ends the cell and frees the rank by a fresh process group)."""
 
-    def __init__(self, sup, ranks, replies: dict, stacks: failure.StackCapture, relabel, say, on_stranded=None):
+    def __init__(self, sup, ranks, replies: dict, stacks: StackCapture, relabel, say, on_stranded=None):
         self.sup, self.ranks, self.replies, self.stacks = sup, ranks, replies, stacks
         self.relabel, self.say, self.on_stranded = relabel, say, on_stranded
         self.asks = 0  # times the ranks still in the cell were asked where they are

@@ -13,15 +13,15 @@ from __future__ import annotations
 import time
 
 from ..ipy.session import running_shell
-from ..views import output
 from ..wire import messages
 
 HOLD_S = 0.5  # the rank answered last asks again within this: still its turn (a pdb session)
 
 
 class Prompts:
-    def __init__(self, gang):
+    def __init__(self, gang, asks: bool = True):
         self.gang = gang
+        self.asks = asks  # False: a background cell's, whose request has ended (its rules say)
         self.waiting: list[tuple[int, messages.InputRequest]] = []
         self.holder: int | None = None
         self.hold_until = 0.0
@@ -60,7 +60,7 @@ class Prompts:
         rank, req = pick
         start = time.monotonic()
         try:
-            reply = messages.InputReply(req.id, value=ask(f"[rank{rank}] {req.prompt}", req.password))
+            reply = messages.InputReply(req.id, value=ask(f"[rank{rank}] {req.prompt}", req.password, self.asks))
         except Exception as e:  # noqa: BLE001 - the rank raises it, as a plain cell would
             reply = messages.InputReply(req.id, error=type(e).__name__, message=str(e))
         self.gang.command(reply, ranks=[rank])
@@ -68,10 +68,11 @@ class Prompts:
         return time.monotonic() - start
 
 
-def ask(prompt: str, password: bool) -> str:
+def ask(prompt: str, password: bool, asks: bool = True) -> str:
     """The front end's answer: ipykernel's input request (as ``input()`` in a plain cell), else the terminal.
-    A background cell's request has ended: nothing can answer, as in a front end without an input box."""
-    if not output.current().can_ask:
+    ``asks`` False: a background cell's request has ended: nothing can answer, as in a front end without an
+    input box."""
+    if not asks:
         from IPython.core.error import StdinNotImplementedError
 
         raise StdinNotImplementedError("a background cell (%%ddp --bg) cannot ask the notebook for input: its "

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
+import itertools
 import os
 import selectors
 import signal
@@ -21,10 +23,9 @@ from dataclasses import dataclass, field
 
 from ..wire import framing, messages
 from . import failure
+from .stacks import StackRequest
 
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
-STACK_QUIET_S = 0.3  # after SIGUSR1 at a timeout: stacks are complete once stderr is quiet this long
-STACK_MAX_S = 2.0
 
 
 # -- events -----------------------------------------------------------------------------------------
@@ -138,6 +139,31 @@ class RankProc:
                 return fd
         return None
 
+    def drain_channel(self) -> list:
+        """The records its channel holds now."""
+        fd = self.fd_of("channel")
+        records = []
+        while fd is not None and (data := _read(fd)):
+            records += self.reader.feed(data)
+        return records
+
+    def text_upto(self, stream: str, mark: int | None) -> bytes:
+        """What is held of ``stream`` up to byte ``mark`` of the rank's writes (None: all), taken; text flushed
+        before a record was sent is in the pipe, and read here if not yet."""
+        held = self.held[stream]
+        if mark is not None:
+            if self.published[stream] + len(held) < mark:  # (a quiet rank's marks are all reached: no read)
+                fd = self.fd_of(stream)
+                while fd is not None and self.published[stream] + len(held) < mark and (data := _read(fd)):
+                    held += data
+            n = max(0, min(len(held), mark - self.published[stream]))
+        else:
+            n = len(held)
+        chunk = bytes(held[:n])
+        del held[:n]
+        self.published[stream] += n
+        return chunk
+
 
 class Supervisor:
     """The ranks' one select loop. Its listeners: ``lifelong`` (given once: the gang's log, its view), and a
@@ -151,17 +177,11 @@ class Supervisor:
         self.sel = selectors.DefaultSelector()
         self.kill_at: float | None = None
         self.timed_out: list[int] = []
-        self._stacks_until: float | None = None  # collecting stacks (after --timeout, or a probe)
-        self._stacks_end = 0.0
-        self._stacks_then = None  # what to do once the stacks asked for are in
+        self.collecting: StackRequest | None = None  # stacks asked for (after --timeout, an interrupt, a probe)
+        self.schedule = Schedule()  # the cell's timed actions (``at``)
         self._exits_seen = 0
         self.on_timeout = self.stop_all  # what --timeout does once the stacks are in (a pool interrupts)
-        # an interrupt from another thread (%ddp interrupt, for a background cell's loop): a flag and a wake
-        self._interrupt = False
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self.sel.register(self._wake_r, selectors.EVENT_READ, (None, "wake"))
+        self._waker = Waker(self.sel)  # an interrupt from another thread (a background cell's %ddp interrupt)
 
     def begin_cell(self, listeners=(), *, tick: float | None = None, on_timeout=None) -> None:
         """A cell's listeners after the lifelong ones, its tick and its --timeout rule (``on_timeout``,
@@ -171,14 +191,22 @@ class Supervisor:
         self.tick = tick
         self.on_timeout = on_timeout or self.stop_all
         self.timed_out = []
-        self._stacks_until = self._stacks_then = None
-        self._interrupt = False  # (one asked between cells, as the last ended, is for that one)
+        self.collecting = None
+        self.schedule = Schedule()  # (the last cell's: its rules are not this one's)
+        self._waker.pending = False  # (an interrupt asked between cells, as the last ended, was for that one)
         for p in self.procs:  # what a rank said in earlier cells must not explain how this one ends
             p.records.clear()
 
     def end_cell(self) -> None:
         """Only the lifelong listeners again (a pool's stop: no cell is there to show its ranks' last words)."""
         self.bus = Bus(self._lifelong)
+        self.schedule = Schedule()
+
+    def at(self, when: float, action) -> "Timer":
+        """``action()`` at ``when`` (time.monotonic), from the loop: the cell's rules register what they do
+        when (a failed peer's grace, the health check's limit, a prompt's turn, the probe, the relay's
+        releases); dropped with the cell (``begin_cell``, ``end_cell``), or by ``Timer.cancel``."""
+        return self.schedule.at(when, action)
 
     def add(self, proc: RankProc) -> None:
         self.procs.append(proc)
@@ -204,32 +232,27 @@ class Supervisor:
 
     def all_fds(self) -> list[int]:
         """The kernel's descriptors a rank forked now must not inherit."""
-        return [fd for p in self.procs for fd in (*p.fds, p.exit_fd)] + [self._wake_r, self._wake_w]
+        return [fd for p in self.procs for fd in (*p.fds, p.exit_fd)] + self._waker.fds()
 
     def interrupt(self) -> None:
         """From any thread: the loop raises KeyboardInterrupt in the thread that runs it, as Jupyter's
         interrupt does on the main thread (a background cell's ``%ddp interrupt``)."""
-        self._interrupt = True
-        try:
-            os.write(self._wake_w, b"!")
-        except (BlockingIOError, OSError):
-            pass  # already woken (or closed: the gang has ended)
+        self._waker.interrupt()
 
     def live(self) -> list[RankProc]:
         return [p for p in self.procs if p.exit is None]
 
     def wait(self, deadline: float | None, until=None, wake_at: float | None = None) -> None:
-        """Until every rank has exited, or ``until()`` holds (checked after each batch of events and at
-        ``wake_at``). ``deadline``: --timeout (stacks, then ``on_timeout``), a time or a function giving
+        """Until every rank has exited, or ``until()`` holds: a question, with no effect of its own (checked
+        after each batch of events and timed actions, and at ``wake_at``). What happens when is on the
+        schedule (``at``). ``deadline``: --timeout (stacks, then ``on_timeout``), a time or a function giving
         it (it moves on by a debugging pause: the time a rank's prompt waited for the user)."""
         next_tick = time.monotonic() + self.tick if self.tick else None
         expired = False
         while self.live() and not (until and until()):
             now = time.monotonic()
             dl = None if expired else deadline() if callable(deadline) else deadline
-            stacks_at = min(self._stacks_until, self._stacks_end) if self._stacks_until is not None else None
-            woken = wake_at() if callable(wake_at) else wake_at
-            wake = [t for t in (dl, self.kill_at, next_tick, stacks_at, woken) if t is not None]
+            wake = [t for t in (dl, self.kill_at, next_tick, self.schedule.next(), wake_at) if t is not None]
             timeout = max(0.0, min(wake) - now) if wake else None
             for key, _ in self.sel.select(timeout):
                 self._event(*key.data, key.fd)
@@ -237,10 +260,7 @@ class Supervisor:
             if dl is not None and now >= dl and self.live() and not self.timed_out and not (until and until()):
                 self.timed_out = self.request_stacks(then=lambda: self.on_timeout())
                 expired = True
-            if self._stacks_until is not None and now >= min(self._stacks_until, self._stacks_end):
-                then, self._stacks_until, self._stacks_then = self._stacks_then, None, None
-                if then is not None:
-                    then()
+            self.schedule.run(now)
             if self.kill_at is not None and now >= self.kill_at:
                 self._kill_live()
             if next_tick is not None and now >= next_tick:
@@ -249,11 +269,7 @@ class Supervisor:
 
     def _event(self, proc: RankProc, kind: str, fd: int) -> None:
         if kind == "wake":
-            while _read(fd):
-                pass
-            if self._interrupt:
-                self._interrupt = False
-                raise KeyboardInterrupt
+            self._waker.woken()
             return
         if kind == "source":
             proc()  # a watched fd's callback
@@ -278,7 +294,7 @@ class Supervisor:
             if kind == "stderr":
                 self._stacks_arriving()
             proc.held[kind] += data
-            records = self._drain_channel(proc)  # whatever the rank sent before this text is there now
+            records = proc.drain_channel()  # whatever the rank sent before this text is there now
         while records:
             for record, marks in records:
                 if isinstance(record, ORDERED):
@@ -288,32 +304,14 @@ class Supervisor:
                     continue
                 proc.records[type(record)] = record
                 self.bus.publish(Message(proc.rank, record))
-            records = self._drain_channel(proc)
+            records = proc.drain_channel()
         for stream in ("stdout", "stderr"):
             self._publish_text(proc, stream, None)
 
-    def _drain_channel(self, proc: RankProc) -> list:
-        fd = proc.fd_of("channel")
-        records = []
-        while fd is not None and (data := _read(fd)):
-            records += proc.reader.feed(data)
-        return records
-
     def _publish_text(self, proc: RankProc, stream: str, mark: int | None) -> None:
         """Publish what is held of ``stream``, up to byte ``mark`` of the rank's writes (None: all)."""
-        held = proc.held[stream]
-        if mark is not None:
-            if proc.published[stream] + len(held) < mark:  # (a quiet rank's marks are all reached: no read)
-                fd = proc.fd_of(stream)
-                while fd is not None and proc.published[stream] + len(held) < mark and (data := _read(fd)):
-                    held += data  # flushed before the record was sent: it is in the pipe
-            n = max(0, min(len(held), mark - proc.published[stream]))
-        else:
-            n = len(held)
-        if n:
-            chunk = bytes(held[:n])
-            del held[:n]
-            proc.published[stream] += n
+        chunk = proc.text_upto(stream, mark)
+        if chunk:
             self.bus.publish(Output(proc.rank, stream, chunk))
 
     def _close_fd(self, proc: RankProc, fd: int) -> None:
@@ -368,8 +366,13 @@ class Supervisor:
         self.bus.publish(event)
 
     def _stacks_arriving(self) -> None:
-        if self._stacks_until is not None:  # a stack dump still arriving: the collection goes on
-            self._stacks_until = time.monotonic() + STACK_QUIET_S
+        if self.collecting is not None:
+            self.collecting.arriving()
+
+    def collected(self, request: StackRequest) -> None:
+        """``request``'s stacks are in (stacks.py)."""
+        if self.collecting is request:
+            self.collecting = None
 
     def stop_all(self) -> None:
         """SIGTERM every live rank (and its children); SIGKILL after the grace period."""
@@ -390,20 +393,9 @@ class Supervisor:
         stderr); the loop goes on collecting stderr until it is quiet, then calls ``then()``. Returns the
         ranks asked."""
         asked = [p for p in self.live() if ranks is None or p.rank in ranks]
-        ranks = [p.rank for p in asked]
-        self.bus.publish(StacksRequested(ranks))
-        for p in asked:
-            p.signal(signal.SIGUSR1)
-        now = time.monotonic()
-        self._stacks_until = now + STACK_QUIET_S
-        self._stacks_end = now + STACK_MAX_S
-        self._stacks_then = then
-        return ranks
-
-    def signal_live(self, sig: int) -> None:
-        """Every live rank and the processes it started (its process group)."""
-        for p in self.live():
-            p.signal(sig)
+        self.bus.publish(StacksRequested([p.rank for p in asked]))
+        self.collecting = StackRequest(self, asked, then)
+        return self.collecting.ranks
 
     def reap(self) -> None:
         """After an interrupt or an error in the parent: wait for every rank, escalating to SIGKILL."""
@@ -422,9 +414,78 @@ class Supervisor:
                 os.close(p.exit_fd)
                 p.exit_fd = -1
         self.sel.close()
-        for fd in (self._wake_r, self._wake_w):
+        self._waker.close()
+
+
+class Schedule:
+    """Timed actions, earliest first; each runs once, from the loop (``run``), unless cancelled."""
+
+    def __init__(self):
+        self._heap: list = []  # (when, order, Timer)
+        self._order = itertools.count()
+
+    def at(self, when: float, action) -> "Timer":
+        timer = Timer(when, action)
+        heapq.heappush(self._heap, (when, next(self._order), timer))
+        return timer
+
+    def next(self) -> float | None:
+        while self._heap and self._heap[0][2].cancelled:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+    def run(self, now: float) -> None:
+        while self._heap and self._heap[0][0] <= now:
+            _, _, timer = heapq.heappop(self._heap)
+            if not timer.cancelled:
+                timer.cancelled = True
+                timer.action()
+
+
+class Waker:
+    """A pipe in the loop's selector: another thread asks for an interrupt (a flag) and wakes the loop,
+    which raises KeyboardInterrupt in the thread that runs it."""
+
+    def __init__(self, sel):
+        self.pending = False
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.r, False)
+        os.set_blocking(self.w, False)
+        sel.register(self.r, selectors.EVENT_READ, (None, "wake"))
+
+    def fds(self) -> list[int]:
+        return [self.r, self.w]
+
+    def interrupt(self) -> None:
+        self.pending = True
+        try:
+            os.write(self.w, b"!")
+        except OSError:
+            pass  # already woken (or closed: the gang has ended)
+
+    def woken(self) -> None:
+        while _read(self.r):
+            pass
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        for fd in (self.r, self.w):
             os.close(fd)
-        self._wake_r = self._wake_w = -1
+        self.w = -1
+
+
+class Timer:
+    """One action on a supervisor's schedule (``Supervisor.at``)."""
+
+    __slots__ = ("when", "action", "cancelled")
+
+    def __init__(self, when: float, action):
+        self.when, self.action, self.cancelled = when, action, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 def _read(fd: int) -> bytes | None:

@@ -51,8 +51,6 @@ def text_table(rows: list[list[str]]) -> list[str]:
 class Here:
     """The cell running now: the kernel's streams and IPython's display publisher (outside a kernel, text)."""
 
-    can_ask = True  # a rank's input() and pdb prompts can be asked in this cell's input box
-
     @property
     def live(self) -> bool:
         """Whether displays can be shown and updated (a kernel)."""
@@ -110,8 +108,6 @@ class Detached:
     ``kernel``: (session, iopub socket) of ipykernel; ``parent``: the header of the request that ran the
     background cell. Without a kernel (a terminal IPython, a script) text and displays go to this process's
     own streams."""
-
-    can_ask = False  # the request that could answer a prompt has ended: a rank's input() fails as in nbclient
 
     def __init__(self, kernel, parent: dict):
         self.session, self.socket = kernel if kernel else (None, None)

@@ -1,0 +1,227 @@
+"""The rules of each kind of cell, one small object each: when the cell is over, what a failed rank, a
+timeout and an interrupt do, and what becomes of the ranks. The engine (engine.CellRun) asks them instead
+of branching; they act through the cell's run (its gang, its supervisor's schedule, its answers).
+
+=====================  ==========================================  ==============================================
+                       ``OneShot`` (ranks end with the cell)       ``Pool`` (ranks live on)
+=====================  ==========================================  ==============================================
+the cell arrives       with the fork (spawn: pickled with the job) on each rank's command pipe
+the cell is over       when every rank has exited                  when every rank answered (or one died)
+a rank fails           the others are stopped (nothing to keep)    the others are interrupted after PEER_GRACE_S,
+                                                                   then a health check (a barrier); ranks stuck in
+                                                                   a collective (gloo) are freed by a fresh group
+an interrupt           each rank's stack (faulthandler), then stop KeyboardInterrupt in each cell, health check
+--timeout              stacks, then stop                           stacks, then interrupt as above
+every rank answered    each told to leave (Stop), then they exit   the cell is over; the ranks wait for the next
+a rank alone in a      ALONE_S on: the cell fails naming it, the   the same; every rank leaves the process group
+collective             ranks are stopped                           and makes a fresh one (Regroup): the pool lives
+=====================  ==========================================  ==============================================
+
+``Background`` (``%%ddp --bg``, kernel/background.py) is either kind, run on the background thread: the
+notebook goes on once the ranks have the cell (``started``), and its ranks' prompts cannot be asked (the
+request that could answer them has ended: ``asks``). Its interrupt arrives through ``Supervisor.interrupt``
+and is handled as the kind's.
+"""
+from __future__ import annotations
+
+import time
+
+from ..errors import RankFailure
+from ..ipy import tracebacks
+from ..rank.server import INTERRUPT
+from ..wire import messages
+from . import failure
+from .recovery import HEALTH_S, Recovery
+
+PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
+
+
+class OneShot:
+    """A one-shot cell: a pool that lives for one cell (its ranks were started for it)."""
+
+    asks = True  # a rank's input() and pdb prompts are asked in the notebook
+    timeout_fate = "all ranks stopped"
+
+    def __init__(self):
+        self.leave_sent = False
+
+    def listeners(self, run) -> list:
+        return []
+
+    def started(self, run) -> None:
+        pass
+
+    def may_ask(self, run) -> bool:
+        return True
+
+    def told_to_stop(self) -> bool:
+        return False  # (its ranks are stopped, not told)
+
+    def over(self, run) -> bool:
+        return False  # over once every rank has exited: the supervisor's loop ends then
+
+    def all_answered(self, run) -> None:
+        """Each rank is told to leave (nbddp's own synchronisation, on the command pipes: never a collective on
+        the user's group); they exit."""
+        if run.gang.piped and not self.leave_sent:
+            self.leave_sent = True
+            run.gang.command(messages.Stop())
+
+    def peer_failed(self, run) -> None:
+        pass  # the supervisor stopped the others as the failed rank exited
+
+    def timed_out(self, run) -> None:
+        run.sup.stop_all()
+
+    def stranded(self, run):
+        return run.sup.stop_all
+
+    def interrupt(self, run, announced: bool) -> list[int]:
+        """Jupyter's interrupt: where was each rank? Its stack, then stop; the ranks that ran the cell."""
+        sup = run.sup
+        asked = sup.request_stacks(then=sup.stop_all) if announced else []
+        if not announced:
+            sup.stop_all()
+        sup.reap()  # a second interrupt kills at once
+        return [r for r in asked if r not in run.replies]  # (one that answered waits only to leave)
+
+    def interrupted(self, run, running: list[int], announced: bool) -> KeyboardInterrupt:
+        states = {r: failure.was_at(tracebacks.main_thread(dump), run.relabel, "was not in the cell's code "
+                                    "(starting up, or in nbddp's own frames)")
+                  for r, dump in run.stacks.stacks().items()}
+        fate = "nbddp stopped every rank" if announced else "nbddp stopped every rank as it started"
+        return failure.interrupted(running, states, str(run.gang.run_dir.path), fate)
+
+    def check_alive(self, run) -> None:
+        pass
+
+    def exits(self, run) -> list:
+        return [p.exit for p in run.sup.procs]
+
+    def with_fate(self, run, err: RankFailure, recover: bool) -> RankFailure:
+        return err  # nothing is left to say: the ranks ended with the cell
+
+    def end(self, run) -> None:
+        run.gang.close()  # every rank has exited (or was stopped and reaped): the gang ends with the cell
+
+
+class Pool:
+    """A pool's cell: its ranks answer it and live on; after an interrupt or a failure, ``Recovery`` decides
+    whether the pool does."""
+
+    asks = True
+    timeout_fate = "their cells were interrupted"
+
+    def __init__(self):
+        self.recovery: Recovery | None = None
+        self.interrupted_at: float | None = None  # when the ranks still running were interrupted
+        self.gave_up = False  # they did not all answer within HEALTH_S of it
+        self.survived = True  # whether the pool lives on after an interrupt
+
+    def listeners(self, run) -> list:
+        self.recovery = Recovery(run.gang, run.ranks, run.replies, run.wait_for)
+        return [self.recovery]
+
+    def started(self, run) -> None:
+        pass
+
+    def may_ask(self, run) -> bool:
+        return not self.told_to_stop()  # the ranks were told to stop: nothing more to ask
+
+    def told_to_stop(self) -> bool:
+        """The ranks still running the cell were interrupted (a failed peer, --timeout, an interrupt)."""
+        return self.interrupted_at is not None
+
+    def over(self, run) -> bool:
+        return (not run.gang.alive or set(run.replies) >= set(run.ranks) or bool(run.probe.stranded)
+                or self.gave_up)
+
+    def all_answered(self, run) -> None:
+        pass  # the ranks wait for the next cell
+
+    def peer_failed(self, run) -> None:
+        self.interrupt_running(run)  # the others would wait for it in their next collective
+
+    def timed_out(self, run) -> None:
+        self.interrupt_running(run)
+
+    def stranded(self, run):
+        return None  # the cell is over (``over``); the rank is freed by a fresh group as it concludes
+
+    def interrupt_running(self, run) -> None:
+        """KeyboardInterrupt into every rank still running the cell (SIGUSR2); past HEALTH_S the cell is over."""
+        if self.interrupted_at is not None or run.gang.sup is None:
+            return
+        self.interrupted_at = time.monotonic()
+        for p in run.sup.live():
+            if p.rank in run.ranks and p.rank not in run.replies:
+                p.signal(INTERRUPT, group=False)
+        run.sup.at(self.interrupted_at + HEALTH_S, self._give_up)
+
+    def _give_up(self) -> None:
+        self.gave_up = True
+
+    def interrupt(self, run, announced: bool) -> list[int]:
+        running = [r for r in run.ranks if r not in run.replies]
+        self.interrupt_running(run)
+        try:
+            run.wait(None)
+        except KeyboardInterrupt:  # a second interrupt tears the pool down
+            run.gang.close("torn down by a second interrupt")
+            self.survived = False
+            return running
+        run.quiet()
+        self.survived = self.recovery.recover()
+        return running
+
+    def interrupted(self, run, running: list[int], announced: bool) -> KeyboardInterrupt:
+        states = failure.reply_states(running, run.replies, run.relabel)
+        fate = failure.interrupt_fate(self.survived, self.recovery.regrouped)
+        return failure.interrupted(running, states, str(run.gang.run_dir.path), fate)
+
+    def check_alive(self, run) -> None:
+        """A rank died: the pool ends with it, and the cell says so."""
+        gang = run.gang
+        if gang.alive:
+            return
+        dead = [p.exit for p in gang.sup.procs if p.exit is not None]
+        gang.close("a rank exited")
+        err = failure.rank_failed(dead, run.relabel, str(gang.run_dir.path)) if failure.root_cause(dead) else None
+        raise RankFailure((str(err) if err else "a rank of the pool exited") +
+                          "\nThe pool has ended and its ranks' state is gone: %ddp start to begin again.",
+                          rank=err.rank if err else None, cause=err.cause if err else "exit")
+
+    def exits(self, run) -> list:
+        return [run.cell_exit(r) for r in run.ranks]
+
+    def with_fate(self, run, err: RankFailure, recover: bool) -> RankFailure:
+        """The failure with what became of the pool: its recovery first, when the ranks must be brought back
+        (``recover``); a cell that failed on every rank, each of them answering, leaves the pool as it was."""
+        survived = self.recovery.recover() if recover else True
+        fate = failure.pool_fate(survived, self.recovery.regrouped, self.recovery.old_group_users)
+        return RankFailure(f"{err}\n{fate}", rank=err.rank, cause=err.cause, stacks=err.stacks)
+
+    def end(self, run) -> None:
+        pass
+
+
+class Background:
+    """A background cell: its kind's rules (``inner``), started on the background thread. ``on_start(gang)``
+    once the ranks have the cell: the notebook goes on (background.Job)."""
+
+    asks = False  # the request that could answer a prompt has ended: a rank's input() fails, as under nbclient
+
+    def __init__(self, inner, on_start):
+        self.inner, self.on_start = inner, on_start
+
+    def started(self, run) -> None:
+        self.on_start(run.gang)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
+
+
+def for_cell(gang, on_start=None):
+    """The rules of a cell on ``gang``: a pool's or a one-shot cell's, in the background with ``on_start``."""
+    rules = Pool() if gang.persistent else OneShot()
+    return Background(rules, on_start) if on_start is not None else rules
