@@ -8,7 +8,8 @@ supervisor (remote ranks are ``remote.RemoteProc``s fed by their agents' streams
 The process group meets on the kernel's store (kernel/groupstore.py) over pipes: no store port is opened.
 Notebook values: the kernel's node shares the notebook copy-on-write; the other nodes start with nothing
 of it, so a name a cell reads that the notebook had when the pool started is sent to them by value once
-(``send_missing``), and a name the notebook rebinds later is sent to every node as in any pool.
+(which: the pool's ``sending.RankNames``; carried here: ``owe``), and a name the notebook rebinds later is
+sent to every node as in any pool.
 """
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import pickle
 import time
 
 from ..errors import UsageError
-from ..ipy.cellcode import notebook_name
-from ..kernel import checks, groupstore, rendezvous, sending, starters
+from ..kernel import checks, groupstore, rendezvous, starters
 from ..kernel.gang import STOP_S, Gang
 from ..kernel.supervisor import GRACE_S
 from ..rank.worker import RankSpec
@@ -31,7 +31,7 @@ KEEP_S = 2.0  # how long the close waits for a kept agent's stream to end (its r
 
 
 class ClusterGang(Gang):
-    def __init__(self, config, plan, *, view_for=None, namespace=None):
+    def __init__(self, config, plan, *, view_for=None):
         if plan.accelerator == "cuda":  # another node's ranks see the GPUs Ray gave its agent as 0..D-1
             others = tuple(range(plan.world_size))
         else:
@@ -39,10 +39,7 @@ class ClusterGang(Gang):
         self.per_node, self.nodes = plan.world_size, config.nodes
         super().__init__(config, dataclasses.replace(plan, device_ids=plan.device_ids + others * (config.nodes - 1)),
                          persistent=True, view_for=view_for and self._view_here(view_for))
-        self.namespace = namespace or {}
-        self.unsent = {k for k in self.namespace if notebook_name(k)}  # what the other nodes lack
-        self.unpicklable: dict = {}  # name -> the value of it that could not be sent (not tried again)
-        self.extra: dict[str, bytes] = {}  # ... sent with the next cell
+        self.extra: dict[str, bytes] = {}  # what the other nodes' ranks lack (owe), sent with the next cell
         self.given: set[int] = set()  # the remote ranks that had ``extra`` already (an Update to --ranks' others)
         self.store = groupstore.Store()
         self.local = groupstore.LocalStores(self.store)
@@ -157,35 +154,17 @@ class ClusterGang(Gang):
             self.local.start()
 
     # -- commands -------------------------------------------------------------------------------------------
-    def send_missing(self, cell_reads, reads, namespace: dict, rank_assigned: set) -> list[str]:
-        """The notebook values the other nodes' ranks lack that the pool's cells read (with what a notebook
-        function among them reads), pickled once, for the next cell's command; what to say about them. Only
-        a cell that reads one that cannot be pickled is refused (the others' ranks never had it)."""
-        def lacking(name, value):
-            return name in self.unsent and name not in rank_assigned and name not in self.extra
-
-        def refuse(name, value, e):
-            raise UsageError(f"`{name}` must be sent to the pool's ranks on the other nodes (they do not share "
-                             f"the notebook's memory), but it cannot be pickled: {type(e).__name__}: {e}\n"
-                             "Nothing ran. Create it inside a %%ddp cell.") from None
-
-        sent, let_go = sending.pickled_for_cell(cell_reads, reads, namespace, wanted=lacking, refuse=refuse,
-                                                unsendable=self.unpicklable)  # (still owed: tried again if it changes)
-        self.unpicklable.update({name: token for name, (token, _) in let_go.items()})
-        self.extra.update(sent)
-        self.unsent -= set(sent)
-        sizes = sending.sent_text(sent, namespace)
-        note = f"sent {', '.join(sizes)} to the other nodes' ranks, once (they do not share the notebook's memory)"
-        return [note] if sizes else []
+    def owe(self, values: dict[str, bytes]) -> None:
+        """Notebook values the other nodes' ranks lack (name -> pickled: ``sending.RankNames`` decides
+        which), sent with the next cell or update to each other node's rank, once."""
+        self.extra.update(values)
 
     def command(self, cmd, ranks=None) -> None:
-        """As any gang's; the values ``send_missing`` pickled go with the next cell or update to each
+        """As any gang's; the values ``owe`` holds go with the next cell or update to each
         other node's rank that has not had them, and a cell's ranks left out (``--ranks``) get them in
         an ``Update`` of their own: each remote rank gets them once, whichever ranks run the cell."""
         wanted = set(range(self.world_size) if ranks is None else ranks)
         carries = isinstance(cmd, (messages.RunCell, messages.Update))
-        if carries:
-            self.unsent -= set(cmd.updates)
         for link in self.links:
             sends: dict[str, list[int]] = {}  # what each of the node's ranks gets: the command, with the values or not
             for r in link.ranks:

@@ -1,12 +1,11 @@
-"""The magics: ``%%ddp`` (a cell on every rank), ``%ddp`` (a pool: start, stop, restart, status) and
-``%ddp_export``. Their options come from options.OPTIONS, so ``%%ddp?`` is the reference; each cell
-goes to the one cell engine (engine.py), one-shot or in the pool."""
+"""The magics: ``%%ddp`` (a cell on every rank), ``%ddp`` (a pool: start, stop, restart, status; what each
+verb does is verbs.py's) and ``%ddp_export``. Their options come from options.OPTIONS, so ``%%ddp?`` is the
+reference; each cell goes to the one cell engine (engine.py), one-shot or in the pool."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import sys
-import time
 
 from IPython.core import magic_arguments
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -19,31 +18,9 @@ from ..views import output
 from . import background, checks, engine, options, sending
 from .background import Background, Job, WaitForNames
 from .history import History, request_metadata
+from .verbs import Verbs
 
 COMPILED_KEPT = 64
-INTERRUPT_WAIT_S = 30.0  # %ddp interrupt waits this long for the background cell to end and say how
-
-
-def _wait_timeout(rest: str) -> float | None:
-    """``%ddp wait``'s ``--timeout S``; bad input is a usage error (nothing waited for)."""
-    parts = rest.replace("=", " ").split()
-    if not parts:
-        return None
-    if len(parts) == 2 and parts[0] in ("--timeout", "-t"):
-        try:
-            value = float(parts[1])
-        except ValueError:
-            value = -1.0
-        if value > 0:
-            return value
-    raise UsageError(f"%ddp wait {rest}: say %ddp wait, or %ddp wait --timeout SECONDS (a number > 0); "
-                     "nothing was waited for.")
-
-
-def _fate(err) -> str:
-    """What a background cell's end said of the pool (its last line naming the pool), or ''."""
-    lines = [ln for ln in str(err or "").splitlines() if "pool" in ln.lower()]
-    return lines[-1].strip() if lines else ""
 
 
 def option_groups(func):
@@ -112,6 +89,33 @@ def keep_empty_body(lines: list[str]) -> list[str]:
     return lines
 
 
+class Compiled:
+    """The cells ``%%ddp`` ran, as IPython runs them, kept by their text (``COMPILED_KEPT`` of them)."""
+
+    def __init__(self):
+        self.kept: dict[str, tuple] = {}  # cell text -> (source, names read, execution count, file name)
+
+    def get(self, shell, cell):
+        """The cell as IPython runs it: its source (transformed), file name (Cell In[n]) and the names it
+        reads. A cell run again (a pool's habit) is transformed and checked once: ~0.5 ms of a pool cell."""
+        known = self.kept.get(cell)
+        source = known[0] if known else "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line
+        number = cells.running(shell)  # one rule on every IPython: execution_count differs
+        if known and known[2] == number:  # registered already (ipykernel hashes the cell in pure Python)
+            return source, known[3], known[1]
+        filename = shell.compile.cache(source, number, raw_code=cell)
+        if known:
+            self.kept[cell] = (source, known[1], number, filename)
+            return source, filename, known[1]
+        # a syntax error launches nothing, and shows as IPython shows it (Cell In[n], the line, the caret)
+        body, last = cellcode.split_last_expression(source, filename, tracebacks.cell_labels(shell))
+        names = cellcode.names_used(body) | (cellcode.names_used(last) if last else set())
+        if len(self.kept) >= COMPILED_KEPT:
+            self.kept.pop(next(iter(self.kept)))
+        self.kept[cell] = (source, names, number, filename)
+        return source, filename, names
+
+
 @magics_class
 class DDPMagics(Magics):
     _handlers: list = []  # (shell, event, handler) registered by every instance: %unload_ext takes them back
@@ -121,10 +125,11 @@ class DDPMagics(Magics):
         self.history = History()  # the session's cells, each once, for %ddp_export (history.py)
         self.pool = None  # %ddp start's Pool, while one runs
         self.pool_options = ""
-        self._pdb_back = False  # %pdb was on and a cell's traceback was shown without it (_ranks_debug_themselves)
-        self._compiled: dict[str, tuple] = {}  # cell text -> (source, names read, execution count, file name)
+        self._pdb_back = False  # %pdb was on and a cell's traceback was shown without it (ranks_debug_themselves)
+        self._compiled = Compiled()  # each cell's text compiled once (a pool's cells run again)
         self.background = Background(shell)  # %%ddp --bg cells, and what became of them
         self.background.on_failed = self._failed_in_background
+        self.verbs = Verbs(self)  # what %ddp VERB does (verbs.py)
         if shell is not None:
             self.unregister_events(shell)  # %reload_ext: one recorder, not two
             self.history.loaded(shell)
@@ -156,10 +161,10 @@ class DDPMagics(Magics):
                 source = self.shell.transform_cell(info.raw_cell)
             except Exception:  # noqa: BLE001 - a cell IPython cannot transform binds nothing we can see
                 return
-            pool.synced.rebound(cellcode.names_bound(source))
+            pool.notebook_bound(cellcode.names_bound(source))
 
     @contextlib.contextmanager
-    def _ranks_debug_themselves(self):
+    def ranks_debug_themselves(self):
         """With IPython's %pdb on, a failed rank was debugged in the rank itself; IPython's own post-mortem
         would open in nbddp's kernel-side frames, so it is off for this cell's traceback (on again after)."""
         try:
@@ -209,7 +214,7 @@ class DDPMagics(Magics):
         ``--threads N > 1`` is safe after the notebook ran torch ops (the kernel's idle OpenMP threads are
         released before the fork). ``%ddp start`` keeps ranks alive across cells (``%ddp?``).
         """
-        with self._ranks_debug_themselves():
+        with self.ranks_debug_themselves():
             return self._cell(line, cell)
 
     def _cell(self, line, cell):
@@ -239,7 +244,7 @@ class DDPMagics(Magics):
         """A one-shot cell, checked and made ready: (work(on_start) -> each rank's Result, deliver)."""
         config = options.config(given)
         shell = self.shell
-        source, filename, _ = self._compile(cell)
+        source, filename, _ = self._compiled.get(self.shell, cell)
         plan = checks.preflight(config)  # everything that refuses, before spawn pickles anything
         fork = config.start_method == "fork"
         # fork: the ranks share the notebook as it is now; spawn: the globals the cell reads travel with it
@@ -286,27 +291,6 @@ class DDPMagics(Magics):
         self.background.submit(job)
         return None
 
-    def _compile(self, cell):
-        """The cell as IPython runs it: its source (transformed), file name (Cell In[n]) and the names it
-        reads. A cell run again (a pool's habit) is transformed and checked once: ~0.5 ms of a pool cell."""
-        shell = self.shell
-        known = self._compiled.get(cell)
-        source = known[0] if known else "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line
-        number = cells.running(shell)  # one rule on every IPython: execution_count differs
-        if known and known[2] == number:  # registered already (ipykernel hashes the cell in pure Python)
-            return source, known[3], known[1]
-        filename = shell.compile.cache(source, number, raw_code=cell)
-        if known:
-            self._compiled[cell] = (source, known[1], number, filename)
-            return source, filename, known[1]
-        # a syntax error launches nothing, and shows as IPython shows it (Cell In[n], the line, the caret)
-        body, last = cellcode.split_last_expression(source, filename, tracebacks.cell_labels(shell))
-        names = cellcode.names_used(body) | (cellcode.names_used(last) if last else set())
-        if len(self._compiled) >= COMPILED_KEPT:
-            self._compiled.pop(next(iter(self._compiled)))
-        self._compiled[cell] = (source, names, number, filename)
-        return source, filename, names
-
     def _in_pool(self, given: dict, outs, gathers, cell, ranks=None):
         """A pool cell, checked and made ready: (work(on_start) -> each rank's Result, deliver)."""
         clash = self.pool.conflicts(given)
@@ -315,7 +299,7 @@ class DDPMagics(Magics):
                              "nothing ran.\nDrop those options, or %ddp restart with them (or %ddp stop to run "
                              "one-shot cells).")
         per_cell = {k: v for k, v in given.items() if k not in options.POOL_FIXED}
-        source, filename, names = self._compile(cell)
+        source, filename, names = self._compiled.get(self.shell, cell)
         pool, user_ns = self.pool, self.shell.user_ns
         relabel, observer = tracebacks.cell_labels(self.shell), line_for_pool_cell(ranks)
         post_mortem = bool(getattr(self.shell, "call_pdb", False))
@@ -328,7 +312,7 @@ class DDPMagics(Magics):
             try:
                 return _deliver(per_rank, outs, gathers, user_ns, source)
             finally:
-                pool.synced.accept([*outs, *gathers], user_ns)
+                pool.came_back([*outs, *gathers])
 
         work.observer = observer
         return work, deliver
@@ -346,118 +330,7 @@ class DDPMagics(Magics):
         re-forks (the way to share new big data copy-on-write; bad options leave the running pool as it
         is); ``stop`` ends the ranks; ``status`` (or ``%ddp`` alone) shows them.
         """
-        from .pool import NO_POOL, Pool
-
-        verb, _, rest = line.strip().partition(" ")
-        verb = verb or "status"
-        if verb == "status":
-            if self.pool is not None and self.pool.alive and self.pool.view.shown:
-                self.pool.show()  # the pool's live dashboard, once more (the same output id)
-            else:
-                print(self.pool.status() if self.pool is not None else NO_POOL)
-            work = self.background.status()
-            if work:
-                print("background cells:\n" + "\n".join(f"  {line}" for line in work))
-            return
-        if verb in ("wait", "interrupt", "attach"):
-            return self._background_verb(verb, rest.strip())
-        self.background.before_foreground(f"%ddp {verb}")  # never two cells in the ranks at once
-        if verb in ("debug", "who", "diff"):
-            with self._ranks_debug_themselves():
-                return self._look(verb, rest.strip())
-        if verb == "stop":
-            ended = self.pool.ended if self.pool is not None else None
-            if self._stop_pool():
-                print(f"nbddp: the pool had already ended ({ended}); %%ddp cells are one-shot again" if ended else
-                      "nbddp: pool stopped; %%ddp cells are one-shot again")
-            else:
-                print("nbddp: no pool is running")
-            return
-        if verb in ("start", "restart"):
-            if verb == "start" and self.pool is not None and self.pool.alive:
-                raise UsageError("a pool is already running: %ddp restart [options] re-forks it, %ddp stop ends it.")
-            rest = rest or (self.pool_options if verb == "restart" else "")
-            given, names = options.split(options.parse(rest))
-            if names:
-                flags = " and ".join(options.BY_NAME[n].flag for n in names)
-                raise UsageError(f"%ddp {verb}: {flags} {'belongs' if len(names) == 1 else 'belong'} to one %%ddp "
-                                 "cell (--out and --gather bring values back from it, --ranks picks its ranks); "
-                                 "give it on that cell.\n"
-                                 "Nothing ran" + (", and the running pool is as it was." if self.pool is not None
-                                                  else "."))
-            pool = Pool(self.shell.user_ns, **given)
-            pool.check()  # bad options, spawn: refused while the running pool stays
-            self._stop_pool()
-            t0 = time.monotonic()
-            pool.start()  # devices planned now: the old pool's GPUs are free
-            self.pool, self.pool_options = pool, rest
-            print(f"nbddp: pool of {pool.plan.world_size} rank(s) on {pool.plan.accelerator}/{pool.plan.backend} "
-                  f"ready in {time.monotonic() - t0:.2f} s (%ddp stop ends it)", flush=True)
-            if pool.view.shown:
-                pool.show()  # its dashboard, below that line, live for the pool's life
-            return
-        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options], status, debug [RANK], who, "
-                         "diff EXPR, wait [--timeout S], interrupt or attach.")
-
-    def _background_verb(self, verb: str, rest: str):
-        """``%ddp wait [--timeout S]``, ``%ddp interrupt``, ``%ddp attach``: background cells (background.py)."""
-        work = self.background
-        if verb == "wait":
-            timeout = _wait_timeout(rest)
-            if not work.jobs:
-                print("nbddp: no background cell has run (%%ddp --bg sends one)")
-            return work.wait(timeout)
-        if rest:
-            raise UsageError(f"%ddp {verb} takes nothing after it; nothing was done.")
-        if verb == "attach":
-            job = work.attach(output.request_header())
-            if job is None:
-                print("nbddp: no background cell to attach to (%%ddp --bg sends one)")
-            elif job.done.is_set():
-                print(f"nbddp: background cell {job.name} ended ({job.state}); above is what it showed", file=sys.stderr)
-            return None
-        running = work.interrupt()
-        if running is None:
-            print("nbddp: no background cell is running; nothing was interrupted")
-            return None
-        print(f"nbddp: interrupting background cell {running.name}: its report arrives in its own output",
-              file=sys.stderr)
-        sys.stderr.flush()
-        if running.done.wait(INTERRUPT_WAIT_S):
-            work.land(quiet_failures=True)
-            running.raised = True  # asked for: not a failure %ddp wait raises
-            print(f"nbddp: {running.describe()}" + (f"; {_fate(running.error)}" if _fate(running.error) else ""),
-                  file=sys.stderr)
-        else:
-            print(f"nbddp: {running.name} has not ended within {INTERRUPT_WAIT_S:g} s; %ddp status shows it, "
-                  "%ddp interrupt again tears it down.", file=sys.stderr)
-        return None
-
-    def _look(self, verb: str, rest: str):
-        """``%ddp debug [RANK]``, ``%ddp who``, ``%ddp diff EXPR``: into the pool's ranks."""
-        if self.pool is None or not self.pool.alive:
-            raise UsageError(f"%ddp {verb} looks into a running pool's ranks, and " +
-                             (f"the pool has ended ({self.pool.ended})." if self.pool is not None and self.pool.ended
-                              else "no pool is running.") + " %ddp start [options] starts one.")
-        if verb == "debug":
-            if rest and not rest.isdigit():
-                raise UsageError(f"%ddp debug {rest}: give a rank number (%ddp debug 1), or none for the rank "
-                                 "that failed last.")
-            return self.pool.debug(int(rest) if rest else None)
-        from .survey_tables import diff, who
-
-        if verb == "who":
-            return who(self.pool)
-        if not rest:
-            raise UsageError("%ddp diff EXPR: say what to compare across ranks, e.g. %ddp diff model.state_dict()")
-        return diff(self.pool, rest)
-
-    def _stop_pool(self) -> bool:
-        if self.pool is None:
-            return False
-        self.pool.stop()
-        self.pool = None
-        return True
+        return self.verbs.run(line)
 
     @line_magic
     def ddp_export(self, line):

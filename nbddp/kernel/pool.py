@@ -3,7 +3,8 @@
 The ranks share the notebook's data as it was at the start, copy-on-write, and join the process group
 once; each ``%%ddp`` cell is then a command on every rank's command pipe, run by the one cell engine
 (engine.py, which also holds the failure rules). A notebook name a cell reads that was created or
-rebound since the start is sent once (sending.Synced).
+rebound since the start is sent once: the pool's ``sending.RankNames`` keeps what the ranks hold of the
+notebook's names.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..views.display import view_for_pool
 from ..wire import messages, sharedbuffer, values
 from . import checks, engine, failure, options
 from .gang import Gang
-from .sending import Synced
+from .sending import RankNames
 
 START_S = 600.0  # the ranks of a new pool must all be in the process group by then
 NO_POOL = "no pool is running (%ddp start [options] starts one)"
@@ -29,7 +30,7 @@ _make_cluster_gang = None  # what makes a --cluster pool's gang (register_cluste
 
 
 def register_cluster_gang(make) -> None:
-    """``make(config, plan, view_for=..., namespace=...)`` makes a ``--cluster`` pool's gang (cluster/'s
+    """``make(config, plan, view_for=...)`` makes a ``--cluster`` pool's gang (cluster/'s
     ``ClusterGang``). cluster/ sits above the kernel, so the package that hands out the pool registers it
     (nbddp's ``__init__``, for ``nbddp.Pool`` and ``%load_ext``): the pool names no cluster module, and the
     cluster's modules and Ray are imported only when such a pool starts."""
@@ -50,9 +51,7 @@ class Pool:
         self.view = None  # its dashboard (poolview.PoolView), from start() on
         self.last_failed: int | None = None  # the rank whose failure ended the last failed cell (%ddp debug)
         self.started_at: float | None = None  # time.time() once its ranks are up
-        self.synced = Synced(namespace or {})  # which notebook values the ranks have (made anew at start())
-        self.rank_assigned: set[str] = set()  # names the ranks bound themselves: theirs until the notebook rebinds them
-        self.reads: set[str] = set()  # every name the pool's cells' code reads, functions' bodies too
+        self.held = RankNames(namespace)  # what the ranks hold of the notebook's names (made anew at start())
         self._turn = threading.Lock()  # one cell in the ranks at a time (a background cell's thread, the notebook's)
 
     # -- life --------------------------------------------------------------------------------------
@@ -68,14 +67,14 @@ class Pool:
                 if _make_cluster_gang is None:
                     raise UsageError("--cluster: nbddp's cluster pools are handed out by `import nbddp` (nbddp.Pool, or "
                                      "%load_ext nbddp); this pool was made from nbddp.kernel.pool directly.")
-                gang = self.gang = _make_cluster_gang(self.config, plan, view_for=view_for_pool, namespace=self.namespace)
+                gang = self.gang = _make_cluster_gang(self.config, plan, view_for=view_for_pool)
             else:
                 gang = self.gang = Gang(self.config, plan, persistent=True, view_for=view_for_pool)
             self.view = gang.view
             try:
                 gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
                 self.started_at = time.time()
-                self.synced, self.rank_assigned, self.reads = Synced(self.namespace or {}), set(), set()
+                self.held = RankNames(self.namespace, other_nodes=bool(self.config.cluster))
                 gang.sup.announce()
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
@@ -157,17 +156,15 @@ class Pool:
         world = self.gang.world_size if self.gang else 0
         if ranks and max(ranks) >= world:
             raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
-        self.reads |= code or set()  # a function a cell defined reads its globals when a later cell calls it
         with sharedbuffer.carrying() if self.config.cluster else contextlib.nullcontext():  # other machines: bytes too
-            sync = self.synced.changes(code or set(), self.reads, self.namespace or {}, self.rank_assigned)
-            notes = sync.notes
-            if self.config.cluster and self.alive:  # the other nodes lack what the notebook had at the start
-                notes += self.gang.send_missing(code or set(), self.reads, self.namespace or {}, self.rank_assigned)
+            # the other nodes lack what the notebook had at the start
+            sync = self.held.before_cell(code or set(), other_nodes=bool(self.config.cluster) and self.alive)
+            if sync.other_nodes:
+                self.gang.owe(sync.other_nodes)  # with the next command to each other node's rank
+        notes, updates = sync.notes, sync.updates
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
         run = self._engine(config, label, relabel, observer, ranks, on_start)  # (a pool that ended refuses the cell here)
-        updates = sync.updates
-        self.synced.commit(sync, self.namespace or {})
-        self.rank_assigned -= {*updates, *sync.dropped}
+        self.held.sent(sync)
         place = output.current()  # this cell, or a background cell's own output
         for line in notes:
             place.write("stderr", f"nbddp: {line}\n")
@@ -185,9 +182,17 @@ class Pool:
         for note in outcome.notes:
             place.write("stderr", f"nbddp: {note}\n")
         per_rank = outcome.results()
-        for res in per_rank:
-            self.rank_assigned |= set(res.assigned)
+        self.held.answered(per_rank)
         return per_rank
+
+    def notebook_bound(self, names) -> None:
+        """A notebook cell bound ``names``: the notebook's latest word, sent to the ranks at the next cell
+        that reads them, even if equal to an older value."""
+        self.held.notebook_bound(names)
+
+    def came_back(self, names) -> None:
+        """``names`` came back from the ranks into the notebook (--out, --gather): nothing to send back."""
+        self.held.came_back(names)
 
     def debug(self, rank: int | None = None) -> None:
         """pdb in the traceback of ``rank``'s last failed cell (default: the rank that failed last), in the

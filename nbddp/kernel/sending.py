@@ -1,8 +1,8 @@
 """Notebook values sent to ranks by value, each pickled once in the kernel, one that cannot be named
 with why, through one worklist (``pickled_for_ranks``; a pool's cell: ``pickled_for_cell``): the globals
-a spawned rank's cell reads (``ship_globals``), what a pool's ranks do not have yet (``Synced``: names the
-notebook created or rebound since the ranks last saw them), and what a cluster pool's other nodes lack
-(cluster/clustergang.py)."""
+a spawned rank's cell reads (``ship_globals``), and what a pool's ranks do not have yet: ``RankNames``, the
+one home of what they hold of the notebook's names (what they were sent, what they bound themselves, what
+the pool's cells read, what the notebook rebound, what a cluster pool's other nodes lack)."""
 from __future__ import annotations
 
 import builtins
@@ -99,50 +99,94 @@ BIG_UPDATE = 16 * 2**20  # a sent value this large earns the hint that %ddp rest
 class Changes:
     """What a pool cell sends: ``updates`` (name -> pickled value), ``dropped`` (names the ranks must
     forget: rebound in the notebook to a value that cannot be sent, and not read by this cell), and what
-    to say about them."""
+    to say about them; a cluster pool's ``other_nodes``: the values only the other nodes' ranks lack."""
 
     updates: dict = field(default_factory=dict)
     dropped: tuple = ()
     notes: list = field(default_factory=list)
     let_go: dict = field(default_factory=dict)  # name -> the token of the value that could not be sent
+    other_nodes: dict = field(default_factory=dict)  # name -> pickled value, for the other nodes' ranks once
 
 
-class Synced:
-    """Which notebook values the ranks have: a name the notebook created or rebound since the pool
-    started (or since it was last sent) is sent again, even to an equal value; one the ranks assigned
-    themselves stays theirs unless the notebook rebinds it too (last writer wins). A function or class
-    the notebook defined brings the notebook names its code reads that the ranks lack.
+class RankNames:
+    """What a pool's ranks hold of the notebook's names, in one place: the values they were sent (or
+    shared at the start), the names they bound themselves, what the pool's cells read, what the notebook
+    rebound since; for a pool across nodes (``other_nodes``), what the other nodes' ranks still lack (the
+    kernel's node shares the notebook copy-on-write, the others start with nothing of it). One method per
+    event: a notebook cell bound names (``notebook_bound``), a pool cell is about to run (``before_cell``,
+    then ``sent`` once it goes), a pool cell answered (``answered``), values came back into the notebook
+    (``came_back``).
 
-    Only a cell that reads a name is refused when its new value cannot be pickled: for the others the
-    ranks' old copy is dropped (the notebook has moved on from it), said once."""
+    A name the notebook created or rebound since the pool started (or since it was last sent) is sent
+    again, even to an equal value; one the ranks assigned themselves stays theirs unless the notebook
+    rebinds it too (last writer wins). A function or class the notebook defined brings the notebook names
+    its code reads that the ranks lack. Only a cell that reads a name is refused when its new value cannot
+    be pickled: for the others the ranks' old copy is dropped (the notebook has moved on from it), said once."""
 
-    def __init__(self, namespace: dict):
-        self.known = {k: _token(v) for k, v in namespace.items()}  # name -> the value the ranks have
+    def __init__(self, namespace: dict | None, *, other_nodes: bool = False):
+        self.namespace = namespace if namespace is not None else {}
+        self.known = {k: _token(v) for k, v in self.namespace.items()}  # name -> the value the ranks have
         self.unsendable: dict[str, tuple] = {}  # name -> the value dropped from the ranks (it cannot be sent)
+        self.assigned: set[str] = set()  # names the ranks bound themselves: theirs until the notebook rebinds them
+        self.reads: set[str] = set()  # every name the pool's cells' code reads, functions' bodies too
+        # a pool across nodes: the notebook names the other nodes' ranks lack, and those that could not be sent
+        self.lacking = {k for k in self.namespace if notebook_name(k)} if other_nodes else set()
+        self.unpicklable: dict[str, tuple] = {}  # name -> the value of it that could not be sent (not tried again)
 
-    def rebound(self, names) -> None:
+    # -- events ------------------------------------------------------------------------------------------
+    def notebook_bound(self, names) -> None:
         """Names a notebook cell just bound (an assignment, def, import...): sent at the next cell that
         reads them, whatever their value."""
         for name in names:
             self.known.pop(name, None)
 
-    def accept(self, names, namespace: dict) -> None:
+    def came_back(self, names) -> None:
         """Names the notebook just received from the ranks (--out, --gather): not changes to send back."""
         for name in names:
-            if name in namespace:
-                self.known[name] = _token(namespace[name])
+            if name in self.namespace:
+                self.known[name] = _token(self.namespace[name])
 
-    def changes(self, cell_reads, reads, namespace: dict, rank_assigned: set) -> Changes:
-        """What must go with a cell that reads ``cell_reads``, the pool's cells having read ``reads`` (a
-        function an earlier cell defined reads its globals when a later cell calls it). Nothing is marked
-        sent until ``commit``: the cell may yet be refused."""
+    def before_cell(self, cell_reads, *, other_nodes: bool = False) -> Changes:
+        """What must go with a cell that reads ``cell_reads`` (a function an earlier cell defined reads
+        its globals when a later cell calls it, so the pool's earlier cells' reads count too). Nothing is
+        marked sent until ``sent``: the cell may yet be refused. ``other_nodes``: a running pool across
+        nodes, whose other nodes get what they lack once (``Changes.other_nodes``)."""
+        self.reads |= cell_reads
+        changes = self._changes(cell_reads)
+        if other_nodes:
+            changes.other_nodes = self._for_other_nodes(cell_reads)
+            sizes = sent_text(changes.other_nodes, self.namespace)
+            if sizes:
+                changes.notes.append(f"sent {', '.join(sizes)} to the other nodes' ranks, once (they do not share "
+                                     "the notebook's memory)")
+        return changes
+
+    def sent(self, changes: Changes) -> None:
+        """The cell that carries ``changes`` goes to the ranks: what it sends and drops is theirs now (and
+        no longer the ranks' own)."""
+        for name in changes.updates:
+            self.known[name] = _token(self.namespace[name])
+            self.unsendable.pop(name, None)
+        self.unsendable.update(changes.let_go)
+        self.assigned -= {*changes.updates, *changes.dropped}
+        self.lacking -= set(changes.updates)  # (sent to every node)
+
+    def answered(self, per_rank) -> None:
+        """The ranks' ``Result``s of a pool cell: the names each bound are the ranks' own now."""
+        for res in per_rank:
+            self.assigned |= set(res.assigned)
+
+    # -- what goes with a cell ---------------------------------------------------------------------------
+    def _changes(self, cell_reads) -> Changes:
+        namespace = self.namespace
+
         def refuse(name, value, e):
             raise UsageError(f"`{name}` changed in the notebook since %ddp start and this cell reads it, so it "
                              f"must be sent to every rank, but it cannot be pickled: {type(e).__name__}: {e}\n"
                              "Nothing ran. Create it inside a %%ddp cell, or %ddp restart (the ranks then share "
                              "it).") from None
 
-        updates, let_go = pickled_for_cell(cell_reads, reads, namespace, refuse=refuse, unsendable=self.unsendable,
+        updates, let_go = pickled_for_cell(cell_reads, self.reads, namespace, refuse=refuse, unsendable=self.unsendable,
                                            wanted=lambda name, value: not _same(self.known.get(name), value))
         notes = [f"`{name}` was rebound in the notebook to {values.describe(namespace[name])}, which cannot be sent "
                  f"to the ranks ({why}); the ranks' old `{name}` is dropped, and a cell that reads `{name}` (or calls "
@@ -154,18 +198,27 @@ class Synced:
             notes.insert(0, f"sent {', '.join(sizes)} to every rank (new or rebound in the notebook since the pool "
                          "started)" + ("; %ddp restart shares big data copy-on-write instead" if total >= BIG_UPDATE
                                        else ""))
-        both = [name for name in updates if name in rank_assigned]
+        both = [name for name in updates if name in self.assigned]
         if both:
             notes.append(f"{', '.join(both)} changed both in the notebook and on the ranks: the ranks now use "
                          "the notebook's value")
         return Changes(updates, tuple(let_go), notes, {name: token for name, (token, _) in let_go.items()})
 
-    def commit(self, changes: Changes, namespace: dict) -> None:
-        """The cell that carries ``changes`` goes to the ranks: what it sends and drops is theirs now."""
-        for name in changes.updates:
-            self.known[name] = _token(namespace[name])
-            self.unsendable.pop(name, None)
-        self.unsendable.update(changes.let_go)
+    def _for_other_nodes(self, cell_reads) -> dict[str, bytes]:
+        """The notebook values the other nodes' ranks lack that the pool's cells read (with what a notebook
+        function among them reads), pickled once. Only a cell that reads one that cannot be pickled is
+        refused (the other nodes' ranks never had it); the others are tried again if they change."""
+        def refuse(name, value, e):
+            raise UsageError(f"`{name}` must be sent to the pool's ranks on the other nodes (they do not share "
+                             f"the notebook's memory), but it cannot be pickled: {type(e).__name__}: {e}\n"
+                             "Nothing ran. Create it inside a %%ddp cell.") from None
+
+        sent, let_go = pickled_for_cell(cell_reads, self.reads, self.namespace, refuse=refuse,
+                                        unsendable=self.unpicklable,
+                                        wanted=lambda name, value: name in self.lacking and name not in self.assigned)
+        self.unpicklable.update({name: token for name, (token, _) in let_go.items()})
+        self.lacking -= set(sent)
+        return sent
 
 
 def _token(value):
