@@ -37,6 +37,21 @@ def tqdm_text(desc: str, n: int, total: int) -> str:
     return f"{desc}: {pct:3d}%|{'#' * (pct // 10):10s}| {n}/{total} [00:01<00:01, 20.00it/s]"
 
 
+def bar_record(desc: str, n: int, total: int, bar: int = 0, closed: bool = False, leave: bool = True):
+    """A rank's tqdm bar as it sends it (messages.Progress): tqdm's state and its text line."""
+    from nbddp.wire.messages import Progress
+
+    state = {"n": n, "total": total, "elapsed": 1.0, "prefix": desc, "unit": "it", "rate": 20.0}
+    return Progress(bar, state, tqdm_text(desc, n, total), closed, leave)
+
+
+def draw(relay, rank: int, desc: str, n: int, total: int, bar: int = 0, **how) -> None:
+    """The rank's bar ``bar`` redrawn (``closed``: its last state; ``leave=False`` too: cleared)."""
+    from nbddp.kernel.supervisor import Message
+
+    relay.on_Message(Message(rank, bar_record(desc, n, total, bar, **how)))
+
+
 def relay_of(ranks, sink):
     from nbddp.views.relay import Relay
 
@@ -45,16 +60,15 @@ def relay_of(ranks, sink):
 
 
 def test_bars_are_in_rank_order_in_one_output_per_epoch_whichever_rank_draws_first():
-    from nbddp.kernel.supervisor import Output
     from nbddp.views.relay import BAR_GATHER_S
 
     sink = BarSink()
     relay = relay_of(range(4), sink)
     for epoch, arrival in enumerate(([1, 0, 2, 3], [3, 2, 0, 1], [2, 0, 3, 1])):
         for r in arrival:  # each epoch's bars start in another order
-            relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text(f"epoch {epoch}", 0, 20)).encode()))
+            draw(relay, r, f"epoch {epoch}", 0, 20, bar=epoch)
         for r in arrival:
-            relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text(f"epoch {epoch}", 20, 20) + "\n").encode()))
+            draw(relay, r, f"epoch {epoch}", 20, 20, bar=epoch, closed=True)
     assert list(sink.states) == ["bars0", "bars1", "bars2"], "one output per epoch"
     for epoch, states in enumerate(sink.states.values()):
         first, last = states[0]["text/plain"].splitlines(), states[-1]["text/plain"].splitlines()
@@ -65,12 +79,11 @@ def test_bars_are_in_rank_order_in_one_output_per_epoch_whichever_rank_draws_fir
 
 
 def test_a_group_waits_for_a_rank_drawing_no_bar_at_most_the_gather_window():
-    from nbddp.kernel.supervisor import Output
     from nbddp.views.relay import BAR_GATHER_S
 
     sink = BarSink()
     relay = relay_of(range(2), sink)  # only rank 0 draws a bar (tqdm(disable=rank != 0))
-    relay.on_Output(Output(0, "stderr", ("\r" + tqdm_text("train", 3, 20)).encode()))
+    draw(relay, 0, "train", 3, 20)
     assert not sink.states
     due = relay.release_due()
     assert due is not None and due - time.monotonic() <= BAR_GATHER_S
@@ -87,10 +100,11 @@ def test_a_bar_ends_at_the_state_held_back_with_a_stack_dump():
 
     sink = BarSink()
     relay = relay_of([0], sink)
-    relay.on_Output(Output(0, "stderr", ("\r" + tqdm_text("train", 96, 1000)).encode()))
-    kept = ("\r" + tqdm_text("train", 120, 1000) + "Current thread 0x00007f0000000000 (most recent call first):\n"
-            '  File "<cell>", line 3 in <module>\n\r' + tqdm_text("train", 136, 1000) + "\r" + "train:  13%|#3")
-    relay.kept(Output(0, "stderr", kept.encode()))
+    draw(relay, 0, "train", 96, 1000)
+    kept = 'Current thread 0x00007f0000000000 (most recent call first):\n  File "<cell>", line 3 in <module>\n'
+    relay.kept(Output(0, "stderr", kept.encode()))  # the stack dump, held back from the cell
+    draw(relay, 0, "train", 120, 1000)  # the bar's records meanwhile, on the channel
+    draw(relay, 0, "train", 136, 1000)
     relay.close_all()
     last = list(sink.states.values())[-1][-1]
     from nbddp.views.theme import WARN
@@ -101,11 +115,10 @@ def test_a_bar_ends_at_the_state_held_back_with_a_stack_dump():
 def test_text_and_bars_start_in_the_same_column_in_the_html():
     """JupyterLab pads a text output 1ch and an HTML one not at all: the bars' block makes up the difference
     in the stream's own font, and labels a rank as its lines do ("[rank0]:")."""
-    from nbddp.kernel.supervisor import Output
 
     sink = BarSink()
     relay = relay_of([0], sink)
-    relay.on_Output(Output(0, "stderr", ("\r" + tqdm_text("e", 20, 20) + "\n").encode()))
+    draw(relay, 0, "e", 20, 20, closed=True)
     html = list(sink.states.values())[-1][-1]["text/html"]
     assert "margin-left:1ch" in html and "var(--jp-code-font-family" in html and "var(--jp-code-font-size" in html
     assert re.search(r">\[rank0\]:e: <span", html), html
@@ -128,11 +141,11 @@ def bar_rows(res) -> dict[int, str]:
 
 
 def logged_bar(runs_dir, rank: int) -> str:
-    """The rank's last tqdm state, from its log (every byte it wrote) in the newest run directory."""
-    from nbddp.views.relay import last_bar
-
+    """The rank's last tqdm state, from its log (every byte it wrote, its bars as tqdm's text) in the newest
+    run directory."""
     run = max((p for p in runs_dir.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
-    return last_bar((run / f"rank{rank}.log").read_text(errors="replace"))
+    text = (run / f"rank{rank}.log").read_text(errors="replace")
+    return [seg for seg in re.split(r"[\r\n]", text) if re.search(r"\d+%\|", seg)][-1]
 
 
 @pytest.mark.parametrize("how", ["interrupt", "timeout"])
@@ -321,14 +334,13 @@ def test_the_many_cpu_ranks_note_wraps_between_words():
 # -- the bars' cost: what is published, what is kept ------------------------------------------------------
 def test_64_ranks_ending_a_bar_publish_a_few_outputs_not_one_a_rank():
     """Each publish carries every row: one a rank's final state was O(ranks²) bytes an epoch at 64 ranks."""
-    from nbddp.kernel.supervisor import Output
 
     sink = BarSink()
     relay = relay_of(range(64), sink)
     for r in range(64):
-        relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("epoch 0", 0, 20)).encode()))
+        draw(relay, r, "epoch 0", 0, 20)
     for r in range(64):
-        relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("epoch 0", 20, 20) + "\n").encode()))
+        draw(relay, r, "epoch 0", 20, 20, closed=True)
         relay.release_due()
     assert list(sink.states) == ["bars0"] and len(sink.states["bars0"]) <= 3, len(sink.states["bars0"])
     last = sink.states["bars0"][-1]["text/plain"].splitlines()
@@ -337,7 +349,7 @@ def test_64_ranks_ending_a_bar_publish_a_few_outputs_not_one_a_rank():
     sink = BarSink()
     relay = relay_of(range(64), sink)
     for r in range(64):
-        relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("epoch 0", 3, 20)).encode()))
+        draw(relay, r, "epoch 0", 3, 20)
     relay.close_all()
     assert len(sink.states["bars0"]) == 2, len(sink.states["bars0"])
     from nbddp.views.theme import RUNNING, WARN
@@ -346,14 +358,13 @@ def test_64_ranks_ending_a_bar_publish_a_few_outputs_not_one_a_rank():
 
 
 def test_a_rows_final_state_waits_for_the_next_redraw_and_the_close_shows_it():
-    from nbddp.kernel.supervisor import Output
     from nbddp.views.relay import BAR_EVERY_S
 
     sink = BarSink()
     relay = relay_of(range(2), sink)
     for r in (0, 1):
-        relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("e", 1, 20)).encode()))
-    relay.on_Output(Output(0, "stderr", ("\r" + tqdm_text("e", 20, 20) + "\n").encode()))
+        draw(relay, r, "e", 1, 20)
+    draw(relay, 0, "e", 20, 20, closed=True)
     assert len(sink.states["bars0"]) == 1, "rank 1's bar still draws: rank 0's end waits for the redraw"
     due = relay.release_due()
     assert due is not None and due - time.monotonic() <= BAR_EVERY_S
@@ -361,14 +372,13 @@ def test_a_rows_final_state_waits_for_the_next_redraw_and_the_close_shows_it():
     relay.release_due()
     assert len(sink.states["bars0"]) == 2 and "20/20" in sink.states["bars0"][-1]["text/plain"].splitlines()[0]
     assert relay.release_due() is None
-    relay.on_Output(Output(1, "stderr", ("\r" + tqdm_text("e", 7, 20)).encode()))
+    draw(relay, 1, "e", 7, 20)
     relay.close_all()
     assert "7/20" in sink.states["bars0"][-1]["text/plain"].splitlines()[1]
 
 
 def test_thousands_of_short_bars_keep_few_groups_and_a_cheap_due():
     """tqdm(leave=False) a step: a group a step; finished groups go, and due() looks only at dirty ones."""
-    from nbddp.kernel.supervisor import Output
     from nbddp.views.relay import BAR_KEEP
 
     for ranks, drawing in ((range(4), range(4)), (range(2), [0])):  # every rank's bars; rank 0's only
@@ -376,7 +386,7 @@ def test_thousands_of_short_bars_keep_few_groups_and_a_cheap_due():
         relay = relay_of(ranks, sink)
         for step in range(3000):
             for r in drawing:
-                relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("step", 20, 20) + "\n").encode()))
+                draw(relay, r, "step", 20, 20, bar=step, closed=True)
             relay.release_due()
         bars = relay.bars
         assert len(bars.groups) <= BAR_KEEP + 1 and len(bars.settled) <= BAR_KEEP and not bars.dirty, len(bars.groups)
@@ -389,18 +399,17 @@ def test_thousands_of_short_bars_keep_few_groups_and_a_cheap_due():
 
 def test_a_bar_cleared_before_it_was_shown_publishes_nothing():
     """A quick tqdm(leave=False) bar: no empty output for it in the saved notebook."""
-    from nbddp.kernel.supervisor import Output
     from nbddp.views.relay import BAR_GATHER_S
 
     sink = BarSink()
     relay = relay_of(range(2), sink)
     for r in (0, 1):
-        relay.on_Output(Output(r, "stderr", ("\r" + tqdm_text("step", 3, 20)).encode()))
-        relay.on_Output(Output(r, "stderr", ("\r" + " " * 40 + "\r").encode()))  # cleared (rank 0: before shown)
+        draw(relay, r, "step", 3, 20)
+        draw(relay, r, "step", 3, 20, closed=True, leave=False)  # cleared (rank 0: before shown)
     time.sleep(BAR_GATHER_S + 0.05)
     relay.release_due()
-    relay.on_Output(Output(0, "stderr", ("\r" + tqdm_text("step", 3, 20)).encode()))
-    relay.on_Output(Output(0, "stderr", ("\r" + " " * 40 + "\r").encode()))  # gathering (rank 1's not in)
+    draw(relay, 0, "step", 3, 20, bar=1)
+    draw(relay, 0, "step", 3, 20, bar=1, closed=True, leave=False)  # gathering (rank 1's not in)
     time.sleep(BAR_GATHER_S + 0.05)
     relay.release_due()
     relay.close_all()
@@ -409,8 +418,8 @@ def test_a_bar_cleared_before_it_was_shown_publishes_nothing():
     # a bar shown, then cleared: its output is blanked in place (an update, not a new output)
     sink = BarSink()
     relay = relay_of([0], sink)
-    relay.on_Output(Output(0, "stderr", ("\r" + tqdm_text("step", 3, 20)).encode()))
-    relay.on_Output(Output(0, "stderr", ("\r" + " " * 40 + "\r").encode()))
+    draw(relay, 0, "step", 3, 20)
+    draw(relay, 0, "step", 3, 20, closed=True, leave=False)
     relay.close_all()
     assert [s["text/plain"][:14] for s in sink.states["bars0"]] == ["[rank0]:step: ", ""], sink.states
 

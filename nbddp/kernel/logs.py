@@ -1,20 +1,39 @@
 """Every byte each rank writes, kept in its ``rankN.log`` (0600) in the run directory: the cell may trim
-output, the log never does."""
+output, the log never does. A rank's tqdm bars, which travel as records (``messages.Progress``), are kept
+as the text tqdm would have drawn: each state a carriage-return redraw of its line, the line ended when the
+bar closes or the rank writes anything else."""
 from __future__ import annotations
 
 import os
 
+from ..wire.messages import Progress
+
 
 class RankLogs:
-    """Every byte each rank writes, kept in ``rankN.log`` (0600) in the run directory."""
+    """Every byte each rank writes, kept in ``rankN.log`` (0600) in the run directory, its bars as text."""
 
     def __init__(self, log_paths: dict[int, str]):
         self._fds = {r: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r, p in log_paths.items()}
+        self._bar: dict[int, int] = {}  # rank -> the bar whose line is drawn last and not ended yet
 
     def on_Output(self, event) -> None:
         fd = self._fds.get(event.rank)
         if fd is not None:
+            if self._bar.pop(event.rank, None) is not None:  # the bar's line ends before the rank's text
+                os.write(fd, b"\n")
             os.write(fd, event.data)
+
+    def on_Message(self, event) -> None:
+        rec = event.record
+        if type(rec) is not Progress or (fd := self._fds.get(event.rank)) is None:
+            return
+        drawn = self._bar.pop(event.rank, None)
+        text = ("\n" if drawn is not None and drawn != rec.bar else "") + "\r" + rec.line
+        if rec.closed:
+            text += "\n"
+        else:
+            self._bar[event.rank] = rec.bar
+        os.write(fd, text.encode("utf-8", "replace"))
 
     def close(self) -> None:
         for fd in self._fds.values():

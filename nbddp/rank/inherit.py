@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import itertools
+import os
 import sys
 
 from ..ipy.session import running_shell
@@ -64,7 +66,7 @@ def redirect_in_rank(kernel_streams=(), chan=None) -> None:
     _rank_display(chan)
     _rank_pager()
     _dummy_comms()
-    _console_tqdm()
+    _console_tqdm(chan)
     _not_interactive()
 
 
@@ -163,14 +165,15 @@ def _dummy_comms() -> None:
             setattr(kernel_comm, send, lambda self, *a, **k: None)
 
 
-def _console_tqdm() -> None:
-    """tqdm draws text bars in a rank, on its stderr (a widget bar would need the kernel's sockets; its
-    updates never reach the cell). ``tqdm.auto`` picks ``tqdm.std``; and ``tqdm.notebook``'s widget
-    class, even as a name the notebook bound before the cell (``from tqdm.auto import tqdm``), draws
-    as ``tqdm.std`` does. Whatever of tqdm the rank imports later gets the same treatment."""
+def _console_tqdm(chan=None) -> None:
+    """tqdm's bars in a rank travel as records (``_recorded_bars``: a widget bar would need the kernel's
+    sockets; its updates never reach the cell). ``tqdm.auto`` picks ``tqdm.std``; and ``tqdm.notebook``'s
+    widget class, even as a name the notebook bound before the cell (``from tqdm.auto import tqdm``), behaves
+    as ``tqdm.std``'s does. Whatever of tqdm the rank imports later gets the same treatment."""
     std = sys.modules.get("tqdm.std")
     if std is not None:
         _fresh_tqdm_state(std)
+        _recorded_bars(std, chan)
     notebook = sys.modules.get("tqdm.notebook")
     if notebook is not None:
         _text_bars(notebook)
@@ -179,8 +182,9 @@ def _console_tqdm() -> None:
         for mod in (auto, sys.modules.get("tqdm.auto")):
             if mod is not None:
                 mod.tqdm, mod.trange = std.tqdm, std.trange
-    if auto is None or notebook is None:
-        sys.meta_path.insert(0, _ConsoleTqdm({"tqdm.autonotebook", "tqdm.notebook"} - set(sys.modules)))
+    later = {"tqdm.std", "tqdm.autonotebook", "tqdm.notebook"} - set(sys.modules)
+    if later:
+        sys.meta_path.insert(0, _ConsoleTqdm(later, chan))
 
 
 NOTEBOOK_ONLY = ("display",)  # tqdm.notebook's own keywords, which tqdm.std refuses
@@ -201,6 +205,79 @@ def _text_bars(notebook) -> None:
     cls.__init__ = __init__
 
 
+class _Unwritten:
+    """Where a bar that travels as records writes while tqdm closes it (its last newline): nowhere."""
+
+    def write(self, s):
+        return len(s)
+
+    def flush(self):
+        pass
+
+
+PLAIN = (str, int, float, bool, type(None))
+
+
+def _recorded_bars(std, chan) -> None:
+    """``tqdm.std.tqdm`` (and every class drawing through it) sends each redraw of a bar on the rank's
+    stdout or stderr as a ``messages.Progress`` on the channel, when tqdm would draw it (its rate limits
+    stay), and writes nothing of it to the stream: the kernel draws it, and the rank's log keeps its text.
+    A bar on another file, or in a process the rank forked (a DataLoader worker), draws as text there."""
+    if chan is None:
+        return
+    from ..wire.messages import Progress
+    from .stdio import flush_streams
+
+    cls, rank_pid, numbers = std.tqdm, os.getpid(), itertools.count()
+    display, clear, close = cls.display, cls.clear, cls.close
+    outstream = getattr(sys.modules.get("ipykernel.iostream"), "OutStream", ())  # the kernel's, redirected
+
+    def recorded(bar) -> str | None:
+        """The stream a bar of the rank's draws on ("stdout", "stderr"), None for another file."""
+        if "_nbddp_stream" not in bar.__dict__:
+            fp = getattr(bar, "fp", None)
+            fp = getattr(fp, "_wrapped", fp)  # (tqdm wraps the file it is given)
+            stream = "stdout" if fp is sys.stdout else "stderr" if fp is sys.stderr else None
+            if stream is None and outstream and isinstance(fp, outstream):
+                stream = "stderr" if getattr(fp, "name", "") == "stderr" else "stdout"
+            bar.__dict__["_nbddp_stream"] = stream
+        return bar.__dict__["_nbddp_stream"] if os.getpid() == rank_pid else None
+
+    def send(bar, closed=False, leave=True) -> None:
+        number = bar.__dict__.get("_nbddp_bar")
+        if number is None:
+            number = bar.__dict__["_nbddp_bar"] = next(numbers)
+        meter = bar.format_dict
+        state = {k: v for k, v in meter.items() if isinstance(v, PLAIN)}
+        line = bar.format_meter(**meter)
+        flush_streams()  # the text written before it comes first
+        chan.send(Progress(number, state, line, closed, leave, recorded(bar)))
+
+    def draw(self, msg=None, pos=None):
+        if not recorded(self):
+            return display(self, msg, pos)
+        if self.disable:  # close() draws the last state (leave) or clears it (msg "")
+            send(self, closed=True, leave=msg is None)
+        elif msg is None:
+            send(self)
+        return True
+
+    def clear_bar(self, nolock=False):
+        if not recorded(self):
+            clear(self, nolock)
+
+    def close_bar(self):
+        if not recorded(self):
+            return close(self)
+        fp, self.fp = self.fp, _Unwritten()
+        try:
+            return close(self)
+        finally:
+            self.fp = fp
+
+    cls.display, cls.clear, cls.close = draw, clear_bar, close_bar
+
+
 def _fresh_tqdm_state(std) -> None:
     """Bars the kernel made are not the rank's: its own start at the top line, and its lock is its own
     (the kernel's holds a semaphore shared with every fork, which a rank killed mid-draw would leave
@@ -219,11 +296,11 @@ def _fresh_tqdm_state(std) -> None:
 
 
 class _ConsoleTqdm(importlib.abc.MetaPathFinder):
-    """tqdm imported in the rank: ``tqdm.autonotebook`` as if no kernel were present (it then picks
-    tqdm.std), ``tqdm.notebook`` with text bars."""
+    """tqdm imported in the rank: ``tqdm.std`` with its bars sent as records, ``tqdm.autonotebook`` as if no
+    kernel were present (it then picks tqdm.std), ``tqdm.notebook`` behaving as tqdm.std."""
 
-    def __init__(self, names: set):
-        self.names = names
+    def __init__(self, names: set, chan=None):
+        self.names, self.chan = names, chan
 
     def find_spec(self, name, path, target=None):
         if name not in self.names:
@@ -233,7 +310,10 @@ class _ConsoleTqdm(importlib.abc.MetaPathFinder):
             sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None:
-            spec.loader = (_HideKernel if name == "tqdm.autonotebook" else _TextBarsLoader)(spec.loader)
+            if name == "tqdm.std":
+                spec.loader = _RecordedBarsLoader(spec.loader, self.chan)
+            else:
+                spec.loader = (_HideKernel if name == "tqdm.autonotebook" else _TextBarsLoader)(spec.loader)
         return spec
 
 
@@ -260,6 +340,16 @@ class _TextBarsLoader(_HideKernel):
     def exec_module(self, module):
         self._loader.exec_module(module)
         _text_bars(module)
+
+
+class _RecordedBarsLoader(_HideKernel):
+    def __init__(self, loader, chan):
+        super().__init__(loader)
+        self.chan = chan
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _recorded_bars(module, self.chan)
 
 
 def _not_interactive() -> None:

@@ -3,9 +3,9 @@
 The dashboard (``RunView``) is published when the ranks are forked, before any of their output, so the
 stream always runs below it; it is then updated in place by display id (ipyparallel's pattern: it works
 in JupyterLab, VS Code and Colab alike, and the saved notebook keeps the last state). Live and final
-states are one table in one style, so nothing jumps when the run ends: state, progress (a rank's last
-tqdm fraction), time, private memory (USS; RSS and shared on hover), GPU utilisation and memory on GPUs,
-and the start of each rank's last line (or its exception). A column no rank has a figure for is left
+states are one table in one style, so nothing jumps when the run ends: state, progress (from a rank's
+last tqdm record, ``messages.Progress``), time, private memory (USS; RSS and shared on hover), GPU
+utilisation and memory on GPUs, and the start of each rank's last line (or its exception). A column no rank has a figure for is left
 out. All updates happen on the kernel's main thread, at the supervisor's 1 Hz tick.
 
 A pool cell gets no dashboard of its own (the ``%ddp start`` cell's view follows every rank): one line
@@ -19,14 +19,14 @@ import html
 import re
 import time
 
-from ..wire.messages import Error, Exit, Ready, Result
+from ..wire.messages import Error, Exit, Progress, Ready, Result
 from .iopub import line_bundle, publish_line, unsent
 from ..units import ranks_text, size
 from .monitor import Monitor, duration
 from . import output
 from .output import Slot, text_table
 from .theme import FAILED, MUTED, STATES
-from .relay import last_bar, latest_redraw, progress
+from .relay import latest_redraw
 
 # a stack dump's lines (faulthandler at an interrupt or --timeout, a traceback) are not a rank's last line
 DUMP_LINE = re.compile(r"\s*(File( \"|\s*$)|Thread 0x|Current thread 0x|Stack \(most recent call first\)|"
@@ -72,7 +72,11 @@ class RunView:
 
     def on_Message(self, event) -> None:
         rec, rank = event.record, event.rank
-        if isinstance(rec, Ready) and self.state[rank] == "starting":
+        if type(rec) is Progress:  # its tqdm bar: the progress, and the rank's last line (tqdm's own)
+            if rec.fraction is not None:
+                self.progress[rank] = rec.fraction
+            self.last_line[rank] = rec.line[:LAST_CHARS]
+        elif isinstance(rec, Ready) and self.state[rank] == "starting":
             self.state[rank] = "running"
         elif isinstance(rec, Result):
             self.answered.add(rank)
@@ -111,9 +115,6 @@ class RunView:
         if not text.strip() or DUMP_LINE.match(text):
             return False
         self.last_line[rank] = text[:LAST_CHARS]
-        frac = progress(text)
-        if frac is not None:
-            self.progress[rank] = frac
         return True
 
     def on_Exited(self, event) -> None:
@@ -313,14 +314,11 @@ class CellLine:
 
     def on_Message(self, event) -> None:
         rec = event.record
-        if type(rec) is Error or (type(rec) is Exit and rec.code not in (0, None)):
+        if type(rec) is Progress:  # a tqdm bar's record
+            if rec.fraction is not None:
+                self.progress[event.rank] = rec.fraction
+        elif type(rec) is Error or (type(rec) is Exit and rec.code not in (0, None)):
             self.failed.setdefault(event.rank, getattr(rec, "type", "exit"))
-
-    def on_Output(self, event) -> None:
-        if b"%|" in event.data:  # (a tqdm bar's redraw: a quick cell's output pays one search)
-            text = last_bar(event.data.decode("utf-8", "replace"))
-            if text is not None:
-                self.progress[event.rank] = progress(text)
 
     def on_Exited(self, event) -> None:
         self.failed.setdefault(event.rank, "exited")

@@ -10,16 +10,17 @@ A line every rank prints identically is shown once, labelled with the ranks (``[
 prefix on and more than one rank shown, each rank's lines wait up to ``MERGE_S`` for the same line from
 the others (``Merger``); lines that differ are shown per rank, each rank's in its order.
 
-A tqdm bar a rank draws as text (``tqdm.auto``, ``tqdm.notebook`` and ``tqdm.std``: the rank draws them
-all on its stderr) is shown as a progress bar, labelled with the rank, updated in place by display id
-(``Bars``): every rank's n-th bar in one output, in rank order, kept at the last state its rank drew
-however the cell ends (its redraws held back with a stack dump included: ``Relay.kept``), with the text
-bars as its text/plain twin; the rank's log keeps the text bar.
+A rank's tqdm bar (``tqdm.auto``, ``tqdm.notebook``, ``tqdm.std``) arrives as ``messages.Progress``
+records, tqdm's own state, never as text: it is shown as a progress bar, labelled with the rank, updated in
+place by display id (``Bars``): every rank's n-th bar in one output, in rank order, kept at the last state
+its rank sent however the cell ends (a stack dump holds back text, never records), with tqdm's text line as
+its text/plain twin; the rank's log keeps that line (kernel/logs.py). A bar without a total (nothing to
+fill) is a line, its last state, as tqdm's text was. A line redrawn with carriage returns that is not tqdm's
+(``print(f"\\r{i}", end="")``) is text: shown as a line, its latest state.
 """
 from __future__ import annotations
 
 import html
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -31,17 +32,9 @@ from . import output
 
 MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
 MERGE_S = 0.3  # how long a rank's line waits for the same line from the other ranks
-TQDM = re.compile(r"(\d{1,3})%\|[^|]*\|\s*[\d.]+[kMGTPEZY]?/[\d.]+[kMGTPEZY]?(?:\s|$)")  # 45%|####  | 45/100
-BAR = re.compile(r"(?P<desc>.*?)(?P<pct>\d{1,3})%\|[^|]*\|(?P<rest>.*)")
 BAR_EVERY_S = 0.2  # a bar is redrawn in the cell at most this often (its group's last state at once)
 BAR_GATHER_S = 0.5  # a new group of bars waits this long at most for every rank's bar, to show them in rank order
 BAR_KEEP = 64  # groups of bars kept, complete and shown, that a rank drawing no bar yet might still add to
-
-
-def progress(line: str) -> float | None:
-    """The fraction a tqdm bar drawn as text shows (``desc: 45%|####5     | 45/100 [...]``), else None."""
-    m = TQDM.search(line)
-    return min(1.0, int(m.group(1)) / 100) if m else None
 
 
 class CellSink:
@@ -182,7 +175,7 @@ class Relay:
     def on_Output(self, event) -> None:
         rank, stream, data = event.rank, event.stream, event.data
         other = (rank, "stderr" if stream == "stdout" else "stdout")
-        if other in self._partial and not (self.bars and other in self.bars.open):  # (a bar goes on below)
+        if other in self._partial:
             self._flush(*other, redraw_cleared=True)  # the rank wrote the other stream's unfinished line first
         key = (rank, stream)
         if key in self._cutting:
@@ -195,14 +188,8 @@ class Relay:
         head, sep, tail = buf.rpartition(b"\n")
         if sep:
             self._emit(rank, stream, head)
-        if b"\r" in tail:  # a line redrawn in place (tqdm, print(..., end="\\r")): keep its latest state,
+        if b"\r" in tail:  # a line redrawn in place (print(..., end="\\r")): keep its latest state,
             tail = b"\r" + latest_redraw(tail)  # wherever the carriage returns sit
-            if self.bars is not None and self._shown(rank) and rank not in self._capped:
-                text = tail.decode("utf-8", "replace").strip("\r")
-                if progress(text) is not None:  # a tqdm bar: drawn as one, live
-                    self.bars.draw(rank, stream, text)
-                elif not text.strip() and key in self.bars.open:  # tqdm(leave=False) cleared it: gone
-                    self.bars.cleared(rank, stream)
         if len(tail) > self._partial_limit:  # a line that never ends: shown cut, the rest dropped
             self._emit(rank, stream, tail)
             if self._partial_limit < MAX_PARTIAL:
@@ -222,6 +209,9 @@ class Relay:
 
     def on_Message(self, event) -> None:
         rec = event.record
+        if type(rec) is messages.Progress:
+            self._progress(event.rank, rec)
+            return
         if not isinstance(rec, (messages.Display, messages.ClearOutput)) or not self._shown(event.rank):
             return
         for stream in ("stdout", "stderr"):  # what the rank printed before it displayed comes first
@@ -234,18 +224,23 @@ class Relay:
         label = f"[rank{event.rank}]: display" if self.prefix else None  # every rank's, rank 0's too
         self.sink.display(event.rank, rec, label)
 
-    def kept(self, event) -> None:
-        """Output kept from the cell (a rank's stderr held while its stack is dumped: failure.StackCapture):
-        not shown, but a tqdm bar it redrew moves on with it, so the bar ends where the rank's did (after an
-        interrupt or a --timeout the rank draws on while its stack is taken, up to 2 s)."""
-        key = (event.rank, event.stream)
-        if self.bars is None or key not in self.bars.open or b"\r" not in event.data:
+    def _progress(self, rank: int, rec) -> None:
+        """A tqdm bar's state: below what the rank wrote before it (its unfinished lines end first), drawn
+        live. A bar without a total (nothing to fill), or any bar outside a kernel (no live outputs), is a line:
+        its last state, once it closes, on the stream tqdm would have drawn it on."""
+        if not self._shown(rank) or rank in self._capped:
             return
-        text = last_bar(event.data.decode("utf-8", "replace"))
-        if text is not None:
-            if self._partial.get(key, b"").startswith(b"\r"):  # the line closing the cell flushes: its latest state
-                self._partial[key] = b"\r" + text.encode()
-            self.bars.kept(event.rank, event.stream, text)
+        for stream in ("stdout", "stderr"):
+            self._flush(rank, stream, redraw_cleared=True)
+        if self.bars is not None and (rec.fraction is not None or (rank, rec.bar) in self.bars.open):
+            self.bars.update(rank, rec)
+        elif rec.closed and rec.leave:
+            self._lines(rank, rec.stream, [rec.line])
+
+    def kept(self, event) -> None:
+        """Output kept from the cell (a rank's stderr held while its stack is dumped):
+        nothing of it is shown. A bar the rank drew meanwhile moves on all the same, so it ends where the
+        rank's did: its records travel on the channel, never held back."""
 
     def release_due(self) -> float | None:
         """Lines held for merging whose wait is over are shown, bars redrawn; when the next is due (the
@@ -290,18 +285,7 @@ class Relay:
         if "\r" not in decoded:
             self._lines(rank, stream, lines)
             return
-        run = []
-        for raw in lines:
-            line = last_segment(raw)
-            if self.bars is not None and "\r" in raw and progress(line) is not None:  # a tqdm bar's final state
-                if run:
-                    self._lines(rank, stream, run)
-                    run = []
-                self.bars.done(rank, stream, line)
-            else:
-                run.append(line)
-        if run:
-            self._lines(rank, stream, run)
+        self._lines(rank, stream, [last_segment(raw) for raw in lines])
 
     def _lines(self, rank: int, stream: str, lines: list[str]) -> None:
         """Whole lines of one rank, cut and capped, to the merger or the cell."""
@@ -348,9 +332,9 @@ class Relay:
 
 @dataclass
 class BarRow:
-    """A rank's bar in its group: the latest text its rank drew, and whether its line ended (``final``: kept
-    as it is) or tqdm cleared it (``leave=False``: gone)."""
-    text: str
+    """A rank's bar in its group: the latest state its rank sent (a ``messages.Progress``), and whether it
+    closed (``final``: kept as it is) or tqdm cleared it (``leave=False``: gone)."""
+    state: object
     final: bool = False
     cleared: bool = False
 
@@ -391,43 +375,49 @@ class Bars:
     def __init__(self, sink, prefix: bool, holding, before, ranks=(0,)):
         self.sink, self.prefix, self.holding, self.before = sink, prefix, holding, before
         self.expected = set(ranks)  # ranks still writing whose bars a group waits for
-        self.open: dict[tuple[int, str], BarGroup] = {}  # (rank, stream) -> the group of its bar drawing now
+        self.open: dict[tuple[int, int], BarGroup] = {}  # (rank, its bar's number) -> the group of a bar drawing
         self.started: dict[int, int] = {}  # rank -> how many bars it started
         self.groups: dict[int, BarGroup] = {}  # by number: the groups a rank may still draw in or add to
         self.dirty: set[int] = set()  # groups changed since last shown
         self.settled: set[int] = set()  # groups complete and shown (kept while a rank may add a row)
 
-    def draw(self, rank: int, stream: str, text: str) -> None:
+    def update(self, rank: int, rec) -> None:
+        """A bar's record (``messages.Progress``): a redraw, its last state, or cleared."""
+        if not rec.closed:
+            self.draw(rank, rec)
+        elif rec.leave:
+            self.done(rank, rec)
+        else:
+            self.cleared(rank, rec)
+
+    def draw(self, rank: int, rec) -> None:
         """A bar's latest redraw."""
-        key, now = (rank, stream), time.monotonic()
-        group = self.open.get(key) or self._start(rank, text, now)
+        key, now = (rank, rec.bar), time.monotonic()
+        group = self.open.get(key) or self._start(rank, rec, now)
         self.open[key] = group
-        group.rows[rank].text = text
+        group.rows[rank].state = rec
         self._changed(group)
         self._redraw(group, now)
 
-    def done(self, rank: int, stream: str, text: str) -> None:
-        """The bar's line ended: its last state stays, as a static bar."""
+    def done(self, rank: int, rec) -> None:
+        """The bar closed: its last state stays, as a static bar."""
         now = time.monotonic()
-        group = self.open.pop((rank, stream), None) or self._start(rank, text, now)
+        group = self.open.pop((rank, rec.bar), None) or self._start(rank, rec, now)
         row = group.rows[rank]
-        row.text, row.final = text, True
+        row.state, row.final = rec, True
         self._changed(group)
         if group.display_id is None or self._complete(group):  # its place in the cell, or its last state
             self._show(group, now)
 
-    def cleared(self, rank: int, stream: str) -> None:
+    def cleared(self, rank: int, rec) -> None:
         """tqdm(leave=False) cleared the bar: its row goes."""
-        group = self.open.pop((rank, stream))
+        group = self.open.pop((rank, rec.bar), None)
+        if group is None:  # (closed before this cell saw it draw)
+            return
         group.rows[rank].cleared = True
         self._changed(group)
         if group.display_id is not None and self._complete(group):
             self._show(group, time.monotonic())
-
-    def kept(self, rank: int, stream: str, text: str) -> None:
-        """A redraw of an open bar that the cell did not get (held for a stack dump): the bar moves on."""
-        if (rank, stream) in self.open:
-            self.draw(rank, stream, text)
 
     def leave(self, rank: int) -> None:
         """The rank has left: groups wait for its bar no more."""
@@ -442,7 +432,7 @@ class Bars:
         return min(due) if due else None
 
     def close(self) -> None:
-        """The cell ended, however it ended: each bar still drawing is kept at the last state its rank drew,
+        """The cell ended, however it ended: each bar still drawing is kept at the last state its rank sent,
         every group redrawn once."""
         for (rank, _), group in self.open.items():
             group.rows[rank].final = True
@@ -452,14 +442,14 @@ class Bars:
         for number in sorted(self.dirty):
             self._show(self.groups[number], now)
 
-    def _start(self, rank: int, text: str, now: float) -> BarGroup:
+    def _start(self, rank: int, rec, now: float) -> BarGroup:
         number = self.started.get(rank, 0)
         self.started[rank] = number + 1
         group = self.groups.get(number)
         if group is None:  # (a group forgotten that a rank far behind adds to: a new output)
             group = self.groups[number] = BarGroup(number, opened_at=now)
         self.settled.discard(number)
-        group.rows[rank] = BarRow(text)
+        group.rows[rank] = BarRow(rec)
         return group
 
     def _changed(self, group: BarGroup) -> None:
@@ -512,7 +502,7 @@ class Bars:
         if not rows:
             return None
         label = (lambda rank: f"[rank{rank}]:") if self.prefix else (lambda rank: "")
-        plain = "\n".join(label(rank) + row.text for rank, row in rows)
+        plain = "\n".join(label(rank) + row.state.line for rank, row in rows)
         # the stream's own font and left edge (JupyterLab pads a text output 1ch, an HTML one not at all), so a
         # rank's bar and its lines start in the same column
         html_rows = "".join(_bar_html(label(rank), row) for rank, row in rows)
@@ -523,16 +513,34 @@ class Bars:
 
 
 def _bar_html(label: str, row: BarRow) -> str:
-    """One rank's bar: its label and description, the bar, the percentage and tqdm's counts and rate."""
-    m = BAR.match(row.text)
-    pct = min(100, int(m.group("pct")))
+    """One rank's bar: its label and description, the bar, the percentage and tqdm's counts and rate (a bar
+    without a total: tqdm's line, no bar)."""
+    rec, esc = row.state, html.escape
+    frac = rec.fraction
+    if frac is None:
+        return ("<div class='nbddp-bar' style='white-space:pre;overflow:hidden;text-overflow:ellipsis'>"
+                f"{esc(label)}{esc(rec.line)}</div>")
+    pct = round(frac * 100)
     colour = RUNNING if not row.final else DONE if pct == 100 else WARN
-    esc = html.escape
+    desc = rec.state.get("prefix") or ""
     bar = (f"<span style='display:inline-block;width:160px;height:10px;background:{TRACK};vertical-align:middle;"
            f"border-radius:2px'><span style='display:inline-block;width:{pct}%;height:100%;background:{colour};"
            "border-radius:2px'></span></span>")
     return ("<div class='nbddp-bar' style='white-space:pre;overflow:hidden;text-overflow:ellipsis'>"
-            f"{esc(label)}{esc(m.group('desc'))}{bar} {pct}%{esc(m.group('rest'))}</div>")
+            f"{esc(label)}{esc(desc + ': ' if desc else '')}{bar} {pct}%{esc(_counts(rec.state))}</div>")
+
+
+def _counts(state: dict) -> str:
+    """tqdm's counts, times and rate for a bar's state (`` 45/100 [00:01<00:01, 45.00it/s]``), formatted by
+    tqdm itself where the kernel has it."""
+    try:
+        from tqdm.std import tqdm
+    except ImportError:
+        return f" {state.get('n')}/{state.get('total')}"
+    try:
+        return tqdm.format_meter(**{**state, "bar_format": "{r_bar}"})[1:]
+    except Exception:  # noqa: BLE001 - a state this tqdm cannot format: the counts alone
+        return f" {state.get('n')}/{state.get('total')}"
 
 
 class Merger:
@@ -614,19 +622,6 @@ class Merger:
                 self.write(ranks, q[start][1], [item[2] for item in q[start:i]])
                 start = i
         del q[:n]
-
-
-DUMP_HEAD = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+|Stack \(most recent call first\)|Fatal Python error")
-
-
-def last_bar(text: str) -> str | None:
-    """The last whole tqdm state in a stretch of a rank's output (faulthandler's dump may follow a bar's text
-    on its line: cut there); None if there is none."""
-    for segment in reversed(re.split(r"[\r\n]", text)):
-        segment = DUMP_HEAD.split(segment, 1)[0].rstrip()
-        if progress(segment) is not None and BAR.match(segment):
-            return segment
-    return None
 
 
 def latest_redraw(tail: bytes) -> bytes:

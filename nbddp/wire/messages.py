@@ -53,6 +53,29 @@ class ClearOutput:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A tqdm bar of the rank, each time tqdm would redraw it (its own ``mininterval`` and ``miniters``
+    still decide when): ``bar`` numbers the rank's bars in the order they first drew; ``state`` is tqdm's own
+    ``format_dict`` (n, total, prefix: its desc, unit, rate, elapsed, postfix, bar_format, ...: plain
+    values); ``line`` is the text tqdm would have drawn for it (``str(bar)``, its subclass's formatting
+    included), kept as text by the rank's log. ``closed``: its last state; ``leave``: kept (else cleared,
+    ``tqdm(leave=False)``); ``stream``: the one tqdm would have drawn it on."""
+
+    bar: int
+    state: dict
+    line: str
+    closed: bool = False
+    leave: bool = True
+    stream: str = "stderr"
+
+    @property
+    def fraction(self) -> float | None:
+        """How far it is (0 to 1), None without a total."""
+        total = self.state.get("total")
+        return min(1.0, max(0.0, (self.state.get("n") or 0) / total)) if total else None
+
+
+@dataclass(frozen=True)
 class Item:
     """One value to bring back: its pickle, or why it cannot come."""
 
@@ -180,5 +203,5 @@ class Stop:
     pass
 
 
-RANK_SENDS = (Mark, Ready, Display, ClearOutput, InputRequest, Result, Error, Exit, Done, Healthy)
+RANK_SENDS = (Mark, Ready, Display, ClearOutput, Progress, InputRequest, Result, Error, Exit, Done, Healthy)
 KERNEL_SENDS = (RunCell, Call, Update, InputReply, PostMortem, HealthCheck, Regroup, Stop)
