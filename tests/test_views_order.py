@@ -96,16 +96,20 @@ def test_a_group_waits_for_a_rank_drawing_no_bar_at_most_the_gather_window():
 def test_a_bar_ends_at_the_state_held_back_with_a_stack_dump():
     """An interrupt's stacks: the rank's stderr is kept from the cell for up to 2 s while its bar goes on;
     the bar must end where the rank's did, not where the cell last saw it."""
-    from nbddp.kernel.supervisor import Output
+    from nbddp.kernel.stacks import StackCapture
+    from nbddp.kernel.supervisor import Output, StacksRequested
 
     sink = BarSink()
     relay = relay_of([0], sink)
-    draw(relay, 0, "train", 96, 1000)
+    capture = StackCapture(relay)  # in front of the relay, as in a cell
+    draw(capture, 0, "train", 96, 1000)
+    capture.on_StacksRequested(StacksRequested([0]))
     kept = 'Current thread 0x00007f0000000000 (most recent call first):\n  File "<cell>", line 3 in <module>\n'
-    relay.kept(Output(0, "stderr", kept.encode()))  # the stack dump, held back from the cell
-    draw(relay, 0, "train", 120, 1000)  # the bar's records meanwhile, on the channel
-    draw(relay, 0, "train", 136, 1000)
+    capture.on_Output(Output(0, "stderr", kept.encode()))  # the stack dump, held back from the cell
+    draw(capture, 0, "train", 120, 1000)  # the bar's records meanwhile, on the channel
+    draw(capture, 0, "train", 136, 1000)
     relay.close_all()
+    assert "Current thread" not in "".join(sink.written)  # the dump is kept for the report, not shown
     last = list(sink.states.values())[-1][-1]
     from nbddp.views.theme import WARN
 

@@ -105,6 +105,9 @@ def syntax_error(e: SyntaxError, labels: Mapping) -> str:
 
 
 # -- in the kernel: a rank's stack, from faulthandler's dump ----------------------------------------
+# a stack dump's lines (faulthandler at an interrupt or --timeout, a traceback): never a rank's "last line"
+DUMP_LINE = re.compile(r"\s*(File( \"|\s*$)|Thread 0x|Current thread 0x|Stack \(most recent call first\)|"
+                       r"Traceback \(most recent call last\)|Fatal Python error|<no Python frame>)")
 _HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ .*:$|^Stack \(most recent call first\):$")
 _FRAME = re.compile(r'^  File "([^"\n]+)", line (\d+) in (.+)$')
 

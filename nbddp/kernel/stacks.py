@@ -4,7 +4,8 @@ A rank dumps every thread's stack to its stderr on SIGUSR1 (faulthandler, instal
 ``StackRequest`` is one such ask, made by the supervisor (--timeout, an interrupt, the collective probe):
 the ranks signalled, their stderr collected until it has been quiet ``QUIET_S`` (or ``MAX_S`` passed), then
 what was to follow. ``StackCapture``, a listener in front of the cell's relay, keeps those bytes for the
-report and out of the cell's output (a tqdm bar redrawn meanwhile still moves on: ``Relay.kept``). How a
+report and out of the cell's output (a tqdm bar drawn meanwhile is a record on its channel, never held
+back). How a
 dump reads (its headers, the user's frames) is ipy/tracebacks.py's, on either side.
 """
 from __future__ import annotations
@@ -59,9 +60,7 @@ class StackCapture:
 
     def on_Output(self, event) -> None:
         if self._bytes is not None and not self._done and event.stream == "stderr" and event.rank in self._bytes:
-            self._bytes[event.rank] += event.data
-            if self.shown is not None:  # a tqdm bar redrawn meanwhile still moves on (relay.Relay.kept)
-                self.shown.kept(event)
+            self._bytes[event.rank] += event.data  # (a bar drawn meanwhile is a record on the channel: not held)
         elif self.shown is not None:
             self.shown.on_Output(event)
 

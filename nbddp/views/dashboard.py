@@ -16,9 +16,9 @@ tick of a longer one.
 from __future__ import annotations
 
 import html
-import re
 import time
 
+from ..ipy import tracebacks
 from ..wire.messages import Error, Exit, Progress, Ready, Result
 from .iopub import line_bundle, publish_line, unsent
 from ..units import ranks_text, size
@@ -28,9 +28,6 @@ from .output import Slot, text_table
 from .theme import FAILED, MUTED, STATES
 from .relay import latest_redraw
 
-# a stack dump's lines (faulthandler at an interrupt or --timeout, a traceback) are not a rank's last line
-DUMP_LINE = re.compile(r"\s*(File( \"|\s*$)|Thread 0x|Current thread 0x|Stack \(most recent call first\)|"
-                       r"Traceback \(most recent call last\)|Fatal Python error|<no Python frame>)")
 LAST_CHARS = 160  # of a rank's last line kept (its start: a log dict keeps its first keys)
 LINE_BYTES = 4 * LAST_CHARS  # of an unfinished line kept (UTF-8: at most 4 bytes a character)
 DUMP_LINES = 64  # lines looked back over for one that is not a stack dump's
@@ -112,7 +109,7 @@ class RunView:
         if b"\r" in line:
             line = latest_redraw(line)
         text = line[:LINE_BYTES].decode("utf-8", "replace").rstrip("\r")
-        if not text.strip() or DUMP_LINE.match(text):
+        if not text.strip() or tracebacks.DUMP_LINE.match(text):
             return False
         self.last_line[rank] = text[:LAST_CHARS]
         return True

@@ -237,11 +237,6 @@ class Relay:
         elif rec.closed and rec.leave:
             self._lines(rank, rec.stream, [rec.line])
 
-    def kept(self, event) -> None:
-        """Output kept from the cell (a rank's stderr held while its stack is dumped):
-        nothing of it is shown. A bar the rank drew meanwhile moves on all the same, so it ends where the
-        rank's did: its records travel on the channel, never held back."""
-
     def release_due(self) -> float | None:
         """Lines held for merging whose wait is over are shown, bars redrawn; when the next is due (the
         engine wakes then)."""
