@@ -367,6 +367,10 @@ def report(r: dict) -> str:
         import bench_background
 
         lines += [bench_background.render(r["background"]), ""]
+    if "iopub" in r:  # benchmarks/bench_iopub.py's, kept across runs
+        import bench_iopub
+
+        lines += [bench_iopub.render(r["iopub"]), ""]
     return "\n".join(lines) + "\n"
 
 

@@ -133,6 +133,36 @@ def test_pool_cells_looped_in_one_notebook_cell_show_their_lines_while_it_runs(c
         k.ok("%ddp stop")
 
 
+def test_a_pool_cells_line_is_queued_on_this_ipykernels_io_thread_or_sent_the_ordinary_way(clean_kernel):
+    """views/iopub.py's one use of ipykernel's private IOPubThread internals (``queue_without_wake``) works
+    on the ipykernel installed (CI runs this on 7.x and on the hosted stacks' 6.17): the call is made on the
+    IO thread. Where it cannot be (no IOPubThread to queue on, or ``QUEUED`` off) nothing is queued and a
+    pool cell's line is sent the ordinary way: the same outputs, the place then its final line."""
+    k = clean_kernel
+    k.ok("%ddp start --devices 2\nimport threading\nimport nbddp.views.iopub as iopub")
+    try:
+        k.ok("sent, ev = [], threading.Event()\n"
+             "queued = iopub.queue_without_wake(get_ipython().display_pub.pub_socket,\n"
+             "                                  lambda sock: (sent.append(threading.current_thread().name), ev.set()))\n"
+             "ev.wait(5)")
+        assert k.value("queued") is True, "the line cannot be queued on this ipykernel's IO thread"
+        assert k.value("sent") and k.value("sent[0] != threading.main_thread().name"), k.value("sent")
+        assert k.value("iopub.queue_without_wake(object(), lambda sock: None)") is False
+        shown = {}
+        for queued in (True, False, True):
+            k.ok(f"iopub.QUEUED = {queued}")
+            res = k.ok("%%ddp\nx = rank")
+            lines = [re.sub(r"[\d.]+ ms", "T ms", d["data"]["text/plain"]) for d in res.displays
+                     if d.get("transient", {}).get("display_id", "").startswith("nbddp-line-")]
+            assert lines == ["nbddp pool · cell on ranks 0-1 · running", "nbddp pool · cell on ranks 0-1 · T ms · ok"], \
+                (queued, res.displays)
+            shown.setdefault(queued, lines)
+        assert shown[True] == shown[False]
+    finally:
+        k.ok("iopub.QUEUED = True")
+        k.ok("%ddp stop")
+
+
 def test_a_rank_that_dies_between_cells_shows_on_the_dashboard_before_the_next_cell(clean_kernel):
     import os
     import signal

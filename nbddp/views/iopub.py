@@ -5,14 +5,25 @@ there (an update).
 IPython's display machinery costs ~0.8 ms a call; ipykernel's IO thread makes and sends every iopub
 message in the order they were queued, so a message queued there goes out in order with the kernel's own
 (the place before the cell's first text or display, whose write wakes the thread; the final line before
-the cell's ``Out[]`` and the kernel's idle status). Waking that thread for the
-line costs the cell ~0.17 ms of a ~1.2 ms pool cell (the wake, then the thread takes the GIL to make and
-send the message while the cell ends; measured interleaved, the thread drained between cells as between
-notebook cells). So the line is queued without a wake: the kernel's next message (the cell's ``Out[]``, its
-idle status) wakes the thread and it goes first. A loop of pool cells inside one notebook cell has no next
-message for a while: a tick on the IO thread every ``LATE_S`` sends what is still queued, so a line is at
-most that late, as ipykernel's own stdout (sent every 0.2 s). The tick stops after ``IDLE_S`` without a
-line and starts again (one wake) with the next.
+the cell's ``Out[]`` and the kernel's idle status). Waking that thread for the line costs the cell time
+(the wake, then the thread takes the GIL to make and send the message while the cell ends). So the line
+is queued without a wake: the kernel's next message (the cell's ``Out[]``, its idle status) wakes the
+thread and it goes first. A loop of pool cells inside one notebook cell has no next message for a while: a
+tick on the IO thread every ``LATE_S`` sends what is still queued, so a line is at most that late, as
+ipykernel's own stdout (sent every 0.2 s). The tick stops after ``IDLE_S`` without a line and starts again
+(one wake) with the next.
+
+Queueing without a wake needs ipykernel's private IOPubThread internals (``_events``, ``_handle_event``,
+``io_loop.call_later``); ``queue_without_wake`` is their one user (``unsent`` reads a flag of ipykernel's
+streams, flushing a stream that lacks it), checked once per IO thread, and where they are missing (another
+ipykernel, not ipykernel) or ``QUEUED`` is off the line is sent the ordinary way (``session.send``, a wake
+of its own): the same outputs, in the same order (tests/test_pool_view.py, on ipykernel 7.x and, in CI, on
+the hosted stacks' 6.17). Kept because it is worth it where the figures are taken
+(benchmarks/bench_iopub.py, results.md section 12, interleaved in one kernel): a trivial pool cell takes
+~0.3-0.5 ms less (1.75 ms against 2.23 ms alone, the floor 0.60 ms; 1.12 against 1.42 in a loop), a fifth of
+it; a client waiting for a single notebook cell's idle status sees the same either way (the IO thread's work
+moves after the cell), so the gain is the cell's own time: pool cells back to back, and the pool figures the
+benchmarks hold to their targets (sections 1c and 10).
 """
 from __future__ import annotations
 
@@ -27,6 +38,7 @@ from . import output
 
 LATE_S = 0.1  # at most this late: a line no message of the kernel's sent
 IDLE_S = 30.0  # the tick stops after this long without a line
+QUEUED = True  # False: every line sent the ordinary way (benchmarks/bench_iopub.py measures both)
 
 
 def publish_line(line: str, flush: bool, display_id: str | None = None, update: bool = False) -> None:
@@ -51,17 +63,12 @@ def publish_line(line: str, flush: bool, display_id: str | None = None, update: 
         sys.stderr.flush()
     content, parent, ident = {"data": data, "metadata": {}, "transient": transient}, pub.parent_header, pub.topic
     kind = "update_display_data" if update else "display_data"
-    io_thread = getattr(socket, "io_thread", None)
-    later = _later(io_thread)
-    if later is None:  # no IO thread to queue on: sent from here
-        session.send(socket, kind, content, parent=parent, ident=ident)
-        return
 
-    def send():
-        if io_thread.socket is not None:  # (None once the kernel is shutting down)
-            session.send(io_thread.socket, kind, content, parent=parent, ident=ident)
+    def send(sock):
+        session.send(sock, kind, content, parent=parent, ident=ident)
 
-    later.queue(send)
+    if not (QUEUED and queue_without_wake(socket, send)):  # the ordinary way: its own wake of the IO thread
+        send(socket)
 
 
 def line_bundle(line: str) -> dict:
@@ -71,8 +78,28 @@ def line_bundle(line: str) -> dict:
 
 def unsent() -> bool:
     """Whether the kernel's streams hold text not sent yet (ipykernel's: a flush is pending). Text written
-    once nothing is pending wakes the IO thread, so a line queued before it goes out first."""
-    return any(getattr(s, "_flush_pending", False) for s in (sys.stdout, sys.stderr))
+    once nothing is pending wakes the IO thread, so a line queued before it goes out first. (ipykernel's
+    OutStream's ``_flush_pending``; a stream without it is flushed: the order kept, at a flush's cost.)"""
+    return any(getattr(s, "_flush_pending", True) for s in (sys.stdout, sys.stderr))
+
+
+def queue_without_wake(socket, send) -> bool:
+    """``send(sock)`` made on ipykernel's IO thread (``sock``: its own iopub socket) with its next wake, in
+    order with the kernel's other messages; False, with nothing queued, where it cannot be (not ipykernel's
+    IOPubThread, or its thread ended): the caller sends the ordinary way. The one use of ipykernel's private
+    internals (``IOPubThread._events``, ``_handle_event``, ``io_loop.call_later``): nothing else here names
+    them, and ipykernel changing them costs the wake only (``_queueable`` checks them once per thread)."""
+    io_thread = getattr(socket, "io_thread", None)
+    later = _later(io_thread)
+    if later is None:
+        return False
+
+    def call():
+        if io_thread.socket is not None:  # (None once the kernel is shutting down)
+            send(io_thread.socket)
+
+    later.queue(call)
+    return True
 
 
 def _queueable(io_thread) -> bool:
