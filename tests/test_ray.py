@@ -293,7 +293,7 @@ def test_a_call_the_agent_cannot_apply_ends_the_pool_with_its_reason(pool):
          ".pool.gang.links[0].control('no_such_op')")  # as a store reply or command the agent fails to apply
     res = k.run("%%ddp\nprint('after')\n", timeout=60)
     text = res.error_text
-    assert re.search(r"node 1 \(.*\) lost \(ranks 1\): its agent could not apply the kernel's 'no_such_op': "
+    assert re.search(r"node 1 \(.*\) lost \(rank 1\): its agent could not apply the kernel's 'no_such_op': "
                      r"AttributeError", text), text
     assert not wait_gone(pids), "every rank is gone"
 
