@@ -80,6 +80,7 @@ class Frames:
     def __init__(self, page):
         self.t0 = time.monotonic()
         self.got: list[tuple[float, str, str, int]] = []
+        self.inputs: dict[str, str] = {}  # request msg_id -> the code its execute_input echoed
         self.sockets = 0  # kernel websockets the page opened (a reload opens another)
         self.socket = 0  # which one each frame came on
         page.on("websocket", self._opened)
@@ -97,9 +98,13 @@ class Frames:
                 offs = struct.unpack_from(f"<{n}Q", payload, 8)
                 header = json.loads(payload[offs[1]:offs[2]])
                 parent = json.loads(payload[offs[2]:offs[3]])
+                end = offs[5] if len(offs) > 5 else len(payload)
+                content = json.loads(payload[offs[4]:end]) if header["msg_type"] == "execute_input" else {}
             else:
                 msg = json.loads(payload)
-                header, parent = msg["header"], msg.get("parent_header") or {}
+                header, parent, content = msg["header"], msg.get("parent_header") or {}, msg.get("content") or {}
+            if header["msg_type"] == "execute_input":
+                self.inputs[parent.get("msg_id", "")] = content.get("code", "")
             self.got.append((time.monotonic() - self.t0, header["msg_type"], parent.get("msg_id", ""), socket))
         except Exception:  # noqa: BLE001 - a frame this reader does not know is not the test's subject
             pass
@@ -154,7 +159,7 @@ def test_a_background_cell_stays_live_a_plain_cell_runs_meanwhile_and_attach_fol
                                timeout_s=10)
             for i in (0, 1, PLAIN):  # nowhere else
                 assert "step 100" not in out_text(page, i), out_text(page, i)
-            bg_id = next(p for t, m, p, _ in frames.got if m == "execute_input" and t >= sent - frames.t0)
+            bg_id = next(p for p, code in frames.inputs.items() if code.startswith("%%ddp --bg"))
             late = [t for t, m in frames.of(bg_id) if m in ("stream", "display_data", "update_display_data")]
             reply_at = next(t for t, m in frames.of(bg_id) if m == "execute_reply")
             assert late and max(late) > reply_at + 5, (reply_at, late[-5:])
