@@ -43,9 +43,9 @@ def measure(src: Path, runs: int) -> dict:
 def render(result: dict) -> str:
     """results.md's section 10."""
     rev = result["rev"][:8]
-    lines = ["## 10. Before and after the engine split (issue 36)", "",
+    lines = [f"## 10. Before and after {result.get('what', 'the engine split (issue 36)')}", "",
              f"`python benchmarks/before_after.py {rev} --rounds {result['rounds']} --runs {result['runs']}`: sections "
-             f"1 and 1c for {rev} (before the split) and for this code, in {2 * result['rounds']} kernels that "
+             f"1 and 1c for {rev} (before) and for this code, in {2 * result['rounds']} kernels that "
              "alternate (each side first in every other round), each cell against its own anchor of the same kernel "
              "(a raw fork's round trip; two forked ranks on a pipe). Medians over the rounds:", "",
              f"| cell | before ({rev}) | × its anchor | after | × its anchor | after / before |",
@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("rev", help="the revision before the change (e.g. a commit hash)")
     parser.add_argument("--rounds", type=int, default=3, help="kernels per side, alternating")
     parser.add_argument("--runs", type=int, default=5, help="section 1's runs per kernel (1c: 15 cells a run)")
+    parser.add_argument("--what", default="a redesign", help="the change measured, as section 10's title says it")
     args = parser.parse_args()
     tree = Path(tempfile.mkdtemp(prefix="nbddp-before-"))
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.rev], check=True,
@@ -83,7 +84,7 @@ def main() -> None:
                      for side, rs in rows.items()}
             figures[label] = {"before": med["before"], "before_ratio": ratio["before"], "after": med["after"],
                               "after_ratio": ratio["after"]}
-        result = {"rev": args.rev, "rounds": args.rounds, "runs": args.runs, "figures": figures}
+        result = {"rev": args.rev, "rounds": args.rounds, "runs": args.runs, "figures": figures, "what": args.what}
         path = HERE / "results.json"  # run.py writes it into results.md (section 10) with the rest
         path.write_text(json.dumps({**json.loads(path.read_text()), "before_after": result}, indent=1))
         print(render(result))

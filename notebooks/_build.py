@@ -156,19 +156,19 @@ NOTEBOOKS = {
            "is not in this one; the test suite covers it.)"),
         code("%load_ext nbddp\nimport torch"),
         md("An exception on one rank while the other waits in a collective: the traceback points into this cell."),
-        code("# NBVAL_RAISES_EXCEPTION\n%%ddp --devices 2\nimport torch.distributed as dist\n"
+        code("%%ddp --devices 2\n# NBVAL_RAISES_EXCEPTION\nimport torch.distributed as dist\n"
              "if rank == 1:\n    raise ValueError('bad batch on rank 1')\ndist.all_reduce(torch.ones(1))"),
         md("A hang: `--timeout` stops the run and shows where every rank was."),
-        code("# NBVAL_RAISES_EXCEPTION\n%%ddp --devices 2 --timeout 3\nimport time, torch.distributed as dist\n"
+        code("%%ddp --devices 2 --timeout 3\n# NBVAL_RAISES_EXCEPTION\nimport time, torch.distributed as dist\n"
              "def wait_for_data():\n    while True:\n        time.sleep(0.1)\n"
              "if rank == 0:\n    wait_for_data()   # rank 0 never reaches the barrier\ndist.barrier()"),
         md("A rank killed outright (what the out-of-memory killer does):"),
-        code("# NBVAL_RAISES_EXCEPTION\n%%ddp --devices 2\nimport os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        code("%%ddp --devices 2\n# NBVAL_RAISES_EXCEPTION\nimport os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
              "import torch.distributed as dist\ndist.barrier()"),
         md("Bad input launches nothing:"),
-        code("# NBVAL_RAISES_EXCEPTION\n%%ddp --devices 0,0\nprint('never runs')"),
+        code("%%ddp --devices 0,0\n# NBVAL_RAISES_EXCEPTION\nprint('never runs')"),
         md("And after all that, the kernel is fine:"),
-        code("# NBVAL_CHECK_OUTPUT\n%%ddp --devices 2 --ranks-output none\nworld_size"),
+        code("%%ddp --devices 2 --ranks-output none\n# NBVAL_CHECK_OUTPUT\nworld_size"),
     ],
     "06-export-to-torchrun.ipynb": [
         md("# From notebook to torchrun\n\nWhen a job outgrows one machine, the same cells become a script for "

@@ -40,3 +40,20 @@ def test_the_build_refuses_such_an_output():
     home.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"logs: {Path.home()}/.cache/nbddp/runs/1\n")]
     build.without_home(home)
     assert home.cells[0].outputs[0]["text"] == "logs: ~/.cache/nbddp/runs/1\n" and not build.machine_bound(home)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_cell_magic_is_the_first_line_of_its_cell(path):
+    """A cell magic below another line (an nbval marker put first) is not a cell magic: IPython says
+    "Line magic function `%%ddp` not found", and nbval's NBVAL_RAISES_EXCEPTION would accept that as the
+    failure the tutorial meant to show. Markers go after the magic's line."""
+    bad = []
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        source = "".join(cell["source"]) if cell["cell_type"] == "code" else ""
+        lines = source.splitlines()
+        if any(line.startswith("%%") for line in lines[1:]):
+            bad.append(f"cell {i}: {lines[0]!r} comes before its cell magic")
+        for out in cell.get("outputs", []):
+            if "magic function" in json.dumps(out) and "not found" in json.dumps(out):
+                bad.append(f"cell {i}: its saved output says a magic was not found")
+    assert not bad, "\n".join(bad)

@@ -203,8 +203,17 @@ def traceback_frames(text: str) -> list:
 def _place(frame, labels: Mapping, sep: str = " in ") -> str:
     """faulthandler's ``line 5 in f`` by default; a traceback's ``line 5, in f`` with ``sep=", in "``."""
     filename, lineno, name = frame
-    head = f"{labels[filename]}, line {lineno}" if filename in labels else f'File "{filename}", line {lineno}'
+    head = f"{labels[filename]}, line {lineno}" if filename in labels else f'File "{_library(filename)}", line {lineno}'
     return f"{head}{sep}{name}"
+
+
+_INSTALLED = re.compile(r".*/(?:site|dist)-packages/")
+
+
+def _library(filename: str) -> str:
+    """An installed library's file as its import path reads (``torch/distributed/distributed_c10d.py``): the
+    same on every machine, and the part a reader looks for; the user's own files keep their whole path."""
+    return _INSTALLED.sub("", filename)
 
 
 def _source(frame) -> list[str]:
