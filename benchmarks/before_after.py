@@ -58,6 +58,8 @@ def render(result: dict) -> str:
     lines += ["", f"Target: not slower (after / before ≤ 1.05) — {'met' if worst <= 1.05 else '**not met**'}. A run "
               "that always put \"before\" first in a round read 1.11 and 1.12: the kernel started second in a round was "
               "the slower one, whichever code it ran, so the sides alternate."]
+    if result.get("note"):  # what was measured besides, to read this run by
+        lines += ["", result["note"]]
     return "\n".join(lines)
 
 
