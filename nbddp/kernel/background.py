@@ -93,6 +93,12 @@ class Job:
         if self._sup is not None:
             self._sup.interrupt()
 
+    @property
+    def fate(self) -> str:
+        """What its end said of the pool (the last line of its error naming the pool), or ''."""
+        lines = [ln.strip() for ln in str(self.error or "").splitlines() if "pool" in ln.lower()]
+        return lines[-1] if lines else ""
+
     def progress(self) -> str:
         """``rank 0 45%, rank 1 44%`` from its view's last tqdm states ('' when none drew a bar)."""
         got = getattr(self.observer, "progress", None) or {}
@@ -130,6 +136,9 @@ class Background:
         job.parked = not ahead
         same = sum(j.number == job.number for j in self.jobs)
         job.tag = "abcdefghijklmnopqrstuvwxyz"[same % 26] if same else ""
+        print(f"nbddp: background cell {job.name} sent: the notebook is free. Its output keeps arriving here; "
+              "%ddp status, %ddp attach (elsewhere, after a reload), %ddp wait, %ddp interrupt.", file=sys.stderr)
+        sys.stderr.flush()  # (above the cell's own output, which its thread sends)
         with self._cv:
             self.jobs.append(job)
             ended = [j for j in self.jobs if j.done.is_set() and j.landed]
@@ -335,11 +344,10 @@ class _responsive:
 def _failure_summary(jobs: list[Job]) -> str:
     parts = []
     for job in jobs:
-        text = str(job.error or "").strip()
-        first, _, rest = text.partition("\n")
-        fate = [ln for ln in rest.splitlines() if "pool" in ln.lower()][-1:]  # what became of the pool, if said
-        parts.append(f"nbddp: background cell {job.name} {job.state}: {first}" + "".join(f"\n  {ln}" for ln in fate)
-                     + "\n  (its own output has the whole report; %ddp attach shows it again)")
+        first = str(job.error or "").strip().partition("\n")[0]
+        fate = f"\n  {job.fate}" if job.fate and job.fate != first.strip() else ""  # what became of the pool
+        parts.append(f"nbddp: background cell {job.name} {job.state}: {first}{fate}"
+                     "\n  (its own output has the whole report; %ddp attach shows it again)")
     return "\n".join(parts)
 
 

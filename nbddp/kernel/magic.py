@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 
 from IPython.core import magic_arguments
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -285,9 +284,6 @@ class DDPMagics(Magics):
         job = Job(number, label, work_and_show, deliver, tuple(names),
                   output.Detached(output.kernel_sockets(), output.request_header()),
                   observer=getattr(work, "observer", None))
-        print(f"nbddp: background cell [{number}] sent: the notebook is free. Its output keeps arriving here; "
-              "%ddp status, %ddp attach (elsewhere, after a reload), %ddp wait, %ddp interrupt.", file=sys.stderr)
-        sys.stderr.flush()
         self.background.submit(job)
         return None
 

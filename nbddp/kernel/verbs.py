@@ -107,8 +107,7 @@ class Verbs:
         if running.done.wait(INTERRUPT_WAIT_S):
             work.land(quiet_failures=True)
             running.raised = True  # asked for: not a failure %ddp wait raises
-            print(f"nbddp: {running.describe()}" + (f"; {_fate(running.error)}" if _fate(running.error) else ""),
-                  file=sys.stderr)
+            print(f"nbddp: {running.describe()}" + (f"; {running.fate}" if running.fate else ""), file=sys.stderr)
         else:
             print(f"nbddp: {running.name} has not ended within {INTERRUPT_WAIT_S:g} s; %ddp status shows it, "
                   "%ddp interrupt again tears it down.", file=sys.stderr)
@@ -156,9 +155,4 @@ def _wait_timeout(rest: str) -> float | None:
     raise UsageError(f"%ddp wait {rest}: say %ddp wait, or %ddp wait --timeout SECONDS (a number > 0); "
                      "nothing was waited for.")
 
-
-def _fate(err) -> str:
-    """What a background cell's end said of the pool (its last line naming the pool), or ''."""
-    lines = [ln for ln in str(err or "").splitlines() if "pool" in ln.lower()]
-    return lines[-1].strip() if lines else ""
 

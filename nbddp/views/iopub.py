@@ -32,7 +32,6 @@ import sys
 import threading
 import time
 
-from ..ipy.session import running_shell
 from .theme import MUTED
 from . import output
 
@@ -51,17 +50,17 @@ def publish_line(line: str, flush: bool, display_id: str | None = None, update: 
     if place is not output.HERE:  # a background cell's: sent to its own cell, in order with its text
         place.display(data, {}, display_id, update=update)
         return
-    pub = getattr(running_shell(), "display_pub", None)
-    session, socket = getattr(pub, "session", None), getattr(pub, "pub_socket", None)
-    if session is None or socket is None:  # not ipykernel's publisher: the ordinary way
+    sockets = output.kernel_sockets()
+    if sockets is None:  # not ipykernel's publisher: the ordinary way
         from IPython.display import publish_display_data
 
         publish_display_data(data, transient=transient or None, update=update)
         return
+    session, socket = sockets
     if flush:
         sys.stdout.flush()
         sys.stderr.flush()
-    content, parent, ident = {"data": data, "metadata": {}, "transient": transient}, pub.parent_header, pub.topic
+    content, parent, ident = {"data": data, "metadata": {}, "transient": transient}, output.request_header(), b"display_data"
     kind = "update_display_data" if update else "display_data"
 
     def send(sock):
