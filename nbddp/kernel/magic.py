@@ -10,7 +10,7 @@ from IPython.core import magic_arguments
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..errors import ResultError, UsageError
-from ..ipy import cellcode, cells, tracebacks
+from ..ipy import cellcode, cells, debugger, tracebacks
 from ..views.display import line_for_pool_cell, view_for_session
 from ..wire import messages, values
 from ..views import output
@@ -244,12 +244,13 @@ class DDPMagics(Magics):
         config = options.config(given)
         shell = self.shell
         source, filename, _ = self._compiled.get(self.shell, cell)
+        filename = debugger.cell_file(shell, filename)  # the debugger panel's breakpoints are set there
         plan = checks.preflight(config)  # everything that refuses, before spawn pickles anything
         fork = config.start_method == "fork"
         # fork: the ranks share the notebook as it is now; spawn: the globals the cell reads travel with it
         updates = {} if fork else sending.ship_globals(source, filename, shell.user_ns)
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates,
-                               post_mortem=bool(getattr(shell, "call_pdb", False)))
+                               post_mortem=bool(getattr(shell, "call_pdb", False)), debug=debugger.rank_setup())
         relabel = tracebacks.cell_labels(shell)
         observer = view_for_session()
 
@@ -296,13 +297,15 @@ class DDPMagics(Magics):
                              "one-shot cells).")
         per_cell = {k: v for k, v in given.items() if k not in options.POOL_FIXED}
         source, filename, names = self._compiled.get(self.shell, cell)
+        filename = debugger.cell_file(self.shell, filename)  # the debugger panel's breakpoints are set there
         pool, user_ns = self.pool, self.shell.user_ns
         relabel, observer = tracebacks.cell_labels(self.shell), line_for_pool_cell(ranks)
         post_mortem = bool(getattr(self.shell, "call_pdb", False))
 
         def work(on_start):
             return pool.cell(source, filename, outs=outs, gathers=gathers, code=names, relabel=relabel,
-                             observer=observer, ranks=ranks, post_mortem=post_mortem, on_start=on_start, **per_cell)
+                             observer=observer, ranks=ranks, post_mortem=post_mortem, on_start=on_start,
+                             debug=debugger.rank_setup(), **per_cell)
 
         def deliver(per_rank):
             try:

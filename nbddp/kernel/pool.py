@@ -148,7 +148,7 @@ class Pool:
             return self._cell(source, filename, **kw)
 
     def _cell(self, source: str, filename: str, *, outs=(), gathers=(), code=None, relabel=None,
-              observer=None, ranks=None, post_mortem=False, on_start=None, **per_cell) -> list:
+              observer=None, ranks=None, post_mortem=False, on_start=None, debug=None, **per_cell) -> list:
         """A %%ddp cell in the pool; each rank's Result (of ``ranks`` only, if given). ``code``: the names
         the cell reads. ``post_mortem``: IPython's %pdb. ``on_start``: engine.CellRun's. ``per_cell``: the
         cell's own options (checked by the caller), over the pool's."""
@@ -173,7 +173,8 @@ class Pool:
         if ranks and (updates or sync.dropped) and self.alive:  # the ranks left out get the notebook's latest too
             self.gang.command(messages.Update(updates, sync.dropped), ranks=[r for r in range(world) if r not in ranks])
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config),
-                               updates, post_mortem=post_mortem, lead=ranks[0] if ranks else 0, dropped=sync.dropped)
+                               updates, post_mortem=post_mortem, lead=ranks[0] if ranks else 0, dropped=sync.dropped,
+                               debug=debug)
         try:
             outcome = run.run(command=cmd)
         except RankFailure as e:

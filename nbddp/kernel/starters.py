@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 
+from ..ipy import debugger
 from ..rank import inherit
 from ..rank.stdio import LIBC
 from ..rank.worker import RankSpec, fork_main
@@ -90,6 +91,7 @@ def fork_specs(sup: Supervisor, starter, job, specs, deadline: float | None = No
         for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
             spec, not_inherited, forked = prepare(spec) if prepare else (spec, (), None)
             proc = starter.start(spec, job, [*sup.all_fds(), *not_inherited])
+            debugger.rank_started(proc.pid, spec.rank)  # (the debugger panel names a rank's threads by it)
             if forked:
                 forked(proc)
             sup.add(proc)

@@ -49,7 +49,9 @@ class CellJob:
     def run_in(self, ns: dict, ctx, notebook) -> Result:
         """Run in ``ns``; ``notebook``: the objects (values.notebook_objects) the kernel has as well,
         which travel back by reference."""
-        if self.filename not in linecache.cache:
+        known = linecache.cache.get(self.filename)
+        if known is None or known[0] != len(self.source) or known[3] != self.filename:
+            # (while the debugger panel is on, the name is the whole cell's, whose text the kernel cached differs)
             lines = self.source.splitlines(keepends=True)
             linecache.cache[self.filename] = (len(self.source), None, lines, self.filename)
         ns.update(rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, device=ctx.device)

@@ -24,7 +24,7 @@ import time
 import cloudpickle
 
 from ..wire import messages, values
-from . import debug, jobs, libstate, stdin, usergroup
+from . import debug, debugpanel, jobs, libstate, stdin, usergroup
 from .commands import CommandPipe
 from .jobs import CellJob, fresh_namespace
 from .stdio import flush_streams
@@ -169,6 +169,7 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound
     namespace as the rank left it after its last command."""
     _receive(cmd, ns, ctx, notebook)
     debug.new_cell()
+    debugpanel.before_cell(cmd.debug)
     job = CellJob(cmd.source, cmd.filename, outs=cmd.outs, gathers=cmd.gathers, max_value_bytes=cmd.max_value_bytes,
                   post_mortem=cmd.post_mortem, lead=cmd.lead)
     if not track:

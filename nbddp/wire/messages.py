@@ -152,6 +152,7 @@ class RunCell:
     post_mortem: bool = False  # IPython's %pdb is on: an exception opens pdb in the rank first
     lead: int = 0  # the rank whose last expression and --out names come back (a pool's --ranks: the first)
     dropped: tuple = ()  # notebook names the ranks forget: rebound to a value that cannot be sent (kernel/sending.py)
+    debug: dict | None = None  # JupyterLab's debugger panel is on: where the rank's debugger connects (rank/debugpanel.py)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,364 @@
+"""JupyterLab's debugger in the ranks: the kernel's debug requests (the Debug Adapter Protocol, on the
+control channel) reach the kernel's own debugger and every rank's, as one debugger whose threads are the
+kernel's and each rank's (``rank 1 · MainThread``).
+
+How the ranks' debuggers are reached: the kernel's debugger is debugpy, whose adapter listens on loopback.
+A rank forked while it runs (or one that connects later, rank/debugpanel.py) is the kernel's child, so the
+adapter tells the kernel's debugger of it (a ``debugpyAttach`` event); ``RankDebugger`` then opens a session
+of its own to the adapter for that process (kernel/dap.py), gives it the breakpoints the panel set, and
+lets it run. Requests are routed by the ids in them: each rank's thread, frame and variable ids are
+renumbered into one space of their own (``Ids``), far from the kernel's.
+
+What JupyterLab does, which shapes the rules here: it has no thread list, asks ``stackTrace`` for the last
+thread that stopped only (with no ``levels``), and its Continue button sends thread 1. So a stack trace of
+a rank's thread without ``levels`` lists every stopped rank's frames, each named by its thread; a
+``continue`` or ``pause`` of a thread that is no rank's acts on the kernel and every rank (one action
+continues them all); one of a rank's thread acts on that rank. The ipykernel side is ipy/debugger.py."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+
+from .dap import DapError, DapSession, untraced
+
+FIRST_ID = 1 << 50  # rank ids: above any id the kernel's own debugger gives (object addresses < 2**47), exact in JavaScript
+ATTACH_TIMEOUT_S = 10.0
+NBDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEPT_EVENTS = ("stopped", "continued", "thread")  # a rank's events the panel sees; its output comes through nbddp
+
+
+class Ids:
+    """One kind of id (threads, frames, variables) of every rank, renumbered: ``out(link, local)`` gives
+    the panel's id, ``back(id)`` the (link, local id) it stands for."""
+
+    def __init__(self, counter):
+        self.counter = counter
+        self.fwd: dict[tuple, int] = {}
+        self.rev: dict[int, tuple] = {}
+
+    def out(self, link, local: int) -> int:
+        key = (link.pid, local)
+        if key not in self.fwd:
+            self.fwd[key] = n = next(self.counter)
+            self.rev[n] = (link, local)
+        return self.fwd[key]
+
+    def back(self, ident):
+        return self.rev.get(ident) if isinstance(ident, int) else None
+
+
+class RankLink:
+    """One rank's debugger session: its rank, the threads of it that are stopped (local ids)."""
+
+    def __init__(self, pid: int, rank, session: DapSession, inherited=frozenset()):
+        self.pid, self.rank, self.session = pid, rank, session
+        self.inherited = inherited  # (file, line) of the notebook's frames the fork left under the rank's own
+        self.stopped: set[int] = set()
+        self.names: dict[int, str] = {}
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
+
+    async def call(self, command: str, arguments: dict | None = None, timeout: float = ATTACH_TIMEOUT_S) -> dict:
+        return await asyncio.wait_for(asyncio.wrap_future(self.session.send(command, arguments)), timeout)
+
+    async def threads(self) -> list[dict]:
+        """The rank's threads the user has: nbddp's own and the debugger's are left out."""
+        reply = await self.call("threads")
+        found = [t for t in reply.get("body", {}).get("threads", []) if not t["name"].startswith(("nbddp", "pydevd"))]
+        self.names.update((t["id"], t["name"]) for t in found)
+        return found
+
+
+class RankDebugger:
+    """The multiplexer. ``kernel``: ipy/debugger.py's ``KernelSide`` (the kernel's own debugger: ``forward``,
+    ``publish``, ``breakpoints``, ``accept_variable``)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        counter = itertools.count(FIRST_ID)
+        self.threads, self.frames, self.refs = Ids(counter), Ids(counter), Ids(counter)
+        self.links: dict[int, RankLink] = {}
+        self.ranks: dict[int, tuple] = {}  # pid -> (rank, inherited frames), of the ranks the kernel started
+        self.exception_filters: dict | None = None
+        self.lock = threading.Lock()
+        self.registered = threading.Condition(self.lock)
+
+    # -- the ranks -------------------------------------------------------------------------------
+    def rank_started(self, pid: int, rank: int, inherited=frozenset()) -> None:
+        with self.registered:
+            self.ranks[pid] = (rank, frozenset(inherited))
+            if len(self.ranks) > 4096:  # ranks long gone
+                self.ranks.pop(next(iter(self.ranks)))
+            self.registered.notify_all()
+
+    def on_kernel_event(self, event: dict) -> bool:
+        """An event of the kernel's debugger; True if it was about a rank (handled here, not shown)."""
+        if event.get("event") != "debugpyAttach":
+            return False
+        untraced(threading.Thread(target=self._attach, args=(dict(event["body"]),), name="nbddp-debug-attach",
+                                  daemon=True)).start()
+        return True
+
+    def _attach(self, config: dict) -> None:
+        """A rank waiting for a debugger: a session of its own, the panel's breakpoints, then it runs."""
+        pid = config.get("subProcessId")
+        deadline = time.monotonic() + 2.0
+        with self.registered:  # (the fork's child can reach the adapter before the kernel has its pid)
+            while pid not in self.ranks and time.monotonic() < deadline:
+                self.registered.wait(deadline - time.monotonic())
+            rank, inherited = self.ranks.get(pid, (None, frozenset()))
+        connect = config.pop("connect")
+        config["rules"] = [*config.get("rules", []), {"path": NBDDP_DIR, "include": False}]
+        initialized = threading.Event()
+        link_box: list[RankLink] = []
+
+        def on_event(event):
+            if event.get("event") == "initialized":
+                initialized.set()
+            elif link_box:
+                self._rank_event(link_box[0], event)
+
+        try:
+            session = DapSession(connect["host"], connect["port"], on_event, on_close=lambda: self.gone(pid))
+            link = RankLink(pid, rank, session, inherited)
+            link_box.append(link)
+            session.request("initialize", {"clientID": "nbddp", "adapterID": "python", "pathFormat": "path",
+                                           "linesStartAt1": True, "columnsStartAt1": True})
+            attached = session.send("attach", config)
+            if not initialized.wait(ATTACH_TIMEOUT_S):
+                raise DapError("the rank's debugger never said it was initialized")
+            for path, lines in self.kernel.breakpoints().items():
+                session.request("setBreakpoints", {"source": {"path": path}, "breakpoints": lines})
+            if self.exception_filters is not None:
+                session.request("setExceptionBreakpoints", self.exception_filters)
+            with self.lock:
+                self.links[pid] = link
+            session.request("configurationDone")
+            attached.result(ATTACH_TIMEOUT_S)
+        except (OSError, DapError, TimeoutError, KeyError) as e:
+            self.kernel.log(f"nbddp: the debugger could not attach to pid {pid} (rank {rank}): {e}")
+            self.gone(pid)
+
+    def gone(self, pid: int) -> None:
+        with self.lock:
+            link = self.links.pop(pid, None)
+        if link is not None:
+            link.session.close()
+            for local in sorted(link.stopped):
+                self.kernel.publish(_event("continued", threadId=self.threads.out(link, local), allThreadsContinued=False))
+
+    def _rank_event(self, link: RankLink, event: dict) -> None:
+        kind, body = event.get("event"), dict(event.get("body") or {})
+        if kind in ("terminated", "exited"):
+            self.gone(link.pid)
+            return
+        if kind not in KEPT_EVENTS or "threadId" not in body:
+            return
+        local = body["threadId"]
+        if kind == "stopped":
+            link.stopped.add(local)
+        elif kind == "continued":
+            link.stopped.clear() if body.get("allThreadsContinued", True) else link.stopped.discard(local)
+        body["threadId"] = self.threads.out(link, local)
+        self.kernel.publish({**event, "body": body})
+        if kind == "continued":
+            self._still_stopped()
+
+    def _still_stopped(self) -> None:
+        """JupyterLab clears its view at any ``continued``: a rank still stopped is said again."""
+        for link, local in self.stopped()[:1]:
+            self.kernel.publish(_event("stopped", threadId=self.threads.out(link, local), reason="breakpoint",
+                                       allThreadsStopped=False))
+
+    def stopped(self) -> list[tuple]:
+        """(link, local thread id) of every rank thread stopped now."""
+        return [(link, local) for link in list(self.links.values()) for local in sorted(link.stopped)]
+
+    def stopped_ids(self) -> list[int]:
+        return [self.threads.out(link, local) for link, local in self.stopped()]
+
+
+class Router:
+    """Each debug request of the front end to the kernel's debugger, a rank's, or both (``process``)."""
+
+    def __init__(self, ranks: RankDebugger, kernel):
+        self.ranks, self.kernel = ranks, kernel
+
+    async def process(self, msg: dict) -> dict:
+        """One debug request from the front end: its reply."""
+        command, args = msg.get("command"), msg.get("arguments") or {}
+        owner = self._owner(args)
+        if owner is not None:
+            return await self._to_rank(msg, *owner)
+        handler = getattr(self, "_" + str(command), None)
+        if handler is not None and command in ROUTED:
+            return await handler(msg)
+        return await self.kernel.forward(msg)
+
+    def _owner(self, args: dict):
+        """The rank a request is about (link, {argument: local id}), from the ids it carries."""
+        for key, ids in (("threadId", self.ranks.threads), ("frameId", self.ranks.frames), ("variablesReference", self.ranks.refs),
+                         ("srcFrameId", self.ranks.frames)):
+            found = ids.back(args.get(key))
+            if found is not None:
+                link, local = found
+                return link, {key: local}
+        return None
+
+    async def _to_rank(self, msg: dict, link: RankLink, local: dict) -> dict:
+        command, args = msg["command"], {**(msg.get("arguments") or {}), **local}
+        if command == "richInspectVariables":
+            return await self._rich(msg, link, args)
+        if command == "copyToGlobals":  # into the rank's own globals, as ipykernel does in the kernel
+            command, args = "setExpression", {"expression": f"globals()['{args['dstVariableName']}']",
+                                              "value": args["srcVariableName"], "frameId": args["srcFrameId"]}
+        try:
+            reply = await link.call(command, args)
+        except (DapError, asyncio.TimeoutError) as e:
+            return _reply(msg, success=False, message=f"{link.label}: {e}")
+        body = reply.get("body") or {}
+        if command == "stackTrace":
+            body = await self._stack(link, args, body)
+        elif command == "variables":
+            body["variables"] = [v for v in body.get("variables", []) if self.kernel.accept_variable(v["name"])]
+        return {**reply, "seq": msg.get("seq"), "request_seq": msg.get("seq"), "command": msg["command"],
+                "body": self._renumbered(link, body)}
+
+    async def _stack(self, link: RankLink, args: dict, body: dict) -> dict:
+        """A rank thread's frames, named by its thread; without ``levels`` (JupyterLab), every other
+        stopped rank's after them."""
+        frames = await self._named(link, args["threadId"], body.get("stackFrames", []))
+        if "levels" not in args:
+            for other, local in self.ranks.stopped():
+                if (other, local) == (link, args["threadId"]):
+                    continue
+                try:
+                    more = await other.call("stackTrace", {"threadId": local})
+                except (DapError, asyncio.TimeoutError):
+                    continue
+                frames += await self._named(other, local, (more.get("body") or {}).get("stackFrames", []))
+        return {**body, "stackFrames": frames, "totalFrames": len(frames)}
+
+    async def _named(self, link: RankLink, local: int, frames: list) -> list:
+        name = link.names.get(local)
+        if name is None:
+            await link.threads()
+            name = link.names.get(local, "thread")
+        own = list(itertools.takewhile(lambda f: ((f.get("source") or {}).get("path"), f.get("line")) not in link.inherited,
+                                       frames))  # the notebook's frames under the cell's: the kernel's, not the rank's
+        return [{**f, "id": self.ranks.frames.out(link, f["id"]), "name": f"{link.label} · {name} · {f.get('name', '')}"}
+                for f in own]
+
+    def _renumbered(self, link: RankLink, value):
+        """A rank's reply body with its thread and variable ids in the panel's space."""
+        if isinstance(value, list):
+            return [self._renumbered(link, v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for key, v in value.items():
+            if key == "variablesReference" and isinstance(v, int) and v > 0:
+                out[key] = self.ranks.refs.out(link, v)
+            elif key == "threadId" and isinstance(v, int):
+                out[key] = self.ranks.threads.out(link, v)
+            else:
+                out[key] = self._renumbered(link, v)
+        return out
+
+    async def _rich(self, msg: dict, link: RankLink, args: dict) -> dict:
+        """A rank's variable shown as the notebook would show it (its MIME bundle, made in the rank)."""
+        expression = f"__import__('nbddp.rank.debugpanel', fromlist=['rich']).rich({args['variableName']})"
+        try:
+            reply = await link.call("evaluate", {"expression": expression, "frameId": args["frameId"], "context": "clipboard"})
+        except (DapError, asyncio.TimeoutError) as e:
+            return _reply(msg, success=False, message=f"{link.label}: {e}")
+        import ast
+
+        data, metadata = ({}, {})
+        if reply.get("success"):
+            try:
+                data, metadata = ast.literal_eval(reply["body"]["result"])
+            except (ValueError, SyntaxError):
+                data = {"text/plain": reply["body"]["result"]}
+        return _reply(msg, body={"data": data, "metadata": {k: v for k, v in metadata.items() if k in data}})
+
+    # -- the requests about the whole debugger --------------------------------------------------
+    async def _threads(self, msg: dict) -> dict:
+        reply = await self.kernel.forward(msg)
+        threads = list((reply.get("body") or {}).get("threads", []))
+        for link in list(self.ranks.links.values()):
+            try:
+                found = await link.threads()
+            except (DapError, asyncio.TimeoutError):
+                continue
+            threads += [{"id": self.ranks.threads.out(link, t["id"]), "name": f"{link.label} · {t['name']}"} for t in found]
+        return {**reply, "body": {**(reply.get("body") or {}), "threads": threads}}
+
+    async def _continue(self, msg: dict) -> dict:
+        """A thread that is no rank's (JupyterLab's Continue sends thread 1): the kernel and every rank."""
+        reply = await self.kernel.forward(msg) if self.kernel.stopped() else _reply(msg)
+        await self._every_rank("continue", lambda link, local: {"threadId": local}, stopped_only=True)
+        return {**reply, "success": True, "body": {**(reply.get("body") or {}), "allThreadsContinued": True}}
+
+    async def _pause(self, msg: dict) -> dict:
+        reply = await self.kernel.forward(msg)
+        await self._every_rank("pause", lambda link, local: {"threadId": local}, main_only=True)
+        return reply
+
+    async def _setBreakpoints(self, msg: dict) -> dict:
+        reply = await self.kernel.forward(msg)
+        await self._every_rank("setBreakpoints", lambda link, local: msg["arguments"])
+        return reply
+
+    async def _setExceptionBreakpoints(self, msg: dict) -> dict:
+        self.ranks.exception_filters = msg.get("arguments") or {}
+        reply = await self.kernel.forward(msg)
+        await self._every_rank("setExceptionBreakpoints", lambda link, local: msg["arguments"])
+        return reply
+
+    async def _debugInfo(self, msg: dict) -> dict:
+        """A page that comes back finds a stopped rank first (JupyterLab shows the first stopped thread)."""
+        reply = await self.kernel.forward(msg)
+        body = reply.get("body") or {}
+        return {**reply, "body": {**body, "stoppedThreads": self.ranks.stopped_ids() + list(body.get("stoppedThreads", []))}}
+
+    async def _disconnect(self, msg: dict) -> dict:
+        """The debugger turned off: every rank let go (a stopped one runs on), then the kernel's."""
+        await self._every_rank("disconnect", lambda link, local: {"restart": False, "terminateDebuggee": False})
+        for pid in list(self.ranks.links):
+            self.ranks.gone(pid)
+        return await self.kernel.forward(msg)
+
+    async def _every_rank(self, command: str, arguments, stopped_only=False, main_only=False) -> None:
+        calls = []
+        for link in list(self.ranks.links.values()):
+            if stopped_only:
+                targets = sorted(link.stopped)[:1]
+            elif main_only:
+                targets = [local for local, name in link.names.items() if name == "MainThread"][:1] or [None]
+            else:
+                targets = [None]
+            calls += [link.call(command, arguments(link, local)) for local in targets if not (main_only and local is None)]
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, BaseException):
+                self.kernel.log(f"nbddp: {command} in a rank's debugger: {result}")
+
+
+ROUTED = {"threads", "continue", "pause", "setBreakpoints", "setExceptionBreakpoints", "debugInfo", "disconnect"}
+
+
+def _event(kind: str, **body) -> dict:
+    return {"seq": 0, "type": "event", "event": kind, "body": body}
+
+
+def _reply(msg: dict, success: bool = True, body: dict | None = None, message: str | None = None) -> dict:
+    reply = {"seq": msg.get("seq"), "type": "response", "request_seq": msg.get("seq"), "success": success,
+             "command": msg.get("command"), "body": body or {}}
+    if message:
+        reply["message"] = message
+    return reply

@@ -1,0 +1,70 @@
+"""In a rank: its debugger for JupyterLab's debugger panel (the kernel's side: kernel/rankdebug.py).
+
+While the panel is on, each cell's command carries where the kernel's debugpy adapter listens
+(``RunCell.debug``, loopback only, with debugpy's access token); the rank connects to it once (``before_cell``)
+and waits until the kernel's panel has given it the breakpoints set. A rank forked while the panel was on
+is connected already: debugpy's own fork hook did it in the child. Once the panel is off, the next cell
+disconnects the rank and gives ``breakpoint()`` back to pdb in the notebook."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _debugger():
+    """The rank's own connected debugger (pydevd's), or None: one inherited from the kernel by a fork
+    debugpy did not see is not connected (its threads stayed in the kernel)."""
+    pydevd = sys.modules.get("pydevd")
+    if pydevd is None:
+        return None
+    from _pydevd_bundle.pydevd_constants import get_global_debugger
+
+    db = get_global_debugger()
+    writer = getattr(db, "writer", None)
+    return db if writer is not None and writer.is_alive() else None
+
+
+def before_cell(setup: dict | None) -> None:
+    """Connected while the panel is on (``setup``), not once it is off."""
+    connected = _debugger() is not None
+    if setup is not None and not connected:
+        connect(setup)
+    elif setup is None and connected:
+        disconnect()
+
+
+def connect(setup: dict) -> None:
+    """Connect to the kernel's debugpy adapter and wait until the panel let the rank run (breakpoints set)."""
+    import debugpy
+    import debugpy.server.api  # noqa: F401 - puts debugpy's own pydevd on the path
+
+    import pydevd
+
+    pydevd.settrace(host=setup["host"], port=int(setup["port"]), suspend=False, trace_only_current_thread=False,
+                    overwrite_prev_trace=True, patch_multiprocessing=False, access_token=setup.get("access_token"),
+                    client_access_token=setup.get("client_access_token"), notify_stdin=False,
+                    wait_for_ready_to_run=True, block_until_connected=True,
+                    dont_trace_start_patterns=(os.path.dirname(debugpy.__file__),),
+                    dont_trace_end_patterns=("debugpy_launcher.py",))
+
+
+def disconnect() -> None:
+    """The panel is off: the rank's debugger gone, ``breakpoint()`` pdb's again (rank/debug.py)."""
+    import pydevd
+    from _pydevd_bundle.pydevd_constants import GlobalDebuggerHolder
+
+    pydevd.stoptrace()
+    GlobalDebuggerHolder.global_dbg = None  # a later connect makes a new one
+    sys.breakpointhook = sys.__breakpointhook__
+
+
+def rich(value) -> tuple[dict, dict]:
+    """A value's MIME bundle as the notebook would show it (JupyterLab's rich variable view)."""
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+
+        if InteractiveShell.initialized():
+            return InteractiveShell.instance().display_formatter.format(value)
+    except Exception:  # noqa: BLE001 - a formatter's failure: plain text instead
+        pass
+    return {"text/plain": repr(value)}, {}
