@@ -27,9 +27,13 @@ def _debugger():
 def before_cell(setup: dict | None) -> None:
     """Connected while the panel is on (``setup``), not once it is off."""
     connected = _debugger() is not None
-    if setup is not None and not connected:
-        connect(setup)
-    elif setup is None and connected:
+    if setup is not None:
+        if not connected:
+            connect(setup)
+        import pydevd
+
+        pydevd.install_breakpointhook()  # breakpoint() stops in the panel (rank/debug.py gave it to pdb at the start)
+    elif connected:
         disconnect()
 
 

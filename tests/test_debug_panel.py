@@ -1,0 +1,172 @@
+"""JupyterLab's debugger panel in the ranks, through real kernels: the debug protocol on the control channel
+as JupyterLab speaks it (debugclient.py), real forked ranks, real debugpy. A breakpoint in a ``%%ddp`` cell
+stops every rank; each rank is threads named by it; frames, variables, evaluate are the rank's; continue,
+next act on the rank or on all; detach lets stopped ranks go; nothing is left when the ranks end."""
+from __future__ import annotations
+
+import psutil
+import pytest
+from debugclient import DebugClient
+from kernel import Kernel, said
+
+pytestmark = pytest.mark.timeout(240)
+
+ONE_SHOT = """%%ddp --devices 2
+import os
+x = 41 + rank
+y = x * 2
+print('done', rank, y)
+"""
+
+
+def is_rank_frame(frame: dict) -> bool:
+    return frame["name"].startswith("rank ")
+
+
+@pytest.fixture
+def kernel():
+    with Kernel() as k:
+        k.ok("%load_ext nbddp")
+        yield k
+
+
+def rank_of(thread_name: str) -> int:
+    return int(thread_name.split()[1])
+
+
+def test_a_breakpoint_in_a_one_shot_cell_stops_every_rank_with_its_own_frames_and_variables(kernel):
+    panel = DebugClient(kernel)
+    info = panel.start()
+    path = panel.breakpoints(ONE_SHOT, [4])  # `y = x * 2`: line 4 of the cell, the %%ddp line counting
+    assert path.startswith(info["tmpFilePrefix"])
+    msg_id = kernel.execute(ONE_SHOT)
+    stops = panel.stopped(2)
+    threads = panel.threads()
+    ranks = {name: tid for name, tid in threads.items() if name.startswith("rank ")}
+    assert set(ranks) == {"rank 0 · MainThread", "rank 1 · MainThread"}, threads
+    assert "MainThread" in threads  # the kernel's own, beside them
+    assert {s["threadId"] for s in stops} == set(ranks.values())
+    for name, tid in ranks.items():
+        frames = panel.frames(tid, startFrame=0, levels=20)  # one thread's own (a client that pages)
+        assert [f["line"] for f in frames] == [4], frames
+        assert frames[0]["source"]["path"] == path  # the cell JupyterLab dumped: its line is highlighted there
+        assert frames[0]["name"] == f"{name} · <module>"
+        local = panel.variables(frames[0]["id"])
+        assert local["rank"] == str(rank_of(name)) and local["x"] == str(41 + rank_of(name)), local
+        assert "y" not in local  # stopped before line 4 ran
+        value = panel.ok("evaluate", {"expression": "x * 1000", "frameId": frames[0]["id"], "context": "repl"})
+        assert value["result"] == str((41 + rank_of(name)) * 1000)
+        rich = panel.ok("richInspectVariables", {"variableName": "x", "frameId": frames[0]["id"]})
+        assert rich["data"]["text/plain"] == str(41 + rank_of(name))
+    # JupyterLab asks the last stopped thread's stack without `levels`: every stopped rank's frames
+    shown = panel.frames(stops[-1]["threadId"])
+    assert sorted(f["name"] for f in shown) == ["rank 0 · MainThread · <module>", "rank 1 · MainThread · <module>"]
+    info = panel.ok("debugInfo")
+    assert set(ranks.values()) <= set(info["stoppedThreads"])
+    panel.ok("continue", {"threadId": 1})  # JupyterLab's Continue button: thread 1, every rank goes on
+    res = kernel.collect(msg_id, timeout=60)
+    assert res.error is None and said(res.stdout, 0, "done 0 82") and said(res.stdout, 1, "done 1 84"), res.stdout
+    panel.stop()
+
+
+POOL_CELL = """%%ddp
+total = 0
+for step in range(3):
+    total += step + rank
+print('total', rank, total)
+"""
+
+
+def test_a_pool_attached_mid_life_steps_one_rank_continues_them_all_and_lets_go_when_detached(kernel):
+    kernel.ok("%ddp start --devices 2")
+    kernel.ok("%%ddp\nwarm = rank")  # the pool ran before the debugger was on
+    panel = DebugClient(kernel)
+    panel.start()
+    panel.breakpoints(POOL_CELL, [4])  # `total += step + rank`
+    msg_id = kernel.execute(POOL_CELL)
+    stops = panel.stopped(2)
+    names = {tid: name for name, tid in panel.threads().items()}
+    rank0 = next(s["threadId"] for s in stops if names[s["threadId"]] == "rank 0 · MainThread")
+    rank1 = next(s["threadId"] for s in stops if names[s["threadId"]] == "rank 1 · MainThread")
+    # `next` on rank 0 only: it goes round the loop once and stops again at line 4, rank 1 stays where it was
+    seen = len(panel.events)
+    panel.ok("next", {"threadId": rank0})
+    panel.stopped(1, since=seen)
+    frame0 = panel.frames(rank0, levels=20)[0]
+    assert frame0["line"] == 3 or frame0["line"] == 4, frame0
+    seen = len(panel.events)
+    panel.ok("next", {"threadId": rank0})
+    panel.stopped(1, since=seen)
+    v0 = panel.variables(panel.frames(rank0, levels=20)[0]["id"], "Globals")
+    v1 = panel.variables(panel.frames(rank1, levels=20)[0]["id"], "Globals")
+    assert v0["total"] == "0" and v0["step"] == "1", v0  # rank 0 went one step on
+    assert v1["step"] == "0" and v1["total"] == "0", v1  # rank 1 did not
+    # continue one rank (a client that names the thread): the other stays stopped
+    panel.ok("continue", {"threadId": rank1})
+    seen = len(panel.events)
+    stops = panel.stopped(1, since=seen)  # rank 1 hits line 4 again
+    assert stops[0]["threadId"] == rank1
+    # the debugger turned off while both are stopped: both run on to the end, no breakpoint any more
+    panel.stop()
+    res = kernel.collect(msg_id, timeout=60)
+    assert res.error is None and said(res.stdout, 0, "total 0 3") and said(res.stdout, 1, "total 1 6"), res.stdout
+    # the next cell runs as without the debugger, and breakpoint() is pdb's again (no input box: nbclient-like)
+    assert said(kernel.ok("%%ddp\nprint('again', rank)").stdout, 1, "again 1")
+    # turned on again: the same ranks stop again
+    panel = DebugClient(kernel)
+    panel.start()
+    panel.breakpoints(POOL_CELL, [4])
+    msg_id = kernel.execute(POOL_CELL)
+    panel.stopped(2)
+    panel.ok("continue", {"threadId": 1})
+    panel.stopped(4)  # the loop's next round
+    panel.ok("setBreakpoints", {"source": {"path": panel.ok("dumpCell", {"code": POOL_CELL})["sourcePath"]},
+                                "breakpoints": [], "sourceModified": False})
+    panel.ok("continue", {"threadId": 1})
+    res = kernel.collect(msg_id, timeout=60)
+    assert res.error is None and said(res.stdout, 1, "total 1 6"), res.stdout
+    pids = [p.pid for p in kernel.process().children() if p.name().startswith("python")]
+    kernel.ok("%ddp stop")
+    panel.stop()
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_breakpoint_call_stops_in_the_panel_while_it_is_on_and_is_pdb_otherwise(kernel):
+    panel = DebugClient(kernel)
+    panel.start()
+    msg_id = kernel.execute("%%ddp --devices 2\nz = rank * 10\nbreakpoint()\nprint('after', rank, z)\n")
+    stops = panel.stopped(2)
+    names = {tid: name for name, tid in panel.threads().items()}
+    for stop in stops:
+        frame = panel.frames(stop["threadId"], levels=20)[0]
+        assert frame["line"] == 3, frame
+        assert panel.variables(frame["id"])["z"] == str(10 * rank_of(names[stop["threadId"]]))
+    panel.ok("continue", {"threadId": 1})
+    res = kernel.collect(msg_id, timeout=60)
+    assert res.error is None and said(res.stdout, 1, "after 1 10"), res.stdout
+    panel.stop()
+    # off: breakpoint() is pdb in the notebook's input box, as before (answered with `c`)
+    res = kernel.converse("%%ddp --devices 2\nbreakpoint()\nprint('went on', rank)\n", lambda prompt: "c")
+    assert res.error is None and res.prompts and said(res.stdout, 1, "went on 1"), (res.prompts, res.stdout)
+
+
+TRACED = """%%ddp --devices 2
+import sys
+monitoring = getattr(sys, 'monitoring', None)  # (pydevd's way on Python 3.12+)
+print('traced', rank, sys.gettrace() is not None or bool(monitoring and monitoring.get_tool(monitoring.DEBUGGER_ID)))
+"""
+
+
+def test_without_the_panel_ranks_run_untraced_before_and_after_it_was_on(kernel):
+    res = kernel.ok(TRACED)
+    assert said(res.stdout, 0, "traced 0 False") and said(res.stdout, 1, "traced 1 False"), res.stdout
+    panel = DebugClient(kernel)
+    panel.start()
+    res = kernel.ok(TRACED)
+    assert said(res.stdout, 0, "traced 0 True") and said(res.stdout, 1, "traced 1 True"), res.stdout
+    panel.stop()
+    # the kernel's debugger started once (debugpy stays in the kernel, its fork hook too): ranks forked now
+    # connect and are let go at once
+    res = kernel.ok(TRACED)
+    assert said(res.stdout, 0, "traced 0 False") and said(res.stdout, 1, "traced 1 False"), res.stdout
