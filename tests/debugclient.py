@@ -21,7 +21,7 @@ class DebugClient:
             if left <= 0:
                 raise TimeoutError(f"no debug_reply to {command} within {timeout}s")
             try:
-                reply = self.k.kc.control_channel.get_msg(timeout=left)
+                reply = self.k.kc.get_control_msg(timeout=left)
             except queue.Empty:
                 continue
             if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:

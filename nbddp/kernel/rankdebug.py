@@ -328,8 +328,10 @@ class Router:
         return {**reply, "body": {**body, "stoppedThreads": self.ranks.stopped_ids() + list(body.get("stoppedThreads", []))}}
 
     async def _disconnect(self, msg: dict) -> dict:
-        """The debugger turned off: every rank let go (a stopped one runs on), then the kernel's."""
-        await self._every_rank("disconnect", lambda link, local: {"restart": False, "terminateDebuggee": False})
+        """The debugger turned off: every rank let go (a stopped one runs on), then the kernel's. A rank's
+        session is closed rather than sent ``disconnect``: the adapter takes a closed client as one that
+        disconnected, and a ``disconnect`` crossing a rank's exit can leave debugpy's adapter (1.8) holding a
+        lock, so that it never answers the kernel's own."""
         for pid in list(self.ranks.links):
             self.ranks.gone(pid)
         return await self.kernel.forward(msg)
