@@ -170,3 +170,33 @@ def test_without_the_panel_ranks_run_untraced_before_and_after_it_was_on(kernel)
     # connect and are let go at once
     res = kernel.ok(TRACED)
     assert said(res.stdout, 0, "traced 0 False") and said(res.stdout, 1, "traced 1 False"), res.stdout
+
+
+def test_spawned_ranks_connect_at_their_cell_and_stop_too(kernel):
+    panel = DebugClient(kernel)
+    panel.start()
+    cell = ONE_SHOT.replace("--devices 2", "--devices 2 --start-method spawn")
+    panel.breakpoints(cell, [4])
+    msg_id = kernel.execute(cell)
+    stops = panel.stopped(2, timeout=120)
+    names = {tid: name for name, tid in panel.threads().items()}
+    for stop in stops:
+        frame = panel.frames(stop["threadId"], levels=20)[0]
+        assert frame["line"] == 4 and frame["name"].startswith(names[stop["threadId"]]), frame
+        assert panel.variables(frame["id"])["x"] == str(41 + rank_of(names[stop["threadId"]]))
+    panel.ok("continue", {"threadId": 1})
+    res = kernel.collect(msg_id, timeout=120)
+    assert res.error is None and said(res.stdout, 1, "done 1 84"), res.stdout
+    panel.stop()
+
+
+def test_an_ipykernel_whose_debugger_lacks_what_nbddp_reads_is_named_in_the_warning():
+    from nbddp.ipy import debugger
+
+    class Debugger:  # an ipykernel of the future: no breakpoint_list
+        process_request = event_callback = stopped_threads = accept_variable = is_started = None
+        debugpy_client = type("Client", (), {"event_callback": None})()
+
+    why = debugger.unsupported(Debugger())
+    assert "has no breakpoint_list (the breakpoints set)" in why and "pdb works in the ranks" in why, why
+    assert debugger.unsupported(type("Full", (Debugger,), {"breakpoint_list": {}})()) is None

@@ -20,6 +20,7 @@ class DapError(RuntimeError):
 def untraced(thread: threading.Thread) -> threading.Thread:
     """A thread of nbddp's in the kernel that the kernel's own debugger neither traces nor lists."""
     thread.pydev_do_not_trace = True
+    thread.is_pydev_daemon_thread = True  # (left out of the kernel's threads, as debugpy's own are)
     return thread
 
 
