@@ -290,7 +290,8 @@ NOTEBOOKS = {
            "nbddp lets you step into a rank: `input()`, `breakpoint()` and pdb on a rank use the notebook's input box "
            "(the prompt says which rank, `[rank1] (Pdb)`), IPython's `%pdb on` opens post-mortem in the rank that "
            "failed, and in a pool `%ddp debug` opens it after the fact, `%%ddp --ranks 1` runs a cell on one rank, "
-           "and `%ddp who` / `%ddp diff` compare the ranks."),
+           "and `%ddp who` / `%ddp diff` compare the ranks. JupyterLab's debugger panel reaches the ranks too "
+           "(the last section)."),
         md("The parts that wait for you to type are shown here as text, because this notebook is also run "
            "unattended by the test suite, where there is no input box (there, `input()` on a rank fails at once "
            "with `StdinNotImplementedError`, as in a plain cell). In JupyterLab, try:\n\n"
@@ -326,6 +327,23 @@ NOTEBOOKS = {
         md("In JupyterLab: `%ddp debug` → `[rank1] ipdb>` → `p bad` → `c`."),
         code('%ddp who'),
         code('%ddp stop'),
+        md("## JupyterLab's debugger panel\n\nJupyterLab's visual debugger reaches into the ranks. Turn it on for "
+           "the kernel (the bug icon in the notebook's toolbar), click in the gutter of a `%%ddp` cell to set a "
+           "breakpoint (line numbers are the cell's own: the `%%ddp` line is line 1), and run the cell: every rank "
+           "that reaches the line stops there.\n\n"
+           "![JupyterLab's debugger stopped at line 4 of a %%ddp --devices 2 cell: the Callstack lists rank 0 and "
+           "rank 1, the Variables panel shows rank 1's variables](../docs/images/debugger-ranks.png)\n\n"
+           "- The **Callstack** lists the frames of every stopped rank, each named `rank N · MainThread · <function>`. "
+           "Click one to see that rank's **variables**; the **Debug Console** evaluates in that rank.\n"
+           "- **Continue** lets every rank go; **Next**, **Step in** and **Step out** act on the rank that stopped last.\n"
+           "- `breakpoint()` in a cell stops in the panel while the debugger is on, and is pdb in the input box otherwise.\n"
+           "- It works for one-shot cells and pools (a pool started before the debugger was on connects at its next "
+           "cell). Turning the debugger off lets stopped ranks run on. With it off, nothing is loaded or traced in the "
+           "ranks; with it on, they run traced, as the kernel does.\n\n"
+           "Try it in JupyterLab on a cell of your own, with a breakpoint on line 4 (`total = ...`):\n\n"
+           "```python\n%%ddp --devices 2\nimport torch\nx = torch.arange(4) + 10 * rank\ntotal = int(x.sum())\n"
+           "print('total', rank, total)\n```\n\n"
+           "docs/user-guide.md has the rules (what Pause does, what the panel does not reach)."),
     ],
     "10-ray-cluster.ipynb": [
         md("# A pool across machines, on Ray\n\n`%ddp start --cluster ray --nodes N --devices D` starts a pool whose ranks span the nodes of a Ray cluster: this kernel's node runs ranks 0..D-1, forked from the kernel as in any pool; each other node runs its ranks, forked by an agent nbddp places there. Cells, output, values and failures work as in a pool on one machine. See docs/ray.md for starting Ray on real machines (SLURM included) and the security notes.\n\nThis tutorial runs anywhere: it starts a Ray cluster of **two raylets on this one machine** (`ray.cluster_utils.Cluster`), which Ray treats as two nodes. On a real cluster, replace the next cell with `ray.init(address='auto')`."),
