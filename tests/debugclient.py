@@ -57,6 +57,9 @@ class DebugClient:
         """Debug events until ``until(events)`` holds (events since the client started), or fail at the deadline;
         other iopub messages are set aside for the kernel's collect/follow."""
         deadline = time.monotonic() + timeout
+        for key, kept in list(self.k.stray.items()):  # what the kernel's collect/follow set aside
+            self.events += [m["content"] for m in kept if m["msg_type"] == "debug_event"]
+            self.k.stray[key] = [m for m in kept if m["msg_type"] != "debug_event"]
         while not until(self.events):
             left = deadline - time.monotonic()
             if left <= 0:

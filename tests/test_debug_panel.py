@@ -194,9 +194,58 @@ def test_an_ipykernel_whose_debugger_lacks_what_nbddp_reads_is_named_in_the_warn
     from nbddp.ipy import debugger
 
     class Debugger:  # an ipykernel of the future: no breakpoint_list
-        process_request = event_callback = stopped_threads = accept_variable = is_started = None
+        process_request = event_callback = accept_variable = is_started = None
         debugpy_client = type("Client", (), {"event_callback": None})()
 
     why = debugger.unsupported(Debugger())
     assert "has no breakpoint_list (the breakpoints set)" in why and "pdb works in the ranks" in why, why
     assert debugger.unsupported(type("Full", (Debugger,), {"breakpoint_list": {}})()) is None
+
+
+SPIN = """%%ddp --devices 2
+import time
+done = False
+print('spinning', rank, flush=True)
+while not done:
+    time.sleep(0.02)
+print('out', rank)
+"""
+
+
+def test_pause_acts_on_the_rank_named_or_on_every_rank_and_evaluate_changes_a_rank_state(kernel):
+    panel = DebugClient(kernel)
+    panel.start()
+    msg_id = kernel.execute(SPIN)
+    threads = {}
+
+    def attached(_events):
+        threads.update(panel.threads())
+        return {"rank 0 · MainThread", "rank 1 · MainThread"} <= set(threads)
+
+    panel.pump(attached, 60, "both ranks attached")
+    kernel.follow(msg_id, lambda r: said(r.stdout, 0, "spinning 0") and said(r.stdout, 1, "spinning 1"), timeout=60)
+    rank1 = threads["rank 1 · MainThread"]
+    panel.ok("pause", {"threadId": rank1})  # a client that names a rank's thread: that rank alone
+    stop = panel.stopped(1)[0]
+    assert stop["threadId"] == rank1 and stop["reason"] == "pause", stop
+    frames = panel.frames(rank1, levels=20)
+    assert frames[0]["line"] in (5, 6), [(f["name"], f["source"].get("path"), f["line"]) for f in frames]  # in its loop
+    frame = frames[0]
+    panel.ok("evaluate", {"expression": "globals().update(done=True)", "frameId": frame["id"], "context": "repl"})
+    panel.ok("continue", {"threadId": rank1})
+    res = kernel.follow(msg_id, lambda r: said(r.stdout, 1, "out 1"), timeout=30)  # rank 1 went on, out of its loop
+    assert not said(res.stdout, 0, "out 0")  # rank 0 was never stopped, and still spins
+    seen = len(panel.events)
+    panel.ok("pause", {"threadId": 1})  # JupyterLab's Pause: the kernel and every rank
+    rank0 = threads["rank 0 · MainThread"]
+
+    def paused(events):  # the kernel's main thread and rank 0's (rank 1 waits in nbddp, out of the user's code)
+        return {1, rank0} <= {e["body"]["threadId"] for e in events[seen:] if e["event"] == "stopped"}
+
+    panel.pump(paused, 60, "the kernel and rank 0 paused")
+    frame = panel.frames(rank0, levels=20)[0]
+    panel.ok("evaluate", {"expression": "globals().update(done=True)", "frameId": frame["id"], "context": "repl"})
+    panel.ok("continue", {"threadId": 1})  # JupyterLab's Continue: all
+    res = kernel.collect(msg_id, timeout=60)
+    assert res.error is None, res.error_text
+    panel.stop()

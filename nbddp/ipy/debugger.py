@@ -20,7 +20,6 @@ REQUIRED = (
     ("debugpy_client.event_callback", "the kernel debugpy's events"),
     ("event_callback", "sending an event to the front end"),
     ("breakpoint_list", "the breakpoints set"),
-    ("stopped_threads", "the kernel's stopped threads"),
     ("accept_variable", "the variables shown"),
     ("is_started", "whether the panel is on"),
 )
@@ -45,9 +44,6 @@ class KernelSide:
 
     def accept_variable(self, name: str) -> bool:
         return self.debugger.accept_variable(name)
-
-    def stopped(self) -> bool:
-        return bool(self.debugger.stopped_threads)
 
     def log(self, text: str) -> None:
         self.kernel.log.warning(text)

@@ -301,8 +301,11 @@ class Router:
 
     async def _continue(self, msg: dict) -> dict:
         """A thread that is no rank's (JupyterLab's Continue sends thread 1): the kernel and every rank."""
-        reply = await self.kernel.forward(msg) if self.kernel.stopped() else _reply(msg)
-        await self._every_rank("continue", lambda link, local: {"threadId": local}, stopped_only=True)
+        reply = await self.kernel.forward(msg)  # (the kernel's own debugger answers for a thread that runs)
+        targets = {link: sorted(link.stopped)[:1] for link in list(self.ranks.links.values())}
+        for link in targets:
+            link.stopped.clear()  # all go on: none is said to be stopped still when the others' `continued` come
+        await self._every_rank("continue", lambda link, local: {"threadId": local}, only=targets)
         return {**reply, "success": True, "body": {**(reply.get("body") or {}), "allThreadsContinued": True}}
 
     async def _pause(self, msg: dict) -> dict:
@@ -336,16 +339,23 @@ class Router:
             self.ranks.gone(pid)
         return await self.kernel.forward(msg)
 
-    async def _every_rank(self, command: str, arguments, stopped_only=False, main_only=False) -> None:
+    async def _every_rank(self, command: str, arguments, only=None, main_only=False) -> None:
+        """``command`` in every rank's debugger: once per rank, or for each of its threads in ``only[link]``
+        (``main_only``: its main thread)."""
         calls = []
         for link in list(self.ranks.links.values()):
-            if stopped_only:
-                targets = sorted(link.stopped)[:1]
+            if main_only and not link.names:
+                try:
+                    await link.threads()
+                except (DapError, asyncio.TimeoutError):
+                    continue
+            if only is not None:
+                targets = only.get(link, [])
             elif main_only:
-                targets = [local for local, name in link.names.items() if name == "MainThread"][:1] or [None]
+                targets = [local for local, name in link.names.items() if name == "MainThread"][:1]
             else:
                 targets = [None]
-            calls += [link.call(command, arguments(link, local)) for local in targets if not (main_only and local is None)]
+            calls += [link.call(command, arguments(link, local)) for local in targets]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, BaseException):
                 self.kernel.log(f"nbddp: {command} in a rank's debugger: {result}")
