@@ -72,6 +72,10 @@ def run(quick: bool, only: str | None = None) -> dict:
         import bench_background
 
         return {**json.loads((HERE / "results.json").read_text()), "background": bench_background.measure(quick)}
+    if only == "debugger":  # issue 43's section: the debugger panel in the ranks, kernels of their own
+        import bench_debugger
+
+        return {**json.loads((HERE / "results.json").read_text()), "debugger": bench_debugger.measure(quick)}
     if only == "firststep":  # issue 34's section: a real first step and real data, kernels of their own
         import bench_firststep
 
@@ -129,6 +133,10 @@ def run(quick: bool, only: str | None = None) -> dict:
 
     results["background"] = bench_background.measure(quick)
     print("done: background", flush=True)
+    import bench_debugger
+
+    results["debugger"] = bench_debugger.measure(quick)
+    print("done: debugger", flush=True)
     return results
 
 
@@ -371,6 +379,10 @@ def report(r: dict) -> str:
         import bench_iopub
 
         lines += [bench_iopub.render(r["iopub"]), ""]
+    if "debugger" in r:
+        import bench_debugger
+
+        lines += [bench_debugger.render(r["debugger"]), ""]
     return "\n".join(lines) + "\n"
 
 
