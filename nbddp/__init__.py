@@ -78,8 +78,8 @@ def _export_cells(cells, **kwargs) -> str:
 
 def load_ipython_extension(ipython) -> None:
     from .hw import cuda
-    from .ipy import cells, debugger
-    from .kernel import warm
+    from .ipy import cells
+    from .kernel import rankdebug, warm
     from .kernel.magic import DDPMagics, register_exporter
     from .rank import worker
 
@@ -93,15 +93,15 @@ def load_ipython_extension(ipython) -> None:
     _pool_module()  # %ddp start's pool, a --cluster one included
     register_exporter(_export_cells)  # %ddp_export's writer
     ipython.register_magics(DDPMagics)
-    debugger.install(ipython)  # JupyterLab's debugger panel reaches the ranks too (kernel/rankdebug.py)
+    rankdebug.install(ipython)  # JupyterLab's debugger panel reaches the ranks too
 
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext`` / ``%reload_ext``: take back every event handler load registered."""
     from .hw import cuda
-    from .ipy import debugger
+    from .kernel import rankdebug
     from .kernel.magic import DDPMagics
 
     cuda.backend().uninstall(ipython)
-    debugger.uninstall()
+    rankdebug.uninstall()
     DDPMagics.unregister_events(ipython)

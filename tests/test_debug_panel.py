@@ -194,7 +194,7 @@ def test_an_ipykernel_whose_debugger_lacks_what_nbddp_reads_is_named_in_the_warn
     from nbddp.ipy import debugger
 
     class Debugger:  # an ipykernel of the future: no breakpoint_list
-        process_request = event_callback = accept_variable = is_started = None
+        process_request = event_callback = stopped_threads = accept_variable = is_started = None
         debugpy_client = type("Client", (), {"event_callback": None})()
 
     why = debugger.unsupported(Debugger())

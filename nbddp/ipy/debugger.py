@@ -1,6 +1,6 @@
 """ipykernel's debugger (the one behind JupyterLab's debugger panel), reached into here and nowhere else.
 
-nbddp puts kernel/rankdebug.py's router in front of it: the kernel's ``Debugger.process_request`` (every
+``hook`` puts kernel/rankdebug.py's router in front of it: the kernel's ``Debugger.process_request`` (every
 ``debug_request`` of the control channel) goes to ``Router.process``, which hands on to the original what
 is not a rank's; the events of the kernel's debugpy pass ``RankDebugger.on_kernel_event`` first, which
 takes the ones that say a rank is waiting for a debugger. What is read of ipykernel's ``Debugger``
@@ -20,11 +20,12 @@ REQUIRED = (
     ("debugpy_client.event_callback", "the kernel debugpy's events"),
     ("event_callback", "sending an event to the front end"),
     ("breakpoint_list", "the breakpoints set"),
+    ("stopped_threads", "the kernel's stopped threads"),
     ("accept_variable", "the variables shown"),
     ("is_started", "whether the panel is on"),
 )
 
-_state: dict = {}  # "debugger", "ranks", "router", "restore": while installed in this kernel
+_state: dict = {}  # "debugger", "restore": while nbddp is in front of this kernel's debugger
 
 
 class KernelSide:
@@ -45,6 +46,9 @@ class KernelSide:
     def accept_variable(self, name: str) -> bool:
         return self.debugger.accept_variable(name)
 
+    def stopped(self) -> bool:
+        return bool(self.debugger.stopped_threads)
+
     def log(self, text: str) -> None:
         self.kernel.log.warning(text)
 
@@ -64,8 +68,11 @@ def unsupported(debugger) -> str | None:
     return None
 
 
-def install(shell) -> str | None:
-    """Put the router in front of the kernel's debugger (once per kernel); a line to say if it cannot."""
+def hook(shell, make) -> str | None:
+    """Put nbddp in front of the kernel's debugger (once per kernel): ``make(side)`` (``side``: the kernel's
+    own debugger, a ``KernelSide``) gives (``process(request)``, a coroutine function answering every debug
+    request, and ``on_event(event)``, True for an event of the kernel's debugpy it took). A line to say
+    why not, if this ipykernel's debugger cannot be reached into."""
     kernel = getattr(shell, "kernel", None)
     debugger = getattr(kernel, "debugger", None)
     if debugger is None or _state.get("debugger") is debugger:
@@ -74,20 +81,16 @@ def install(shell) -> str | None:
     if why:
         kernel.log.warning(why)
         return why
-    from ..kernel.rankdebug import RankDebugger, Router
-
     original = debugger.process_request
-    side = KernelSide(kernel, debugger, original)
-    ranks = RankDebugger(side)
-    router = Router(ranks, side)
+    process, on_event = make(KernelSide(kernel, debugger, original))
     client = debugger.debugpy_client
     kernel_events = client.event_callback
 
     async def process_request(message):
-        return await router.process(message)
+        return await process(message)
 
     def event_callback(event):
-        if not ranks.on_kernel_event(event):
+        if not on_event(event):
             kernel_events(event)
 
     debugger.process_request = process_request
@@ -97,11 +100,11 @@ def install(shell) -> str | None:
         debugger.process_request = original
         client.event_callback = kernel_events
 
-    _state.update(debugger=debugger, ranks=ranks, router=router, restore=restore)
+    _state.update(debugger=debugger, restore=restore)
     return None
 
 
-def uninstall() -> None:
+def unhook() -> None:
     restore = _state.pop("restore", None)
     if restore is not None:
         restore()
@@ -114,21 +117,18 @@ def active() -> bool:
     return bool(debugger is not None and debugger.is_started)
 
 
-def rank_started(pid: int, rank: int) -> None:
-    """A rank the kernel just started (called where it forked): its pid, and the notebook's frames it
-    inherited below its own, which its debugger's stack traces leave out."""
-    ranks = _state.get("ranks")
-    if ranks is None:
-        return
+def notebook_frames() -> set[tuple[str, int]]:
+    """(file, line) of the notebook's cells on the calling thread's stack: what a rank forked here inherits
+    under its own frames (its debugger's stack traces leave them out)."""
     from ipykernel.compiler import get_tmp_directory
 
-    prefix, inherited = get_tmp_directory(), set()
+    prefix, found = get_tmp_directory(), set()
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename.startswith(prefix):
-            inherited.add((frame.f_code.co_filename, frame.f_lineno))
+            found.add((frame.f_code.co_filename, frame.f_lineno))
         frame = frame.f_back
-    ranks.rank_started(pid, rank, inherited)
+    return found
 
 
 def rank_setup() -> dict | None:

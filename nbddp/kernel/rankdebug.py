@@ -22,6 +22,7 @@ import os
 import threading
 import time
 
+from ..ipy import debugger
 from .dap import DapError, DapSession, untraced
 
 FIRST_ID = 1 << 50  # rank ids: above any id the kernel's own debugger gives (object addresses < 2**47), exact in JavaScript
@@ -58,6 +59,11 @@ class RankLink:
         self.inherited = inherited  # (file, line) of the notebook's frames the fork left under the rank's own
         self.stopped: set[int] = set()
         self.names: dict[int, str] = {}
+
+    def own(self, frames: list) -> list:
+        """A stack trace's frames down to the notebook's the fork left under the rank's (the kernel's)."""
+        return list(itertools.takewhile(lambda f: ((f.get("source") or {}).get("path"), f.get("line")) not in self.inherited,
+                                        frames))
 
     @property
     def label(self) -> str:
@@ -160,6 +166,10 @@ class RankDebugger:
         if kind not in KEPT_EVENTS or "threadId" not in body:
             return
         local = body["threadId"]
+        if kind == "stopped" and body.get("reason") == "pause":  # (asked of the rank's session: not on its reader)
+            untraced(threading.Thread(target=self._paused, args=(link, event), name="nbddp-debug-pause",
+                                      daemon=True)).start()
+            return
         if kind == "stopped":
             link.stopped.add(local)
         elif kind == "continued":
@@ -168,6 +178,20 @@ class RankDebugger:
         self.kernel.publish({**event, "body": body})
         if kind == "continued":
             self._still_stopped()
+
+    def _paused(self, link: RankLink, event: dict) -> None:
+        """A rank paused where none of the user's code is on its stack (in nbddp's own, waiting for its next
+        cell or its peers): it could not be seen or stepped in the panel, so it goes on at once."""
+        local = event["body"]["threadId"]
+        try:
+            frames = link.session.request("stackTrace", {"threadId": local}).get("body", {}).get("stackFrames", [])
+            if not link.own(frames):
+                link.session.request("continue", {"threadId": local})
+                return
+        except (DapError, TimeoutError):
+            return
+        link.stopped.add(local)
+        self.kernel.publish({**event, "body": {**event["body"], "threadId": self.threads.out(link, local)}})
 
     def _still_stopped(self) -> None:
         """JupyterLab clears its view at any ``continued``: a rank still stopped is said again."""
@@ -249,8 +273,7 @@ class Router:
         if name is None:
             await link.threads()
             name = link.names.get(local, "thread")
-        own = list(itertools.takewhile(lambda f: ((f.get("source") or {}).get("path"), f.get("line")) not in link.inherited,
-                                       frames))  # the notebook's frames under the cell's: the kernel's, not the rank's
+        own = link.own(frames)
         return [{**f, "id": self.ranks.frames.out(link, f["id"]), "name": f"{link.label} · {name} · {f.get('name', '')}"}
                 for f in own]
 
@@ -301,7 +324,8 @@ class Router:
 
     async def _continue(self, msg: dict) -> dict:
         """A thread that is no rank's (JupyterLab's Continue sends thread 1): the kernel and every rank."""
-        reply = await self.kernel.forward(msg)  # (the kernel's own debugger answers for a thread that runs)
+        # (the kernel's own debugger leaves a continue of a thread that runs unanswered)
+        reply = await self.kernel.forward(msg) if self.kernel.stopped() else _reply(msg)
         targets = {link: sorted(link.stopped)[:1] for link in list(self.ranks.links.values())}
         for link in targets:
             link.stopped.clear()  # all go on: none is said to be stopped still when the others' `continued` come
@@ -374,3 +398,27 @@ def _reply(msg: dict, success: bool = True, body: dict | None = None, message: s
     if message:
         reply["message"] = message
     return reply
+
+
+_ranks: list = []  # the kernel's RankDebugger, once nbddp is in front of the kernel's debugger
+
+
+def install(shell) -> str | None:
+    """JupyterLab's debugger panel reaches the ranks too (at %load_ext); a line to say if it cannot."""
+    def make(side):
+        ranks = RankDebugger(side)
+        _ranks[:] = [ranks]
+        return Router(ranks, side).process, ranks.on_kernel_event
+
+    return debugger.hook(shell, make)
+
+
+def uninstall() -> None:
+    debugger.unhook()
+    _ranks.clear()
+
+
+def rank_started(pid: int, rank: int) -> None:
+    """A rank the kernel just started (called where it forked or spawned it): the panel names its threads."""
+    if _ranks:
+        _ranks[0].rank_started(pid, rank, debugger.notebook_frames())

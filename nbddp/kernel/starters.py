@@ -15,12 +15,11 @@ import threading
 import time
 import warnings
 
-from ..ipy import debugger
 from ..rank import inherit
 from ..rank.stdio import LIBC
 from ..rank.worker import RankSpec, fork_main
 from ..wire import values
-from . import devices, rendezvous
+from . import devices, rankdebug, rendezvous
 from .supervisor import RankProc, Supervisor
 
 # Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
@@ -92,7 +91,7 @@ def fork_specs(sup: Supervisor, starter, job, specs, deadline: float | None = No
         for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
             spec, not_inherited, forked = prepare(spec) if prepare else (spec, (), None)
             proc = starter.start(spec, job, [*sup.all_fds(), *not_inherited])
-            debugger.rank_started(proc.pid, spec.rank)  # (the debugger panel names a rank's threads by it)
+            rankdebug.rank_started(proc.pid, spec.rank)  # (the debugger panel names a rank's threads by it)
             if forked:
                 forked(proc)
             sup.add(proc)
@@ -155,7 +154,9 @@ class ForkStarter:
         life_r, life_w = _life_pipe()
         LIBC.fflush(None)  # C-level buffers would otherwise be written again by the child
         inherit.before_fork()  # what the rank patches, found here: it would fault copying pages there
-        pid = os.fork()
+        # posix's own fork: the kernel's debugger (debugpy) replaces os.fork with one that holds the child until a
+        # debugger attaches to it; a rank connects at its first cell instead, while the panel is on (debugpanel)
+        pid = posix.fork()
         if pid == 0:  # pragma: no cover - the child; fork_main never returns (life_w stays open)
             fork_main(spec, job, out_fd=out_w, err_fd=err_w, chan_fd=chan_w,
                       close_fds=[*inherited_fds, out_r, err_r, chan_r, *([life_r] if life_r is not None else [])])

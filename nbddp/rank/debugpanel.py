@@ -24,6 +24,20 @@ def _debugger():
     return db if writer is not None and writer.is_alive() else None
 
 
+def after_fork() -> None:
+    """In a rank just forked: a debugger the kernel ran (on the forking thread: it traces the rank's too)
+    is let go, as debugpy's own fork hook does for a child it does not debug; the rank connects at its
+    cell while the panel is on."""
+    pydevd = sys.modules.get("pydevd")
+    if pydevd is None:
+        return
+    from _pydevd_bundle.pydevd_constants import GlobalDebuggerHolder
+
+    if GlobalDebuggerHolder.global_dbg is not None:
+        pydevd.settrace_forked(setup_tracing=False)  # the kernel's debugger object, its threads: gone here
+        pydevd.stoptrace()  # and its tracing of this thread (sys.settrace, or sys.monitoring on 3.12+)
+
+
 def before_cell(setup: dict | None) -> None:
     """Connected while the panel is on (``setup``), not once it is off."""
     connected = _debugger() is not None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..wire import framing
 from ..wire import messages
-from . import inherit, stdio
+from . import debugpanel, inherit, stdio
 from .stdio import LIBC, flush_streams
 from ..ipy import tracebacks
 
@@ -83,6 +83,7 @@ def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, cl
         # Objects inherited from the kernel are never collected here: the GC skips them (a big
         # notebook heap would slow every collection) and leaves their pages shared with the kernel.
         gc.freeze()
+        debugpanel.after_fork()  # the kernel's debugger, if it traced the forking thread, stays in the kernel
         tie_to_parent(spec.parent_pid)
         for fd in close_fds:
             _close(fd)
