@@ -249,3 +249,19 @@ def test_pause_acts_on_the_rank_named_or_on_every_rank_and_evaluate_changes_a_ra
     res = kernel.collect(msg_id, timeout=60)
     assert res.error is None, res.error_text
     panel.stop()
+
+
+def test_timeout_moves_on_by_the_time_ranks_stand_stopped_in_the_panel(kernel):
+    import time
+
+    panel = DebugClient(kernel)
+    panel.start()
+    cell = ONE_SHOT.replace("--devices 2", "--devices 2 --timeout 6")
+    panel.breakpoints(cell, [4])
+    msg_id = kernel.execute(cell)
+    panel.stopped(2)
+    time.sleep(8)  # stopped, on purpose, past --timeout: the user reading the panel
+    panel.ok("continue", {"threadId": 1})
+    res = kernel.collect(msg_id, timeout=60)
+    assert res.error is None and said(res.stdout, 1, "done 1 84"), (res.error_text, res.stdout)
+    panel.stop()

@@ -22,7 +22,7 @@ from ..rank import copywatch
 from ..rank.server import Server
 from ..views.relay import CellSink, Relay
 from ..wire import messages, values
-from . import checks, failure, rules, starters, warm
+from . import checks, failure, rankdebug, rules, starters, warm
 from .gang import Gang
 from .probe import CollectiveProbe
 from .prompts import Prompts
@@ -162,7 +162,8 @@ class CellRun:
                 sup.announce()
                 announced = True
             self.rules.started(self)
-            self.wait(lambda: self.deadline)
+            stopped0 = rankdebug.stopped_s()  # --timeout moves on by the time ranks are stopped in the debugger panel
+            self.wait(lambda: None if self.deadline is None else self.deadline + rankdebug.stopped_s() - stopped0)
         except KeyboardInterrupt as e:
             error = e
             running = self.rules.interrupt(self, announced)

@@ -303,9 +303,10 @@ class DDPMagics(Magics):
         post_mortem = bool(getattr(self.shell, "call_pdb", False))
 
         def work(on_start):
+            # (a --cluster pool's ranks are no children of the kernel's, which its debugger reaches: never connected)
             return pool.cell(source, filename, outs=outs, gathers=gathers, code=names, relabel=relabel,
                              observer=observer, ranks=ranks, post_mortem=post_mortem, on_start=on_start,
-                             debug=debugger.rank_setup(), **per_cell)
+                             debug=None if pool.config.cluster else debugger.rank_setup(), **per_cell)
 
         def deliver(per_rank):
             try:

@@ -93,6 +93,7 @@ class RankDebugger:
         self.exception_filters: dict | None = None
         self.lock = threading.Lock()
         self.registered = threading.Condition(self.lock)
+        self.stopped_total, self.stopped_since = 0.0, None  # time some rank spent stopped (stopped_s)
 
     # -- the ranks -------------------------------------------------------------------------------
     def rank_started(self, pid: int, rank: int, inherited=frozenset()) -> None:
@@ -154,6 +155,7 @@ class RankDebugger:
         with self.lock:
             link = self.links.pop(pid, None)
         if link is not None:
+            self.note_stops()
             link.session.close()
             for local in sorted(link.stopped):
                 self.kernel.publish(_event("continued", threadId=self.threads.out(link, local), allThreadsContinued=False))
@@ -174,6 +176,7 @@ class RankDebugger:
             link.stopped.add(local)
         elif kind == "continued":
             link.stopped.clear() if body.get("allThreadsContinued", True) else link.stopped.discard(local)
+        self.note_stops()
         body["threadId"] = self.threads.out(link, local)
         self.kernel.publish({**event, "body": body})
         if kind == "continued":
@@ -191,6 +194,7 @@ class RankDebugger:
         except (DapError, TimeoutError):
             return
         link.stopped.add(local)
+        self.note_stops()
         self.kernel.publish({**event, "body": {**event["body"], "threadId": self.threads.out(link, local)}})
 
     def _still_stopped(self) -> None:
@@ -198,6 +202,20 @@ class RankDebugger:
         for link, local in self.stopped()[:1]:
             self.kernel.publish(_event("stopped", threadId=self.threads.out(link, local), reason="breakpoint",
                                        allThreadsStopped=False))
+
+    def note_stops(self) -> None:
+        """After any rank thread stopped or went on: the clock of time spent stopped, kept."""
+        now, stopped = time.monotonic(), bool(self.stopped())
+        if stopped and self.stopped_since is None:
+            self.stopped_since = now
+        elif not stopped and self.stopped_since is not None:
+            self.stopped_total += now - self.stopped_since
+            self.stopped_since = None
+
+    def stopped_s(self) -> float:
+        """Seconds some rank has been stopped in the panel, all told (now included)."""
+        since = self.stopped_since
+        return self.stopped_total + (time.monotonic() - since if since is not None else 0.0)
 
     def stopped(self) -> list[tuple]:
         """(link, local thread id) of every rank thread stopped now."""
@@ -329,6 +347,7 @@ class Router:
         targets = {link: sorted(link.stopped)[:1] for link in list(self.ranks.links.values())}
         for link in targets:
             link.stopped.clear()  # all go on: none is said to be stopped still when the others' `continued` come
+        self.ranks.note_stops()
         await self._every_rank("continue", lambda link, local: {"threadId": local}, only=targets)
         return {**reply, "success": True, "body": {**(reply.get("body") or {}), "allThreadsContinued": True}}
 
@@ -416,6 +435,11 @@ def install(shell) -> str | None:
 def uninstall() -> None:
     debugger.unhook()
     _ranks.clear()
+
+
+def stopped_s() -> float:
+    """Seconds ranks have spent stopped in the debugger panel in this kernel (a cell's --timeout moves on by them)."""
+    return _ranks[0].stopped_s() if _ranks else 0.0
 
 
 def rank_started(pid: int, rank: int) -> None:
