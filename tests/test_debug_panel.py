@@ -4,6 +4,8 @@ stops every rank; each rank is threads named by it; frames, variables, evaluate 
 next act on the rank or on all; detach lets stopped ranks go; nothing is left when the ranks end."""
 from __future__ import annotations
 
+import re
+
 import psutil
 import pytest
 from debugclient import DebugClient
@@ -58,6 +60,9 @@ def test_a_breakpoint_in_a_one_shot_cell_stops_every_rank_with_its_own_frames_an
         assert value["result"] == str((41 + rank_of(name)) * 1000)
         rich = panel.ok("richInspectVariables", {"variableName": "x", "frameId": frames[0]["id"]})
         assert rich["data"]["text/plain"] == str(41 + rank_of(name))
+    # the cell's dashboard says where they are, at its next tick
+    kernel.follow(msg_id, lambda r: any(re.search(r"\n0 +in debugger .*\n1 +in debugger", d["data"]["text/plain"])
+                                        for d in r.displays if "text/plain" in d.get("data", {})), timeout=30)
     # JupyterLab asks the last stopped thread's stack without `levels`: every stopped rank's frames
     shown = panel.frames(stops[-1]["threadId"])
     assert sorted(f["name"] for f in shown) == ["rank 0 · MainThread · <module>", "rank 1 · MainThread · <module>"]

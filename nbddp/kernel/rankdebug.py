@@ -221,6 +221,9 @@ class RankDebugger:
         """(link, local thread id) of every rank thread stopped now."""
         return [(link, local) for link in list(self.links.values()) for local in sorted(link.stopped)]
 
+    def stopped_pids(self) -> frozenset:
+        return frozenset(link.pid for link in list(self.links.values()) if link.stopped)
+
     def stopped_ids(self) -> list[int]:
         return [self.threads.out(link, local) for link, local in self.stopped()]
 
@@ -440,6 +443,11 @@ def uninstall() -> None:
 def stopped_s() -> float:
     """Seconds ranks have spent stopped in the debugger panel in this kernel (a cell's --timeout moves on by them)."""
     return _ranks[0].stopped_s() if _ranks else 0.0
+
+
+def stopped_pids() -> frozenset:
+    """The pids of the ranks stopped in the debugger panel now (their dashboard says so)."""
+    return _ranks[0].stopped_pids() if _ranks else frozenset()
 
 
 def rank_started(pid: int, rank: int) -> None:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..wire import framing, messages
-from . import failure
+from . import failure, rankdebug
 from .stacks import StackRequest
 
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
@@ -64,7 +64,7 @@ class Exited:
 
 @dataclass(frozen=True)
 class Tick:
-    pass
+    stopped: frozenset = frozenset()  # pids of ranks stopped in JupyterLab's debugger panel now (rankdebug.py)
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ class Supervisor:
             if self.kill_at is not None and now >= self.kill_at:
                 self._kill_live()
             if next_tick is not None and now >= next_tick:
-                self.bus.publish(Tick())
+                self.bus.publish(Tick(rankdebug.stopped_pids()))
                 next_tick = now + self.tick
 
     def _event(self, proc: RankProc, kind: str, fd: int) -> None:

@@ -60,12 +60,15 @@ class RunView:
         self.monitor = Monitor([d for d in plan.device_ids if d is not None])
         self.ended: dict[int, float] = {}
         self.state = {r: "starting" for r in range(plan.world_size)}
+        self.pids: dict[int, int] = {}  # pid -> rank
+        self.in_debugger: set[int] = set()  # ranks stopped in JupyterLab's debugger panel, at the last tick
         if self.live:  # the slot, at the top of the cell's output before any rank writes
             self.handle = Slot()
             self.handle.show(self._bundle())
 
     def on_Started(self, event) -> None:
         self.monitor.watch(event.rank, event.pid)
+        self.pids[event.pid] = event.rank
 
     def on_Message(self, event) -> None:
         rec, rank = event.record, event.rank
@@ -118,6 +121,7 @@ class RunView:
         self.exited(event.rank, event.exit)
 
     def on_Tick(self, event) -> None:
+        self.in_debugger = {self.pids[pid] for pid in event.stopped if pid in self.pids}
         self.tick()
 
     def exited(self, rank: int, exit) -> None:
@@ -201,6 +205,8 @@ class RunView:
             state = self.state[r]
             if state == "running" and final and isinstance(self.error, KeyboardInterrupt):
                 state = "interrupted"
+            elif state == "running" and not final and r in self.in_debugger:
+                state = "in debugger"
             row = {"rank": str(r), "rank:hover": f"cuda:{dev}" if dev is not None else "cpu", "state": state,
                    "time": f"{self._elapsed(r):.1f} s"}
             if r in self.progress:

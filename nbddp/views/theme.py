@@ -20,4 +20,4 @@ BOX = "var(--jp-layout-color2, rgba(128, 128, 128, 0.15))"  # a history's box
 TRACK = "var(--jp-border-color2, rgba(128, 128, 128, 0.3))"  # a bar's empty part
 
 STATES = {"starting": MUTED, "running": RUNNING, "finished": DONE, "failed": FAILED, "stopped": WARN,
-          "interrupted": WARN}
+          "interrupted": WARN, "in debugger": WARN}
