@@ -270,3 +270,22 @@ def test_timeout_moves_on_by_the_time_ranks_stand_stopped_in_the_panel(kernel):
     res = kernel.collect(msg_id, timeout=60)
     assert res.error is None and said(res.stdout, 1, "done 1 84"), (res.error_text, res.stdout)
     panel.stop()
+
+
+def test_a_background_cell_stops_in_the_panel_while_the_notebook_runs_other_cells(kernel):
+    panel = DebugClient(kernel)
+    panel.start()
+    cell = ONE_SHOT.replace("--devices 2", "--devices 2 --bg")
+    panel.breakpoints(cell, [4])
+    msg_id = kernel.execute(cell)
+    assert kernel.collect(msg_id, timeout=30).status == "ok"  # the notebook is free at once
+    stops = panel.stopped(2)
+    assert kernel.ok("6 * 7").result == "42"  # a plain cell while the ranks stand stopped
+    names = {tid: name for name, tid in panel.threads().items()}
+    assert {names.get(s["threadId"]) for s in stops} == {"rank 0 · MainThread", "rank 1 · MainThread"}, names
+    frame = panel.frames(stops[0]["threadId"], levels=20)[0]
+    assert frame["line"] == 4 and "x" in panel.variables(frame["id"])
+    panel.ok("continue", {"threadId": 1})
+    res = kernel.follow(msg_id, lambda r: said(r.stdout, 0, "done 0 82") and said(r.stdout, 1, "done 1 84"), timeout=60)
+    assert res.error is None
+    panel.stop()

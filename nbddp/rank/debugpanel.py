@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 
 def _debugger():
@@ -58,6 +59,11 @@ def connect(setup: dict) -> None:
 
     import pydevd
 
+    # a rank forked from a background cell's thread runs on a copy of it, a daemon thread: pydevd would take
+    # the program for ended (no user thread left that is not a daemon) and end the session at once
+    setattr(threading.current_thread(), "__pydevd_main_thread", True)
+    if threading.current_thread() is threading.main_thread():
+        threading.current_thread().name = "MainThread"  # (a copy of the background thread is named for it)
     pydevd.settrace(host=setup["host"], port=int(setup["port"]), suspend=False, trace_only_current_thread=False,
                     overwrite_prev_trace=True, patch_multiprocessing=False, access_token=setup.get("access_token"),
                     client_access_token=setup.get("client_access_token"), notify_stdin=False,
