@@ -21,10 +21,6 @@ print('done', rank, y)
 """
 
 
-def is_rank_frame(frame: dict) -> bool:
-    return frame["name"].startswith("rank ")
-
-
 @pytest.fixture
 def kernel():
     with Kernel() as k:
@@ -34,6 +30,17 @@ def kernel():
 
 def rank_of(thread_name: str) -> int:
     return int(thread_name.split()[1])
+
+
+def stopped_at_line_4(kernel, options: str = "", timeout: float = 60):
+    """The panel on, a breakpoint at ONE_SHOT's line 4 (`y = x * 2`), the cell sent with ``options``, both
+    ranks stopped there: (the panel, the cell's request id, the stopped events' bodies)."""
+    panel = DebugClient(kernel)
+    panel.start()
+    cell = ONE_SHOT.replace("--devices 2", f"--devices 2 {options}".rstrip())
+    panel.breakpoints(cell, [4])
+    msg_id = kernel.execute(cell)
+    return panel, msg_id, panel.stopped(2, timeout=timeout)
 
 
 def test_a_breakpoint_in_a_one_shot_cell_stops_every_rank_with_its_own_frames_and_variables(kernel):
@@ -132,7 +139,11 @@ def test_a_pool_attached_mid_life_steps_one_rank_continues_them_all_and_lets_go_
     assert res.error is None and said(res.stdout, 1, "total 1 6"), res.stdout
     pids = [p.pid for p in kernel.process().children() if p.name().startswith("python")]
     kernel.ok("%ddp stop")
+    # nothing is left: the ranks' sessions end with them (the panel lists the kernel's threads only)
+    panel.pump(lambda _: not [n for n in panel.threads() if n.startswith("rank ")], 30, "the ranks' threads gone")
     panel.stop()
+    names = kernel.value("sorted(t.name for t in __import__('threading').enumerate())")
+    assert not [n for n in names if n.startswith(("nbddp-dap", "nbddp-debug"))], names
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
@@ -178,12 +189,7 @@ def test_without_the_panel_ranks_run_untraced_before_and_after_it_was_on(kernel)
 
 
 def test_spawned_ranks_connect_at_their_cell_and_stop_too(kernel):
-    panel = DebugClient(kernel)
-    panel.start()
-    cell = ONE_SHOT.replace("--devices 2", "--devices 2 --start-method spawn")
-    panel.breakpoints(cell, [4])
-    msg_id = kernel.execute(cell)
-    stops = panel.stopped(2, timeout=120)
+    panel, msg_id, stops = stopped_at_line_4(kernel, "--start-method spawn", timeout=120)
     names = {tid: name for name, tid in panel.threads().items()}
     for stop in stops:
         frame = panel.frames(stop["threadId"], levels=20)[0]
@@ -259,12 +265,7 @@ def test_pause_acts_on_the_rank_named_or_on_every_rank_and_evaluate_changes_a_ra
 def test_timeout_moves_on_by_the_time_ranks_stand_stopped_in_the_panel(kernel):
     import time
 
-    panel = DebugClient(kernel)
-    panel.start()
-    cell = ONE_SHOT.replace("--devices 2", "--devices 2 --timeout 6")
-    panel.breakpoints(cell, [4])
-    msg_id = kernel.execute(cell)
-    panel.stopped(2)
+    panel, msg_id, _ = stopped_at_line_4(kernel, "--timeout 6")
     time.sleep(8)  # stopped, on purpose, past --timeout: the user reading the panel
     panel.ok("continue", {"threadId": 1})
     res = kernel.collect(msg_id, timeout=60)
@@ -273,13 +274,8 @@ def test_timeout_moves_on_by_the_time_ranks_stand_stopped_in_the_panel(kernel):
 
 
 def test_a_background_cell_stops_in_the_panel_while_the_notebook_runs_other_cells(kernel):
-    panel = DebugClient(kernel)
-    panel.start()
-    cell = ONE_SHOT.replace("--devices 2", "--devices 2 --bg")
-    panel.breakpoints(cell, [4])
-    msg_id = kernel.execute(cell)
-    assert kernel.collect(msg_id, timeout=30).status == "ok"  # the notebook is free at once
-    stops = panel.stopped(2)
+    panel, msg_id, stops = stopped_at_line_4(kernel, "--bg")
+    assert kernel.collect(msg_id, timeout=30).status == "ok"  # the cell's reply: the notebook was free at once
     assert kernel.ok("6 * 7").result == "42"  # a plain cell while the ranks stand stopped
     names = {tid: name for name, tid in panel.threads().items()}
     assert {names.get(s["threadId"]) for s in stops} == {"rank 0 · MainThread", "rank 1 · MainThread"}, names
