@@ -143,6 +143,7 @@ class Kernel:
         res = CellResult()
         start = time.monotonic()
         deadline = start + timeout
+        pending = self.stray.pop(msg_id, [])  # what was set aside for it meanwhile (a debug client's pump)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -150,7 +151,8 @@ class Kernel:
             if between is not None:
                 between()
             try:
-                msg = self.kc.get_iopub_msg(timeout=left if between is None else min(left, 0.05))
+                msg = pending.pop(0) if pending else self.kc.get_iopub_msg(
+                    timeout=left if between is None else min(left, 0.05))
             except queue.Empty:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:

@@ -89,6 +89,18 @@ print('total', rank, total)
 """
 
 
+def both_ranks_stopped(panel, since: int) -> list[int]:
+    """Until both ranks' threads, as the panel lists them now, stopped after event ``since``: their ids."""
+    live = []
+
+    def done(events):
+        live[:] = [tid for name, tid in panel.threads().items() if name.startswith("rank ")]
+        return len(live) == 2 and set(live) <= {e["body"]["threadId"] for e in events[since:] if e["event"] == "stopped"}
+
+    panel.pump(done, 60, "both ranks stopped")
+    return live
+
+
 def test_a_pool_attached_mid_life_steps_one_rank_continues_them_all_and_lets_go_when_detached(kernel):
     kernel.ok("%ddp start --devices 2")
     kernel.ok("%%ddp\nwarm = rank")  # the pool ran before the debugger was on
@@ -122,16 +134,19 @@ def test_a_pool_attached_mid_life_steps_one_rank_continues_them_all_and_lets_go_
     panel.stop()
     res = kernel.collect(msg_id, timeout=60)
     assert res.error is None and said(res.stdout, 0, "total 0 3") and said(res.stdout, 1, "total 1 6"), res.stdout
-    # the next cell runs as without the debugger, and breakpoint() is pdb's again (no input box: nbclient-like)
+    # the next cell runs as without the debugger
     assert said(kernel.ok("%%ddp\nprint('again', rank)").stdout, 1, "again 1")
     # turned on again: the same ranks stop again
     panel = DebugClient(kernel)
     panel.start()
     panel.breakpoints(POOL_CELL, [4])
     msg_id = kernel.execute(POOL_CELL)
-    panel.stopped(2)
+    live = both_ranks_stopped(panel, since=0)  # (events the first client left unread are the old sessions')
+    frame = panel.frames(live[0], levels=20)[0]  # the new sessions answer (ids are per session)
+    assert frame["line"] == 4 and panel.variables(frame["id"], "Globals")["step"] == "0", frame
+    seen = len(panel.events)
     panel.ok("continue", {"threadId": 1})
-    panel.stopped(4)  # the loop's next round
+    both_ranks_stopped(panel, since=seen)  # the loop's next round
     panel.ok("setBreakpoints", {"source": {"path": panel.ok("dumpCell", {"code": POOL_CELL})["sourcePath"]},
                                 "breakpoints": [], "sourceModified": False})
     panel.ok("continue", {"threadId": 1})
@@ -182,8 +197,8 @@ def test_without_the_panel_ranks_run_untraced_before_and_after_it_was_on(kernel)
     res = kernel.ok(TRACED)
     assert said(res.stdout, 0, "traced 0 True") and said(res.stdout, 1, "traced 1 True"), res.stdout
     panel.stop()
-    # the kernel's debugger started once (debugpy stays in the kernel, its fork hook too): ranks forked now
-    # connect and are let go at once
+    # the kernel's debugger started once (debugpy stays in the kernel, tracing it): ranks forked now let go
+    # of what they inherited of it (debugpanel.after_fork)
     res = kernel.ok(TRACED)
     assert said(res.stdout, 0, "traced 0 False") and said(res.stdout, 1, "traced 1 False"), res.stdout
 

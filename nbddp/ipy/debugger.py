@@ -11,7 +11,6 @@ Ranks reach the kernel's debugpy adapter on loopback only (``debugpy.listen`` on
 token debugpy made): ``rank_setup`` is what a rank needs to connect to it (rank/debugpanel.py)."""
 from __future__ import annotations
 
-import os
 import sys
 
 # what nbddp reads or replaces on ipykernel's Debugger: (attribute path, what for)
@@ -117,12 +116,17 @@ def active() -> bool:
     return bool(debugger is not None and debugger.is_started)
 
 
+def cell_prefix() -> str:
+    """Where ipykernel's debugger keeps the notebook's cells (each cell's file name starts so)."""
+    from ipykernel.compiler import get_tmp_directory
+
+    return get_tmp_directory()
+
+
 def notebook_frames() -> set[tuple[str, int]]:
     """(file, line) of the notebook's cells on the calling thread's stack: what a rank forked here inherits
     under its own frames (its debugger's stack traces leave them out)."""
-    from ipykernel.compiler import get_tmp_directory
-
-    prefix, found = get_tmp_directory(), set()
+    prefix, found = cell_prefix(), set()
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename.startswith(prefix):
@@ -140,7 +144,7 @@ def rank_setup() -> dict | None:
     if not setup.get("port"):
         return None
     return {"host": setup.get("client") or "127.0.0.1", "port": setup["port"], "access_token": setup.get("access-token"),
-            "client_access_token": setup.get("client-access-token"), "kernel_pid": os.getpid()}
+            "client_access_token": setup.get("client-access-token")}
 
 
 def cell_file(shell, body_file: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import json
+import logging
 import socket
 import threading
 
@@ -94,16 +95,20 @@ class DapSession:
         if msg.get("type") == "response":
             with self.lock:
                 future = self.pending.pop(msg.get("request_seq"), None)
-            if future is not None:
+            if future is not None and not future.done():  # (one given up on: cancelled by its waiter's timeout)
                 future.set_result(msg)
         elif msg.get("type") == "event":
-            self.on_event(msg)
+            try:
+                self.on_event(msg)
+            except Exception:  # noqa: BLE001 - a listener's failure must not end the connection
+                logging.getLogger(__name__).exception("nbddp: a rank's debugger event %r", msg.get("event"))
 
     def _closed(self) -> None:
         with self.lock:
             self.closed = True
             pending, self.pending = self.pending, {}
         for future in pending.values():
-            future.set_exception(DapError("the rank's debugger connection closed"))
+            if not future.done():
+                future.set_exception(DapError("the rank's debugger connection closed"))
         if self.on_close is not None:
             self.on_close()

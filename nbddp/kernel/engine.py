@@ -162,8 +162,10 @@ class CellRun:
                 sup.announce()
                 announced = True
             self.rules.started(self)
-            stopped0 = rankdebug.stopped_s()  # --timeout moves on by the time ranks are stopped in the debugger panel
-            self.wait(lambda: None if self.deadline is None else self.deadline + rankdebug.stopped_s() - stopped0)
+            # --timeout moves on by the time the cell's ranks stand stopped in the debugger panel
+            stopped0 = rankdebug.stopped_s(p.pid for p in sup.procs)
+            self.wait(lambda: None if self.deadline is None else
+                      self.deadline + rankdebug.stopped_s(p.pid for p in sup.procs) - stopped0)
         except KeyboardInterrupt as e:
             error = e
             running = self.rules.interrupt(self, announced)

@@ -3,8 +3,8 @@ control channel) reach the kernel's own debugger and every rank's, as one debugg
 kernel's and each rank's (``rank 1 · MainThread``).
 
 How the ranks' debuggers are reached: the kernel's debugger is debugpy, whose adapter listens on loopback.
-A rank forked while it runs (or one that connects later, rank/debugpanel.py) is the kernel's child, so the
-adapter tells the kernel's debugger of it (a ``debugpyAttach`` event); ``RankDebugger`` then opens a session
+While the panel is on, a rank connects to it at the start of a cell (rank/debugpanel.py); it is the
+kernel's child, so the adapter tells the kernel's debugger of it (a ``debugpyAttach`` event); ``RankDebugger`` then opens a session
 of its own to the adapter for that process (kernel/dap.py), gives it the breakpoints the panel set, and
 lets it run. Requests are routed by the ids in them: each rank's thread, frame and variable ids are
 renumbered into one space of their own (``Ids``), far from the kernel's.
@@ -17,6 +17,7 @@ continues them all); one of a rank's thread acts on that rank. The ipykernel sid
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import os
 import threading
@@ -26,7 +27,7 @@ from ..ipy import debugger
 from .dap import DapError, DapSession, untraced
 
 FIRST_ID = 1 << 50  # rank ids: above any id the kernel's own debugger gives (object addresses < 2**47), exact in JavaScript
-ATTACH_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 10.0
 NBDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEPT_EVENTS = ("stopped", "continued", "thread")  # a rank's events the panel sees; its output comes through nbddp
 
@@ -39,16 +40,24 @@ class Ids:
         self.counter = counter
         self.fwd: dict[tuple, int] = {}
         self.rev: dict[int, tuple] = {}
+        self.lock = threading.Lock()  # (the ranks' reader threads and the control thread all renumber)
 
     def out(self, link, local: int) -> int:
-        key = (link.pid, local)
-        if key not in self.fwd:
-            self.fwd[key] = n = next(self.counter)
-            self.rev[n] = (link, local)
-        return self.fwd[key]
+        key = (link, local)  # (the session, not the pid: a pool's rank attached again reuses its ids)
+        with self.lock:
+            if key not in self.fwd:
+                self.fwd[key] = n = next(self.counter)
+                self.rev[n] = key
+            return self.fwd[key]
 
     def back(self, ident):
         return self.rev.get(ident) if isinstance(ident, int) else None
+
+    def forget(self, link) -> None:
+        """A rank's session ended: its ids go."""
+        with self.lock:
+            for key in [k for k in self.fwd if k[0] is link]:
+                self.rev.pop(self.fwd.pop(key), None)
 
 
 class RankLink:
@@ -58,6 +67,7 @@ class RankLink:
         self.pid, self.rank, self.session = pid, rank, session
         self.inherited = inherited  # (file, line) of the notebook's frames the fork left under the rank's own
         self.stopped: set[int] = set()
+        self.quiet: set[int] = set()  # threads let go after a pause the user could not see: their continued unsaid
         self.names: dict[int, str] = {}
 
     def own(self, frames: list) -> list:
@@ -69,7 +79,7 @@ class RankLink:
     def label(self) -> str:
         return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
 
-    async def call(self, command: str, arguments: dict | None = None, timeout: float = ATTACH_TIMEOUT_S) -> dict:
+    async def call(self, command: str, arguments: dict | None = None, timeout: float = CALL_TIMEOUT_S) -> dict:
         return await asyncio.wait_for(asyncio.wrap_future(self.session.send(command, arguments)), timeout)
 
     async def threads(self) -> list[dict]:
@@ -91,9 +101,10 @@ class RankDebugger:
         self.links: dict[int, RankLink] = {}
         self.ranks: dict[int, tuple] = {}  # pid -> (rank, inherited frames), of the ranks the kernel started
         self.exception_filters: dict | None = None
+        self.set_breakpoints: dict[str, dict] = {}  # path -> the panel's last setBreakpoints arguments (conditions too)
         self.lock = threading.Lock()
         self.registered = threading.Condition(self.lock)
-        self.stopped_total, self.stopped_since = 0.0, None  # time some rank spent stopped (stopped_s)
+        self.clocks: dict[int, list] = {}  # pid -> [seconds stopped before, stopped since] (stopped_s)
 
     # -- the ranks -------------------------------------------------------------------------------
     def rank_started(self, pid: int, rank: int, inherited=frozenset()) -> None:
@@ -119,7 +130,6 @@ class RankDebugger:
             while pid not in self.ranks and time.monotonic() < deadline:
                 self.registered.wait(deadline - time.monotonic())
             rank, inherited = self.ranks.get(pid, (None, frozenset()))
-        connect = config.pop("connect")
         config["rules"] = [*config.get("rules", []), {"path": NBDDP_DIR, "include": False}]
         initialized = threading.Event()
         link_box: list[RankLink] = []
@@ -130,35 +140,49 @@ class RankDebugger:
             elif link_box:
                 self._rank_event(link_box[0], event)
 
+        session = None
         try:
+            connect = config.pop("connect")
             session = DapSession(connect["host"], connect["port"], on_event, on_close=lambda: self.gone(pid))
             link = RankLink(pid, rank, session, inherited)
             link_box.append(link)
             session.request("initialize", {"clientID": "nbddp", "adapterID": "python", "pathFormat": "path",
                                            "linesStartAt1": True, "columnsStartAt1": True})
             attached = session.send("attach", config)
-            if not initialized.wait(ATTACH_TIMEOUT_S):
+            if not initialized.wait(CALL_TIMEOUT_S):
                 raise DapError("the rank's debugger never said it was initialized")
-            for path, lines in self.kernel.breakpoints().items():
-                session.request("setBreakpoints", {"source": {"path": path}, "breakpoints": lines})
+            with self.lock:  # from now on the panel's setBreakpoints reach it too (twice at worst: harmless)
+                self.links[pid] = link
+            for arguments in self.breakpoints().values():
+                session.request("setBreakpoints", arguments)
             if self.exception_filters is not None:
                 session.request("setExceptionBreakpoints", self.exception_filters)
-            with self.lock:
-                self.links[pid] = link
             session.request("configurationDone")
-            attached.result(ATTACH_TIMEOUT_S)
-        except (OSError, DapError, TimeoutError, KeyError) as e:
+            attached.result(CALL_TIMEOUT_S)
+            if not debugger.active():  # the panel went off meanwhile: the rank runs on without it
+                self.gone(pid)
+        except Exception as e:  # noqa: BLE001 - whatever it was, the rank must not stay held
             self.kernel.log(f"nbddp: the debugger could not attach to pid {pid} (rank {rank}): {e}")
             self.gone(pid)
+            if session is not None:
+                session.close()
 
-    def gone(self, pid: int) -> None:
+    def gone(self, pid: int, told: bool = True) -> None:
+        """A rank's session ended (the rank did, or the panel let it go): the panel is told its threads
+        went on (``told``; not when the panel itself is going), and which rank is still stopped."""
         with self.lock:
             link = self.links.pop(pid, None)
-        if link is not None:
-            self.note_stops()
-            link.session.close()
+        if link is None:
+            return
+        self.note_stops()
+        link.session.close()
+        if told:
             for local in sorted(link.stopped):
                 self.kernel.publish(_event("continued", threadId=self.threads.out(link, local), allThreadsContinued=False))
+        for ids in (self.threads, self.frames, self.refs):
+            ids.forget(link)
+        if told:
+            self._still_stopped()
 
     def _rank_event(self, link: RankLink, event: dict) -> None:
         kind, body = event.get("event"), dict(event.get("body") or {})
@@ -172,6 +196,9 @@ class RankDebugger:
             untraced(threading.Thread(target=self._paused, args=(link, event), name="nbddp-debug-pause",
                                       daemon=True)).start()
             return
+        if kind == "continued" and local in link.quiet:  # (a pause let go at once: never said to be stopped)
+            link.quiet.discard(local)
+            return
         if kind == "stopped":
             link.stopped.add(local)
         elif kind == "continued":
@@ -183,15 +210,18 @@ class RankDebugger:
             self._still_stopped()
 
     def _paused(self, link: RankLink, event: dict) -> None:
-        """A rank paused where none of the user's code is on its stack (in nbddp's own, waiting for its next
-        cell or its peers): it could not be seen or stepped in the panel, so it goes on at once."""
+        """A rank paused where no cell of the notebook is on its stack (in nbddp's own code, waiting for its
+        next cell or for the kernel): nothing of the user's to see or step there, so it goes on at once,
+        unseen (its ``continued`` is not said either)."""
         local = event["body"]["threadId"]
+        prefix = debugger.cell_prefix()
         try:
             frames = link.session.request("stackTrace", {"threadId": local}).get("body", {}).get("stackFrames", [])
-            if not link.own(frames):
+            if not any(((f.get("source") or {}).get("path") or "").startswith(prefix) for f in link.own(frames)):
+                link.quiet.add(local)
                 link.session.request("continue", {"threadId": local})
                 return
-        except (DapError, TimeoutError):
+        except Exception:  # noqa: BLE001 - the rank went meanwhile
             return
         link.stopped.add(local)
         self.note_stops()
@@ -204,18 +234,31 @@ class RankDebugger:
                                        allThreadsStopped=False))
 
     def note_stops(self) -> None:
-        """After any rank thread stopped or went on: the clock of time spent stopped, kept."""
-        now, stopped = time.monotonic(), bool(self.stopped())
-        if stopped and self.stopped_since is None:
-            self.stopped_since = now
-        elif not stopped and self.stopped_since is not None:
-            self.stopped_total += now - self.stopped_since
-            self.stopped_since = None
+        """After any rank thread stopped or went on: each rank's clock of time spent stopped, kept."""
+        now = time.monotonic()
+        with self.lock:
+            stopped = {link.pid for link in self.links.values() if link.stopped}
+            for pid in stopped:
+                clock = self.clocks.setdefault(pid, [0.0, None])
+                if clock[1] is None:
+                    clock[1] = now
+            for pid, clock in self.clocks.items():
+                if pid not in stopped and clock[1] is not None:
+                    clock[0], clock[1] = clock[0] + now - clock[1], None
+            while len(self.clocks) > 4096:  # ranks long gone
+                self.clocks.pop(next(iter(self.clocks)))
 
-    def stopped_s(self) -> float:
-        """Seconds some rank has been stopped in the panel, all told (now included)."""
-        since = self.stopped_since
-        return self.stopped_total + (time.monotonic() - since if since is not None else 0.0)
+    def stopped_s(self, pids) -> float:
+        """Seconds the longest stopped of these ranks stood stopped in the panel, all told (now included)."""
+        now = time.monotonic()
+        found = [c[0] + (now - c[1] if c[1] is not None else 0.0) for c in map(self.clocks.get, pids) if c]
+        return max(found, default=0.0)
+
+    def breakpoints(self) -> dict[str, dict]:
+        """setBreakpoints' arguments for each file: the panel's own, over those the kernel's debugger kept
+        from before nbddp was loaded (lines only)."""
+        kept = {path: {"source": {"path": path}, "breakpoints": lines} for path, lines in self.kernel.breakpoints().items()}
+        return {**kept, **self.set_breakpoints}
 
     def stopped(self) -> list[tuple]:
         """(link, local thread id) of every rank thread stopped now."""
@@ -235,14 +278,18 @@ class Router:
         self.ranks, self.kernel = ranks, kernel
 
     async def process(self, msg: dict) -> dict:
-        """One debug request from the front end: its reply."""
+        """One debug request from the front end: its reply (a failure in a rank's part is said in it: the
+        front end waits for a reply to every request)."""
         command, args = msg.get("command"), msg.get("arguments") or {}
         owner = self._owner(args)
-        if owner is not None:
-            return await self._to_rank(msg, *owner)
-        handler = getattr(self, "_" + str(command), None)
-        if handler is not None and command in ROUTED:
-            return await handler(msg)
+        try:
+            if owner is not None:
+                return await self._to_rank(msg, *owner)
+            handler = getattr(self, "_" + str(command), None)
+            if handler is not None and command in ROUTED:
+                return await handler(msg)
+        except (DapError, asyncio.TimeoutError, concurrent.futures.TimeoutError) as e:
+            return _reply(msg, success=False, message=f"nbddp: {command} in a rank's debugger: {e}")
         return await self.kernel.forward(msg)
 
     def _owner(self, args: dict):
@@ -360,6 +407,7 @@ class Router:
         return reply
 
     async def _setBreakpoints(self, msg: dict) -> dict:
+        self.ranks.set_breakpoints[msg["arguments"]["source"]["path"]] = msg["arguments"]  # (a rank attached later)
         reply = await self.kernel.forward(msg)
         await self._every_rank("setBreakpoints", lambda link, local: msg["arguments"])
         return reply
@@ -382,7 +430,9 @@ class Router:
         disconnected, and a ``disconnect`` crossing a rank's exit can leave debugpy's adapter (1.8) holding a
         lock, so that it never answers the kernel's own."""
         for pid in list(self.ranks.links):
-            self.ranks.gone(pid)
+            self.ranks.gone(pid, told=False)
+        self.ranks.exception_filters = None
+        self.ranks.set_breakpoints.clear()
         return await self.kernel.forward(msg)
 
     async def _every_rank(self, command: str, arguments, only=None, main_only=False) -> None:
@@ -436,13 +486,18 @@ def install(shell) -> str | None:
 
 
 def uninstall() -> None:
+    """%unload_ext: the kernel's debugger as it was, every rank's session closed (a stopped rank runs on)."""
     debugger.unhook()
+    for ranks in _ranks:
+        for pid in list(ranks.links):
+            ranks.gone(pid, told=False)
     _ranks.clear()
 
 
-def stopped_s() -> float:
-    """Seconds ranks have spent stopped in the debugger panel in this kernel (a cell's --timeout moves on by them)."""
-    return _ranks[0].stopped_s() if _ranks else 0.0
+def stopped_s(pids) -> float:
+    """Seconds the ranks ``pids`` stood stopped in the debugger panel, the longest stopped's (a cell's --timeout
+    moves on by them)."""
+    return _ranks[0].stopped_s(pids) if _ranks and _ranks[0].clocks else 0.0
 
 
 def stopped_pids() -> frozenset:

@@ -2,9 +2,10 @@
 
 While the panel is on, each cell's command carries where the kernel's debugpy adapter listens
 (``RunCell.debug``, loopback only, with debugpy's access token); the rank connects to it once (``before_cell``)
-and waits until the kernel's panel has given it the breakpoints set. A rank forked while the panel was on
-is connected already: debugpy's own fork hook did it in the child. Once the panel is off, the next cell
-disconnects the rank and gives ``breakpoint()`` back to pdb in the notebook."""
+and waits until the kernel's panel has given it the breakpoints set. Ranks are started with posix's own
+fork and spawn, not debugpy's replacements of them; a forked rank first lets go of the kernel's debugger
+it inherited (``after_fork``). Once the panel is off, the next cell disconnects the rank and gives
+``breakpoint()`` back to pdb in the notebook."""
 from __future__ import annotations
 
 import os
@@ -36,7 +37,25 @@ def after_fork() -> None:
 
     if GlobalDebuggerHolder.global_dbg is not None:
         pydevd.settrace_forked(setup_tracing=False)  # the kernel's debugger object, its threads: gone here
-        pydevd.stoptrace()  # and its tracing of this thread (sys.settrace, or sys.monitoring on 3.12+)
+        _untrace()
+
+
+def _untrace() -> None:
+    """No tracing left of pydevd's here: pydevd.stoptrace's own steps but for its flush of sys.stdout (the
+    kernel's stream, whose lock the kernel's IO thread may have held at the fork)."""
+    import pydevd_tracing
+    from _pydev_bundle.pydev_monkey import undo_patch_thread_modules
+    from _pydevd_bundle.pydevd_constants import PYDEVD_USE_SYS_MONITORING
+
+    pydevd_tracing.restore_sys_set_trace_func()
+    if PYDEVD_USE_SYS_MONITORING:
+        from _pydevd_sys_monitoring import pydevd_sys_monitoring
+
+        pydevd_sys_monitoring.stop_monitoring(all_threads=True)
+    else:
+        sys.settrace(None)
+        threading.settrace(None)
+    undo_patch_thread_modules()
 
 
 def before_cell(setup: dict | None) -> None:
@@ -44,12 +63,24 @@ def before_cell(setup: dict | None) -> None:
     connected = _debugger() is not None
     if setup is not None:
         if not connected:
+            _forget()  # one whose connection died is made anew
             connect(setup)
         import pydevd
 
         pydevd.install_breakpointhook()  # breakpoint() stops in the panel (rank/debug.py gave it to pdb at the start)
     elif connected:
         disconnect()
+
+
+def _forget() -> None:
+    """A debugger object whose connection is gone (or none): nothing of it left, for a new one."""
+    if sys.modules.get("pydevd") is None:
+        return
+    from _pydevd_bundle.pydevd_constants import GlobalDebuggerHolder
+
+    if GlobalDebuggerHolder.global_dbg is not None:
+        _untrace()
+        GlobalDebuggerHolder.global_dbg = None
 
 
 def connect(setup: dict) -> None:
