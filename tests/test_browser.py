@@ -185,6 +185,10 @@ def _shot(c, name: str, theme: str) -> None:
     assert views.count(), f"{name}: no view of nbddp's in the cell"
     for i in range(views.count()):
         worst = views.nth(i).evaluate(CONTRAST)
+        for _ in range(20):  # a live view drawn anew while it was read (its copy off the page: no theme): again
+            if worst != "redrawn":
+                break
+            worst = views.nth(i).evaluate(CONTRAST)
         assert worst is None or worst[0] >= MIN_CONTRAST, f"{name} ({theme}): text hard to read: {worst}"
     if theme == "dark":  # what each view paints, its text hidden (a rank's own "█" is text, and legible); the
         c.evaluate(HIDE_TEXT)  # cell's class, not the view's: a live view is drawn anew at each update
@@ -211,6 +215,7 @@ CONTRAST = r"""view => {
   for (const el of [view, ...view.querySelectorAll('*')]) {
     if (![...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim())) continue;
     const back = behind(el), fore = over(rgba(getComputedStyle(el).color), back);
+    if (!el.isConnected) return 'redrawn';  // a live view drawn anew meanwhile: this copy left the page
     const [a, b] = [lum(fore), lum(back)].sort((x, y) => y - x);
     const ratio = (a + 0.05) / (b + 0.05);
     if (!worst || ratio < worst[0]) worst = [ratio, el.textContent.trim().slice(0, 40), getComputedStyle(el).color, back];

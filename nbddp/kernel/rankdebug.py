@@ -16,8 +16,8 @@ a rank's thread without ``levels`` lists every stopped rank's frames, each named
 continues them all); one of a rank's thread acts on that rank. The ipykernel side is ipy/debugger.py."""
 from __future__ import annotations
 
+import ast
 import asyncio
-import concurrent.futures
 import itertools
 import os
 import threading
@@ -288,8 +288,8 @@ class Router:
             handler = getattr(self, "_" + str(command), None)
             if handler is not None and command in ROUTED:
                 return await handler(msg)
-        except (DapError, asyncio.TimeoutError, concurrent.futures.TimeoutError) as e:
-            return _reply(msg, success=False, message=f"nbddp: {command} in a rank's debugger: {e}")
+        except Exception as e:  # noqa: BLE001 - a rank gone, a timeout, an answer not as expected
+            return _reply(msg, success=False, message=f"nbddp: {command} in a rank's debugger: {e!r}")
         return await self.kernel.forward(msg)
 
     def _owner(self, args: dict):
@@ -362,14 +362,15 @@ class Router:
         return out
 
     async def _rich(self, msg: dict, link: RankLink, args: dict) -> dict:
-        """A rank's variable shown as the notebook would show it (its MIME bundle, made in the rank)."""
+        """A rank's variable shown as the notebook would show it (its MIME bundle, made in the rank); a name
+        that is no variable's (JupyterLab's "special variables" group) has none, as in ipykernel."""
+        if not str(args.get("variableName", "")).isidentifier():
+            return _reply(msg, body={"data": {}, "metadata": {}})
         expression = f"__import__('nbddp.rank.debugpanel', fromlist=['rich']).rich({args['variableName']})"
         try:
             reply = await link.call("evaluate", {"expression": expression, "frameId": args["frameId"], "context": "clipboard"})
         except (DapError, asyncio.TimeoutError) as e:
             return _reply(msg, success=False, message=f"{link.label}: {e}")
-        import ast
-
         data, metadata = ({}, {})
         if reply.get("success"):
             try:
