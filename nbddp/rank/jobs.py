@@ -15,6 +15,9 @@ from ..wire.messages import Item, Result
 from . import copywatch, debug
 
 
+_LINES: dict[str, tuple] = {}  # a cell's file name -> the linecache entry this rank made for its text
+
+
 def run_async(body: types.CodeType, last: types.CodeType | None, ns: dict):
     """A cell with top-level ``await``: body and last expression awaited in one fresh event loop (a
     forked rank must never touch the kernel's running loop), closed when the cell ends."""
@@ -49,11 +52,13 @@ class CellJob:
     def run_in(self, ns: dict, ctx, notebook) -> Result:
         """Run in ``ns``; ``notebook``: the objects (values.notebook_objects) the kernel has as well,
         which travel back by reference."""
-        known = linecache.cache.get(self.filename)
-        if known is None or known[0] != len(self.source) or known[3] != self.filename:
-            # (while the debugger panel is on, the name is the whole cell's, whose text the kernel cached differs)
+        entry = _LINES.get(self.filename)
+        if entry is None or linecache.cache.get(self.filename) is not entry:
+            # (while the debugger panel is on, the name is the whole cell's, under which the kernel, whose
+            # linecache a forked rank inherits, cached another text: the magic's call)
             lines = self.source.splitlines(keepends=True)
-            linecache.cache[self.filename] = (len(self.source), None, lines, self.filename)
+            entry = (len(self.source), None, lines, self.filename)
+            linecache.cache[self.filename] = _LINES[self.filename] = entry
         ns.update(rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, device=ctx.device)
         ns.update(exit=sys.exit, quit=sys.exit)  # as in a script: ends this rank's cell
         body, last = _compiled(self.source, self.filename)  # in the rank: code objects never travel
