@@ -8,7 +8,6 @@ import _signal
 import contextlib
 import dataclasses
 import os
-import posix
 import signal
 import sys
 import threading
@@ -21,6 +20,12 @@ from ..rank.worker import RankSpec, fork_main
 from ..wire import values
 from . import devices, rankdebug, rendezvous
 from .supervisor import RankProc, Supervisor
+
+# posix's own fork and posix_spawn, not os's: the kernel's debugger (debugpy) replaces those, its fork with one
+# that holds the child until a debugger attaches, its posix_spawn with one that starts the child under the
+# debugger from its first line (a spawned rank took 39 s to reach a breakpoint); a rank connects at its cell
+# instead while the panel is on (rank/debugpanel.py). os where there is no posix module (options.py refuses it).
+_posix = sys.modules.get("posix", os)
 
 # Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
 # ranks only run the cell and exit through os._exit, and worker.py makes torch safe first.
@@ -154,9 +159,7 @@ class ForkStarter:
         life_r, life_w = _life_pipe()
         LIBC.fflush(None)  # C-level buffers would otherwise be written again by the child
         inherit.before_fork()  # what the rank patches, found here: it would fault copying pages there
-        # posix's own fork: the kernel's debugger (debugpy) replaces os.fork with one that holds the child until a
-        # debugger attaches to it; a rank connects at its first cell instead, while the panel is on (debugpanel)
-        pid = posix.fork()
+        pid = _posix.fork()
         if pid == 0:  # pragma: no cover - the child; fork_main never returns (life_w stays open)
             fork_main(spec, job, out_fd=out_w, err_fd=err_w, chan_fd=chan_w,
                       close_fds=[*inherited_fds, out_r, err_r, chan_r, *([life_r] if life_r is not None else [])])
@@ -188,9 +191,7 @@ class SpawnStarter:
         life_r, life_w = _life_pipe()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
-        # posix's own: the kernel's debugger (debugpy) replaces os.posix_spawn to start a child under it from its
-        # first line (a spawned rank took 39 s to reach a breakpoint); a rank connects at its first cell instead
-        pid = posix.posix_spawn(
+        pid = _posix.posix_spawn(
             sys.executable,
             [sys.executable, "-m", "nbddp.rank.spawn_main", str(spec_path), str(self.job_path)],
             env,
