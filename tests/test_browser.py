@@ -140,13 +140,17 @@ def _lab(tmp_path, cells, theme="light"):
         shutil.rmtree(tmp_path / "rt", ignore_errors=True)
 
 
-def _open(pw, url, theme="light"):
+def _open(pw, url, theme="light", before_goto=None):
+    """Chromium on the notebook; ``before_goto(page)``: what must listen from the start (the kernel's websocket
+    can open before this returns)."""
     browser = pw.chromium.launch(
         executable_path=CHROMIUM,
         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
               "--disable-sync", "--no-first-run"],
     )
     page = browser.new_page(viewport={"width": WIDTH, "height": 1000})
+    if before_goto is not None:
+        before_goto(page)
     page.goto(url)
     page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
     page.wait_for_function("name => document.body.dataset.jpThemeName === name", arg=THEMES[theme], timeout=30_000)

@@ -117,9 +117,10 @@ def test_a_background_cell_stays_live_a_plain_cell_runs_meanwhile_and_attach_fol
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as pw:
-        browser, page = _open(pw, bg_lab)
+        made = []  # (its websocket can open before _open returns: Frames listens from the start)
+        browser, page = _open(pw, bg_lab, before_goto=lambda p: made.append(Frames(p)))
         try:
-            frames = Frames(page)
+            frames = made[0]
             _run_first_cell(page, expect)  # %load_ext nbddp
             _dismiss_toasts(page)
             run_cell(page, 1)
