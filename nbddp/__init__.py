@@ -79,7 +79,7 @@ def _export_cells(cells, **kwargs) -> str:
 def load_ipython_extension(ipython) -> None:
     from .hw import cuda
     from .ipy import cells
-    from .kernel import rankdebug, warm
+    from .kernel import forkserver, rankdebug, warm
     from .kernel.magic import DDPMagics, register_exporter
     from .rank import worker
 
@@ -89,6 +89,7 @@ def load_ipython_extension(ipython) -> None:
     cells.track(ipython)  # IPython 7.x keeps no file name -> cell map: nbddp keeps one
     cuda.backend().install(ipython, cells)  # first: its environment (NVML-based CUDA checks) holds for torch's import
     worker.warm_start()  # torch imported once, here, so ranks never import it
+    forkserver.at_load()  # a CUDA-clean template for GPU ranks, forked before the kernel can hold CUDA
     warm.start()  # what a real first step imports lazily (DDP: torch._dynamo...), on a thread: forks wait for it
     _pool_module()  # %ddp start's pool, a --cluster one included
     register_exporter(_export_cells)  # %ddp_export's writer

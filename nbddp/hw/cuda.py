@@ -136,6 +136,14 @@ class Cuda:
         sighting = w.initialised or w.loaded  # where a device file opened, else where the driver was loaded
         return _refusal_for(sighting, w) if sighting else _refusal(None, None, None)
 
+    def culprits(self) -> set[str]:
+        """The packages seen initialising CUDA in the kernel (a forkserver never imports them ahead)."""
+        found = {self.site.module if self.site else None}
+        for s in (self.watch.initialised,):
+            if s is not None:
+                found |= {s.module, *s.suspects}
+        return {m.partition(".")[0] for m in found if m}
+
     def initialised_in_kernel(self) -> bool:
         """True when the kernel holds a CUDA context (torch's or anyone's). Never creates one."""
         return self.refusal() is not None
@@ -177,6 +185,14 @@ class Cuda:
             return torch.version.cuda is not None
         except ImportError:
             return False
+
+
+def held_here() -> bool:
+    """This process holds a CUDA context, torch's or anyone's (a forked child of it could not use a GPU).
+    For a process that is no kernel (the forkserver): creates no context, loads no driver."""
+    if Cuda._torch_initialised():
+        return True
+    return driverwatch.driver_mapped() is not None and not Cuda._forked_child_can_init()
 
 
 NVML_CALLS = ("_raw_device_count_nvml", "_raw_device_uuid_nvml")  # torch.cuda's, under PYTORCH_NVML_BASED_CUDA_CHECK

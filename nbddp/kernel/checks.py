@@ -3,6 +3,7 @@ changes: bad options, a launch from inside a rank or during another launch, the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import textwrap
@@ -33,11 +34,28 @@ def preflight(config, *, pool: bool = False) -> devices.Plan:
     """Everything that can refuse a launch, with nothing changed yet; returns the plan (its notes said)."""
     refusals(config, pool=pool)
     plan = devices.plan(config.devices, config.accelerator, config.backend)
+    method = config.start_method
+    if plan.accelerator == "cuda" and method == "fork" and (held := cuda.backend().refusal()):
+        method = "forkserver"  # a fork of this kernel could not use a GPU
+        plan = dataclasses.replace(plan, notes=(*plan.notes, *_forkserver_note(held)))
     for note in [*plan.notes, *_oversubscribed(plan, config.threads)]:  # busy GPUs auto skipped, many CPU ranks
         print(note, file=sys.stderr)
-    if plan.accelerator == "cuda" and config.start_method == "fork" and (refusal := cuda.backend().refusal()):
-        raise refusal
-    return plan
+    return dataclasses.replace(plan, start_method=method)
+
+
+_said_forkserver = False
+
+
+def _forkserver_note(held) -> list[str]:
+    """Once per kernel: the ranks start from the forkserver, and why (who made the kernel's CUDA context)."""
+    global _said_forkserver
+    if _said_forkserver:
+        return []
+    _said_forkserver = True
+    why = str(held).splitlines()[0].rstrip(".")
+    return [textwrap.fill(f"nbddp: {why}, so a fork of it cannot use a GPU: the ranks start from nbddp's forkserver "
+                          "instead (no restart; the notebook values a cell reads are sent, tensors through shared "
+                          "memory).", width=NOTE_WIDTH, break_long_words=False, break_on_hyphens=False)]
 
 
 def refusals(config, *, pool: bool = False) -> None:
@@ -51,10 +69,11 @@ def refusals(config, *, pool: bool = False) -> None:
         )
     if _launching:
         raise UsageError("another nbddp launch is still running in this process; wait for it to finish.")
-    if pool and config.start_method != "fork":
-        raise UsageError("--start-method spawn: a pool forks its ranks from the kernel (that is how they share "
-                         "the notebook's data); spawn works for one-shot %%ddp cells only.\nNothing ran: drop "
-                         "--start-method from %ddp start, or %ddp stop and run the cell one-shot with it.")
+    if pool and config.start_method == "spawn":
+        raise UsageError("--start-method spawn: a pool's ranks are forked (from the kernel, or from nbddp's "
+                         "forkserver), never spawned; spawn works for one-shot %%ddp cells only.\nNothing ran: drop "
+                         "--start-method from %ddp start (or use forkserver), or %ddp stop and run the cell one-shot "
+                         "with it.")
     options.check(config)
     if config.cluster and not pool or config.nodes > 1 and not config.cluster:
         raise UsageError("--cluster and --nodes start a pool across the nodes of a Ray cluster: %ddp start "
@@ -62,11 +81,11 @@ def refusals(config, *, pool: bool = False) -> None:
     devices.parse_devices(config.devices)
 
 
-def before_fork(config) -> None:
-    """Just before the first fork: the modules ranks would import lazily are in (warm.py's thread has
-    finished: nothing of nbddp's runs during the fork), the kernel's idle OpenMP threads released
+def before_fork(config, plan) -> None:
+    """Just before the first fork of the kernel: the modules ranks would import lazily are in (warm.py's
+    thread has finished: nothing of nbddp's runs during the fork), the kernel's idle OpenMP threads released
     (nothing runs a parallel op between this and the forks)."""
-    if config.start_method == "fork":
+    if plan.start_method == "fork":
         warm.wait()
         openmp.release_threads(config.threads)
 

@@ -28,6 +28,7 @@ class Plan:
     backend: str  # "nccl" or "gloo"
     device_ids: tuple[int | None, ...]  # one per rank: a GPU index, or None for a CPU rank
     notes: tuple[str, ...] = field(default=(), compare=False)  # for the user: GPUs skipped or busy, and why
+    start_method: str = "fork"  # how its ranks start: --start-method, or the forkserver for a kernel holding CUDA
 
     @property
     def world_size(self) -> int:

@@ -48,7 +48,7 @@ def one_shot(command, config, *, plan=None, namespace=None, observer=None, relab
     plan = plan or checks.preflight(config)  # a caller that passes the plan ran preflight itself
     with checks.one_at_a_time():
         gang = Gang(config, plan, persistent=False)
-        fork = config.start_method == "fork"
+        fork = plan.start_method == "fork"
         return CellRun(gang, config, relabel=relabel, observer=observer, on_start=on_start).run(
             lambda pipes: Server(first=command, cmd_pipes=pipes, namespace=namespace if fork else None))
 

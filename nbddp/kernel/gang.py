@@ -49,23 +49,23 @@ class Gang:
     # -- life ----------------------------------------------------------------------------------------
     @property
     def piped(self) -> bool:
-        """Its ranks have command pipes (every forked gang; spawned ranks have none)."""
-        return self.config.start_method == "fork"
+        """Its ranks have command pipes (every forked gang, from the kernel or the forkserver; spawned ranks
+        have none)."""
+        return self.plan.start_method != "spawn"
 
     def start(self, job_for, deadline: float | None = None) -> None:
         """One rank per planned device, running ``job_for(command pipes)``: a pool's commands, a one-shot
         cell's ``Stop``. Past ``deadline`` no more are forked."""
         pipes = {r: os.pipe() for r in range(self.world_size)} if self.piped else {}
         self._cmd = {r: w for r, (_, w) in pipes.items()}
-        self._starter = (starters.ForkStarter if self.config.start_method == "fork"
-                         else starters.SpawnStarter)(self.run_dir)
+        self._starter = starters.STARTERS[self.plan.start_method](self.run_dir)
         self.started = True
         prepare = None
-        if self.config.start_method == "fork":  # the process group meets on the kernel's store, over pipes
+        if self.piped:  # the process group meets on the kernel's store, over pipes
             self.local = groupstore.LocalStores(groupstore.Store())
             prepare = starters.store_pipes(self.local)
         try:
-            checks.before_fork(self.config)
+            checks.before_fork(self.config, self.plan)
             starters.fork_ranks(self.sup, self._starter, job_for(pipes), self.config, self.plan, self.run_dir,
                                 deadline, prepare)
         finally:

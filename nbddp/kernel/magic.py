@@ -246,8 +246,9 @@ class DDPMagics(Magics):
         source, filename, _ = self._compiled.get(self.shell, cell)
         filename = debugger.cell_file(shell, filename)  # the debugger panel's breakpoints are set there
         plan = checks.preflight(config)  # everything that refuses, before spawn pickles anything
-        fork = config.start_method == "fork"
-        # fork: the ranks share the notebook as it is now; spawn: the globals the cell reads travel with it
+        fork = plan.start_method == "fork"
+        # fork: the ranks share the notebook as it is now; spawn, forkserver: the globals the cell reads travel
+        # with it (tensors and arrays through shared memory)
         updates = {} if fork else sending.ship_globals(source, filename, shell.user_ns)
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates,
                                post_mortem=bool(getattr(shell, "call_pdb", False)), debug=debugger.rank_setup())

@@ -94,10 +94,12 @@ OPTIONS = (
            help="auto: cuda when NVML sees a GPU, else cpu."),
     Option("backend", ("--backend",), "auto", scope=LAUNCH, group="ranks", choices=("auto", "nccl", "gloo"),
            help="torch.distributed backend. auto: nccl on GPU, gloo on CPU."),
-    Option("start_method", ("--start-method",), "fork", scope=LAUNCH, group="ranks", choices=("fork", "spawn"),
-           help="fork (default): ranks share the notebook's data copy-on-write. spawn (one-shot cells only): "
-           "fresh interpreters; the cell and the globals it uses are pickled (for a kernel that already "
-           "initialised CUDA)."),
+    Option("start_method", ("--start-method",), "fork", scope=LAUNCH, group="ranks",
+           choices=("fork", "forkserver", "spawn"),
+           help="fork (default): ranks share the notebook's data copy-on-write; in a kernel that holds CUDA, "
+           "GPU ranks start from the forkserver instead (said in the cell). forkserver: forked from a process "
+           "that never initialised CUDA, warm with the kernel's imports; the globals the cell reads are sent, "
+           "tensors and arrays through shared memory. spawn (one-shot cells only): fresh interpreters."),
     Option("threads", ("--threads",), 1, scope=LAUNCH, group="ranks", type=int, metavar="N", need="a whole number >= 1",
            ok=_whole(1), help="Intra-op threads per rank (torch.set_num_threads). Default 1; more is safe after "
            "the notebook ran torch ops (the kernel's idle OpenMP threads are released before the fork)."),
@@ -186,6 +188,9 @@ def check(conf) -> None:
             f"nbddp runs ranks on Linux and macOS; {sys.platform} has neither fork nor posix_spawn.\n"
             "On Windows, run the notebook inside WSL2 (CUDA and NCCL work there)."
         )
+    if conf.start_method == "forkserver" and not (hasattr(os, "pidfd_open") and hasattr(os, "memfd_create")):
+        raise UsageError(f"--start-method forkserver needs Linux (pidfds, memfds); {sys.platform} has not: use "
+                         "--start-method spawn.")
     if conf.start_method == "fork" and not fork_available():
         raise UsageError(
             f"fork is not available on {sys.platform}: use --start-method spawn "

@@ -6,6 +6,7 @@ the pool's cells read, what the notebook rebound, what a cluster pool's other no
 from __future__ import annotations
 
 import builtins
+import sys
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -13,38 +14,64 @@ from dataclasses import dataclass, field
 from ..errors import UsageError
 from ..units import size
 from ..ipy.cellcode import names_used, notebook_name, split_last_expression
-from ..wire import values
+from ..wire import sharedtensor, values
 
 
-def pickled_for_ranks(names, namespace: dict, *, wanted=None, unpicklable) -> dict[str, bytes]:
+class Blobs(dict):
+    """name -> a notebook value pickled for the ranks; ``shared``: name -> the bytes of its tensors and
+    arrays that went through shared memory instead (sharedtensor.py), where there were any."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.shared: dict[str, int] = {}
+
+    def update(self, other=(), **kw):
+        super().update(other, **kw)
+        self.shared.update(getattr(other, "shared", {}))
+
+
+def pickled_for_ranks(names, namespace: dict, *, wanted=None, unpicklable) -> Blobs:
     """The one worklist that sends notebook values by value: each of ``names`` the namespace holds (a
     notebook name, and ``wanted(name, value)``), pickled once, then the notebook names a function or class
     among them reads (what it reads, in turn), as they are found. ``unpicklable(name, value, error)``
-    raises the UsageError for a value that cannot be pickled, or returns to let that name go."""
-    out: dict[str, bytes] = {}
+    raises the UsageError for a value that cannot be pickled, or returns to let that name go. Big tensors
+    and arrays among them go through shared memory, all of this send's in one memfd."""
+    out = Blobs()
     tried: set[str] = set()
     pending = sorted(names)
-    while pending:
-        name = pending.pop(0)
-        if name in tried or name not in namespace or not notebook_name(name):
-            continue
-        tried.add(name)
-        value = namespace[name]
-        if wanted is not None and not wanted(name, value):
-            continue
-        try:
-            out[name] = values.to_ranks(value)
-        except Exception as e:  # noqa: BLE001 - named by ``unpicklable``
-            unpicklable(name, value, e)
-            continue
-        pending += sorted(reads_of(value) - tried)  # its globals: the rank's own once it arrives
+    with sharedtensor.sharer().send() as sharer:
+        while pending:
+            name = pending.pop(0)
+            if name in tried or name not in namespace or not notebook_name(name):
+                continue
+            tried.add(name)
+            value = namespace[name]
+            if wanted is not None and not wanted(name, value):
+                continue
+            before = sharer.shared
+            try:
+                out[name] = values.to_ranks(value)
+            except sharedtensor.SharedMemoryFull as e:
+                raise UsageError(f"`{name}` ({values.describe(value)}) must reach the ranks through shared memory, "
+                                 f"and there is no room for its {e} more: the machine's memory is full. Nothing ran. "
+                                 "Free memory in the notebook (del what you no longer need, then gc.collect()), or "
+                                 "create it inside a %%ddp cell.") from None
+            except Exception as e:  # noqa: BLE001 - named by ``unpicklable``
+                unpicklable(name, value, e)
+                continue
+            if sharer.shared > before:
+                out.shared[name] = sharer.shared - before
+            pending += sorted(reads_of(value) - tried)  # its globals: the rank's own once it arrives
     return out
 
 
 def sent_text(blobs: dict[str, bytes], namespace: dict) -> list[str]:
-    """``name (what it is, its size)`` for each value sent, but modules (a module travels by name)."""
-    return [f"{name} ({values.describe(namespace[name])}, {size(len(blob))})" for name, blob in blobs.items()
-            if not isinstance(namespace[name], types.ModuleType)]
+    """``name (what it is, its size)`` for each value sent, but modules (a module travels by name); a
+    value whose tensors went through shared memory, with how much of it did."""
+    shared = getattr(blobs, "shared", {})
+    return [f"{name} ({values.describe(namespace[name])}, "
+            + (f"{size(shared[name])} in shared memory)" if shared.get(name) else f"{size(len(blob))})")
+            for name, blob in blobs.items() if not isinstance(namespace[name], types.ModuleType)]
 
 
 def reached(names, namespace: dict) -> set[str]:
@@ -64,14 +91,16 @@ def pickled_for_cell(cell_reads, reads, namespace: dict, *, wanted, refuse, unse
     cells read (``reads``) is pickled where it can be, and let go where not, but for a value already let go
     (``unsendable``: name -> its token). Returns (name -> pickled value, name -> (token, why) let go now)."""
     near = reached(cell_reads, namespace)
-    blobs = pickled_for_ranks(near, namespace, wanted=wanted, unpicklable=refuse)
-    let_go: dict[str, tuple] = {}
+    with sharedtensor.sharer().send():  # one memfd for the whole send
+        blobs = pickled_for_ranks(near, namespace, wanted=wanted, unpicklable=refuse)
+        let_go: dict[str, tuple] = {}
 
-    def note(name, value, e):
-        let_go[name] = (_token(value), f"{type(e).__name__}: {e}")
+        def note(name, value, e):
+            let_go[name] = (_token(value), f"{type(e).__name__}: {e}")
 
-    blobs.update(pickled_for_ranks(set(reads) - near - set(blobs), namespace, unpicklable=note, wanted=lambda name, value:
-                                   name not in blobs and wanted(name, value) and not _same(unsendable.get(name), value)))
+        blobs.update(pickled_for_ranks(set(reads) - near - set(blobs), namespace, unpicklable=note,
+                                       wanted=lambda name, value: name not in blobs and wanted(name, value)
+                                       and not _same(unsendable.get(name), value)))
     return blobs, let_go
 
 
@@ -123,9 +152,11 @@ class RankNames:
     its code reads that the ranks lack. Only a cell that reads a name is refused when its new value cannot
     be pickled: for the others the ranks' old copy is dropped (the notebook has moved on from it), said once."""
 
-    def __init__(self, namespace: dict | None, *, other_nodes: bool = False):
+    def __init__(self, namespace: dict | None, *, other_nodes: bool = False, inherited: bool = True):
+        """``inherited``: the ranks were forked from the kernel and hold its names as they were (a
+        forkserver's ranks hold none: every name a cell reads is sent at its first use)."""
         self.namespace = namespace if namespace is not None else {}
-        self.known = {k: _token(v) for k, v in self.namespace.items()}  # name -> the value the ranks have
+        self.known = {k: _token(v) for k, v in self.namespace.items()} if inherited else {}  # name -> the value the ranks have
         self.unsendable: dict[str, tuple] = {}  # name -> the value dropped from the ranks (it cannot be sent)
         self.assigned: set[str] = set()  # names the ranks bound themselves: theirs until the notebook rebinds them
         self.reads: set[str] = set()  # every name the pool's cells' code reads, functions' bodies too
@@ -194,7 +225,7 @@ class RankNames:
                  for name, (_, why) in let_go.items()]
         sizes = sent_text(updates, namespace)
         if sizes:
-            total = sum(len(b) for b in updates.values())
+            total = sum(len(b) for b in updates.values())  # pickled: what shared memory did not carry
             notes.insert(0, f"sent {', '.join(sizes)} to every rank (new or rebound in the notebook since the pool "
                          "started)" + ("; %ddp restart shares big data copy-on-write instead" if total >= BIG_UPDATE
                                        else ""))
@@ -222,12 +253,29 @@ class RankNames:
 
 
 def _token(value):
+    """What identifies the value the ranks hold: equal plain values; the same object; for a tensor, also
+    its version (an in-place change in the notebook moves it: the next cell that reads it gets it anew)."""
     if isinstance(value, values.PLAIN):
         return ("v", type(value), value)
+    version = _version(value)
     try:
-        return ("w", weakref.ref(value))
+        return ("w", weakref.ref(value), version)
     except TypeError:
         return ("i", id(value))
+
+
+def _version(value):
+    """A tensor's version counter (in-place ops move it); a numpy array whose bytes changed since they were
+    sent through shared memory: a fresh token (it never equals); anything else: None."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        try:
+            return value._version
+        except RuntimeError:  # an inference tensor has none
+            return None
+    if sharedtensor.changed_array(value):
+        return object()
+    return None
 
 
 def _same(token, value) -> bool:
@@ -237,7 +285,7 @@ def _same(token, value) -> bool:
     if kind == "v":
         return type(value) is token[1] and value == token[2]
     if kind == "w":
-        return token[1]() is value
+        return token[1]() is value and token[2] == _version(value)
     return token[1] == id(value)
 
 

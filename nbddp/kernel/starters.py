@@ -211,6 +211,66 @@ class SpawnStarter:
             p.unlink(missing_ok=True)
 
 
+class ForkserverStarter:
+    """Ranks forked by the forkserver (kernel/forkserver.py), a process that never initialised CUDA: for a
+    kernel that holds a CUDA context and ranks that need GPUs (chosen by checks.preflight), or asked for by
+    name. The notebook values a cell reads travel with it as with spawn, big tensors and arrays through
+    shared memory (wire/sharedtensor.py); its imports are the kernel's, done once in the server."""
+
+    def __init__(self, run_dir):
+        self.run_dir = run_dir
+        self.server = None
+        self._job = None  # the job the server holds (one per gang)
+
+    def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
+        from ..hw import cuda
+        from . import forkserver
+
+        if self.server is None:
+            self.server = forkserver.ready(cuda.backend().culprits())
+        pipes = getattr(job, "cmd_pipes", None) or {}
+        if self._job is not job:
+            self.server.set_job(values.to_ranks(_without_pipes(job)))
+            self._job = job
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        chan_r, chan_w = os.pipe()
+        roles, fds = ["out", "err", "chan"], [out_w, err_w, chan_w]
+        if spec.store_fds is not None:
+            roles += ["store_req", "store_rep"]
+            fds += list(spec.store_fds)
+        if spec.rank in pipes:
+            roles.append("cmd")
+            fds.append(pipes[spec.rank][0])
+        try:
+            pid = self.server.fork(spec, tuple(roles), fds)
+        except BaseException:
+            for fd in (out_r, out_w, err_r, err_w, chan_r, chan_w):
+                os.close(fd)
+            raise
+        proc = _parent_side(pid, spec.rank, out_r, err_r, chan_r, (out_w, err_w, chan_w), (None, None))
+        server = self.server
+        proc.reap = lambda: server.wait_exit(pid)  # not the kernel's child: the server reaps it
+        return proc
+
+    def cleanup(self) -> None:
+        pass
+
+
+def _without_pipes(job):
+    """The job as the server keeps it: no command pipes (each rank is given its own end)."""
+    if not getattr(job, "cmd_pipes", None):
+        return job
+    import copy
+
+    job = copy.copy(job)
+    job.cmd_pipes = {}
+    return job
+
+
+STARTERS = {"fork": ForkStarter, "spawn": SpawnStarter, "forkserver": ForkserverStarter}
+
+
 def _parent_side(pid, rank, out_r, err_r, chan_r, child_ends, life) -> RankProc:
     life_r, life_w = life
     for fd in (*child_ends, *([life_w] if life_w is not None else [])):

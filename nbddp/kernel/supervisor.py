@@ -122,6 +122,7 @@ class RankProc:
     stop_sent: bool = False
     here: bool = True  # a process of this machine (a cluster pool's rank on another node is not: remote.py)
     node: str = ""  # a cluster pool's: the node it runs on, as its exit record names it
+    reap: object = None  # a rank that is not the kernel's child (the forkserver's): () -> (wait status, peak RSS)
 
     def signal(self, sig: int, group: bool = True) -> None:
         """``sig`` to the rank (and, ``group``, the processes it started)."""
@@ -330,7 +331,11 @@ class Supervisor:
         for fd in list(proc.fds):
             self._close_fd(proc, fd)
         _signal_group(proc.pid, signal.SIGKILL)
-        _, status, usage = os.wait4(proc.pid, 0)
+        if proc.reap is None:
+            _, status, usage = os.wait4(proc.pid, 0)
+            max_rss = usage.ru_maxrss * 1024
+        else:
+            status, max_rss = proc.reap()
         self.sel.unregister(proc.exit_fd)
         os.close(proc.exit_fd)
         proc.exit_fd = -1
@@ -339,7 +344,7 @@ class Supervisor:
         self.ended(proc, failure.exit_record(
             proc.rank, proc.records, code=os.waitstatus_to_exitcode(status),
             stopped=proc.stop_sent or proc.rank in self.timed_out,
-            max_rss=usage.ru_maxrss * 1024, seen=time.time(),
+            max_rss=max_rss, seen=time.time(),
         ))
 
     def ended(self, proc: RankProc, record: failure.RankExit) -> None:

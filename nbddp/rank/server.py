@@ -96,8 +96,10 @@ class Server:
                 bound.snapshot()  # idle again: off the next cell's path
 
     def _own_end(self, rank: int) -> int:
+        """This rank's read end; the others' ends closed (a forkserver's rank is given its own end only)."""
         for r, (read, write) in self.cmd_pipes.items():
-            os.close(write)
+            if write is not None:
+                os.close(write)
             if r != rank:
                 os.close(read)
         return self.cmd_pipes[rank][0]

@@ -75,8 +75,9 @@ def warm_start(outside_shell: bool = False) -> None:
     store_class()  # the process group's store class (a torch.distributed.Store in Python), made once here
 
 
-def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, close_fds) -> None:
-    """Entry point in a freshly forked child. Never returns."""
+def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, close_fds, load_job=None) -> None:
+    """Entry point in a freshly forked child (of the kernel, or of the forkserver: ``load_job`` unpickles
+    the job in the rank's "job" phase). Never returns."""
     code = 70
     chan = framing.Writer(chan_fd, stdio.marks)
     try:
@@ -88,7 +89,7 @@ def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, cl
         for fd in close_fds:
             _close(fd)
         _own_stdio(out_fd, err_fd)
-        code = run_rank(spec, lambda: job, chan)
+        code = run_rank(spec, load_job or (lambda: job), chan)
     except BaseException as e:  # noqa: BLE001 - before run_rank took over: still reported
         report(chan, "start", e)
     finally:

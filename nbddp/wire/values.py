@@ -22,6 +22,7 @@ import types
 import cloudpickle
 
 from ..units import size
+from . import sharedtensor
 from .messages import Item
 
 NEVER_DEFINED = "never defined"  # an --out/--gather name the cell did not define on that rank
@@ -139,11 +140,17 @@ class _ToRanks(cloudpickle.CloudPickler):
     if _code is not None:
         dispatch_table[types.CodeType] = _keep_filename
 
+    def reducer_override(self, obj):
+        # a notebook tensor or array of this machine: its bytes once in shared memory, a handle in the pickle
+        return sharedtensor.reduce(obj) or super().reducer_override(obj)
+
 
 def to_ranks(obj) -> bytes:
-    """A notebook value pickled for the ranks (by value: spawn, a pool's updates, another node)."""
+    """A notebook value pickled for the ranks (by value: spawn, forkserver, a pool's updates, another node):
+    big tensors and arrays through shared memory (sharedtensor.py), unless ``sharedtensor.sharing(False)``."""
     buf = io.BytesIO()
-    _ToRanks(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    with sharedtensor.sharer().send():
+        _ToRanks(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
 
 

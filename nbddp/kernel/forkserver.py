@@ -1,0 +1,222 @@
+"""The kernel's end of the forkserver (rank/forkserver.py): started, asked for ranks, told what the kernel
+imported, and its ranks' exits read back.
+
+Which server: a fork of the kernel taken at ``%load_ext`` (``at_load``), while the kernel holds no CUDA
+context, where GPU ranks may be wanted (torch built with CUDA and NVML seeing a GPU; ``NBDDP_FORKSERVER``:
+``template`` always, ``fresh`` or ``off`` never); otherwise, or once that one is gone, a fresh interpreter
+started at the first cell that needs it. Either imports what the kernel has imported before it forks a
+cell's ranks (``ForkServer.prepare``), so a rank's first step runs at fork speed, and takes the kernel's
+``sys.path``, working directory and environment as they are at the cell. One request at a time, under a
+lock (a background cell's thread and the notebook's may both start ranks); the exits its ranks report
+arrive between the replies and are kept until the supervisor asks (``wait_exit``).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+from ..errors import UsageError
+from ..rank import forkserver as wire
+
+START_S = 120.0  # a fresh server's imports (torch, the kernel's libraries) may take this long on a loaded machine
+
+
+class ForkServer:
+    def __init__(self, sock: socket.socket, pid: int, kind: str):
+        self.sock, self.pid, self.kind = sock, pid, kind  # kind: "template" | "fresh"
+        self.exits: dict[int, tuple[int, int]] = {}  # rank pid -> (wait status, peak RSS bytes)
+        self.lock = threading.RLock()
+        self.gone = False
+        self.imported: set[str] = set()  # module names sent to it already
+        self.pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
+
+    # -- starting one -----------------------------------------------------------------------------------------
+    @classmethod
+    def template(cls) -> "ForkServer":
+        """A fork of the kernel, now (its imports and settings as they are at ``%load_ext``)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        kernel = os.getpid()
+        pid = _posix.fork()
+        if pid == 0:  # pragma: no cover - the template; never returns
+            ours.close()
+            wire.run(theirs, kernel, fresh=False)
+        theirs.close()
+        return cls(ours, pid, "template")
+
+    @classmethod
+    def fresh(cls) -> "ForkServer":
+        """A fresh interpreter (``python -m nbddp.rank.forkserver``), importing torch and nbddp's rank side."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        fd = theirs.fileno()
+        pid = _posix.posix_spawn(sys.executable, [sys.executable, "-m", "nbddp.rank.forkserver", "3", str(os.getpid())],
+                                 env, file_actions=[(os.POSIX_SPAWN_DUP2, fd, 3)], setpgroup=0)
+        theirs.close()
+        return cls(ours, pid, "fresh")
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def request(self, message, fds=(), timeout: float | None = 60.0):
+        with self.lock:
+            if self.gone:
+                raise ForkServerGone(self.kind)
+            try:
+                wire.send(self.sock, message, fds)
+                return self._reply(timeout)
+            except (OSError, EOFError):
+                self._lost()
+                raise ForkServerGone(self.kind) from None
+
+    def _reply(self, timeout):
+        """The answer to the request just sent (the ranks' exits met on the way are kept)."""
+        while (message := self._next(timeout))[0] == "exited":
+            pass
+        return message
+
+    def _next(self, timeout):
+        self.sock.settimeout(timeout)
+        try:
+            message, _ = wire.receive(self.sock)
+        finally:
+            self.sock.settimeout(None)
+        if message[0] == "exited":
+            self.exits[message[1]] = (message[2], message[3])
+        return message
+
+    def prepare(self, never: set[str]) -> dict:
+        """The kernel's sys.path, working directory, environment and imports, given to the server; returns
+        its answer (``poisoned``: a package whose import initialised CUDA there, which ended it)."""
+        modules = [n for n in list(sys.modules) if n not in self.imported and n.partition(".")[0] not in never]
+        answer = self.request(("prepare", list(sys.path), os.getcwd(), dict(os.environ), modules), timeout=START_S)[1]
+        self.imported.update(modules)
+        if answer.get("poisoned"):
+            self._lost()
+        return answer
+
+    def set_job(self, blob: bytes) -> None:
+        self.request(("job", blob))
+
+    def fork(self, spec, roles: tuple, fds: list[int]) -> int:
+        reply = self.request(("fork", spec, roles), fds)
+        if reply[0] != "forked":
+            raise RuntimeError(f"the forkserver could not start rank {spec.rank}: {reply[1]}")
+        return reply[1]
+
+    def wait_exit(self, pid: int) -> tuple[int, int]:
+        """A rank's wait status and peak RSS, once the server has reaped it (its pidfd said it ended)."""
+        with self.lock:
+            while pid not in self.exits and not self.gone:
+                try:
+                    self._next(timeout=30.0)
+                except (OSError, EOFError):
+                    self._lost()
+            return self.exits.pop(pid, (signal.SIGKILL, 0))  # the server died first: its ranks were killed with it
+
+    # -- its end ----------------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        if self.gone:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            self._lost()
+        return not self.gone
+
+    def _lost(self) -> None:
+        self.gone = True
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        self.sock.close()
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.gone:
+                try:
+                    wire.send(self.sock, ("stop",))
+                except OSError:
+                    pass
+                end = time.monotonic() + 2
+                while time.monotonic() < end and os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                    time.sleep(0.01)
+                self._lost()
+
+
+class ForkServerGone(RuntimeError):
+    def __init__(self, kind):
+        super().__init__(f"nbddp's forkserver ({kind}) has ended; the next cell starts a new one")
+
+
+_posix = sys.modules.get("posix", os)
+_server: ForkServer | None = None
+_never: set[str] = set()  # packages that initialised CUDA in a server: never imported ahead again
+
+
+def policy() -> str:
+    """``template``, ``fresh`` or ``off``: what ``%load_ext`` starts (NBDDP_FORKSERVER, else by the machine)."""
+    asked = os.environ.get("NBDDP_FORKSERVER", "").strip().lower()
+    if asked in ("template", "fresh", "off"):
+        return asked
+    from ..hw import cuda, nvml
+
+    try:
+        return "template" if cuda.backend().built() and nvml.backend().count() > 0 else "off"
+    except Exception:  # noqa: BLE001 - no NVML: no GPU ranks to start from a kernel holding CUDA
+        return "off"
+
+
+def at_load() -> None:
+    """``%load_ext``: the template, while the kernel holds no CUDA context, where GPU ranks may be wanted."""
+    global _server
+    if _server is not None and _server.alive or policy() != "template":
+        return
+    from ..hw import cuda, openmp
+    from ..rank import inherit
+
+    if cuda.backend().refusal() is not None:
+        return  # too late for a clean template: a fresh interpreter at the first cell that needs one
+    try:
+        openmp.release_threads(2)  # no OpenMP pool for the template's ranks to wait on, whatever their --threads
+    except UsageError:
+        return
+    inherit.before_fork()
+    _server = ForkServer.template()
+
+
+def get() -> ForkServer:
+    """The running server, or a fresh one."""
+    global _server
+    if _server is None or not _server.alive:
+        _server = ForkServer.fresh()
+    return _server
+
+
+def ready(never: set[str]) -> ForkServer:
+    """A server that has the kernel's imports and settings of now (but ``never``'s packages); a package
+    that initialised CUDA in it ends it, and a fresh one is made without it."""
+    for _ in range(3):
+        server = get()
+        answer = server.prepare(never | _never)
+        poisoned = answer.get("poisoned")
+        if not poisoned:
+            return server
+        _never.add(poisoned)
+    raise RuntimeError("nbddp's forkserver keeps initialising CUDA as it imports the kernel's modules "
+                       f"({', '.join(sorted(_never))}); use --start-method spawn")
+
+
+def stop() -> None:
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None

@@ -1,0 +1,352 @@
+"""Notebook tensors and arrays to ranks through shared memory, never a pickle per rank.
+
+In the kernel, ``Sharer.place`` copies a CPU tensor's storage (or a numpy array's bytes) once into a memfd
+(``Arena``: ``memfd_create``, so Docker's 64 MB ``/dev/shm`` does not bound it; its space reserved with
+``posix_fallocate`` before a byte is written, so a shortage is an error here, never a SIGBUS in a rank) and
+pickles a handle: the kernel's pid, the memfd's number and inode, the place and the layout. A rank maps the
+whole arena once, privately (``MAP_PRIVATE``): every rank reads the same pages, and a rank's in-place write
+copies the page it touches, as fork's copy-on-write does, so neither the notebook nor the other ranks see it.
+
+What a rank gets is the notebook's data when the cell was sent: an arena is never written again. A tensor
+the notebook changes in place (its version counter moves) or rebinds is copied anew at the next send; an
+unchanged one is found again (``Sharer``'s cache: the same Python object, data pointer and version) and only
+its handle travels. Arenas hold many tensors each (one per send: 10,000 tensors are one descriptor in the
+kernel, none in a rank), and are let go once no notebook value they hold is alive and unchanged.
+
+Small values (under ``MIN_BYTES``) are pickled as they are; so are tensors that are not plain dense CPU
+tensors (sparse, quantized, a subclass, one that needs a graph). ``sharing(False)`` (a rank on another
+machine) pickles everything by value.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import sys
+import threading
+import weakref
+
+from ..units import size
+
+MIN_BYTES = 1 << 20  # smaller tensors and arrays are pickled as they are (no descriptor, no page rounding)
+_PAGE = mmap.PAGESIZE
+_enabled = True  # pickling for ranks of this machine (sharing(False): ranks elsewhere)
+
+
+class SharedMemoryFull(MemoryError):
+    """There is not room in memory for a notebook value the ranks need; the message says what to free."""
+
+
+@contextlib.contextmanager
+def sharing(on: bool):
+    """While pickling for ranks that can (``on``) or cannot (other machines) open the kernel's memfds."""
+    global _enabled
+    before, _enabled = _enabled, on
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def enabled() -> bool:
+    return _enabled and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+# -- the kernel's side ------------------------------------------------------------------------------------------
+class Arena:
+    """One memfd holding the bytes of one send's tensors, each at a page-aligned offset, each written
+    through a shared mapping the kernel keeps (so a page one rank maps counts as shared, not as its own)."""
+
+    def __init__(self):
+        self.fd = os.memfd_create("nbddp-tensors", os.MFD_CLOEXEC)
+        self.inode = os.fstat(self.fd).st_ino
+        self.pid = os.getpid()
+        self.end = 0
+        self.maps: list[mmap.mmap] = []
+        self.users = 0  # cache entries that point here
+
+    def write(self, src) -> tuple[int, mmap.mmap]:
+        """``src``'s bytes (a flat uint8 tensor or array) at the next page, their space reserved first.
+        Returns the offset and the kernel's mapping of them."""
+        start, n = self.end, max(int(src.nbytes), 1)
+        try:
+            os.posix_fallocate(self.fd, start, n)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise SharedMemoryFull(size(n)) from None
+            raise
+        m = mmap.mmap(self.fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        _bytes_of(m, src.nbytes).copy_(_as_tensor(src))  # torch copies with every core
+        self.maps.append(m)
+        self.end = start + -(-n // _PAGE) * _PAGE
+        return start, m
+
+    def handle(self) -> tuple:
+        return (_boot_id(), self.inode, self.pid, self.fd)
+
+    def close(self) -> None:
+        for m in self.maps:
+            with contextlib.suppress(BufferError):
+                m.close()
+        self.maps = []
+        if self.fd is not None and os.getpid() == self.pid:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+        self.fd = None
+
+
+def _bytes_of(buffer, nbytes: int, offset: int = 0):
+    import torch
+
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def _as_tensor(src):
+    import torch
+
+    return src if isinstance(src, torch.Tensor) else torch.from_numpy(src)
+
+
+class _Entry:
+    __slots__ = ("ref", "ptr", "version", "arena", "offset", "nbytes", "map")
+
+
+class Sharer:
+    """The kernel's arenas and what they hold: one per process (``sharer()``)."""
+
+    def __init__(self):
+        self._lock = threading.RLock()  # a background cell's thread and the notebook's may send at once
+        self._cache: dict[int, _Entry] = {}  # id(the notebook's tensor or array) -> where its bytes are
+        self._arena: Arena | None = None  # the send being pickled's, until it ends
+        self._by_place: dict = {}  # (address, bytes) -> the latest entry there: views of a storage share its copy
+        self._depth = 0
+        self._idle: list[Arena] = []  # no entry points there any more: closed at the next send's start
+        self.copied = 0  # bytes copied into arenas in the current send
+        self.shared = 0  # bytes of values the current send shares (copied or found again)
+
+    @contextlib.contextmanager
+    def send(self):
+        """One send: the values pickled meanwhile that are not in an arena yet go into one new arena."""
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1:
+                self.copied = self.shared = 0
+                for arena in self._idle:
+                    if arena.users == 0:
+                        arena.close()
+                self._idle = [a for a in self._idle if a.fd is not None]
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._arena = None
+
+    def place(self, obj, ptr: int, nbytes: int, version, src_for, *, compare: bool = False) -> tuple[tuple, int]:
+        """(arena handle, offset) of the ``nbytes`` at ``ptr`` that ``obj`` holds (``src_for()``: them as a
+        flat uint8 tensor or array, read only when needed), copied once and found again while a value
+        holding them is alive at the same address and ``version`` (a tensor's views share its version
+        counter); ``compare``: no version (numpy), the bytes are compared instead."""
+        with self._lock:
+            self.shared += nbytes
+            found = self._cache.get(id(obj))
+            if found is None or found.ref() is not obj:
+                found = self._by_place.get((ptr, nbytes))  # another view of a storage copied before
+            if found is not None and (found.ref() is None or found.ptr != ptr or found.nbytes != nbytes
+                                      or found.version != version or compare and not _equal(found, src_for())):
+                found = None
+            if found is not None:
+                arena, offset, m = found.arena, found.offset, found.map
+            else:
+                if self._arena is None:
+                    self._arena = Arena()
+                arena = self._arena
+                offset, m = arena.write(src_for())
+                self.copied += nbytes
+            self._forget(id(obj))
+            entry = _Entry()
+            entry.ref = weakref.ref(obj, lambda _, key=id(obj): self._forget(key))
+            entry.ptr, entry.nbytes, entry.version, entry.arena, entry.offset, entry.map = \
+                ptr, nbytes, version, arena, offset, m
+            arena.users += 1
+            self._cache[id(obj)] = entry
+            self._by_place[(ptr, nbytes)] = entry
+            return arena.handle(), offset
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            entry = self._cache.pop(key, None)
+            if entry is None:
+                return
+            if self._by_place.get((entry.ptr, entry.nbytes)) is entry:
+                del self._by_place[(entry.ptr, entry.nbytes)]
+            entry.arena.users -= 1
+            if entry.arena.users == 0:
+                self._idle.append(entry.arena)
+
+    def held(self) -> int:
+        """Bytes of notebook values the arenas hold for the ranks."""
+        return sum(e.nbytes for e in self._cache.values())
+
+    def arenas(self) -> int:
+        """Memfds open in this process for the ranks."""
+        return len({id(e.arena) for e in self._cache.values()} | {id(a) for a in self._idle if a.fd is not None})
+
+    def close(self) -> None:
+        for key in list(self._cache):
+            self._forget(key)
+        for arena in self._idle:
+            arena.close()
+        self._idle = []
+
+
+def changed_array(value) -> bool:
+    """A numpy array whose bytes went to the ranks through an arena and have changed since (it has no
+    version counter; compared in full, ~0.3 s/GiB). False for anything else."""
+    np = sys.modules.get("numpy")
+    if np is None or type(value) is not np.ndarray or _sharer is None:
+        return False
+    entry = _sharer._cache.get(id(value))
+    if entry is None or entry.ref() is not value:
+        return False
+    lo, nbytes, src = _array_bytes(np, value)
+    return (lo, nbytes) != (entry.ptr, entry.nbytes) or not _equal(entry, src())
+
+
+def _equal(entry: _Entry, src) -> bool:
+    import torch
+
+    return bool(torch.equal(_bytes_of(entry.map, entry.nbytes), _as_tensor(src)))
+
+
+_sharer: Sharer | None = None
+_sharer_pid = 0
+
+
+def sharer() -> Sharer:
+    """This process's Sharer (a fork's copy of the kernel's is not used: made anew in each process)."""
+    global _sharer, _sharer_pid
+    if _sharer is None or _sharer_pid != os.getpid():
+        _sharer, _sharer_pid = Sharer(), os.getpid()
+    return _sharer
+
+
+# -- what is shared, and how it is rebuilt in a rank ------------------------------------------------------------
+def reduce(obj):
+    """The pickler's reduction of a notebook tensor or array through an arena, or None (pickled as it is)."""
+    if not enabled():
+        return None
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _reduce_tensor(torch, obj)
+    np = sys.modules.get("numpy")
+    if np is not None and type(obj) is np.ndarray:
+        return _reduce_array(np, obj)
+    return None
+
+
+def _reduce_tensor(torch, t):
+    kind = type(t)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        return None  # a subclass keeps its own pickling
+    if (t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
+            or (t.requires_grad and not t.is_leaf)):
+        return None
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes < MIN_BYTES:
+        return None
+
+    def src():
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+    handle, offset = sharer().place(t, storage.data_ptr(), nbytes, t._version, src)
+    meta = (str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset(), nbytes,
+            t.requires_grad, kind is torch.nn.Parameter)
+    return _tensor, (handle, offset, meta)
+
+
+def _reduce_array(np, a):
+    if a.dtype.hasobject or a.nbytes < MIN_BYTES:
+        return None
+    lo, nbytes, src = _array_bytes(np, a)
+    # an array has no version counter: its bytes are compared with the arena's copy at each send (~0.3 s/GiB)
+    handle, offset = sharer().place(a, lo, nbytes, None, src, compare=True)
+    meta = (a.dtype.str, a.shape, a.strides, a.__array_interface__["data"][0] - lo, nbytes)
+    return _array, (handle, offset, meta)
+
+
+def _array_bytes(np, a):
+    """(address, size, a function giving them as a flat uint8 array) of the bytes ``a`` spans."""
+    bounds = getattr(np, "byte_bounds", None) or np.lib.array_utils.byte_bounds
+    lo, hi = bounds(a)
+
+    def src():
+        import ctypes
+
+        return np.ctypeslib.as_array((ctypes.c_ubyte * (hi - lo)).from_address(lo))
+
+    return lo, hi - lo, src
+
+
+# -- the rank's side ---------------------------------------------------------------------------------------------
+_mapped: dict = {}  # (boot id, inode) -> mmap of an arena, this process (a rank maps each arena once)
+
+
+def _open(handle) -> mmap.mmap:
+    key = (handle[0], handle[1])
+    m = _mapped.get(key)
+    if m is not None:
+        return m
+    boot, inode, pid, fd = handle
+    try:
+        if boot != _boot_id():
+            raise OSError(errno.ENOENT, "another machine")
+        mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
+    except OSError as e:
+        raise RuntimeError(f"a notebook tensor sent through shared memory could not be opened here ({e}): the "
+                           "kernel that sent it is gone, or this rank runs on another machine") from None
+    try:
+        if os.fstat(mine).st_ino != inode:
+            raise RuntimeError("a notebook tensor sent through shared memory was let go by the kernel before this "
+                               "rank opened it: send it again (rerun the cell)")
+        m = mmap.mmap(mine, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(mine)
+    _mapped[key] = m
+    return m
+
+
+def _tensor(handle, offset, meta):
+    import torch
+
+    dtype_name, shape, stride, storage_offset, nbytes, requires_grad, parameter = meta
+    raw = _bytes_of(_open(handle), nbytes, offset)
+    t = torch.empty(0, dtype=getattr(torch, dtype_name)).set_(raw.untyped_storage(), storage_offset, shape, stride)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def _array(handle, offset, meta):
+    import numpy as np
+
+    dtype, shape, strides, start, nbytes = meta
+    m = _open(handle)
+    flat = np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=offset)
+    return np.ndarray(shape, dtype=np.dtype(dtype), buffer=flat, offset=start, strides=strides)
+
+
+_boot: str | None = None
+
+
+def _boot_id() -> str:
+    global _boot
+    if _boot is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                _boot = f.read().strip()
+        except OSError:
+            _boot = os.uname().nodename
+    return _boot
