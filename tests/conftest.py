@@ -4,7 +4,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import pool_in  # noqa: E402
+from helpers import left_behind, pool_in  # noqa: E402
 from kernel import Kernel  # noqa: E402
 
 
@@ -27,7 +27,7 @@ def kernel(runs_dir):
 def clean_kernel(kernel):
     """The module kernel, checked after the test: no rank process may be left behind."""
     yield kernel
-    left = kernel.process().children(recursive=True)
+    left = left_behind(kernel)
     assert not left, f"processes left behind: {[(p.pid, p.name(), p.status()) for p in left]}"
 
 

@@ -42,10 +42,28 @@ def fake_nvml_in_kernel(n: int = 2, name: str = "Fake H100") -> str:
             f"from helpers import FakeNvml\nnbddp.hw.nvml.use(FakeNvml({n}, {name!r}))\n")
 
 
+FORKSERVER = "nbddp-forksrv"  # the forkserver's process name (rank/forkserver.py's NAME): it lives with the kernel
+
+
+def left_behind(k) -> list:
+    """The kernel's descendants but its forkserver (which lives as long as the kernel): ranks left running."""
+    return [p for p in k.process().children(recursive=True) if _name(p) != FORKSERVER]
+
+
+def _name(p) -> str:
+    try:
+        return p.name()
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return ""
+
+
 def pool_pids(k) -> list[int]:
-    """The pids of the running pool's ranks in kernel ``k``, sorted: its direct children (each rank's
-    guardian ``sh`` is the rank's own child)."""
-    return sorted(p.pid for p in k.process().children())
+    """The pids of the running pool's ranks in kernel ``k``, sorted: its direct children, or its forkserver's
+    (each rank's guardian ``sh`` is the rank's own child)."""
+    found = []
+    for p in k.process().children():
+        found += [c.pid for c in p.children()] if _name(p) == FORKSERVER else [p.pid]
+    return sorted(found)
 
 
 def pool_in(k, before: str = ""):

@@ -60,8 +60,8 @@ def said(stdout: str, rank: int, text: str, start: bool = False) -> bool:
 
 
 class Kernel:
-    def __init__(self, env: dict | None = None):
-        self.km = KernelManager(kernel_name="python3")
+    def __init__(self, env: dict | None = None, kernel_name: str = "python3"):
+        self.km = KernelManager(kernel_name=kernel_name)
         self.km.start_kernel(env={**os.environ, **(env or {})})
         self.kc = self.km.client()
         self.kc.start_channels()

@@ -139,7 +139,7 @@ class Cuda:
     def culprits(self) -> set[str]:
         """The packages seen initialising CUDA in the kernel (a forkserver never imports them ahead)."""
         found = {self.site.module if self.site else None}
-        for s in (self.watch.initialised,):
+        for s in (self.watch.initialised, self.watch.loaded):  # (a library that only loaded it is left too)
             if s is not None:
                 found |= {s.module, *s.suspects}
         return {m.partition(".")[0] for m in found if m}

@@ -86,6 +86,11 @@ class Server:
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.sel = selectors.DefaultSelector()
         self.sel.register(sock, selectors.EVENT_READ, None)
+        try:
+            with open(f"/proc/{kernel_pid}/comm", "rb") as f:
+                self.kernel_name = f.read().strip()
+        except OSError:
+            self.kernel_name = b"python"
 
     def serve(self) -> None:
         while True:
@@ -129,6 +134,7 @@ class Server:
         LIBC.fflush(None)
         pid = _posix.fork()
         if pid == 0:  # pragma: no cover - the rank
+            _name(self.kernel_name)  # a rank is named as the kernel's ranks are, not as its server
             with contextlib.suppress(BaseException):
                 self.sel.close()
             for fd in (self.sock.fileno(), *self.children):
@@ -161,6 +167,15 @@ class Server:
             os.killpg(pid, signal.SIGKILL)  # its own children (DataLoader workers) go with it; pid still reserved
         _, status, usage = os.wait4(pid, 0)
         send(self.sock, ("exited", pid, status, usage.ru_maxrss * 1024))
+
+
+NAME = b"nbddp-forksrv"  # the server's process name (ps, psutil's name(): at most 15 bytes)
+PR_SET_NAME = 15
+
+
+def _name(name: bytes) -> None:
+    with contextlib.suppress(Exception):
+        LIBC.prctl(PR_SET_NAME, name[:15], 0, 0, 0)
 
 
 def prepare(path, cwd, environ, modules) -> dict:
@@ -223,6 +238,7 @@ def run(sock: socket.socket, kernel_pid: int, *, fresh: bool) -> None:
     """The server's life, in the forked template or the fresh interpreter. Never returns."""
     try:
         worker.tie_to_parent(kernel_pid)  # dies with the kernel, ignores its SIGINT, a process group of its own
+        _name(NAME)
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         keep = sock.fileno()
         null = os.open(os.devnull, os.O_RDWR)

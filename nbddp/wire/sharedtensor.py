@@ -29,7 +29,7 @@ import weakref
 
 from ..units import size
 
-MIN_BYTES = 1 << 20  # smaller tensors and arrays are pickled as they are (no descriptor, no page rounding)
+MIN_BYTES = 64 << 10  # smaller tensors and arrays are pickled as they are (a page rounds each up: <= 6 % here)
 _PAGE = mmap.PAGESIZE
 _enabled = True  # pickling for ranks of this machine (sharing(False): ranks elsewhere)
 
@@ -55,20 +55,23 @@ def enabled() -> bool:
 
 # -- the kernel's side ------------------------------------------------------------------------------------------
 class Arena:
-    """One memfd holding the bytes of one send's tensors, each at a page-aligned offset, each written
-    through a shared mapping the kernel keeps (so a page one rank maps counts as shared, not as its own)."""
+    """One memfd holding the bytes of one send's values, each at a page-aligned offset. Once the send is
+    pickled the kernel maps it whole and keeps that mapping (``seal``): a page one rank maps then counts as
+    shared, not as that rank's own, and an array's bytes can be compared with what the ranks were sent.
+    One descriptor per arena (Python's mmap holds a duplicate of the one it maps: one mapping, not one per
+    value, or 10,000 tensors would be 10,000 descriptors)."""
 
     def __init__(self):
         self.fd = os.memfd_create("nbddp-tensors", os.MFD_CLOEXEC)
         self.inode = os.fstat(self.fd).st_ino
         self.pid = os.getpid()
         self.end = 0
-        self.maps: list[mmap.mmap] = []
+        self.map: mmap.mmap | None = None
         self.users = 0  # cache entries that point here
 
-    def write(self, src) -> tuple[int, mmap.mmap]:
-        """``src``'s bytes (a flat uint8 tensor or array) at the next page, their space reserved first.
-        Returns the offset and the kernel's mapping of them."""
+    def write(self, src) -> int:
+        """``src``'s bytes (a flat uint8 tensor or array) at the next page, their space reserved first (a
+        shortage is SharedMemoryFull here, never a SIGBUS in a rank). Returns the offset."""
         start, n = self.end, max(int(src.nbytes), 1)
         try:
             os.posix_fallocate(self.fd, start, n)
@@ -77,19 +80,31 @@ class Arena:
                 raise SharedMemoryFull(size(n)) from None
             raise
         m = mmap.mmap(self.fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-        _bytes_of(m, src.nbytes).copy_(_as_tensor(src))  # torch copies with every core
-        self.maps.append(m)
+        try:
+            _bytes_of(m, src.nbytes).copy_(_as_tensor(src))  # torch copies with every core
+        finally:
+            m.close()
         self.end = start + -(-n // _PAGE) * _PAGE
-        return start, m
+        return start
+
+    def seal(self) -> None:
+        """The send is pickled: the kernel maps the whole arena (its pages are all there: no new memory)."""
+        if self.map is None and self.end:
+            self.map = mmap.mmap(self.fd, self.end, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                 prot=mmap.PROT_READ)
+
+    def bytes_at(self, offset: int, nbytes: int):
+        self.seal()
+        return _bytes_of(self.map, nbytes, offset)
 
     def handle(self) -> tuple:
         return (_boot_id(), self.inode, self.pid, self.fd)
 
     def close(self) -> None:
-        for m in self.maps:
+        if self.map is not None:
             with contextlib.suppress(BufferError):
-                m.close()
-        self.maps = []
+                self.map.close()
+            self.map = None
         if self.fd is not None and os.getpid() == self.pid:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
@@ -109,7 +124,7 @@ def _as_tensor(src):
 
 
 class _Entry:
-    __slots__ = ("ref", "ptr", "version", "arena", "offset", "nbytes", "map")
+    __slots__ = ("ref", "ptr", "version", "arena", "offset", "nbytes")
 
 
 class Sharer:
@@ -141,6 +156,8 @@ class Sharer:
             finally:
                 self._depth -= 1
                 if self._depth == 0:
+                    if self._arena is not None:
+                        self._arena.seal()
                     self._arena = None
 
     def place(self, obj, ptr: int, nbytes: int, version, src_for, *, compare: bool = False) -> tuple[tuple, int]:
@@ -157,18 +174,17 @@ class Sharer:
                                       or found.version != version or compare and not _equal(found, src_for())):
                 found = None
             if found is not None:
-                arena, offset, m = found.arena, found.offset, found.map
+                arena, offset = found.arena, found.offset
             else:
                 if self._arena is None:
                     self._arena = Arena()
                 arena = self._arena
-                offset, m = arena.write(src_for())
+                offset = arena.write(src_for())
                 self.copied += nbytes
             self._forget(id(obj))
             entry = _Entry()
             entry.ref = weakref.ref(obj, lambda _, key=id(obj): self._forget(key))
-            entry.ptr, entry.nbytes, entry.version, entry.arena, entry.offset, entry.map = \
-                ptr, nbytes, version, arena, offset, m
+            entry.ptr, entry.nbytes, entry.version, entry.arena, entry.offset = ptr, nbytes, version, arena, offset
             arena.users += 1
             self._cache[id(obj)] = entry
             self._by_place[(ptr, nbytes)] = entry
@@ -217,7 +233,7 @@ def changed_array(value) -> bool:
 def _equal(entry: _Entry, src) -> bool:
     import torch
 
-    return bool(torch.equal(_bytes_of(entry.map, entry.nbytes), _as_tensor(src)))
+    return bool(torch.equal(entry.arena.bytes_at(entry.offset, entry.nbytes), _as_tensor(src)))
 
 
 _sharer: Sharer | None = None
@@ -291,7 +307,7 @@ def _array_bytes(np, a):
 
 
 # -- the rank's side ---------------------------------------------------------------------------------------------
-_mapped: dict = {}  # (boot id, inode) -> mmap of an arena, this process (a rank maps each arena once)
+_mapped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (boot id, inode) -> its mmap here, while a value uses it
 
 
 def _open(handle) -> mmap.mmap:
