@@ -42,7 +42,7 @@ def fake_nvml_in_kernel(n: int = 2, name: str = "Fake H100") -> str:
             f"from helpers import FakeNvml\nnbddp.hw.nvml.use(FakeNvml({n}, {name!r}))\n")
 
 
-FORKSERVER = "nbddp-forksrv"  # the forkserver's process name (rank/forkserver.py's NAME): it lives with the kernel
+FORKSERVER = "nbddp-forksrv"  # the forkserver's process name (rank/forkloop.py's NAME): it lives with the kernel
 
 
 def left_behind(k) -> list:

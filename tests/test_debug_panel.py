@@ -203,8 +203,9 @@ def test_without_the_panel_ranks_run_untraced_before_and_after_it_was_on(kernel)
     assert said(res.stdout, 0, "traced 0 False") and said(res.stdout, 1, "traced 1 False"), res.stdout
 
 
-def test_spawned_ranks_connect_at_their_cell_and_stop_too(kernel):
-    panel, msg_id, stops = stopped_at_line_4(kernel, "--start-method spawn", timeout=120)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawned_and_forkserver_ranks_connect_at_their_cell_and_stop_too(kernel, method):
+    panel, msg_id, stops = stopped_at_line_4(kernel, f"--start-method {method}", timeout=120)
     names = {tid: name for name, tid in panel.threads().items()}
     for stop in stops:
         frame = panel.frames(stop["threadId"], levels=20)[0]
@@ -288,8 +289,9 @@ def test_timeout_moves_on_by_the_time_ranks_stand_stopped_in_the_panel(kernel):
     panel.stop()
 
 
-def test_a_background_cell_stops_in_the_panel_while_the_notebook_runs_other_cells(kernel):
-    panel, msg_id, stops = stopped_at_line_4(kernel, "--bg")
+@pytest.mark.parametrize("options", ["--bg", "--bg --start-method forkserver"])
+def test_a_background_cell_stops_in_the_panel_while_the_notebook_runs_other_cells(kernel, options):
+    panel, msg_id, stops = stopped_at_line_4(kernel, options, timeout=120)
     assert kernel.collect(msg_id, timeout=30).status == "ok"  # the cell's reply: the notebook was free at once
     assert kernel.ok("6 * 7").result == "42"  # a plain cell while the ranks stand stopped
     names = {tid: name for name, tid in panel.threads().items()}

@@ -3,6 +3,7 @@ reaching ranks through shared memory, in real kernels: one-shot and pool cells, 
 %load_ext and the fresh interpreter, the stand-in CUDA driver (its cuInit fails in a fork of the process that
 initialised it), memory per rank, the in-place rules, a 64 MB /dev/shm, a 1,024 open-file limit, SIGKILL."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -231,3 +232,30 @@ def test_memory_that_runs_out_is_a_clear_error_and_nothing_runs(kernels):
     assert "`X` (torch.Tensor) must reach the ranks through shared memory" in text and "Nothing ran" in text, text
     assert "del what you no longer need" in text and "must not run" not in res.stdout
     k.ok("st.os.posix_fallocate = real")
+
+
+def test_a_background_forkserver_pool_cell_runs_beside_notebook_cells_and_ddp_interrupt_keeps_the_pool(kernels):
+    k = kernels()
+    k.ok("%ddp start --devices 2 --start-method forkserver", timeout=120)
+    k.ok("%%ddp\nkept = 10 + rank\n")
+    msg_id = k.execute("%%ddp --bg\nimport time\nfor i in range(2000):\n    time.sleep(0.02)\n")
+    assert k.collect(msg_id, timeout=30).status == "ok"  # the notebook is free at once
+    assert k.ok("6 * 7").result == "42"
+    res = k.ok("%ddp interrupt", timeout=60)
+    assert "interrupting background cell" in res.stderr, res.stderr
+    later = k.follow(msg_id, lambda r: r.error is not None, timeout=60)
+    assert later.error["ename"] == "KeyboardInterrupt", later
+    assert k.ok("%%ddp --gather kept\nkept").error is None and k.value("kept") == [10, 11]
+    k.ok("%ddp stop")
+
+
+def test_interrupting_a_forkserver_cell_says_where_every_rank_was_and_the_server_lives_on(kernels):
+    k = kernels()
+    res = k.interrupt_when("%%ddp --devices 2 --start-method forkserver\nimport time\nprint('started', flush=True)\n"
+                           "time.sleep(300)\n", "started", 2, timeout=120)
+    assert res.error and res.error["ename"] == "KeyboardInterrupt", res
+    assert re.search(r"were at Cell In\[\d+\], line 4", res.error_text), res.error_text
+    server = forkserver_pid(k)
+    assert server is not None and not psutil.Process(server).children()  # its ranks are gone, it is not
+    res = k.ok("%%ddp --devices 2 --start-method forkserver\nprint('again', os.getppid())\n")
+    assert said(res.stdout, 1, f"again {server}"), res.stdout

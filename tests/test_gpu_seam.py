@@ -41,7 +41,7 @@ def fresh(standin, runs_dir):
 
 def refused(k, runs_dir):
     before = set(runs_dir.iterdir())
-    res = k.run("%%ddp --devices 2\nprint('must not run')\n")
+    res = k.run("%%ddp --devices 2 --start-method fork\nprint('must not run')\n")
     assert res.error and res.error["ename"] == "CudaInitialisedError", res.error_text + res.stdout
     assert "must not run" not in res.stdout
     assert set(runs_dir.iterdir()) == before  # nothing was launched
@@ -62,7 +62,7 @@ def test_guard_names_the_cell_and_the_library_that_initialised_cuda(fresh, runs_
     assert "(module gpulib_ctypes)" in text
     assert "move `import gpulib_ctypes  # loads the driver and calls cuInit` into the %%ddp cell" in text
     assert "run %load_ext nbddp before import gpulib_ctypes" in text and "PYTORCH_NVML_BASED_CUDA_CHECK=1" in text
-    assert "--start-method spawn" in text
+    assert "drop --start-method fork" in text
     assert len(text.splitlines()) <= 12  # one screen
 
 
@@ -143,7 +143,7 @@ def test_guard_names_the_cell_and_line_that_called_torch_cuda(fresh, runs_dir):
     n = cell_number(k)
     text = refused(k, runs_dir)
     assert f"In [{n}], line 4: torch.cuda._lazy_init()" in text
-    assert "move every .cuda()/.to('cuda') into the %%ddp cell" in text and "--start-method spawn" in text
+    assert "move every .cuda()/.to('cuda') into the %%ddp cell" in text and "drop --start-method fork" in text
 
 
 def test_cpu_ranks_are_never_guarded(fresh):
@@ -176,7 +176,7 @@ guard.built = lambda: True
 guard.refusal = lambda: nbddp.CudaInitialisedError('stand-in guard: stop before forking')
 """)
     before = set(runs_dir.iterdir())
-    res = k.run("%%ddp --devices auto\nprint('must not run')\n")
+    res = k.run("%%ddp --devices auto --start-method fork\nprint('must not run')\n")
     assert "--devices auto uses the free GPU cuda:1; skipped:\n  cuda:0  1 other compute process on it (pid 999001" \
         in res.stderr + res.stdout
     assert res.error["ename"] == "CudaInitialisedError" and set(runs_dir.iterdir()) == before

@@ -37,7 +37,7 @@ def test_a_name_rebound_in_the_notebook_is_sent_once_and_ranks_keep_their_own(po
     k = pool
     k.ok("big = torch.arange(1_000_000)\nlr = 0.1")
     first = k.ok("%%ddp --gather seen\nseen = (big.sum().item(), lr)\n")
-    assert re.search(r"nbddp: sent big \(torch.Tensor, [\d.]+ MiB\), lr \(float, \d+ B\) to every rank", first.stderr), first.stderr
+    assert re.search(r"nbddp: sent big \(torch.Tensor, [\d.]+ MiB in shared memory\), lr \(float, \d+ B\) to every rank", first.stderr), first.stderr
     assert k.value("seen") == [(499999500000, 0.1)] * 2
     again = k.ok("%%ddp --gather seen\nseen = (big.sum().item(), lr)\n")
     assert "sent" not in again.stderr, "a value the ranks already have is not sent again"

@@ -229,7 +229,8 @@ def _module_for_file(path: str) -> str | None:
 RESTART = ("restart the kernel and run %load_ext nbddp before {what}\n"
            "       (nbddp sets PYTORCH_NVML_BASED_CUDA_CHECK=1: a library that only asks torch.cuda.is_available()\n"
            "       then creates no context),")
-SPAWN = "rerun with --start-method spawn (slower start; the cell's globals are pickled)."
+SPAWN = ("or drop --start-method fork: nbddp's forkserver then starts the ranks (no restart; the cell's globals "
+         "are sent,\n       tensors through shared memory).")
 
 
 def _refusal_for(s: driverwatch.Sighting, w: driverwatch.Watcher) -> CudaInitialisedError:
@@ -262,7 +263,7 @@ def _refusal(site: str | None, module: str | None, import_line: str | None, *, t
                  "or " + RESTART.format(what="importing them")]
     return CudaInitialisedError(
         f"{head}\nA forked rank cannot use a GPU once the kernel holds a CUDA context, so nothing was launched.\n"
-        "Fix: " + "\n     ".join(fixes + ["or " + SPAWN])
+        "Fix: " + "\n     ".join(fixes + [SPAWN])
     )
 
 

@@ -34,12 +34,15 @@ def preflight(config, *, pool: bool = False) -> devices.Plan:
     """Everything that can refuse a launch, with nothing changed yet; returns the plan (its notes said)."""
     refusals(config, pool=pool)
     plan = devices.plan(config.devices, config.accelerator, config.backend)
-    method = config.start_method
-    if plan.accelerator == "cuda" and method == "fork" and (held := cuda.backend().refusal()):
+    method = "fork" if config.start_method == "auto" else config.start_method
+    held = plan.accelerator == "cuda" and method == "fork" and cuda.backend().refusal()
+    if held and config.start_method == "auto":
         method = "forkserver"  # a fork of this kernel could not use a GPU
         plan = dataclasses.replace(plan, notes=(*plan.notes, *_forkserver_note(held)))
     for note in [*plan.notes, *_oversubscribed(plan, config.threads)]:  # busy GPUs auto skipped, many CPU ranks
         print(note, file=sys.stderr)
+    if held and method == "fork":  # asked for by name: the notebook's data copy-on-write, or nothing
+        raise held
     return dataclasses.replace(plan, start_method=method)
 
 
@@ -70,8 +73,8 @@ def refusals(config, *, pool: bool = False) -> None:
     if _launching:
         raise UsageError("another nbddp launch is still running in this process; wait for it to finish.")
     if pool and config.start_method == "spawn":
-        raise UsageError("--start-method spawn: a pool's ranks are forked (from the kernel, or from nbddp's "
-                         "forkserver), never spawned; spawn works for one-shot %%ddp cells only.\nNothing ran: drop "
+        raise UsageError("--start-method spawn: a pool forks its ranks (from the kernel, or from nbddp's "
+                         "forkserver) and never spawns them; spawn works for one-shot %%ddp cells only.\nNothing ran: drop "
                          "--start-method from %ddp start (or use forkserver), or %ddp stop and run the cell one-shot "
                          "with it.")
     options.check(config)

@@ -1,4 +1,4 @@
-"""The kernel's end of the forkserver (rank/forkserver.py): started, asked for ranks, told what the kernel
+"""The kernel's end of the forkserver (rank/forkloop.py): started, asked for ranks, told what the kernel
 imported, and its ranks' exits read back.
 
 Which server: a fork of the kernel taken at ``%load_ext`` (``at_load``), while the kernel holds no CUDA
@@ -20,7 +20,7 @@ import threading
 import time
 
 from ..errors import UsageError
-from ..rank import forkserver as wire
+from ..rank import forkloop as wire
 
 START_S = 120.0  # a fresh server's imports (torch, the kernel's libraries) may take this long on a loaded machine
 
@@ -49,12 +49,12 @@ class ForkServer:
 
     @classmethod
     def fresh(cls) -> "ForkServer":
-        """A fresh interpreter (``python -m nbddp.rank.forkserver``), importing torch and nbddp's rank side."""
+        """A fresh interpreter (``python -m nbddp.rank.forkloop``), importing torch and nbddp's rank side."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         fd = theirs.fileno()
-        pid = _posix.posix_spawn(sys.executable, [sys.executable, "-m", "nbddp.rank.forkserver", "3", str(os.getpid())],
+        pid = _posix.posix_spawn(sys.executable, [sys.executable, "-m", "nbddp.rank.forkloop", "3", str(os.getpid())],
                                  env, file_actions=[(os.POSIX_SPAWN_DUP2, fd, 3)], setpgroup=0)
         theirs.close()
         return cls(ours, pid, "fresh")

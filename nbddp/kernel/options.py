@@ -94,10 +94,10 @@ OPTIONS = (
            help="auto: cuda when NVML sees a GPU, else cpu."),
     Option("backend", ("--backend",), "auto", scope=LAUNCH, group="ranks", choices=("auto", "nccl", "gloo"),
            help="torch.distributed backend. auto: nccl on GPU, gloo on CPU."),
-    Option("start_method", ("--start-method",), "fork", scope=LAUNCH, group="ranks",
-           choices=("fork", "forkserver", "spawn"),
-           help="fork (default): ranks share the notebook's data copy-on-write; in a kernel that holds CUDA, "
-           "GPU ranks start from the forkserver instead (said in the cell). forkserver: forked from a process "
+    Option("start_method", ("--start-method",), "auto", scope=LAUNCH, group="ranks",
+           choices=("auto", "fork", "forkserver", "spawn"),
+           help="auto (default): fork, but GPU ranks of a kernel that holds CUDA start from the forkserver (said in "
+           "the cell). fork: ranks share the notebook's data copy-on-write. forkserver: forked from a process "
            "that never initialised CUDA, warm with the kernel's imports; the globals the cell reads are sent, "
            "tensors and arrays through shared memory. spawn (one-shot cells only): fresh interpreters."),
     Option("threads", ("--threads",), 1, scope=LAUNCH, group="ranks", type=int, metavar="N", need="a whole number >= 1",
@@ -191,7 +191,7 @@ def check(conf) -> None:
     if conf.start_method == "forkserver" and not (hasattr(os, "pidfd_open") and hasattr(os, "memfd_create")):
         raise UsageError(f"--start-method forkserver needs Linux (pidfds, memfds); {sys.platform} has not: use "
                          "--start-method spawn.")
-    if conf.start_method == "fork" and not fork_available():
+    if conf.start_method in ("auto", "fork") and not fork_available():
         raise UsageError(
             f"fork is not available on {sys.platform}: use --start-method spawn "
             "(the cell and the globals it uses are shipped with cloudpickle)."

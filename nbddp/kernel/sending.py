@@ -257,14 +257,14 @@ def _token(value):
     its version (an in-place change in the notebook moves it: the next cell that reads it gets it anew)."""
     if isinstance(value, values.PLAIN):
         return ("v", type(value), value)
-    version = _version(value)
+    version = _revision(value)
     try:
         return ("w", weakref.ref(value), version)
     except TypeError:
         return ("i", id(value))
 
 
-def _version(value):
+def _revision(value):
     """A tensor's version counter (in-place ops move it); a numpy array whose bytes changed since they were
     sent through shared memory: a fresh token (it never equals); anything else: None."""
     torch = sys.modules.get("torch")
@@ -285,7 +285,7 @@ def _same(token, value) -> bool:
     if kind == "v":
         return type(value) is token[1] and value == token[2]
     if kind == "w":
-        return token[1]() is value and token[2] == _version(value)
+        return token[1]() is value and token[2] == _revision(value)
     return token[1] == id(value)
 
 

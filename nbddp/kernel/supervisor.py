@@ -331,11 +331,7 @@ class Supervisor:
         for fd in list(proc.fds):
             self._close_fd(proc, fd)
         _signal_group(proc.pid, signal.SIGKILL)
-        if proc.reap is None:
-            _, status, usage = os.wait4(proc.pid, 0)
-            max_rss = usage.ru_maxrss * 1024
-        else:
-            status, max_rss = proc.reap()
+        status, max_rss = _reaped(proc)
         self.sel.unregister(proc.exit_fd)
         os.close(proc.exit_fd)
         proc.exit_fd = -1
@@ -420,6 +416,14 @@ class Supervisor:
                 p.exit_fd = -1
         self.sel.close()
         self._waker.close()
+
+
+def _reaped(proc: RankProc) -> tuple[int, int]:
+    """A rank's wait status and peak RSS: the kernel's child reaped here, a forkserver's rank by its server."""
+    if proc.reap is not None:
+        return proc.reap()
+    _, status, usage = os.wait4(proc.pid, 0)
+    return status, usage.ru_maxrss * 1024
 
 
 class Schedule:

@@ -73,8 +73,9 @@ class Arena:
         """``src``'s bytes (a flat uint8 tensor or array) at the next page, their space reserved first (a
         shortage is SharedMemoryFull here, never a SIGBUS in a rank). Returns the offset."""
         start, n = self.end, max(int(src.nbytes), 1)
+        rounded = -(-n // _PAGE) * _PAGE
         try:
-            os.posix_fallocate(self.fd, start, n)
+            os.posix_fallocate(self.fd, start, rounded)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise SharedMemoryFull(size(n)) from None
@@ -84,7 +85,7 @@ class Arena:
             _bytes_of(m, src.nbytes).copy_(_as_tensor(src))  # torch copies with every core
         finally:
             m.close()
-        self.end = start + -(-n // _PAGE) * _PAGE
+        self.end = start + rounded
         return start
 
     def seal(self) -> None:

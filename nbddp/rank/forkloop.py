@@ -3,7 +3,7 @@ CUDA context (a fork of that kernel could not use a GPU).
 
 It is either a fork of the kernel taken at ``%load_ext`` (before the kernel could touch CUDA: the
 "template", with everything the kernel had imported by then), or a fresh interpreter started when it is
-first needed (``python -m nbddp.rank.forkserver FD``). It serves one socket to the kernel, one request at
+first needed (``python -m nbddp.rank.forkloop FD``). It serves one socket to the kernel, one request at
 a time (kernel/forkserver.py is the other end):
 
 - ``prepare``: the kernel's ``sys.path``, working directory and environment at the cell, and the modules the
@@ -229,7 +229,7 @@ def cuda_held() -> bool:
 
 
 def main() -> None:
-    """``python -m nbddp.rank.forkserver FD KERNEL_PID``: a fresh interpreter serving the socket ``FD``."""
+    """``python -m nbddp.rank.forkloop FD KERNEL_PID``: a fresh interpreter serving the socket ``FD``."""
     fd, kernel_pid = int(sys.argv[1]), int(sys.argv[2])
     run(socket.socket(fileno=fd), kernel_pid, fresh=True)
 
