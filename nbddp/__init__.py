@@ -79,6 +79,7 @@ def _export_cells(cells, **kwargs) -> str:
 def load_ipython_extension(ipython) -> None:
     from .hw import cuda
     from .ipy import cells
+    from .wire import sharedtensor
     from .kernel import forkserver, rankdebug, warm
     from .kernel.magic import DDPMagics, register_exporter
     from .rank import worker
@@ -88,6 +89,7 @@ def load_ipython_extension(ipython) -> None:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     cells.track(ipython)  # IPython 7.x keeps no file name -> cell map: nbddp keeps one
     cuda.backend().install(ipython, cells)  # first: its environment (NVML-based CUDA checks) holds for torch's import
+    sharedtensor.gpu_share = cuda.ipc_share  # the kernel's GPU tensors reach forkserver ranks by CUDA IPC
     worker.warm_start()  # torch imported once, here, so ranks never import it
     forkserver.at_load()  # a CUDA-clean template for GPU ranks, forked before the kernel can hold CUDA
     warm.start()  # what a real first step imports lazily (DDP: torch._dynamo...), on a thread: forks wait for it

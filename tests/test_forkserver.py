@@ -259,3 +259,63 @@ def test_interrupting_a_forkserver_cell_says_where_every_rank_was_and_the_server
     assert server is not None and not psutil.Process(server).children()  # its ranks are gone, it is not
     res = k.ok("%%ddp --devices 2 --start-method forkserver\nprint('again', os.getppid())\n")
     assert said(res.stdout, 1, f"again {server}"), res.stdout
+
+
+# -- the kernel's GPU tensors by CUDA IPC: the seam's code paths with stand-ins (a GPU proves the rest) ----------
+class _OnGpu:
+    """What a rank opens from an IPC handle, standing in for a CUDA tensor: records how it was copied."""
+
+    def __init__(self):
+        self.calls = []
+
+    def clone(self):
+        self.calls.append("clone")
+        return self
+
+    def to(self, device):
+        self.calls.append(f"to {device}")
+        return self
+
+
+def test_a_kernel_gpu_tensor_is_handed_by_cuda_ipc_and_copied_device_to_device_in_the_rank(monkeypatch):
+    import torch
+    import torch.multiprocessing.reductions as reductions
+
+    from nbddp.hw import cuda
+    from nbddp.kernel import sending
+    from nbddp.wire import sharedtensor
+
+    class FakeCuda(torch.Tensor):  # a CPU tensor that says it is on cuda:0
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    opened = _OnGpu()
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (lambda handle: opened, ("handle",)))
+    monkeypatch.setattr(sharedtensor, "gpu_share", cuda.ipc_share)
+    G = torch.ones(2**16).as_subclass(FakeCuda)
+    ns = {"G": G, "lr": 0.1}
+    blobs = sending.ship_globals("print(G, lr)\n", "<cell>", ns, gpu_ipc=True)
+    assert blobs.on_gpu == {"G": 2**18} and "G" not in blobs.shared
+    notes = sending.shipped_notes(blobs, ns)
+    assert notes[0] == "sent G (test_forkserver.FakeCuda, 256.0 KiB by CUDA IPC) to every rank", notes
+    assert "one more CUDA context on that GPU" in notes[-1]
+    with sharedtensor.handing_gpu(False):
+        assert sharedtensor.reduce(G) is None  # a fork pool's or CPU ranks': its CPU copy, pickled
+    # in the rank: the same GPU copies within it, another GPU reads it from there
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert cuda.opened_on_rank(lambda h: opened, ("handle",), 0).calls == ["clone"]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert cuda.opened_on_rank(lambda h: opened, ("handle",), 0).calls[-1] == "to cuda:1"
+
+
+def test_without_cuda_ipc_a_kernel_gpu_tensor_travels_as_its_cpu_copy(monkeypatch):
+    import torch.multiprocessing.reductions as reductions
+
+    from nbddp.hw import cuda
+
+    def no_ipc(t):
+        raise RuntimeError("CUDA IPC is not supported on this platform (WSL2)")
+
+    monkeypatch.setattr(reductions, "reduce_tensor", no_ipc)
+    assert cuda.ipc_share(object()) is None

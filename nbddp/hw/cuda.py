@@ -187,6 +187,31 @@ class Cuda:
             return False
 
 
+def ipc_share(tensor):
+    """A reduction of the kernel's GPU tensor for a rank forked from the forkserver (never a fork of a kernel
+    holding CUDA: CUDA IPC needs a process of its own): torch's CUDA IPC handle, opened in the rank, which
+    copies it at once, device to device, so a rank's write stays its own. The rank on the tensor's GPU
+    copies within it; a rank on another GPU reads it from there, at the cost of one more CUDA context on that
+    GPU in the rank (300-500 MiB, said by the cell). None where IPC is not there (the tensor is then pickled
+    as its CPU copy)."""
+    try:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(tensor)
+    except Exception:  # noqa: BLE001 - WSL2, Jetson, a device without IPC: pickled as its CPU copy
+        return None
+    return opened_on_rank, (rebuild, args, tensor.device.index)
+
+
+def opened_on_rank(rebuild, args, source: int):
+    """In the rank: the kernel's GPU tensor, opened by its IPC handle and copied onto this rank's GPU."""
+    import torch
+
+    shared = rebuild(*args)
+    mine = torch.device("cuda", torch.cuda.current_device())
+    return shared.clone() if mine.index == source else shared.to(mine)
+
+
 def held_here() -> bool:
     """This process holds a CUDA context, torch's or anyone's (a forked child of it could not use a GPU).
     For a process that is no kernel (the forkserver): creates no context, loads no driver."""

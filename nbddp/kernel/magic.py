@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 
 from IPython.core import magic_arguments
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -249,7 +250,10 @@ class DDPMagics(Magics):
         fork = plan.start_method == "fork"
         # fork: the ranks share the notebook as it is now; spawn, forkserver: the globals the cell reads travel
         # with it (tensors and arrays through shared memory)
-        updates = {} if fork else sending.ship_globals(source, filename, shell.user_ns)
+        updates = {} if fork else sending.ship_globals(source, filename, shell.user_ns, gpu_ipc=plan.start_method
+                                                       == "forkserver" and plan.accelerator == "cuda")
+        for note in sending.shipped_notes(updates, shell.user_ns) if updates else ():
+            print(f"nbddp: {note}", file=sys.stderr)
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates,
                                post_mortem=bool(getattr(shell, "call_pdb", False)), debug=debugger.rank_setup())
         relabel = tracebacks.cell_labels(shell)

@@ -75,7 +75,8 @@ class Pool:
                 gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
                 self.started_at = time.time()
                 self.held = RankNames(self.namespace, other_nodes=bool(self.config.cluster),
-                                      inherited=plan.start_method == "fork")
+                                      inherited=plan.start_method == "fork",
+                                      gpu_ipc=plan.start_method == "forkserver" and plan.accelerator == "cuda")
                 gang.sup.announce()
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,

@@ -24,10 +24,12 @@ class Blobs(dict):
     def __init__(self, *args):
         super().__init__(*args)
         self.shared: dict[str, int] = {}
+        self.on_gpu: dict[str, int] = {}  # name -> bytes of the kernel's GPU tensors handed over by CUDA IPC
 
     def update(self, other=(), **kw):
         super().update(other, **kw)
         self.shared.update(getattr(other, "shared", {}))
+        self.on_gpu.update(getattr(other, "on_gpu", {}))
 
 
 def pickled_for_ranks(names, namespace: dict, *, wanted=None, unpicklable) -> Blobs:
@@ -48,7 +50,7 @@ def pickled_for_ranks(names, namespace: dict, *, wanted=None, unpicklable) -> Bl
             value = namespace[name]
             if wanted is not None and not wanted(name, value):
                 continue
-            before = sharer.shared
+            before, gpu_before = sharer.shared, sharer.on_gpu
             try:
                 out[name] = values.to_ranks(value)
             except sharedtensor.SharedMemoryFull as e:
@@ -61,6 +63,8 @@ def pickled_for_ranks(names, namespace: dict, *, wanted=None, unpicklable) -> Bl
                 continue
             if sharer.shared > before:
                 out.shared[name] = sharer.shared - before
+            if sharer.on_gpu > gpu_before:
+                out.on_gpu[name] = sharer.on_gpu - gpu_before
             pending += sorted(reads_of(value) - tried)  # its globals: the rank's own once it arrives
     return out
 
@@ -68,10 +72,24 @@ def pickled_for_ranks(names, namespace: dict, *, wanted=None, unpicklable) -> Bl
 def sent_text(blobs: dict[str, bytes], namespace: dict) -> list[str]:
     """``name (what it is, its size)`` for each value sent, but modules (a module travels by name); a
     value whose tensors went through shared memory, with how much of it did."""
-    shared = getattr(blobs, "shared", {})
-    return [f"{name} ({values.describe(namespace[name])}, "
-            + (f"{size(shared[name])} in shared memory)" if shared.get(name) else f"{size(len(blob))})")
-            for name, blob in blobs.items() if not isinstance(namespace[name], types.ModuleType)]
+    shared, on_gpu = getattr(blobs, "shared", {}), getattr(blobs, "on_gpu", {})
+
+    def how(name, blob):
+        if on_gpu.get(name):
+            return f"{size(on_gpu[name])} by CUDA IPC"
+        return f"{size(shared[name])} in shared memory" if shared.get(name) else size(len(blob))
+
+    return [f"{name} ({values.describe(namespace[name])}, {how(name, blob)})" for name, blob in blobs.items()
+            if not isinstance(namespace[name], types.ModuleType)]
+
+
+def gpu_note(blobs) -> list[str]:
+    """What handing the kernel's GPU tensors to the ranks costs, once a send has any."""
+    if not getattr(blobs, "on_gpu", None):
+        return []
+    return [f"the kernel's GPU tensors ({', '.join(blobs.on_gpu)}) reach the ranks by CUDA IPC, copied device to "
+            "device; a rank on another GPU than the tensor's opens it there: one more CUDA context on that GPU in "
+            "the rank (300-500 MiB) while it copies"]
 
 
 def reached(names, namespace: dict) -> set[str]:
@@ -104,9 +122,10 @@ def pickled_for_cell(cell_reads, reads, namespace: dict, *, wanted, refuse, unse
     return blobs, let_go
 
 
-def ship_globals(source: str, filename: str, user_ns: dict) -> dict[str, bytes]:
-    """The globals a spawned rank needs, each pickled by value (a module by name), with the names a
-    notebook function or class among them reads; an unpicklable one is named."""
+def ship_globals(source: str, filename: str, user_ns: dict, *, gpu_ipc: bool = False) -> Blobs:
+    """The globals a spawned (or forkserver) rank needs, each pickled by value (a module by name), with the
+    names a notebook function or class among them reads; an unpicklable one is named. ``gpu_ipc``: GPU ranks
+    of the forkserver, which get the kernel's GPU tensors by CUDA IPC."""
     body, last = split_last_expression(source, filename)
 
     def refuse(name, value, e):
@@ -116,9 +135,19 @@ def ship_globals(source: str, filename: str, user_ns: dict) -> dict[str, bytes]:
             f"Create `{name}` inside the cell, or use --start-method fork (it shares the notebook's objects)."
         ) from None
 
-    return pickled_for_ranks(names_used(body) | (names_used(last) if last else set()), user_ns,
-                             wanted=lambda name, value: not (hasattr(builtins, name) and value is getattr(builtins, name)),
-                             unpicklable=refuse)
+    with sharedtensor.handing_gpu(gpu_ipc):
+        return pickled_for_ranks(names_used(body) | (names_used(last) if last else set()), user_ns,
+                                 wanted=lambda name, value: not (hasattr(builtins, name) and value is getattr(builtins, name)),
+                                 unpicklable=refuse)
+
+
+def shipped_notes(blobs: Blobs, namespace: dict) -> list[str]:
+    """What a one-shot cell that sends the notebook's globals says: the large ones, and CUDA IPC's cost."""
+    big = Blobs({k: v for k, v in blobs.items()
+                 if len(v) >= BIG_UPDATE or blobs.shared.get(k, 0) >= BIG_UPDATE or k in blobs.on_gpu})
+    big.shared, big.on_gpu = blobs.shared, blobs.on_gpu
+    sizes = sent_text(big, namespace)
+    return ([f"sent {', '.join(sizes)} to every rank"] if sizes else []) + gpu_note(blobs)
 
 
 BIG_UPDATE = 16 * 2**20  # a sent value this large earns the hint that %ddp restart shares it instead
@@ -152,9 +181,12 @@ class RankNames:
     its code reads that the ranks lack. Only a cell that reads a name is refused when its new value cannot
     be pickled: for the others the ranks' old copy is dropped (the notebook has moved on from it), said once."""
 
-    def __init__(self, namespace: dict | None, *, other_nodes: bool = False, inherited: bool = True):
+    def __init__(self, namespace: dict | None, *, other_nodes: bool = False, inherited: bool = True,
+                 gpu_ipc: bool = False):
         """``inherited``: the ranks were forked from the kernel and hold its names as they were (a
-        forkserver's ranks hold none: every name a cell reads is sent at its first use)."""
+        forkserver's ranks hold none: every name a cell reads is sent at its first use); ``gpu_ipc``: the
+        forkserver's GPU ranks, which get the kernel's GPU tensors by CUDA IPC."""
+        self.gpu_ipc = gpu_ipc
         self.namespace = namespace if namespace is not None else {}
         self.known = {k: _token(v) for k, v in self.namespace.items()} if inherited else {}  # name -> the value the ranks have
         self.unsendable: dict[str, tuple] = {}  # name -> the value dropped from the ranks (it cannot be sent)
@@ -183,7 +215,8 @@ class RankNames:
         marked sent until ``sent``: the cell may yet be refused. ``other_nodes``: a running pool across
         nodes, whose other nodes get what they lack once (``Changes.other_nodes``)."""
         self.reads |= cell_reads
-        changes = self._changes(cell_reads)
+        with sharedtensor.handing_gpu(self.gpu_ipc):
+            changes = self._changes(cell_reads)
         if other_nodes:
             changes.other_nodes = self._for_other_nodes(cell_reads)
             sizes = sent_text(changes.other_nodes, self.namespace)
@@ -229,6 +262,7 @@ class RankNames:
             notes.insert(0, f"sent {', '.join(sizes)} to every rank (new or rebound in the notebook since the pool "
                          "started)" + ("; %ddp restart shares big data copy-on-write instead" if total >= BIG_UPDATE
                                        else ""))
+        notes += gpu_note(updates)
         both = [name for name in updates if name in self.assigned]
         if both:
             notes.append(f"{', '.join(both)} changed both in the notebook and on the ranks: the ranks now use "

@@ -29,9 +29,13 @@ import weakref
 
 from ..units import size
 
+# the kernel's GPU tensors: the CUDA seam's ``share(tensor) -> (rebuild, args) | None`` (hw/cuda.py, CUDA IPC),
+# set by the kernel at %load_ext (the wire imports no seam); None: they travel as their CPU copies, pickled
+gpu_share = None
 MIN_BYTES = 64 << 10  # smaller tensors and arrays are pickled as they are (a page rounds each up: <= 6 % here)
 _PAGE = mmap.PAGESIZE
 _enabled = True  # pickling for ranks of this machine (sharing(False): ranks elsewhere)
+_gpu = False  # pickling for GPU ranks that are no fork of the kernel (handing_gpu): its GPU tensors by CUDA IPC
 
 
 class SharedMemoryFull(MemoryError):
@@ -47,6 +51,18 @@ def sharing(on: bool):
         yield
     finally:
         _enabled = before
+
+
+@contextlib.contextmanager
+def handing_gpu(on: bool):
+    """While pickling for GPU ranks the forkserver starts: the kernel's GPU tensors go by CUDA IPC
+    (``gpu_share``); for any other ranks they travel as their CPU copies."""
+    global _gpu
+    before, _gpu = _gpu, on
+    try:
+        yield
+    finally:
+        _gpu = before
 
 
 def enabled() -> bool:
@@ -140,6 +156,8 @@ class Sharer:
         self._idle: list[Arena] = []  # no entry points there any more: closed at the next send's start
         self.copied = 0  # bytes copied into arenas in the current send
         self.shared = 0  # bytes of values the current send shares (copied or found again)
+        self.on_gpu = 0  # bytes of the kernel's GPU tensors the current send hands over by CUDA IPC
+        self.gpus: set = set()  # the GPUs they are on
 
     @contextlib.contextmanager
     def send(self):
@@ -147,7 +165,8 @@ class Sharer:
         with self._lock:
             self._depth += 1
             if self._depth == 1:
-                self.copied = self.shared = 0
+                self.copied = self.shared = self.on_gpu = 0
+                self.gpus = set()
                 for arena in self._idle:
                     if arena.users == 0:
                         arena.close()
@@ -256,6 +275,12 @@ def reduce(obj):
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
+        if obj.device.type == "cuda" and _gpu and gpu_share is not None:
+            reduced = gpu_share(obj)
+            if reduced is not None:
+                sharer().on_gpu += obj.untyped_storage().nbytes()
+                sharer().gpus.add(obj.device.index)
+            return reduced
         return _reduce_tensor(torch, obj)
     np = sys.modules.get("numpy")
     if np is not None and type(obj) is np.ndarray:
