@@ -22,9 +22,6 @@ import time
 from ..errors import UsageError
 from ..rank import forkloop as wire
 
-START_S = 120.0  # a fresh server's imports (torch, the kernel's libraries) may take this long on a loaded machine
-
-
 class ForkServer:
     def __init__(self, sock: socket.socket, pid: int, kind: str):
         self.sock, self.pid, self.kind = sock, pid, kind  # kind: "template" | "fresh"
@@ -61,6 +58,8 @@ class ForkServer:
 
     # -- requests ---------------------------------------------------------------------------------------------
     def request(self, message, fds=(), timeout: float | None = 60.0):
+        """``message``'s answer. Anything that leaves the exchange unfinished (the server gone, no answer in
+        ``timeout``, an interrupt while waiting) ends the server: a later answer would be taken for another's."""
         with self.lock:
             if self.gone:
                 raise ForkServerGone(self.kind)
@@ -70,6 +69,9 @@ class ForkServer:
             except (OSError, EOFError):
                 self._lost()
                 raise ForkServerGone(self.kind) from None
+            except BaseException:
+                self._lost()
+                raise
 
     def _reply(self, timeout):
         """The answer to the request just sent (the ranks' exits met on the way are kept)."""
@@ -91,7 +93,7 @@ class ForkServer:
         """The kernel's sys.path, working directory, environment and imports, given to the server; returns
         its answer (``poisoned``: a package whose import initialised CUDA there, which ended it)."""
         modules = [n for n in list(sys.modules) if n not in self.imported and n.partition(".")[0] not in never]
-        answer = self.request(("prepare", list(sys.path), os.getcwd(), dict(os.environ), modules), timeout=START_S)[1]
+        answer = self.request(("prepare", list(sys.path), os.getcwd(), dict(os.environ), modules), timeout=None)[1]
         self.imported.update(modules)
         if answer.get("poisoned"):
             self._lost()

@@ -66,6 +66,7 @@ class Gang:
             prepare = starters.store_pipes(self.local)
         try:
             checks.before_fork(self.config, self.plan)
+            self._starter.ready()
             starters.fork_ranks(self.sup, self._starter, job_for(pipes), self.config, self.plan, self.run_dir,
                                 deadline, prepare)
         finally:

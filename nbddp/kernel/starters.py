@@ -152,6 +152,9 @@ class ForkStarter:
     def __init__(self, run_dir):
         self.run_dir = run_dir
 
+    def ready(self) -> None:
+        pass
+
     def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -175,6 +178,9 @@ class SpawnStarter:
     def __init__(self, run_dir):
         self.run_dir = run_dir
         self.job_path = run_dir.path / "job.pkl"
+
+    def ready(self) -> None:
+        pass
 
     def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
         if not self.job_path.exists():
@@ -222,12 +228,17 @@ class ForkserverStarter:
         self.server = None
         self._job = None  # the job the server holds (one per gang)
 
-    def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
+    def ready(self) -> None:
+        """Before the first rank, outside the forks' deferred interrupt (the server's imports can take
+        seconds the first time: an interrupt then ends the server, and the next cell starts a fresh one)."""
         from ..hw import cuda
         from . import forkserver
 
+        self.server = forkserver.ready(cuda.backend().culprits())
+
+    def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
         if self.server is None:
-            self.server = forkserver.ready(cuda.backend().culprits())
+            self.ready()
         pipes = getattr(job, "cmd_pipes", None) or {}
         if self._job is not job:
             self.server.set_job(values.to_ranks(_without_pipes(job)))

@@ -105,8 +105,9 @@ class Arena:
         return start
 
     def seal(self) -> None:
-        """The send is pickled: the kernel maps the whole arena (its pages are all there: no new memory)."""
-        if self.map is None and self.end:
+        """The kernel maps the whole arena (its pages are all there: no new memory); again if it grew since
+        (an array compared while its send was still being written)."""
+        if self.end and (self.map is None or len(self.map) < self.end):
             self.map = mmap.mmap(self.fd, self.end, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                  prot=mmap.PROT_READ)
 
@@ -157,7 +158,6 @@ class Sharer:
         self.copied = 0  # bytes copied into arenas in the current send
         self.shared = 0  # bytes of values the current send shares (copied or found again)
         self.on_gpu = 0  # bytes of the kernel's GPU tensors the current send hands over by CUDA IPC
-        self.gpus: set = set()  # the GPUs they are on
 
     @contextlib.contextmanager
     def send(self):
@@ -166,7 +166,6 @@ class Sharer:
             self._depth += 1
             if self._depth == 1:
                 self.copied = self.shared = self.on_gpu = 0
-                self.gpus = set()
                 for arena in self._idle:
                     if arena.users == 0:
                         arena.close()
@@ -193,6 +192,8 @@ class Sharer:
             if found is not None and (found.ref() is None or found.ptr != ptr or found.nbytes != nbytes
                                       or found.version != version or compare and not _equal(found, src_for())):
                 found = None
+            if found is not None and found is self._cache.get(id(obj)):
+                return found.arena.handle(), found.offset  # this very value, unchanged
             if found is not None:
                 arena, offset = found.arena, found.offset
             else:
@@ -279,7 +280,6 @@ def reduce(obj):
             reduced = gpu_share(obj)
             if reduced is not None:
                 sharer().on_gpu += obj.untyped_storage().nbytes()
-                sharer().gpus.add(obj.device.index)
             return reduced
         return _reduce_tensor(torch, obj)
     np = sys.modules.get("numpy")
