@@ -76,6 +76,10 @@ def run(quick: bool, only: str | None = None) -> dict:
         import bench_debugger
 
         return {**json.loads((HERE / "results.json").read_text()), "debugger": bench_debugger.measure(quick)}
+    if only == "forkserver":  # issue 49's section: the forkserver and shared tensors, kernels of their own
+        import bench_forkserver
+
+        return {**json.loads((HERE / "results.json").read_text()), "forkserver": bench_forkserver.measure(quick)}
     if only == "firststep":  # issue 34's section: a real first step and real data, kernels of their own
         import bench_firststep
 
@@ -137,6 +141,10 @@ def run(quick: bool, only: str | None = None) -> dict:
 
     results["debugger"] = bench_debugger.measure(quick)
     print("done: debugger", flush=True)
+    import bench_forkserver
+
+    results["forkserver"] = bench_forkserver.measure(quick)
+    print("done: forkserver", flush=True)
     return results
 
 
@@ -383,6 +391,10 @@ def report(r: dict) -> str:
         import bench_debugger
 
         lines += [bench_debugger.render(r["debugger"]), ""]
+    if "forkserver" in r:
+        import bench_forkserver
+
+        lines += [bench_forkserver.BEGIN, bench_forkserver.render(r["forkserver"]), "", bench_forkserver.END, ""]
     return "\n".join(lines) + "\n"
 
 

@@ -132,10 +132,11 @@ class ClusterGang(Gang):
                         seed=self.config.seed, store_path="", parent_pid=os.getpid(), env=env)
 
     def _fork_local(self, job_for, specs, ifname: str, deadline) -> None:
-        """The kernel's node's ranks, forked from the kernel as in any pool, each with its store pipes."""
+        """The kernel's node's ranks, forked from the kernel as in any pool (from its forkserver where the
+        kernel holds CUDA), each with its store pipes."""
         pipes = {s.rank: os.pipe() for s in specs}
         self._cmd = {r: w for r, (_, w) in pipes.items()}
-        self._starter = starters.ForkStarter(self.run_dir)
+        self._starter = starters.STARTERS[self.plan.start_method](self.run_dir)
 
         def env(spec):
             return starters.nccl_env(dict(spec.env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname),
@@ -146,7 +147,8 @@ class ClusterGang(Gang):
 
         prepare = starters.store_pipes(self.local, env, forked)
         try:
-            checks.before_fork(self.config)
+            checks.before_fork(self.config, self.plan)
+            self._starter.ready()
             starters.fork_specs(self.sup, self._starter, job_for(pipes), specs, deadline, prepare)
         finally:
             for read, _ in pipes.values():

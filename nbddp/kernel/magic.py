@@ -250,8 +250,9 @@ class DDPMagics(Magics):
         fork = plan.start_method == "fork"
         # fork: the ranks share the notebook as it is now; spawn, forkserver: the globals the cell reads travel
         # with it (tensors and arrays through shared memory)
-        updates = {} if fork else sending.ship_globals(source, filename, shell.user_ns, gpu_ipc=plan.start_method
-                                                       == "forkserver" and plan.accelerator == "cuda")
+        updates = {} if fork else sending.ship_globals(
+            source, filename, shell.user_ns, method=plan.start_method,
+            gpu_ipc=plan.start_method == "forkserver" and plan.accelerator == "cuda")
         for note in sending.shipped_notes(updates, shell.user_ns) if updates else ():
             print(f"nbddp: {note}", file=sys.stderr)
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates,

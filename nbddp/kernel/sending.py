@@ -122,7 +122,7 @@ def pickled_for_cell(cell_reads, reads, namespace: dict, *, wanted, refuse, unse
     return blobs, let_go
 
 
-def ship_globals(source: str, filename: str, user_ns: dict, *, gpu_ipc: bool = False) -> Blobs:
+def ship_globals(source: str, filename: str, user_ns: dict, *, method: str = "spawn", gpu_ipc: bool = False) -> Blobs:
     """The globals a spawned (or forkserver) rank needs, each pickled by value (a module by name), with the
     names a notebook function or class among them reads; an unpicklable one is named. ``gpu_ipc``: GPU ranks
     of the forkserver, which get the kernel's GPU tensors by CUDA IPC."""
@@ -130,9 +130,12 @@ def ship_globals(source: str, filename: str, user_ns: dict, *, gpu_ipc: bool = F
 
     def refuse(name, value, e):
         raise UsageError(
-            f"--start-method spawn must send the global `{name}` ({values.describe(value)}) to every "
+            f"--start-method {method} must send the global `{name}` ({values.describe(value)}) to every "
             f"rank, but it cannot be pickled:\n  {type(e).__name__}: {e}\n"
-            f"Create `{name}` inside the cell, or use --start-method fork (it shares the notebook's objects)."
+            f"Create `{name}` inside the cell" + (", or use --start-method fork (it shares the notebook's objects)."
+                                                  if method == "spawn" else "; forkserver ranks are no forks of the "
+                                                  "kernel and cannot share its objects (where the kernel holds no CUDA, "
+                                                  "--start-method fork shares them).")
         ) from None
 
     with sharedtensor.handing_gpu(gpu_ipc):
@@ -187,6 +190,7 @@ class RankNames:
         forkserver's ranks hold none: every name a cell reads is sent at its first use); ``gpu_ipc``: the
         forkserver's GPU ranks, which get the kernel's GPU tensors by CUDA IPC."""
         self.gpu_ipc = gpu_ipc
+        self.across_nodes = other_nodes
         self.namespace = namespace if namespace is not None else {}
         self.known = {k: _token(v) for k, v in self.namespace.items()} if inherited else {}  # name -> the value the ranks have
         self.unsendable: dict[str, tuple] = {}  # name -> the value dropped from the ranks (it cannot be sent)
@@ -215,7 +219,8 @@ class RankNames:
         marked sent until ``sent``: the cell may yet be refused. ``other_nodes``: a running pool across
         nodes, whose other nodes get what they lack once (``Changes.other_nodes``)."""
         self.reads |= cell_reads
-        with sharedtensor.handing_gpu(self.gpu_ipc):
+        # a pool across nodes: its ranks elsewhere cannot open this machine's memfds, so values are pickled
+        with sharedtensor.handing_gpu(self.gpu_ipc), sharedtensor.sharing(not self.across_nodes):
             changes = self._changes(cell_reads)
         if other_nodes:
             changes.other_nodes = self._for_other_nodes(cell_reads)

@@ -44,9 +44,10 @@ class SharedMemoryFull(MemoryError):
 
 @contextlib.contextmanager
 def sharing(on: bool):
-    """While pickling for ranks that can (``on``) or cannot (other machines) open the kernel's memfds."""
+    """While pickling for ranks that can (``on``) or cannot (other machines) open the kernel's memfds (never
+    turns sharing on where it was turned off)."""
     global _enabled
-    before, _enabled = _enabled, on
+    before, _enabled = _enabled, _enabled and on
     try:
         yield
     finally:
