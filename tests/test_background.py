@@ -197,6 +197,50 @@ def test_a_one_shot_background_cell_and_input_in_the_background(clean_kernel):
     k.ok("%ddp wait")
 
 
+def test_a_second_one_shot_background_cell_queues_behind_the_first_and_both_land(clean_kernel):
+    k = clean_kernel
+    first = send(k, "%%ddp --bg --devices 2 --out a\nimport time\ntime.sleep(1.5)\na = 'first'\n")
+    msg_id = k.execute("%%ddp --bg --devices 2 --out b\nb = 'second'\n")
+    res = k.collect(msg_id, timeout=30)
+    assert res.error is None and "queued behind background cell" in res.stderr, res.error_text + res.stderr
+    assert "another nbddp launch is still running" not in res.error_text + res.stderr  # before: refused
+    k.ok("%ddp wait", timeout=60)
+    assert k.value("a, b") == ("first", "second")
+    assert first
+
+
+def test_a_queued_cell_starts_its_ranks_only_between_notebook_cells(clean_kernel):
+    k = clean_kernel
+    send(k, "%%ddp --bg --devices 2\nimport time\ntime.sleep(1.0)\n")
+    queued = k.execute("%%ddp --bg --devices 2 --out began\nimport time\nbegan = time.time()\n")
+    assert k.collect(queued, timeout=30).error is None
+    # the notebook, busy in torch ops past the first cell's end: the queued one must not fork meanwhile
+    k.ok("import time, torch\nbusy_from = time.time()\na = torch.randn(256, 256)\n"
+         "while time.time() - busy_from < 3.0:\n    a = (a @ a).tanh()\nbusy_to = time.time()\n", timeout=60)
+    k.ok("%ddp wait", timeout=60)
+    began, busy_to = k.value("began, busy_to")
+    assert began >= busy_to, (began, busy_to)
+    said_it = k.follow(queued, lambda r: "starts when the notebook's running cell ends" in r.stderr, timeout=10)
+    assert "starts when the notebook's running cell ends" in said_it.stderr
+
+
+def test_ranks_get_the_kernels_interpreter_settings_whichever_thread_forks_them(clean_kernel):
+    k = clean_kernel
+    k.ok("import signal, sys\nsys.setswitchinterval(0.007)\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGWINCH})\n")
+    probe = ("import signal, sys\nsettings = (sys.getswitchinterval(), "
+             "signal.SIGWINCH in signal.pthread_sigmask(signal.SIG_BLOCK, []), "
+             "signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n")
+    try:
+        k.ok("%%ddp --devices 2 --gather settings\n" + probe)
+        blocking = k.value("settings")
+        send(k, "%%ddp --bg --devices 2 --gather settings\n" + probe)
+        k.ok("%ddp wait", timeout=60)
+        background = k.value("settings")
+        assert blocking == background == [(0.007, True, False)] * 2, (blocking, background)
+    finally:
+        k.ok("sys.setswitchinterval(0.005)\nsignal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGWINCH})\n")
+
+
 def test_bad_options_with_bg_launch_nothing(clean_kernel):
     res = clean_kernel.run("%%ddp --bg --devices 0\nprint('ran')")
     assert "ran" not in res.stdout and "--devices" in res.error_text

@@ -19,7 +19,7 @@ import pickle
 import time
 
 from ..errors import UsageError
-from ..kernel import checks, groupstore, rendezvous, starters
+from ..kernel import groupstore, rendezvous, starters
 from ..kernel.gang import STOP_S, Gang
 from ..kernel.supervisor import GRACE_S
 from ..rank.worker import RankSpec
@@ -129,7 +129,8 @@ class ClusterGang(Gang):
                    GROUP_WORLD_SIZE=str(self.nodes), MASTER_ADDR=nodes[0].ip)
         return RankSpec(rank=rank, world_size=self.world_size, accelerator=self.plan.accelerator,
                         backend=self.plan.backend, device_id=self.plan.device_ids[rank], threads=self.config.threads,
-                        seed=self.config.seed, store_path="", parent_pid=os.getpid(), env=env)
+                        seed=self.config.seed, store_path="", parent_pid=os.getpid(), env=env,
+                        switch_interval=starters.kernel_switch_interval(), blocked=starters.main_thread_blocked())
 
     def _fork_local(self, job_for, specs, ifname: str, deadline) -> None:
         """The kernel's node's ranks, forked from the kernel as in any pool (from its forkserver where the
@@ -147,8 +148,7 @@ class ClusterGang(Gang):
 
         prepare = starters.store_pipes(self.local, env, forked)
         try:
-            checks.before_fork(self.config, self.plan)
-            self._starter.ready()
+            self._starter.ready(self.config)
             starters.fork_specs(self.sup, self._starter, job_for(pipes), specs, deadline, prepare)
         finally:
             for read, _ in pipes.values():

@@ -34,7 +34,7 @@ def why_busy(use: nvml.GpuUse, own_pids: set[int] = frozenset()) -> str | None:
 
 
 @dataclass(frozen=True)
-class Survey:
+class GpuSurvey:
     busy: dict  # GPU index -> why it is busy, or None when free
     mig: tuple[int, ...] = ()  # GPUs in MIG mode
 
@@ -49,13 +49,13 @@ class Survey:
                 "(choose it with CUDA_VISIBLE_DEVICES=MIG-<uuid>), and NCCL does not run across MIG instances.")
 
 
-def survey(gpus: int) -> Survey:
+def survey(gpus: int) -> GpuSurvey:
     """Why each visible GPU is busy (None: free). A seam without ``usage`` (or NVML answering nothing for
     a GPU) counts the GPU as free."""
     usage = getattr(nvml.backend(), "usage", None)
     found = {u.index: u for u in (usage() if usage else [])}
     own = _own_pids()
-    return Survey({i: why_busy(found[i], own) if i in found else None for i in range(gpus)},
+    return GpuSurvey({i: why_busy(found[i], own) if i in found else None for i in range(gpus)},
                   tuple(i for i, u in found.items() if u.mig))
 
 

@@ -8,9 +8,14 @@ to a cell after it returned, as JupyterLab does, shows them live) and kept for `
 
 The rules, in one place:
 - never two cells in the ranks at once: one background thread runs the cells sent with ``--bg`` in order
-  (a second one queues, and says so); a blocking ``%%ddp`` cell, ``%ddp who/diff/debug/stop/restart`` wait
-  for the background work first and say so (``Background.before_foreground``; an interrupt stops the
-  waiting, not the training);
+  (a second one queues, one-shot or a pool's, and says so); a blocking ``%%ddp`` cell,
+  ``%ddp who/diff/debug/stop/restart`` wait for the background work first and say so
+  (``Background.before_foreground``; an interrupt stops the waiting, not the training);
+- never beside notebook code: a queued cell starts its ranks (the fork, the OpenMP pause, the notebook's
+  names read and sent) only while the notebook runs no cell, and a notebook cell begins only once such a
+  start is over (``Turns``: the one lock between the notebook's cells and the background thread's starts;
+  a cell waiting for the notebook says so in its output). The cell sent first starts at once: the cell that
+  sent it waits, running no notebook code, until its ranks have it;
 - results land on the kernel's main thread, between cells (``Background.land``: the next cell's
   ``pre_run_cell``, ``%ddp wait``, a waiting cell), never in the middle of another cell's run; a notebook
   cell that reads a name a background cell will bring back waits for it first (``WaitForNames``, an AST
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -32,6 +38,7 @@ import time
 
 from ..errors import NbddpError, interrupt
 from ..views import output
+from . import starters
 
 KEPT_JOBS = 16  # ended background cells remembered (%ddp status, %ddp attach)
 
@@ -113,6 +120,58 @@ class Job:
         return f"{self.name} {self.state} {took:.1f} s · {self.label}" + (f" · {bar}" if bar else "")
 
 
+class Turns:
+    """The notebook's cells and the background thread's starts take turns. ``cell_begins``/``cell_ends``
+    (IPython's pre_run_cell and post_run_cell, on the notebook's thread) count the notebook's running cells;
+    ``hold`` (the background thread, before a queued cell starts its ranks) waits until none runs and keeps
+    the next from beginning until ``release`` (its ranks have the cell). ``aside``: the notebook's thread
+    waits for background work inside a cell, running no notebook code meanwhile."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._cells = 0  # notebook cells running (nested run_cell calls count each)
+        self._starting = False
+
+    def cell_begins(self, info=None) -> None:
+        with self._cv:
+            while self._starting:
+                self._cv.wait()
+            self._cells += 1
+
+    def cell_ends(self, result=None) -> None:
+        with self._cv:
+            self._cells = max(0, self._cells - 1)
+            self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def aside(self):
+        with self._cv:
+            self._cells -= 1
+            self._cv.notify_all()
+        try:
+            yield
+        finally:
+            with self._cv:
+                while self._starting:
+                    self._cv.wait()
+                self._cells += 1
+
+    def hold(self, say) -> None:
+        """Until no notebook cell runs (``say()`` once, if one does); then no cell begins until ``release``."""
+        with self._cv:
+            if self._cells > 0:
+                say()
+            while self._cells > 0:
+                self._cv.wait()
+            self._starting = True
+
+    def release(self) -> None:
+        with self._cv:
+            if self._starting:
+                self._starting = False
+                self._cv.notify_all()
+
+
 class Background:
     """The kernel's background work: its cells in order on one thread (a thread for the kernel's life, so
     ranks it forks, whose parent-death signal follows the thread that forked them, live as long as their
@@ -120,6 +179,7 @@ class Background:
 
     def __init__(self, shell):
         self.shell = shell
+        self.turns = Turns()  # the notebook's cells and the queued cells' starts, one at a time
         self.jobs: list[Job] = []  # in the order sent: those still to run or land, and the last KEPT_JOBS ended
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
@@ -272,7 +332,9 @@ class Background:
             sys.stderr.flush()
             for job in jobs:
                 left = None if end is None else max(0.0, end - time.monotonic())
-                if not job.done.wait(left):
+                with self.turns.aside():  # (a cell queued behind the one awaited may start meanwhile)
+                    finished = job.done.wait(left)
+                if not finished:
                     raise StillRunning(f"still running after {timeout:g} s: "
                                        f"{'; '.join(j.describe() for j in jobs if not j.done.is_set())}.\n"
                                        "The training goes on: %ddp wait again, %ddp status to look, %ddp attach to "
@@ -295,7 +357,11 @@ class Background:
     def _run(self, job: Job) -> None:
         with output.routed(job.place), _responsive():
             try:
-                job.results = job.work(job.on_start)
+                if not job.parked:  # queued: its ranks start between notebook cells
+                    self.turns.hold(lambda: job.place.write(
+                        "stderr", f"nbddp: {job.name} starts when the notebook's running cell ends (a queued "
+                        "cell starts its ranks between notebook cells)\n"))
+                job.results = job.work(self._started(job))
                 job.state = "ok"
             except KeyboardInterrupt as e:
                 job.state, job.error = "interrupted", e
@@ -304,10 +370,18 @@ class Background:
                 job.state, job.error = "failed", e
                 self._report(job, e)
             finally:
+                self.turns.release()
                 job.ended = time.monotonic()
                 job.place.flush()
                 job.started.set()
                 job.done.set()
+
+    def _started(self, job: Job):
+        def on_start(gang) -> None:
+            self.turns.release()  # the ranks have the cell: the notebook may go on
+            job.on_start(gang)
+
+        return on_start
 
     def _report(self, job: Job, err: BaseException) -> None:
         """The failure in the background cell's output, as a blocking cell shows it (a refusal before the
@@ -331,14 +405,16 @@ SWITCH_S = 0.0005  # the interpreter's thread switch interval while a background
 class _responsive:
     """While a background cell runs, the notebook's own thread waits at most ``SWITCH_S`` for the interpreter
     lock when this thread holds it (at CPython's 5 ms, a notebook cell's reply waited up to that each time the
-    background thread was busy: a trivial background cell's round trip was 1.5x a blocking one's)."""
+    background thread was busy: a trivial background cell's round trip was 1.5x a blocking one's). Ranks
+    start with the kernel's own setting (``starters.kernel_switch_interval``), not this one."""
 
     def __enter__(self):
-        self.before = sys.getswitchinterval()
+        self.before = starters.switch_interval_lowered(sys.getswitchinterval())
         sys.setswitchinterval(min(self.before, SWITCH_S))
 
     def __exit__(self, *exc):
         sys.setswitchinterval(self.before)
+        starters.switch_interval_lowered(None)
 
 
 def _failure_summary(jobs: list[Job]) -> str:

@@ -9,8 +9,8 @@ import sys
 import textwrap
 
 from ..errors import UsageError
-from ..hw import cuda, openmp
-from . import devices, options, warm
+from ..hw import cuda
+from . import devices, options
 
 _launching = False  # one launch at a time per process
 
@@ -30,9 +30,10 @@ def one_at_a_time():
         _launching = False
 
 
-def preflight(config, *, pool: bool = False) -> devices.Plan:
-    """Everything that can refuse a launch, with nothing changed yet; returns the plan (its notes said)."""
-    refusals(config, pool=pool)
+def preflight(config, *, pool: bool = False, queued: bool = False) -> devices.Plan:
+    """Everything that can refuse a launch, with nothing changed yet; returns the plan (its notes said).
+    ``queued``: a background cell, which runs after the launch running now (the background queue's order)."""
+    refusals(config, pool=pool, queued=queued)
     plan = devices.plan(config.devices, config.accelerator, config.backend)
     method = "fork" if config.start_method == "auto" else config.start_method
     held = plan.accelerator == "cuda" and method == "fork" and cuda.backend().refusal()
@@ -61,7 +62,7 @@ def _forkserver_note(held) -> list[str]:
                           "memory).", width=NOTE_WIDTH, break_long_words=False, break_on_hyphens=False)]
 
 
-def refusals(config, *, pool: bool = False) -> None:
+def refusals(config, *, pool: bool = False, queued: bool = False) -> None:
     """What refuses a launch whatever the devices' state: bad options (the device spec included), a launch
     from inside a rank or during another, a spawned pool. ``%ddp restart`` checks this before it stops the
     running pool, and plans the devices after (the old pool's GPUs are free by then)."""
@@ -70,7 +71,7 @@ def refusals(config, *, pool: bool = False) -> None:
             "nbddp cannot launch from inside a rank (nested %%ddp / launch).\n"
             "The cell already runs on every rank: call the code directly."
         )
-    if _launching:
+    if _launching and not queued:
         raise UsageError("another nbddp launch is still running in this process; wait for it to finish.")
     if pool and config.start_method == "spawn":
         raise UsageError("--start-method spawn: a pool forks its ranks (from the kernel, or from nbddp's "
@@ -82,15 +83,6 @@ def refusals(config, *, pool: bool = False) -> None:
         raise UsageError("--cluster and --nodes start a pool across the nodes of a Ray cluster: %ddp start "
                          "--cluster ray --nodes N --devices D (then %%ddp cells run on it). Nothing ran.")
     devices.parse_devices(config.devices)
-
-
-def before_fork(config, plan) -> None:
-    """Just before the first fork of the kernel: the modules ranks would import lazily are in (warm.py's
-    thread has finished: nothing of nbddp's runs during the fork), the kernel's idle OpenMP threads released
-    (nothing runs a parallel op between this and the forks)."""
-    if plan.start_method == "fork":
-        warm.wait()
-        openmp.release_threads(config.threads)
 
 
 _warned_oversubscribed: set = set()

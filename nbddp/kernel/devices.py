@@ -130,7 +130,7 @@ def _gpu_ids(spec, gpus: int) -> tuple[list[int], list[str]]:
     return ids, notes + ([mig] if mig else [])
 
 
-def _pick_free(spec, gpus: int, found: gpufree.Survey) -> tuple[list[int], list[str]]:
+def _pick_free(spec, gpus: int, found: gpufree.GpuSurvey) -> tuple[list[int], list[str]]:
     free = found.free()
     want = len(free) if spec == "auto" else spec
     if not free or len(free) < want:

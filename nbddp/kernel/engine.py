@@ -77,14 +77,14 @@ class CellRun:
     (``Prompts``), the stacks asked for (``stacks.StackCapture``, in front of the relay), the collective
     probe (``CollectiveProbe``), the relay's clock (``RelayClock``), and the cell's rules (rules.py: a
     pool's ``Recovery`` among them); what the cell's end says is failure.py's. ``on_start(gang)``: a
-    background cell's, called once the ranks have the cell (rules.Background)."""
+    background cell's, called once the ranks have the cell (rules.InBackground)."""
 
     def __init__(self, gang: Gang, config, *, label: str = "", relabel=None, observer=None, ranks=None,
                  on_start=None):
         self.gang, self.config, self.label, self.observer = gang, config, label[:80], observer
         self.rules = rules.for_cell(gang, on_start)
         self.ranks = tuple(ranks) if ranks else tuple(range(gang.world_size))  # a pool's --ranks: only these run it
-        self.prompts = Prompts(gang, asks=self.rules.asks)  # the ranks' input() and pdb prompts, asked in turn
+        self.prompts = Prompts(gang)  # the ranks' input() and pdb prompts, asked in turn
         self.deadline: float | None = None  # --timeout's, moved on by the time prompts waited for the user
         self.relabel = tracebacks.cell_labels() if relabel is None else relabel
         self.replies: dict[int, object] = {}  # rank -> its answer to the cell (Result, Error or Exit)
@@ -227,8 +227,9 @@ class CellRun:
     def _ask(self) -> None:
         """A rank's prompt whose turn it is, asked in the notebook (this waits for the user); the engine's
         clocks move on by that pause, so a debugging session trips no deadline or health rule."""
-        if not self.rules.may_ask(self):
-            self.prompts.drop()
+        refused = self.rules.prompts_refused(self)
+        if refused is not None:
+            self.prompts.refuse(refused)  # every prompt waiting is answered: no rank waits at its input() for ever
             return
         paused = self.prompts.serve()
         if paused:

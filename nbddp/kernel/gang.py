@@ -13,7 +13,7 @@ import os
 import time
 
 from ..wire import framing, messages
-from . import checks, failure, groupstore, rendezvous, starters
+from . import failure, groupstore, rendezvous, starters
 from .logs import RankLogs
 from .supervisor import Supervisor
 
@@ -65,8 +65,7 @@ class Gang:
             self.local = groupstore.LocalStores(groupstore.Store())
             prepare = starters.store_pipes(self.local)
         try:
-            checks.before_fork(self.config, self.plan)
-            self._starter.ready()
+            self._starter.ready(self.config)
             starters.fork_ranks(self.sup, self._starter, job_for(pipes), self.config, self.plan, self.run_dir,
                                 deadline, prepare)
         finally:

@@ -4,23 +4,21 @@ reference; each cell goes to the one cell engine (engine.py), one-shot or in the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 
 from IPython.core import magic_arguments
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from ..errors import ResultError, UsageError
+from ..errors import UsageError
 from ..ipy import cellcode, cells, debugger, tracebacks
 from ..views.display import line_for_pool_cell, view_for_session
-from ..wire import messages, values
+from ..wire import messages
 from ..views import output
-from . import background, checks, engine, options, sending
+from . import background, checks, delivery, engine, options, sending
 from .background import Background, Job, WaitForNames
 from .history import History, request_metadata
 from .verbs import Verbs
 
-COMPILED_KEPT = 64
 
 
 def option_groups(func):
@@ -89,33 +87,6 @@ def keep_empty_body(lines: list[str]) -> list[str]:
     return lines
 
 
-class Compiled:
-    """The cells ``%%ddp`` ran, as IPython runs them, kept by their text (``COMPILED_KEPT`` of them)."""
-
-    def __init__(self):
-        self.kept: dict[str, tuple] = {}  # cell text -> (source, names read, execution count, file name)
-
-    def get(self, shell, cell):
-        """The cell as IPython runs it: its source (transformed), file name (Cell In[n]) and the names it
-        reads. A cell run again (a pool's habit) is transformed and checked once: ~0.5 ms of a pool cell."""
-        known = self.kept.get(cell)
-        source = known[0] if known else "\n" + shell.transform_cell(cell)  # line numbers count the %%ddp line
-        number = cells.running(shell)  # one rule on every IPython: execution_count differs
-        if known and known[2] == number:  # registered already (ipykernel hashes the cell in pure Python)
-            return source, known[3], known[1]
-        filename = shell.compile.cache(source, number, raw_code=cell)
-        if known:
-            self.kept[cell] = (source, known[1], number, filename)
-            return source, filename, known[1]
-        # a syntax error launches nothing, and shows as IPython shows it (Cell In[n], the line, the caret)
-        body, last = cellcode.split_last_expression(source, filename, tracebacks.cell_labels(shell))
-        names = cellcode.names_used(body) | (cellcode.names_used(last) if last else set())
-        if len(self.kept) >= COMPILED_KEPT:
-            self.kept.pop(next(iter(self.kept)))
-        self.kept[cell] = (source, names, number, filename)
-        return source, filename, names
-
-
 @magics_class
 class DDPMagics(Magics):
     _handlers: list = []  # (shell, event, handler) registered by every instance: %unload_ext takes them back
@@ -126,15 +97,17 @@ class DDPMagics(Magics):
         self.pool = None  # %ddp start's Pool, while one runs
         self.pool_options = ""
         self._pdb_back = False  # %pdb was on and a cell's traceback was shown without it (ranks_debug_themselves)
-        self._compiled = Compiled()  # each cell's text compiled once (a pool's cells run again)
+        self._compiled = cellcode.Compiled()  # each cell's text compiled once (a pool's cells run again)
         self.background = Background(shell)  # %%ddp --bg cells, and what became of them
         self.background.on_failed = self._failed_in_background
         self.verbs = Verbs(self)  # what %ddp VERB does (verbs.py)
         if shell is not None:
             self.unregister_events(shell)  # %reload_ext: one recorder, not two
             self.history.loaded(shell)
-            for event, handler in (("pre_run_cell", self._record), ("post_run_cell", self._ran),
-                                   ("pre_run_cell", self._land)):
+            # the turn first: a queued background cell's start (names read, ranks forked) is never mid-cell
+            for event, handler in (("pre_run_cell", self.background.turns.cell_begins), ("pre_run_cell", self._record),
+                                   ("post_run_cell", self._ran), ("pre_run_cell", self._land),
+                                   ("post_run_cell", self.background.turns.cell_ends)):
                 shell.events.register(event, handler)
                 DDPMagics._handlers.append((shell, event, handler))
             shell.input_transformers_cleanup.append(keep_empty_body)
@@ -235,18 +208,18 @@ class DDPMagics(Magics):
                              "ran.\n%ddp start [options] starts one; a one-shot cell runs on every rank it starts "
                              "(--devices N).")
         else:
-            work, deliver = self._one_shot(given, outs, gathers, cell)
+            work, deliver = self._one_shot(given, outs, gathers, cell, queued=in_background)
         if not in_background:
             return deliver(work(None))
         return self._in_background(work, deliver, (*outs, *gathers), cell)
 
-    def _one_shot(self, given: dict, outs, gathers, cell):
+    def _one_shot(self, given: dict, outs, gathers, cell, queued: bool = False):
         """A one-shot cell, checked and made ready: (work(on_start) -> each rank's Result, deliver)."""
         config = options.config(given)
         shell = self.shell
         source, filename, _ = self._compiled.get(self.shell, cell)
         filename = debugger.cell_file(shell, filename)  # the debugger panel's breakpoints are set there
-        plan = checks.preflight(config)  # everything that refuses, before spawn pickles anything
+        plan = checks.preflight(config, queued=queued)  # everything that refuses, before spawn pickles anything
         fork = plan.start_method == "fork"
         # fork: the ranks share the notebook as it is now; spawn, forkserver: the globals the cell reads travel
         # with it (tensors and arrays through shared memory)
@@ -268,7 +241,7 @@ class DDPMagics(Magics):
             return outcome.results()
 
         work.observer = observer
-        return work, lambda per_rank: _deliver(per_rank, outs, gathers, shell.user_ns, source)
+        return work, lambda per_rank: delivery.deliver(per_rank, outs, gathers, shell.user_ns, source)
 
     def _in_background(self, work, deliver, names, cell):
         """``--bg``: the cell goes to the background thread (Background); this cell returns once its ranks
@@ -276,15 +249,7 @@ class DDPMagics(Magics):
         shell = self.shell
 
         def work_and_show(on_start):
-            per_rank = work(on_start)
-            first = per_rank[0] if per_rank else None
-            if first is not None and first.value is not None and first.value.blob is not None:
-                value = values.loads(first.value.blob)
-                if value is not None:
-                    data, metadata = shell.display_formatter.format(value)
-                    output.current().display(data, metadata, None)
-                per_rank = [dataclasses.replace(first, value=None), *per_rank[1:]]
-            return per_rank
+            return delivery.shown_in_place(work(on_start), shell)
 
         number = cells.running(shell)
         label = next((ln.strip() for ln in cell.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")[:60]
@@ -316,7 +281,7 @@ class DDPMagics(Magics):
 
         def deliver(per_rank):
             try:
-                return _deliver(per_rank, outs, gathers, user_ns, source)
+                return delivery.deliver(per_rank, outs, gathers, user_ns, source)
             finally:
                 pool.came_back([*outs, *gathers])
 
@@ -350,73 +315,6 @@ class DDPMagics(Magics):
             f.write(_write_script(session.cells, source="this notebook session", script=path, failed=session.failed,
                                   left_out=session.left_out))
         print(f"wrote {path}: its first lines give the torchrun command")
-
-
-def _deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict, source: str = ""):
-    """--out names from rank 0, --gather names from every rank, into the notebook; every name that can
-    arrive does, then one ResultError names each that could not (rank, name, why, what to do: a name never
-    bound gets the cell's close names, a value that cannot travel what to send instead)."""
-    problems = []
-    arrived = []
-    unsendable = []
-
-    def load(rank: int, name: str, item):
-        flag = "--out" if name in outs else "--gather"
-        if item is None or item.problem == values.NEVER_DEFINED:
-            problems.append(f"{flag} {name}: rank {rank} never defined `{name}`: {_unbound(name, rank, flag, source, user_ns)}")
-            return None, False
-        if item.problem:
-            problems.append(f"{flag} {name}: rank {rank}'s `{name}`: {item.problem}.")
-            unsendable.append(name)
-            return None, False
-        try:
-            return values.loads(item.blob), True
-        except Exception as e:  # noqa: BLE001 - a value the kernel cannot rebuild is named, not raised
-            problems.append(f"{name}: rank {rank}'s value cannot be unpickled in the kernel: {type(e).__name__}: {e}.")
-            unsendable.append(name)
-            return None, False
-
-    first = per_rank[0]
-    for name in outs:
-        value, ok = load(0, name, first.outs.get(name))
-        if ok:
-            user_ns[name] = value
-            arrived.append(name)
-    for name in gathers:
-        loaded = [load(r, name, res.gathers.get(name)) for r, res in enumerate(per_rank)]
-        if all(ok for _, ok in loaded):
-            user_ns[name] = [v for v, _ in loaded]
-            arrived.append(name)
-    if problems:
-        problems.append(
-            "The cell ran on every rank; " + (f"these arrived: {', '.join(arrived)}." if arrived else "nothing arrived.")
-            + ("\nSend plain data instead (tensors, numbers, dicts, a state_dict), or leave the name out."
-               if unsendable else "")
-        )
-        raise ResultError("\n".join(problems))
-    return values.loads(first.value.blob) if first.value is not None else None
-
-
-def _unbound(name: str, rank: int, flag: str, source: str, user_ns: dict) -> str:
-    """Why ``name`` was never bound on ``rank``, and what to do: a branch that rank skipped, or a name the
-    cell never assigns (a typo: its close names among those the cell assigns, then the notebook's)."""
-    import difflib
-
-    bound = sorted(n for n in cellcode.names_bound(source) if not n.startswith("_"))
-    where = "on every rank" if flag == "--gather" else "on rank 0"
-    if name in bound:
-        return (f"the cell assigns it, but not on rank {rank} (a branch that rank did not take, or an exception "
-                f"it caught first). Assign `{name}` {where}, or leave it out of {flag}.")
-    assigns = f" (it assigns {', '.join(bound[:8])}{', ...' if len(bound) > 8 else ''})" if bound else ""
-    if name in user_ns:  # a notebook name the ranks lack (a pool started before it, a spawned rank)
-        return (f"the cell never assigns it{assigns}; the notebook has `{name}`, but {flag} brings back what the "
-                f"cell assigns on the ranks. Assign `{name}` in the cell {where}, or leave it out of {flag}.")
-    known = [n for n in user_ns if not n.startswith("_")]
-    close = difflib.get_close_matches(name, bound, n=3) or difflib.get_close_matches(name, known, n=3)
-    fix = (f" Did you mean {' or '.join(f'`{c}`' for c in close)}? Put the name the cell assigns after {flag}"
-           if close else f" Put a name the cell assigns after {flag}")
-    return (f"the cell never assigns it{assigns}, and the notebook has no such name.{fix}, or assign `{name}` "
-            f"in the cell {where}.")
 
 
 _usage, _, _rest = DDPMagics.ddp_pool.__doc__.partition("\n")

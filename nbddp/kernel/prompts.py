@@ -19,9 +19,8 @@ HOLD_S = 0.5  # the rank answered last asks again within this: still its turn (a
 
 
 class Prompts:
-    def __init__(self, gang, asks: bool = True):
+    def __init__(self, gang):
         self.gang = gang
-        self.asks = asks  # False: a background cell's, whose request has ended (its rules say)
         self.waiting: list[tuple[int, messages.InputRequest]] = []
         self.holder: int | None = None
         self.hold_until = 0.0
@@ -38,9 +37,13 @@ class Prompts:
         if self.holder == event.rank:
             self.holder = None
 
-    def drop(self) -> None:
-        """The ranks were told to stop: no prompt still waiting is asked."""
-        self.waiting.clear()
+    def refuse(self, why: str) -> None:
+        """No prompt may be asked (the cell's rules say ``why``): each one waiting is answered with the error a
+        front end without an input box gives, so its rank goes on."""
+        waiting, self.waiting = self.waiting, []
+        for rank, req in waiting:
+            self.gang.command(messages.InputReply(req.id, error="StdinNotImplementedError", message=why),
+                              ranks=[rank])
 
     def due(self) -> float | None:
         """When the next prompt can be asked (the holder's at once, another's after the hold); None if none."""
@@ -60,7 +63,7 @@ class Prompts:
         rank, req = pick
         start = time.monotonic()
         try:
-            reply = messages.InputReply(req.id, value=ask(f"[rank{rank}] {req.prompt}", req.password, self.asks))
+            reply = messages.InputReply(req.id, value=ask(f"[rank{rank}] {req.prompt}", req.password))
         except Exception as e:  # noqa: BLE001 - the rank raises it, as a plain cell would
             reply = messages.InputReply(req.id, error=type(e).__name__, message=str(e))
         self.gang.command(reply, ranks=[rank])
@@ -68,15 +71,8 @@ class Prompts:
         return time.monotonic() - start
 
 
-def ask(prompt: str, password: bool, asks: bool = True) -> str:
-    """The front end's answer: ipykernel's input request (as ``input()`` in a plain cell), else the terminal.
-    ``asks`` False: a background cell's request has ended: nothing can answer, as in a front end without an
-    input box."""
-    if not asks:
-        from IPython.core.error import StdinNotImplementedError
-
-        raise StdinNotImplementedError("a background cell (%%ddp --bg) cannot ask the notebook for input: its "
-                                       "request has ended. Run the cell without --bg to answer input() or pdb.")
+def ask(prompt: str, password: bool) -> str:
+    """The front end's answer: ipykernel's input request (as ``input()`` in a plain cell), else the terminal."""
     kernel = getattr(running_shell(), "kernel", None)
     if kernel is None:
         import getpass

@@ -1,6 +1,8 @@
-"""The rules of each kind of cell, one small object each: when the cell is over, what a failed rank, a
-timeout and an interrupt do, and what becomes of the ranks. The engine (engine.CellRun) asks them instead
-of branching; they act through the cell's run (its gang, its supervisor's schedule, its answers).
+"""The rules of each kind of cell, one small object each, every kind an explicit class of one declared
+interface (``CellRules``, as torch elastic's ``PContext`` is one for every way workers start): when the cell
+is over, what a failed rank, a timeout and an interrupt do, whether a rank's prompt may be asked, and what
+becomes of the ranks. The engine (engine.CellRun) asks them instead of branching; they act through the
+cell's run (its gang, its supervisor's schedule, its answers).
 
 =====================  ==========================================  ==============================================
                        ``OneShot`` (ranks end with the cell)       ``Pool`` (ranks live on)
@@ -17,13 +19,18 @@ a rank alone in a      ALONE_S on: the cell fails naming it, the   the same; eve
 collective             ranks are stopped                           and makes a fresh one (Regroup): the pool lives
 =====================  ==========================================  ==============================================
 
-``Background`` (``%%ddp --bg``, kernel/background.py) is either kind, run on the background thread: the
-notebook goes on once the ranks have the cell (``started``), and its ranks' prompts cannot be asked (the
-request that could answer them has ended: ``asks``). Its interrupt arrives through ``Supervisor.interrupt``
-and is handled as the kind's.
+``BackgroundOneShotRules`` and ``BackgroundPoolRules`` (``%%ddp --bg``, kernel/background.py) are either kind
+run on the background thread (``InBackground``): the notebook goes on once the ranks have the cell
+(``started``), and a rank's prompt is answered with the error a front end without an input box gives (the
+request that could answer it has ended: ``prompts_refused``). Their interrupt arrives through
+``Supervisor.interrupt`` and is handled as the kind's.
+
+One rule for prompts: ``prompts_refused(run)`` is None while a prompt may be asked, else the reason, with
+which every prompt waiting is answered (never dropped: a rank waits at its ``input()`` for its answer).
 """
 from __future__ import annotations
 
+import abc
 import time
 
 from ..errors import RankFailure
@@ -36,10 +43,75 @@ from .recovery import HEALTH_S, Recovery
 PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
 
 
-class OneShot:
+class CellRules(abc.ABC):
+    """What the engine asks of a kind of cell; ``run`` is the cell's engine.CellRun."""
+
+    timeout_fate: str  # what --timeout did to the ranks, as the cell's report says it
+
+    @abc.abstractmethod
+    def listeners(self, run) -> list:
+        """Bus subscribers of the cell's own (a pool's Recovery)."""
+
+    def started(self, run) -> None:
+        """The ranks have the cell."""
+
+    @abc.abstractmethod
+    def prompts_refused(self, run) -> str | None:
+        """None while a rank's input() or pdb prompt may be asked in the notebook; else why not, which is
+        what every prompt waiting is answered with."""
+
+    @abc.abstractmethod
+    def told_to_stop(self) -> bool:
+        """The ranks still running the cell were told to stop."""
+
+    @abc.abstractmethod
+    def over(self, run) -> bool:
+        """The engine's question to the supervisor's loop (no effect of its own)."""
+
+    @abc.abstractmethod
+    def all_answered(self, run) -> None:
+        """Every rank answered the cell."""
+
+    @abc.abstractmethod
+    def peer_failed(self, run) -> None:
+        """PEER_GRACE_S after a rank failed the cell."""
+
+    @abc.abstractmethod
+    def timed_out(self, run) -> None:
+        """--timeout passed (the stacks were taken)."""
+
+    @abc.abstractmethod
+    def stranded(self, run):
+        """A rank alone in a collective: what the probe does then (a callable), or None."""
+
+    @abc.abstractmethod
+    def interrupt(self, run, announced: bool) -> list[int]:
+        """Jupyter's interrupt (or %ddp interrupt): acted on; the ranks that were still running the cell."""
+
+    @abc.abstractmethod
+    def interrupted(self, run, running: list[int], announced: bool) -> KeyboardInterrupt:
+        """The KeyboardInterrupt the cell raises, saying where each rank was."""
+
+    @abc.abstractmethod
+    def check_alive(self, run) -> None:
+        """Raises if the gang can no longer answer (a pool's rank died)."""
+
+    @abc.abstractmethod
+    def exits(self, run) -> list:
+        """Each rank's exit record for the cell's conclusion."""
+
+    @abc.abstractmethod
+    def with_fate(self, run, err: RankFailure, recover: bool) -> RankFailure:
+        """A failure, with what became of the ranks."""
+
+    @abc.abstractmethod
+    def end(self, run) -> None:
+        """The cell is concluded."""
+
+
+class OneShotRules(CellRules):
     """A one-shot cell: a pool that lives for one cell (its ranks were started for it)."""
 
-    asks = True  # a rank's input() and pdb prompts are asked in the notebook
     timeout_fate = "all ranks stopped"
 
     def __init__(self):
@@ -48,11 +120,8 @@ class OneShot:
     def listeners(self, run) -> list:
         return []
 
-    def started(self, run) -> None:
-        pass
-
-    def may_ask(self, run) -> bool:
-        return True
+    def prompts_refused(self, run) -> str | None:
+        return None  # a rank's input() and pdb prompts are asked in the notebook
 
     def told_to_stop(self) -> bool:
         return False  # (its ranks are stopped, not told)
@@ -105,11 +174,10 @@ class OneShot:
         run.gang.close()  # every rank has exited (or was stopped and reaped): the gang ends with the cell
 
 
-class Pool:
+class PoolRules(CellRules):
     """A pool's cell: its ranks answer it and live on; after an interrupt or a failure, ``Recovery`` decides
     whether the pool does."""
 
-    asks = True
     timeout_fate = "their cells were interrupted"
 
     def __init__(self):
@@ -122,11 +190,11 @@ class Pool:
         self.recovery = Recovery(run.gang, run.ranks, run.replies, run.wait_for)
         return [self.recovery]
 
-    def started(self, run) -> None:
-        pass
-
-    def may_ask(self, run) -> bool:
-        return not self.told_to_stop()  # the ranks were told to stop: nothing more to ask
+    def prompts_refused(self, run) -> str | None:
+        if self.told_to_stop():
+            return ("the cell was stopped (a rank failed, --timeout, or an interrupt): its ranks' prompts are no "
+                    "longer asked")
+        return None
 
     def told_to_stop(self) -> bool:
         """The ranks still running the cell were interrupted (a failed peer, --timeout, an interrupt)."""
@@ -205,23 +273,32 @@ class Pool:
         pass
 
 
-class Background:
-    """A background cell: its kind's rules (``inner``), started on the background thread. ``on_start(gang)``
-    once the ranks have the cell: the notebook goes on (background.Job)."""
+class InBackground:
+    """A kind's rules run on the background thread (``%%ddp --bg``): ``on_start(gang)`` once the ranks have the
+    cell (background.Job: the notebook goes on); no prompt can be asked (its request has ended)."""
 
-    asks = False  # the request that could answer a prompt has ended: a rank's input() fails, as under nbclient
-
-    def __init__(self, inner, on_start):
-        self.inner, self.on_start = inner, on_start
+    def __init__(self, on_start):
+        super().__init__()
+        self.on_start = on_start
 
     def started(self, run) -> None:
         self.on_start(run.gang)
 
-    def __getattr__(self, name):
-        return getattr(self.__dict__["inner"], name)
+    def prompts_refused(self, run) -> str | None:
+        return ("a background cell (%%ddp --bg) cannot ask the notebook for input: its request has ended. Run the "
+                "cell without --bg to answer input() or pdb.")
 
 
-def for_cell(gang, on_start=None):
+class BackgroundOneShotRules(InBackground, OneShotRules):
+    """A one-shot cell in the background."""
+
+
+class BackgroundPoolRules(InBackground, PoolRules):
+    """A pool's cell in the background."""
+
+
+def for_cell(gang, on_start=None) -> CellRules:
     """The rules of a cell on ``gang``: a pool's or a one-shot cell's, in the background with ``on_start``."""
-    rules = Pool() if gang.persistent else OneShot()
-    return Background(rules, on_start) if on_start is not None else rules
+    if on_start is not None:
+        return BackgroundPoolRules(on_start) if gang.persistent else BackgroundOneShotRules(on_start)
+    return PoolRules() if gang.persistent else OneShotRules()

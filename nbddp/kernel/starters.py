@@ -18,7 +18,8 @@ from ..rank import inherit
 from ..rank.stdio import LIBC
 from ..rank.worker import RankSpec, fork_main
 from ..wire import values
-from . import devices, rankdebug, rendezvous
+from ..hw import openmp
+from . import devices, rankdebug, rendezvous, warm
 from .supervisor import RankProc, Supervisor
 
 # posix's own fork and posix_spawn, not os's: the kernel's debugger (debugpy) replaces those, its fork with one
@@ -56,6 +57,8 @@ def fork_ranks(sup: Supervisor, starter, job, config, plan: devices.Plan, run_di
             store_path=str(run_dir.store),
             parent_pid=os.getpid(),
             env=_rank_env(plan, rank, run_dir.run_id, port, config.threads, ifname),
+            switch_interval=kernel_switch_interval(),
+            blocked=main_thread_blocked(),
         )
         for rank, dev in enumerate(plan.device_ids)
     ]
@@ -126,6 +129,36 @@ def sigint_deferred():
             raise KeyboardInterrupt
 
 
+_kernel_switch: float | None = None  # the kernel's own switch interval, while a background cell lowered it
+
+
+def switch_interval_lowered(kernels: float | None) -> float | None:
+    """A background cell lowered the switch interval from ``kernels`` (None: it set it back)."""
+    global _kernel_switch
+    _kernel_switch = kernels
+    return kernels
+
+
+def kernel_switch_interval() -> float:
+    """The kernel's thread switch interval, as the notebook set it (not a background cell's lowered one)."""
+    return _kernel_switch if _kernel_switch is not None else sys.getswitchinterval()
+
+
+def main_thread_blocked() -> tuple:
+    """The signals the kernel's main thread blocks, read whatever thread asks (Linux: its status in /proc)."""
+    if threading.current_thread() is threading.main_thread():
+        return tuple(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/status") as f:
+            mask = int(next(ln for ln in f if ln.startswith("SigBlk:")).split()[1], 16)
+    except (OSError, StopIteration, ValueError):
+        return ()
+    return tuple(signal.Signals(n) for n in range(1, signal.NSIG) if mask >> (n - 1) & 1 and n in _VALID)
+
+
+_VALID = {s.value for s in signal.Signals}
+
+
 def _rank_env(plan, rank, run_id, port, threads, ifname) -> dict:
     env = rendezvous.torchrun_env(
         rank=rank, world_size=plan.world_size, run_id=run_id, master_port=port, threads=threads, ifname=ifname
@@ -152,8 +185,12 @@ class ForkStarter:
     def __init__(self, run_dir):
         self.run_dir = run_dir
 
-    def ready(self) -> None:
-        pass
+    def ready(self, config) -> None:
+        """Just before the first fork of the kernel: the modules ranks would import lazily are in (warm.py's
+        thread has finished: nothing of nbddp's runs during the fork), the kernel's idle OpenMP threads
+        released (nothing runs a parallel op between this and the forks)."""
+        warm.wait()
+        openmp.release_threads(config.threads)
 
     def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
         out_r, out_w = os.pipe()
@@ -179,7 +216,7 @@ class SpawnStarter:
         self.run_dir = run_dir
         self.job_path = run_dir.path / "job.pkl"
 
-    def ready(self) -> None:
+    def ready(self, config) -> None:
         pass
 
     def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
@@ -228,7 +265,7 @@ class ForkserverStarter:
         self.server = None
         self._job = None  # the job the server holds (one per gang)
 
-    def ready(self) -> None:
+    def ready(self, config) -> None:
         """Before the first rank, outside the forks' deferred interrupt (the server's imports can take
         seconds the first time: an interrupt then ends the server, and the next cell starts a fresh one)."""
         from ..hw import cuda
@@ -238,7 +275,7 @@ class ForkserverStarter:
 
     def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
         if self.server is None:
-            self.ready()
+            self.ready(None)
         pipes = getattr(job, "cmd_pipes", None) or {}
         if self._job is not job:
             self.server.set_job(values.to_ranks(_without_pipes(job)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 
-from ..rank.survey import Survey
+from ..rank.survey import NamespaceSurvey
 from ..units import ranks_text, size
 from ..views.output import text_table
 
@@ -20,7 +20,7 @@ DIFF_CAPS = (32, 20, 54)  # entry, what, how the ranks differ
 
 
 def who(pool) -> None:
-    per_rank = pool.run_job(Survey(), "%ddp who")
+    per_rank = pool.run_job(NamespaceSurvey(), "%ddp who")
     _show(*who_parts(per_rank))
 
 
@@ -52,7 +52,7 @@ def who_parts(per_rank: list[dict]) -> tuple:
 
 
 def diff(pool, expr: str) -> None:
-    per_rank = pool.run_job(Survey(expr), f"%ddp diff {expr}")
+    per_rank = pool.run_job(NamespaceSurvey(expr), f"%ddp diff {expr}")
     _show(*diff_parts(expr, per_rank), caps=DIFF_CAPS)
 
 

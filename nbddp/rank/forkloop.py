@@ -79,7 +79,7 @@ def receive(sock: socket.socket):
 
 
 # -- the server ---------------------------------------------------------------------------------------------------
-class Server:
+class ForkLoop:
     def __init__(self, sock: socket.socket, kernel_pid: int):
         self.sock, self.kernel_pid = sock, kernel_pid
         self.job: bytes | None = None
@@ -254,7 +254,7 @@ def run(sock: socket.socket, kernel_pid: int, *, fresh: bool) -> None:
             os.close(null)
             worker.warm_start(outside_shell=True)
         gc.freeze()
-        Server(sock, kernel_pid).serve()
+        ForkLoop(sock, kernel_pid).serve()
     finally:
         os._exit(0)
 

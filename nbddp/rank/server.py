@@ -84,6 +84,8 @@ class Server:
             for cmd in pipe.next():
                 if isinstance(cmd, messages.Stop):
                     return None
+                if isinstance(cmd, messages.InputReply):
+                    continue  # the answer to a prompt its cell no longer waits for (the cell was interrupted)
                 usergroup.release_destroyed()  # idle since the last command: safe to free (usergroup)
                 busy.append(True)
                 try:

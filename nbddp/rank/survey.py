@@ -23,7 +23,7 @@ HIDDEN = {"rank", "local_rank", "world_size", "device"}  # differ on every rank 
 
 
 @dataclass
-class Survey:
+class NamespaceSurvey:
     """``who`` (expr None) or ``diff`` of ``expr``, as a job for ``Pool.run``'s path (a ``Call``)."""
 
     expr: str | None = None

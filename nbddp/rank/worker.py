@@ -40,6 +40,8 @@ class RankSpec:
     seed: int | None = None
     pg_timeout_s: float = 1800.0
     store_fds: tuple | None = None  # a forked rank's (request, reply) pipes to the kernel's store (spawn: FileStore)
+    switch_interval: float | None = None  # the kernel's sys.getswitchinterval(), whatever thread forked the rank
+    blocked: tuple = ()  # the signals the kernel's main thread blocks (a fork takes the forking thread's mask)
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ def run_rank(spec: RankSpec, load_job, chan: framing.Writer) -> int:
     is sent on the channel (Done, Exit or Error with its phase). Returns the exit code."""
     phase = "start"
     try:
+        kernel_settings(spec)
         _detach_from_kernel(chan)
         faulthandler.enable(file=sys.stderr, all_threads=True)
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
@@ -143,6 +146,19 @@ def run_rank(spec: RankSpec, load_job, chan: framing.Writer) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         report(chan, phase, e)
         return 1
+
+
+NBDDP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2}  # teardown, stacks, a pool's interrupt
+
+
+def kernel_settings(spec: RankSpec) -> None:
+    """The interpreter settings of the kernel's main thread, not of the thread that forked this rank (a
+    background cell's lowers the switch interval; a thread may block signals the main thread does not):
+    the same rank from a blocking cell and a background one. nbddp's own signals are never blocked."""
+    if spec.switch_interval is not None:
+        sys.setswitchinterval(spec.switch_interval)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_SETMASK, set(spec.blocked) - NBDDP_SIGNALS)
 
 
 def seed_generators(rank: int, seed: int | None, accelerator: str = "cpu") -> None:

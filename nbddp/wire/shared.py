@@ -31,7 +31,7 @@ import cloudpickle
 
 from ..errors import UsageError
 from ..units import size
-from .sharedbuffer import Buffer, Writer
+from .sharedbuffer import Buffer, BufferWriter
 
 _BATCH = 8 * 2**20  # bytes pickled before one write to the buffer
 
@@ -91,7 +91,7 @@ class SharedSequence(collections.abc.Sequence):
 
     @classmethod
     def of(cls, items) -> SharedSequence:
-        out = Writer("seq")
+        out = BufferWriter("seq")
         offsets = array("q", [0])
         batch, size, total = [], 0, 0
         data_at = out.append(b"")

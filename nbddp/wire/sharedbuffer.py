@@ -59,7 +59,7 @@ class Buffer:
                 os.close(self.fd)
 
 
-class Writer:
+class BufferWriter:
     """Builds a buffer: parts appended at aligned offsets, then sealed read-only."""
 
     def __init__(self, name: str):

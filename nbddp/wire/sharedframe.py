@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 
 from ..errors import UsageError
-from .sharedbuffer import Buffer, Writer
+from .sharedbuffer import Buffer, BufferWriter
 
 _STRING_FIX = "pip install pyarrow (pandas' Arrow string storage keeps strings in one buffer)"
 
 
 def share(obj, kind: str):
-    out = Writer("frame")
+    out = BufferWriter("frame")
     if kind == "Series":
         layout = ("Series", obj.name, _index(obj.index, out), _column(obj.name, obj, out))
     else:
@@ -47,7 +47,7 @@ def rebuild(buf: Buffer, layout):
 
 
 # -- columns -----------------------------------------------------------------------------------------------------
-def _column(name, col, out: Writer):
+def _column(name, col, out: BufferWriter):
     import numpy as np
     import pandas as pd
 
@@ -68,7 +68,7 @@ def _column(name, col, out: Writer):
                      "the rest: nbddp.shared(df.drop(columns=[...])).")
 
 
-def _strings(name, col, out: Writer):
+def _strings(name, col, out: BufferWriter):
     try:
         import pyarrow as pa
     except ImportError:
@@ -139,7 +139,7 @@ def _na_value(key):
 
 
 # -- the index --------------------------------------------------------------------------------------------------
-def _index(index, out: Writer):
+def _index(index, out: BufferWriter):
     import pandas as pd
 
     if isinstance(index, pd.RangeIndex):

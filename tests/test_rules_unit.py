@@ -1,0 +1,79 @@
+"""The rules of each kind of cell, one declared interface (rules.CellRules), without a kernel: every kind an
+explicit class, what for_cell picks, the one rule for prompts, and a refused prompt always answered."""
+import inspect
+
+import pytest
+
+from nbddp.kernel import rules
+from nbddp.kernel.prompts import Prompts
+from nbddp.wire import messages
+
+
+class FakeGang:
+    def __init__(self, persistent):
+        self.persistent = persistent
+        self.sent = []
+
+    def command(self, cmd, ranks=None):
+        self.sent.append((cmd, ranks))
+
+
+KINDS = (rules.OneShotRules, rules.PoolRules, rules.BackgroundOneShotRules, rules.BackgroundPoolRules)
+
+
+def test_every_kind_is_an_explicit_class_of_the_one_interface():
+    with pytest.raises(TypeError):
+        rules.CellRules()  # abstract: a kind must say every rule
+    abstract = {n for n, v in vars(rules.CellRules).items() if getattr(v, "__isabstractmethod__", False)}
+    assert {"prompts_refused", "over", "interrupt", "with_fate", "end"} <= abstract
+    for kind in KINDS:
+        assert issubclass(kind, rules.CellRules) and not inspect.isabstract(kind), kind
+        assert "__getattr__" not in {n for c in kind.__mro__ for n in vars(c)}, kind  # nothing handed on unseen
+        assert isinstance(kind.timeout_fate, str)
+
+
+@pytest.mark.parametrize("persistent, on_start, kind", [
+    (False, None, rules.OneShotRules), (True, None, rules.PoolRules),
+    (False, print, rules.BackgroundOneShotRules), (True, print, rules.BackgroundPoolRules)])
+def test_for_cell_picks_the_kind(persistent, on_start, kind):
+    assert type(rules.for_cell(FakeGang(persistent), on_start)) is kind
+
+
+def test_one_rule_for_prompts():
+    run = object()
+    assert rules.OneShotRules().prompts_refused(run) is None
+    pool = rules.PoolRules()
+    assert pool.prompts_refused(run) is None
+    pool.interrupted_at = 1.0  # its ranks were told to stop
+    assert "no longer asked" in pool.prompts_refused(run)
+    for kind in (rules.BackgroundOneShotRules, rules.BackgroundPoolRules):
+        assert "cannot ask the notebook for input" in kind(print).prompts_refused(run)
+
+
+def test_a_background_cells_rules_start_it_and_are_their_kinds_otherwise():
+    started = []
+    bg = rules.BackgroundPoolRules(started.append)
+
+    class Run:
+        gang = "the gang"
+
+    bg.started(Run())
+    assert started == ["the gang"]
+    assert bg.timeout_fate == rules.PoolRules.timeout_fate and bg.told_to_stop() is False
+
+
+def test_a_refused_prompt_is_answered_with_the_error_never_dropped():
+    gang = FakeGang(True)
+    prompts = Prompts(gang)
+
+    class Event:
+        def __init__(self, rank, record):
+            self.rank, self.record = rank, record
+
+    for rank, rid in ((0, 7), (1, 8)):
+        prompts.on_Message(Event(rank, messages.InputRequest(rid, "x? ", False)))
+    prompts.refuse("the cell was stopped")
+    assert prompts.due() is None
+    answered = {(cmd.id, ranks[0]) for cmd, ranks in gang.sent}
+    assert answered == {(7, 0), (8, 1)}
+    assert all(cmd.error == "StdinNotImplementedError" and cmd.message == "the cell was stopped" for cmd, _ in gang.sent)
