@@ -477,3 +477,21 @@ def test_kernel_death_leaves_no_rank_on_any_node(cluster, runs_dir):
         os.kill(k.pid, signal.SIGKILL)
         assert not wait_gone(pids, 30), "a rank outlived the kernel"
         assert not wait_gone([agent], 30), "the agent outlived the kernel"
+
+
+def test_a_pool_across_nodes_whose_kernel_node_ranks_start_from_the_forkserver(rk):
+    """The kernel's node's ranks from nbddp's forkserver (as when the kernel holds CUDA), the other node's from its
+    agent: one process group, notebook values on both, a tensor made after the start pickled to the other node."""
+    k = rk
+    res = k.ok("%ddp start --cluster ray --nodes 2 --devices 1 --start-method forkserver", timeout=180)
+    assert "pool of 2 rank(s) on cpu/gloo ready" in res.stdout, res.stdout + res.stderr
+    try:
+        server = next(p for p in k.process().children() if p.name() == "nbddp-forksrv")
+        k.ok("W = torch.full((2**17,), 3.0)  # 512 KiB: through shared memory on this node only\nstep = 2\n")
+        res = k.ok("%%ddp --gather seen\nimport torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                   "seen = (float(W.sum()) * step, t.item(), os.getppid())\n", timeout=120)
+        seen = k.value("seen")
+        assert [s[:2] for s in seen] == [(3.0 * 2**17 * 2, 2.0)] * 2, (seen, res.stderr)
+        assert seen[0][2] == server.pid and seen[1][2] != server.pid  # rank 0 the server's child, rank 1 the agent's
+    finally:
+        k.run("%ddp stop", timeout=60)

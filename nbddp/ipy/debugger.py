@@ -11,6 +11,7 @@ Ranks reach the kernel's debugpy adapter on loopback only (``debugpy.listen`` on
 token debugpy made): ``rank_setup`` is what a rank needs to connect to it (rank/debugpanel.py)."""
 from __future__ import annotations
 
+import os
 import sys
 
 # what nbddp reads or replaces on ipykernel's Debugger: (attribute path, what for)
@@ -144,7 +145,7 @@ def rank_setup() -> dict | None:
     if not setup.get("port"):
         return None
     return {"host": setup.get("client") or "127.0.0.1", "port": setup["port"], "access_token": setup.get("access-token"),
-            "client_access_token": setup.get("client-access-token")}
+            "client_access_token": setup.get("client-access-token"), "kernel_pid": os.getpid()}
 
 
 def cell_file(shell, body_file: str) -> str:

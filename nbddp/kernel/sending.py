@@ -223,7 +223,8 @@ class RankNames:
         with sharedtensor.handing_gpu(self.gpu_ipc), sharedtensor.sharing(not self.across_nodes):
             changes = self._changes(cell_reads)
         if other_nodes:
-            changes.other_nodes = self._for_other_nodes(cell_reads)
+            with sharedtensor.sharing(False):  # (their ranks cannot open this machine's memfds)
+                changes.other_nodes = self._for_other_nodes(cell_reads)
             sizes = sent_text(changes.other_nodes, self.namespace)
             if sizes:
                 changes.notes.append(f"sent {', '.join(sizes)} to the other nodes' ranks, once (they do not share "

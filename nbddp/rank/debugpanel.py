@@ -95,12 +95,24 @@ def connect(setup: dict) -> None:
     setattr(threading.current_thread(), "__pydevd_main_thread", True)
     if threading.current_thread() is threading.main_thread():
         threading.current_thread().name = "MainThread"  # (a copy of the background thread is named for it)
+    # the adapter gives a process to the kernel's debugger as its subprocess by the parent pid it reports: a
+    # forkserver's rank reports the kernel's (its own parent is the server, which the adapter does not know)
+    parent = {"ppid": setup["kernel_pid"]} if setup.get("kernel_pid") and "ppid" in _settrace_parameters(pydevd) else {}
     pydevd.settrace(host=setup["host"], port=int(setup["port"]), suspend=False, trace_only_current_thread=False,
                     overwrite_prev_trace=True, patch_multiprocessing=False, access_token=setup.get("access_token"),
                     client_access_token=setup.get("client_access_token"), notify_stdin=False,
                     wait_for_ready_to_run=True, block_until_connected=True,
                     dont_trace_start_patterns=(os.path.dirname(debugpy.__file__),),
-                    dont_trace_end_patterns=("debugpy_launcher.py",))
+                    dont_trace_end_patterns=("debugpy_launcher.py",), **parent)
+
+
+def _settrace_parameters(pydevd) -> set:
+    import inspect
+
+    try:
+        return set(inspect.signature(pydevd.settrace).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def disconnect() -> None:
