@@ -32,7 +32,8 @@ def measure(src: Path, runs: int) -> dict:
     try:
         found = k.value("__import__('nbddp').__file__")
         assert found.startswith(str(src)), f"the kernel imported nbddp from {found}, not {src}"
-        k.ok("from nbddp.kernel import warm\nwarm.wait()")  # (before ad85344 the anchor's own fork could hang on it)
+        k.ok("try:\n    from nbddp.kernel.ranks import warm\nexcept ImportError:  # a revision before kernel/ had folders\n"
+             "    from nbddp.kernel import warm\nwarm.wait()")  # (before ad85344 the anchor's own fork could hang on it)
         out = measures(k.ok(kc.ROUND_TRIP.replace("{runs}", str(runs)), timeout=600))
         out.update(measures(k.ok(kc.POOL.replace("{runs}", str(POOL_CELLS * runs)), timeout=600)))
         return out

@@ -55,7 +55,7 @@ def _kernel(src: Path) -> Kernel:
     found = k.value("__import__('nbddp').__file__")
     assert found.startswith(str(src)), f"the kernel imported nbddp from {found}, not {src}"
     k.ok(kc.SETUP)
-    k.ok("from nbddp.kernel import warm\nwarm.wait()")
+    k.ok("from nbddp.kernel.ranks import warm\nwarm.wait()")
     return k
 
 

@@ -69,7 +69,7 @@ def nbddp_kernel(steps: int, warm_on: bool) -> dict:
     try:
         k.ok(COMMON + "\nimport torch, psutil\nrss0 = psutil.Process().memory_info().rss\nt = time.perf_counter()")
         k.ok("%load_ext nbddp")
-        out.update(_bench(k.ok("bench('load_ext_s', time.perf_counter() - t)\nfrom nbddp.kernel import warm\n"
+        out.update(_bench(k.ok("bench('load_ext_s', time.perf_counter() - t)\nfrom nbddp.kernel.ranks import warm\n"
                                "T0 = time.time()").stdout))
         cell = f"%%ddp --devices 2 --gather r\nr = first_step(T0, {steps})\n"
         k.ok(cell, timeout=300)  # right after %load_ext: the fork waits for the warming thread

@@ -36,7 +36,8 @@ def launch(fn, *args, **opts) -> list:
     :class:`RankFailure` naming the rank and cause, after every rank has been stopped and reaped; a
     return value that cannot come back raises :class:`ResultError` naming the rank.
     """
-    from .kernel import engine, options
+    from .kernel.cells import engine
+    from .kernel import options
     from .rank.jobs import CallJob
     from .views.display import view_for_session
     from .wire.messages import Call
@@ -80,7 +81,8 @@ def load_ipython_extension(ipython) -> None:
     from .hw import cuda
     from .ipy import cells
     from .wire import sharedtensor
-    from .kernel import forkserver, rankdebug, warm
+    from .kernel.ranks import forkserver, warm
+    from .kernel.debugger import rankdebug
     from .kernel.magic import DDPMagics, register_exporter
     from .rank import worker
 
@@ -102,7 +104,7 @@ def load_ipython_extension(ipython) -> None:
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext`` / ``%reload_ext``: take back every event handler load registered."""
     from .hw import cuda
-    from .kernel import rankdebug
+    from .kernel.debugger import rankdebug
     from .kernel.magic import DDPMagics
 
     cuda.backend().uninstall(ipython)

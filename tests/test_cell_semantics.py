@@ -53,8 +53,8 @@ def test_load_ext_imports_torch_once_so_ranks_import_nothing(runs_dir):
         k.ok("%load_ext nbddp")
         assert k.value("'torch.distributed' in sys.modules") is True
         assert k.value("sys.modules['torch'].cuda.is_initialized()") is False, "never touches CUDA"
-        # what the kernel has when it forks: %load_ext's warming thread (kernel/warm.py) has finished by then
-        k.ok("from nbddp.kernel import warm\nwarm.wait()\nkernel_modules = set(sys.modules)")
+        # what the kernel has when it forks: %load_ext's warming thread (kernel/ranks/warm.py) has finished by then
+        k.ok("from nbddp.kernel.ranks import warm\nwarm.wait()\nkernel_modules = set(sys.modules)")
         res = k.ok("%%ddp --devices 2 --gather imported\nimport sys\n"
                    "imported = sorted(m for m in sys.modules if m not in kernel_modules)\n")
         imported = k.value("imported")

@@ -6,7 +6,7 @@ import pytest
 
 from nbddp.wire import framing
 from nbddp.wire import messages
-from nbddp.kernel.sending import ship_globals
+from nbddp.kernel.names.sending import ship_globals
 
 
 def test_frames_survive_any_split_and_lengths_whose_bytes_look_like_markers():

@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 from nbddp.hw import nvml
 from nbddp.kernel import devices
-from nbddp.kernel.failure import RankExit
-from nbddp.kernel.supervisor import Output, Started
+from nbddp.kernel.ranks.failure import RankExit
+from nbddp.kernel.ranks.supervisor import Output, Started
 from nbddp.views import dashboard
 
 from helpers import FakeNvml

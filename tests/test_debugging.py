@@ -259,7 +259,7 @@ def test_breakpoint_and_torch_breakpoint_start_at_the_users_frames(clean_kernel)
 
 
 def test_a_diff_row_fits_the_notebook_and_keeps_the_whole_in_its_title():
-    from nbddp.kernel import survey_tables
+    from nbddp.kernel.names import survey_tables
 
     key = "module.model.layers.12.self_attention.query_key_value.weight"
     fp = lambda h, n: {"what": "(4096, 4096) float32", "hash": h, "norm": n, "sum": 1.0}  # noqa: E731

@@ -57,7 +57,7 @@ def test_architecture_names_are_the_codes_names():
             obj = getattr(obj, part) if part else obj
     assert not missing, f"docs/architecture.md names what the code does not have: {missing}"
     # every event the supervisor publishes, every record a rank sends, every command a pool's kernel sends
-    from nbddp.kernel import supervisor
+    from nbddp.kernel.ranks import supervisor
     from nbddp.wire import messages
 
     for cls in supervisor.EVENTS:

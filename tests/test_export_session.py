@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from nbddp.export.script import export_cells
-from nbddp.kernel.history import History, request_metadata
+from nbddp.kernel.names.history import History, request_metadata
 from torchrun import torchrun
 
 pytestmark = pytest.mark.timeout(600)

@@ -1,7 +1,7 @@
 """Choosing the root cause among ranks that ended badly (the kernel tests make these for real; here
 the orderings that a loaded machine produces only sometimes are pinned down)."""
 from nbddp.wire.messages import Error, Exit, Result
-from nbddp.kernel.failure import RankExit, notes, rank_failed, root_cause
+from nbddp.kernel.ranks.failure import RankExit, notes, rank_failed, root_cause
 
 
 def lost(time: float, phase: str = "cell") -> Error:
@@ -97,7 +97,7 @@ def test_a_ranks_stack_keeps_only_the_users_frames_of_the_threads_that_have_some
 
 def test_many_ranks_that_say_the_same_are_said_once():
     """600 ranks stuck or failing alike: one line (ranges of ranks), not 600 stacks or lines."""
-    from nbddp.kernel.failure import RankExit, interrupted, rank_failed, timed_out
+    from nbddp.kernel.ranks.failure import RankExit, interrupted, rank_failed, timed_out
     from nbddp.units import ranks_text
     from nbddp.wire.messages import Error
 

@@ -103,7 +103,7 @@ def test_interrupt_stops_every_rank_and_keeps_the_kernel(faulty):
 def test_an_interrupt_while_ranks_are_being_forked_orphans_none(faulty):
     """SIGINT lands between two forks: it is held back until both ranks are tracked, then stops them."""
     res = faulty.run(
-        "import nbddp.kernel.starters as L, signal\n_start = L.ForkStarter.start\n"
+        "import nbddp.kernel.ranks.starters as L, signal\n_start = L.ForkStarter.start\n"
         "def start(self, spec, *a, **k):\n"
         "    proc = _start(self, spec, *a, **k)\n"
         "    if spec.rank == 0:\n"

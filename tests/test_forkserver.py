@@ -282,7 +282,7 @@ def test_a_kernel_gpu_tensor_is_handed_by_cuda_ipc_and_copied_device_to_device_i
     import torch.multiprocessing.reductions as reductions
 
     from nbddp.hw import cuda
-    from nbddp.kernel import sending
+    from nbddp.kernel.names import sending
     from nbddp.wire import sharedtensor
 
     class FakeCuda(torch.Tensor):  # a CPU tensor that says it is on cuda:0

@@ -14,7 +14,8 @@ from kernel import said
 import nbddp
 from nbddp.hw import cuda, nccl
 from nbddp.ipy import cells, session, tracebacks
-from nbddp.kernel import devices, starters
+from nbddp.kernel import devices
+from nbddp.kernel.ranks import starters
 
 # -- which host -------------------------------------------------------------------------------------
 KERNEL = type("Shell", (), {"kernel": object()})()

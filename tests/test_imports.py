@@ -243,7 +243,7 @@ def private_uses() -> list[str]:
             if not isinstance(inner, ast.Name) or inner.id not in bound:
                 continue
             target = bound[inner.id]
-            for attr in reversed(chain):  # walk down submodules (nbddp.kernel.sending) to the first name
+            for attr in reversed(chain):  # walk down submodules (nbddp.kernel.names.sending) to the first name
                 if f"{target}.{attr}" in known:
                     target = f"{target}.{attr}"
                     continue

@@ -316,7 +316,7 @@ def test_a_killed_rank_ends_the_pool_naming_rank_and_node(pool, victim):
 
 
 def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_rank_nor_group(rk):
-    rk.ok("import signal\nfrom nbddp.kernel import groupstore\n_wait, _close = ray.wait, groupstore.LocalStores.close\n"
+    rk.ok("import signal\nfrom nbddp.kernel.ranks import groupstore\n_wait, _close = ray.wait, groupstore.LocalStores.close\n"
           "def interrupted(f):\n    def call(*a, **k):\n        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, now\n"
           "        return f(*a, **k)\n    return call\n")
     rk.ok("ray.wait = interrupted(_wait)")  # while Ray places the pool's group

@@ -4,8 +4,8 @@ import inspect
 
 import pytest
 
-from nbddp.kernel import rules
-from nbddp.kernel.prompts import Prompts
+from nbddp.kernel.cells import rules
+from nbddp.kernel.cells.prompts import Prompts
 from nbddp.wire import messages
 
 

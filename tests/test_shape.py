@@ -27,7 +27,7 @@ def test_no_class_over_250_lines_and_no_function_over_80():
 
 def test_what_differs_by_kind_of_cell_is_asked_of_its_rules():
     """The engine never tells a one-shot gang from a pool's itself: rules.py's objects say what differs."""
-    engine = PACKAGE / "kernel" / "engine.py"
+    engine = PACKAGE / "kernel" / "cells" / "engine.py"
     asked = [n.lineno for n in ast.walk(ast.parse(engine.read_text()))
              if isinstance(n, ast.Attribute) and n.attr == "persistent"]
     assert not asked, f"engine.py reads gang.persistent at line(s) {asked}: ask the cell's rules (rules.py)"

@@ -215,7 +215,7 @@ def test_output_per_rank_is_capped_in_bytes_too(clean_kernel):
 
 def test_a_line_that_never_ends_keeps_the_relays_memory_bounded():
     """Through the relay itself: 64 MB of one line, 64 KiB at a time, hold at most a cap's worth."""
-    from nbddp.kernel.supervisor import Output, OutputClosed
+    from nbddp.kernel.ranks.supervisor import Output, OutputClosed
     from nbddp.views.relay import MAX_PARTIAL, Relay
 
     class Sink:
@@ -393,7 +393,7 @@ def test_the_order_budget_allows_a_burst_then_a_rate():
 
 def test_torchs_own_rank_prefix_is_not_doubled():
     """torch prefixes its C++ warnings with "[rankN]:" itself: the cell shows one, not "[rank1]:[rank1]:"."""
-    from nbddp.kernel.supervisor import Output
+    from nbddp.kernel.ranks.supervisor import Output
     from nbddp.views.relay import Relay
 
     written = []
@@ -451,7 +451,7 @@ def merging_relay(world_size=2):
 
 
 def test_the_merger_keeps_each_ranks_order_and_waits_only_for_ranks_still_writing():
-    from nbddp.kernel.supervisor import Output, OutputClosed
+    from nbddp.kernel.ranks.supervisor import Output, OutputClosed
     from nbddp.units import rank_span
     from nbddp.views.relay import MERGE_S
 
@@ -477,7 +477,7 @@ def test_the_merger_keeps_each_ranks_order_and_waits_only_for_ranks_still_writin
 
 def test_only_the_ranks_running_the_cell_are_merged_and_waited_for():
     """A pool cell on some ranks (--ranks 0,2): rank 1 is not waited for; its stray output goes straight out."""
-    from nbddp.kernel.supervisor import Output
+    from nbddp.kernel.ranks.supervisor import Output
     from nbddp.views.relay import Relay
 
     sink = Sink()
@@ -492,7 +492,7 @@ def test_only_the_ranks_running_the_cell_are_merged_and_waited_for():
 def test_a_line_no_other_rank_prints_waits_at_most_the_window():
     import time
 
-    from nbddp.kernel.supervisor import Output
+    from nbddp.kernel.ranks.supervisor import Output
     from nbddp.views.relay import MERGE_S
 
     relay, sink = merging_relay()

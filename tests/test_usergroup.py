@@ -168,7 +168,7 @@ def test_a_pasted_script_that_lets_its_ddp_model_go_after_destroy_never_hangs(cl
 def test_a_rank_whose_stack_stops_moving_after_its_peers_finished_is_shown_live(clean_kernel):
     """Without --timeout, a rank still in the cell STILL_S after its peers finished, at the same place as
     at the last ask, is named in the cell while it runs; the interrupt then stops it."""
-    clean_kernel.ok("import nbddp.kernel.probe as _probe; _probe.STILL_S = 3.0")
+    clean_kernel.ok("import nbddp.kernel.cells.probe as _probe; _probe.STILL_S = 3.0")
     seen = []
 
     def watch(kind, content):

@@ -47,7 +47,7 @@ def bar_record(desc: str, n: int, total: int, bar: int = 0, closed: bool = False
 
 def draw(relay, rank: int, desc: str, n: int, total: int, bar: int = 0, **how) -> None:
     """The rank's bar ``bar`` redrawn (``closed``: its last state; ``leave=False`` too: cleared)."""
-    from nbddp.kernel.supervisor import Message
+    from nbddp.kernel.ranks.supervisor import Message
 
     relay.on_Message(Message(rank, bar_record(desc, n, total, bar, **how)))
 
@@ -96,8 +96,8 @@ def test_a_group_waits_for_a_rank_drawing_no_bar_at_most_the_gather_window():
 def test_a_bar_ends_at_the_state_held_back_with_a_stack_dump():
     """An interrupt's stacks: the rank's stderr is kept from the cell for up to 2 s while its bar goes on;
     the bar must end where the rank's did, not where the cell last saw it."""
-    from nbddp.kernel.stacks import StackCapture
-    from nbddp.kernel.supervisor import Output, StacksRequested
+    from nbddp.kernel.ranks.stacks import StackCapture
+    from nbddp.kernel.ranks.supervisor import Output, StacksRequested
 
     sink = BarSink()
     relay = relay_of([0], sink)
@@ -475,7 +475,7 @@ def test_a_short_cells_final_table_has_every_ranks_private_memory(monkeypatch):
     (never sampled) pays no walk."""
     from types import SimpleNamespace
 
-    from nbddp.kernel.supervisor import Exited, Message, Started
+    from nbddp.kernel.ranks.supervisor import Exited, Message, Started
     from nbddp.views import monitor
     from nbddp.views.dashboard import RunView
     from nbddp.wire.messages import Result

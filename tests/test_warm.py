@@ -42,7 +42,7 @@ def test_what_a_rank_imported_is_learned_for_the_next_fork_but_never_a_new_libra
     k.ok("import json, email")  # packages the kernel has; their submodules below it has not
     assert k.value("[m in sys.modules for m in ('json.tool', 'email.mime.text', 'wave')]") == [False] * 3
     k.ok("%%ddp --devices 2\nimport json.tool, email.mime.text, wave")
-    k.ok("from nbddp.kernel import warm\nwarm.wait()")
+    k.ok("from nbddp.kernel.ranks import warm\nwarm.wait()")
     assert k.value("[m in sys.modules for m in ('json.tool', 'email.mime.text', 'wave')]") == [True, True, False]
     k.ok("%%ddp --devices 2 --gather fresh\nimport sys\nfresh = 'json.tool' in sys.modules")
     assert k.value("fresh") == [True, True], "the next fork has it from the start"

@@ -26,10 +26,10 @@ import signal
 import socket
 import threading
 
-from ..kernel import rendezvous, warm
-from ..kernel.logs import RankLogs
-from ..kernel.starters import ForkStarter
-from ..kernel.supervisor import Supervisor
+from ..kernel.ranks import rendezvous, warm
+from ..kernel.ranks.logs import RankLogs
+from ..kernel.ranks.starters import ForkStarter
+from ..kernel.ranks.supervisor import Supervisor
 from ..rank.server import Server
 from ..wire.framing import Reader, write_all
 from .netif import ifname_for

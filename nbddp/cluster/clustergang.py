@@ -5,7 +5,7 @@ other node's ranks are forked by its agent (agent.py). To the rest of nbddp it i
 supervisor (remote ranks are ``remote.RemoteProc``s fed by their agents' streams), the same commands
 (a remote node's go through its agent, one copy of the cell per node), the same close.
 
-The process group meets on the kernel's store (kernel/groupstore.py) over pipes: no store port is opened.
+The process group meets on the kernel's store (kernel/ranks/groupstore.py) over pipes: no store port is opened.
 Notebook values: the kernel's node shares the notebook copy-on-write; the other nodes start with nothing
 of it, so a name a cell reads that the notebook had when the pool started is sent to them by value once
 (which: the pool's ``sending.RankNames``; carried here: ``owe``), and a name the notebook rebinds later is
@@ -19,9 +19,9 @@ import pickle
 import time
 
 from ..errors import UsageError
-from ..kernel import groupstore, rendezvous, starters
-from ..kernel.gang import STOP_S, Gang
-from ..kernel.supervisor import GRACE_S
+from ..kernel.ranks import groupstore, rendezvous, starters
+from ..kernel.ranks.gang import STOP_S, Gang
+from ..kernel.ranks.supervisor import GRACE_S
 from ..rank.worker import RankSpec
 from ..wire import framing, messages
 from . import netif, placement, remote

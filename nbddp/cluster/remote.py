@@ -21,8 +21,8 @@ import queue
 import threading
 import time
 
-from ..kernel import failure
-from ..kernel.supervisor import RankProc
+from ..kernel.ranks import failure
+from ..kernel.ranks.supervisor import RankProc
 from ..units import ranks_text
 from ..wire import messages
 

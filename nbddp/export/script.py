@@ -197,7 +197,7 @@ def export_cells(cells: list[str], source: str = "a notebook", script: str = "tr
     """The script for these cells (in the notebook's order). ``failed``: the cells (their index here) that
     failed in the session, and why: left out, with a comment where they were (a typo the user fixed in
     the next cell must not end the script). ``left_out``, for a session's cells (each cell once, in the
-    order the cells first ran: kernel/history.py): the runs not in the script, as (the index of their
+    order the cells first ran: kernel/names/history.py): the runs not in the script, as (the index of their
     cell here, or None for a deleted cell; what happened), said in the header for the cells it keeps."""
     failed = {i: _left_out(i, cells[i], why) for i, why in (failed or {}).items() if i < len(cells)}
     cells = ["" if _skipped(c) or i in failed else c for i, c in enumerate(cells)]

@@ -210,7 +210,7 @@ class Watcher:
     def audit(self, event: str, args) -> None:
         if self._in_hook or self.library is not None or self._origin is not None or os.getpid() != self._pid:
             return
-        if threading.current_thread().name == WARM_THREAD:  # nbddp's own imports (kernel/warm.py), not the cell's
+        if threading.current_thread().name == WARM_THREAD:  # nbddp's own imports (kernel/ranks/warm.py), not the cell's
             return
         if event == "ctypes.dlopen":
             name = args[0] if args else None
@@ -233,7 +233,7 @@ _watchers: list[Watcher] = []  # audit hooks cannot be removed: one hook, forwar
 
 
 WATCHED = frozenset({"import", "ctypes.dlopen"})  # the audit events a watcher looks at
-WARM_THREAD = "nbddp-warm"  # the thread kernel/warm.py imports on: its imports are not the cell's
+WARM_THREAD = "nbddp-warm"  # the thread kernel/ranks/warm.py imports on: its imports are not the cell's
 
 
 def _audit(event: str, args) -> None:

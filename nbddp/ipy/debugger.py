@@ -1,6 +1,6 @@
 """ipykernel's debugger (the one behind JupyterLab's debugger panel), reached into here and nowhere else.
 
-``hook`` puts kernel/rankdebug.py's router in front of it: the kernel's ``Debugger.process_request`` (every
+``hook`` puts kernel/debugger/rankdebug.py's router in front of it: the kernel's ``Debugger.process_request`` (every
 ``debug_request`` of the control channel) goes to ``Router.process``, which hands on to the original what
 is not a rank's; the events of the kernel's debugpy pass ``RankDebugger.on_kernel_event`` first, which
 takes the ones that say a rank is waiting for a debugger. What is read of ipykernel's ``Debugger``
@@ -29,7 +29,7 @@ _state: dict = {}  # "debugger", "restore": while nbddp is in front of this kern
 
 
 class KernelSide:
-    """The kernel's own debugger, as kernel/rankdebug.py uses it."""
+    """The kernel's own debugger, as kernel/debugger/rankdebug.py uses it."""
 
     def __init__(self, kernel, debugger, original):
         self.kernel, self.debugger, self.original = kernel, debugger, original

@@ -14,9 +14,11 @@ from ..ipy import cellcode, cells, debugger, tracebacks
 from ..views.display import line_for_pool_cell, view_for_session
 from ..wire import messages
 from ..views import output
-from . import background, checks, delivery, engine, options, sending
-from .background import Background, Job, WaitForNames
-from .history import History, request_metadata
+from .cells import background, engine
+from . import checks, options
+from .names import delivery, sending
+from .cells.background import Background, Job, WaitForNames
+from .names.history import History, request_metadata
 from .verbs import Verbs
 
 

@@ -20,9 +20,11 @@ from ..rank.server import Server
 from ..views import output
 from ..views.display import view_for_pool
 from ..wire import messages, sharedbuffer, values
-from . import checks, engine, failure, options
-from .gang import Gang
-from .sending import RankNames
+from . import checks, options
+from .cells import engine
+from .ranks import failure
+from .ranks.gang import Gang
+from .names.sending import RankNames
 
 START_S = 600.0  # the ranks of a new pool must all be in the process group by then
 NO_POOL = "no pool is running (%ddp start [options] starts one)"

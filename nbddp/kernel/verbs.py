@@ -124,7 +124,7 @@ class Verbs:
                 raise UsageError(f"%ddp debug {rest}: give a rank number (%ddp debug 1), or none for the rank "
                                  "that failed last.")
             return self.m.pool.debug(int(rest) if rest else None)
-        from .survey_tables import diff, who
+        from .names.survey_tables import diff, who
 
         if verb == "who":
             return who(self.m.pool)

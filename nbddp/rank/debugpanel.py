@@ -1,4 +1,4 @@
-"""In a rank: its debugger for JupyterLab's debugger panel (the kernel's side: kernel/rankdebug.py).
+"""In a rank: its debugger for JupyterLab's debugger panel (the kernel's side: kernel/debugger/rankdebug.py).
 
 While the panel is on, each cell's command carries where the kernel's debugpy adapter listens
 (``RunCell.debug``, loopback only, with debugpy's access token); the rank connects to it once (``before_cell``)

@@ -4,11 +4,11 @@ CUDA context (a fork of that kernel could not use a GPU).
 It is either a fork of the kernel taken at ``%load_ext`` (before the kernel could touch CUDA: the
 "template", with everything the kernel had imported by then), or a fresh interpreter started when it is
 first needed (``python -m nbddp.rank.forkloop FD``). It serves one socket to the kernel, one request at
-a time (kernel/forkserver.py is the other end):
+a time (kernel/ranks/forkserver.py is the other end):
 
 - ``prepare``: the kernel's ``sys.path``, working directory and environment at the cell, and the modules the
   kernel has imported that the server lacks, imported here so every rank forked later has them (a package
-  whose import initialised CUDA here is reported and the server ends: kernel/forkserver.py starts a fresh
+  whose import initialised CUDA here is reported and the server ends: kernel/ranks/forkserver.py starts a fresh
   one without it);
 - ``fork``: one rank, with its spec, the job (pickled once per gang) and its descriptors (stdout, stderr,
   channel; store pipes, command pipe), passed with SCM_RIGHTS; answered with the rank's pid.

@@ -1,7 +1,7 @@
 """In a forked rank: the process group's store, reached over two pipes instead of a port.
 
 Each forked rank gets a request pipe and a reply pipe, and every store operation is one framed request
-answered by the kernel's store (nbddp/kernel/groupstore.py, served by a kernel thread): it answers a
+answered by the kernel's store (nbddp/kernel/ranks/groupstore.py, served by a kernel thread): it answers a
 wait as soon as the key is set, where a FileStore polls every 10 ms. A pool across nodes (``%ddp start
 --cluster ray``) cannot meet through a FileStore anyway (the nodes share no disk) and opens no store
 port: its other nodes' ranks reach the same store through their agent over Ray. ``PipeStore`` is a

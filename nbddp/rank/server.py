@@ -192,7 +192,7 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound
 
 class _Imports:
     """Modules the rank imported since its last answer, said with its next ``Result``: the kernel imports
-    them too (kernel/warm.py), so the next fork starts with them."""
+    them too (kernel/ranks/warm.py), so the next fork starts with them."""
 
     def __init__(self):
         self.seen = len(sys.modules)

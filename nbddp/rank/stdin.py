@@ -2,7 +2,7 @@
 
 The rank sends ``InputRequest`` on its channel and waits for the kernel's ``InputReply`` on its
 command pipe; the kernel asks the front end, one rank at a time, the prompt labelled with the rank
-(kernel/prompts.py). Where the front end has no input box (nbclient, papermill) the rank raises the
+(kernel/cells/prompts.py). Where the front end has no input box (nbclient, papermill) the rank raises the
 ``StdinNotImplementedError`` a plain cell raises; an interrupt ends the wait with KeyboardInterrupt.
 Spawned ranks have no command pipe: reading fails at once, saying why."""
 from __future__ import annotations

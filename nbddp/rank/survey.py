@@ -1,5 +1,5 @@
 """In a pool's rank: the survey ``%ddp who`` and ``%ddp diff`` take there (the kernel's tables of them:
-kernel/survey_tables.py). Only summaries travel: for each of the user's names its type, shape, dtype, device
+kernel/names/survey_tables.py). Only summaries travel: for each of the user's names its type, shape, dtype, device
 and size; for each entry of an expression's value (a dict or state_dict key, a list index, or the value
 itself) a fingerprint (shape, dtype, a hash of the bytes, norm and sum). A DTensor (FSDP2) is fingerprinted
 by the shard this rank holds, and says so.

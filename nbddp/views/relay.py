@@ -3,7 +3,7 @@
 The relay subscribes to the supervisor's events: raw bytes as they arrive on each rank's stdout/stderr
 pipe, which it cuts at newlines (keeping partial lines until they are complete, a carriage-return redraw
 as its latest state), and the displays a rank sends on its channel, before which that rank's pending
-text is flushed. It hands both to a sink (the cell). The rank's log file (kernel/logs.py) keeps every
+text is flushed. It hands both to a sink (the cell). The rank's log file (kernel/ranks/logs.py) keeps every
 byte, so nothing is lost when the cell trims output.
 
 A line every rank prints identically is shown once, labelled with the ranks (``[rank0-1]:``): with the
@@ -14,7 +14,7 @@ A rank's tqdm bar (``tqdm.auto``, ``tqdm.notebook``, ``tqdm.std``) arrives as ``
 records, tqdm's own state, never as text: it is shown as a progress bar, labelled with the rank, updated in
 place by display id (``Bars``): every rank's n-th bar in one output, in rank order, kept at the last state
 its rank sent however the cell ends (a stack dump holds back text, never records), with tqdm's text line as
-its text/plain twin; the rank's log keeps that line (kernel/logs.py). A bar without a total (nothing to
+its text/plain twin; the rank's log keeps that line (kernel/ranks/logs.py). A bar without a total (nothing to
 fill) is a line, its last state, as tqdm's text was. A line redrawn with carriage returns that is not tqdm's
 (``print(f"\\r{i}", end="")``) is text: shown as a line, its latest state.
 """

@@ -91,7 +91,7 @@ class Result:
     outs: dict = field(default_factory=dict)  # name -> Item
     gathers: dict = field(default_factory=dict)  # name -> Item
     assigned: tuple = ()  # names the cell (re)bound on this rank (a pool keeps them the rank's own)
-    imported: tuple = ()  # modules the rank imported since its last answer (the kernel warms them: kernel/warm.py)
+    imported: tuple = ()  # modules the rank imported since its last answer (the kernel warms them: kernel/ranks/warm.py)
     copied: tuple = ()  # (bytes, ((name, what), ...)): private memory grew reading notebook Python objects (copywatch.py)
 
 
@@ -151,7 +151,7 @@ class RunCell:
     updates: dict  # notebook name -> its current value, pickled once in the kernel
     post_mortem: bool = False  # IPython's %pdb is on: an exception opens pdb in the rank first
     lead: int = 0  # the rank whose last expression and --out names come back (a pool's --ranks: the first)
-    dropped: tuple = ()  # notebook names the ranks forget: rebound to a value that cannot be sent (kernel/sending.py)
+    dropped: tuple = ()  # notebook names the ranks forget: rebound to a value that cannot be sent (kernel/names/sending.py)
     debug: dict | None = None  # JupyterLab's debugger panel is on: where the rank's debugger connects (rank/debugpanel.py)
 
 

@@ -6,11 +6,11 @@ import os
 import signal
 from dataclasses import dataclass
 
-from .. import errors
-from ..ipy import tracebacks
-from ..wire.messages import PHASES, Done, Error, Exit, Result
-from ..errors import RankFailure
-from ..units import ranks_text
+from ... import errors
+from ...ipy import tracebacks
+from ...wire.messages import PHASES, Done, Error, Exit, Result
+from ...errors import RankFailure
+from ...units import ranks_text
 
 # what gloo and NCCL raise in a collective when another rank died or left
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",

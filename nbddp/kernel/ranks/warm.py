@@ -19,7 +19,7 @@ import sys
 import threading
 import warnings
 
-from ..hw import driverwatch
+from ...hw import driverwatch
 
 # Measured, not guessed (benchmarks/bench_firststep.py lists what a fresh rank imports in its first real
 # steps, torch 2.13): DDP's constructor (torch._dynamo and what it pulls), AdamW's first step

@@ -5,7 +5,7 @@ kernel's and each rank's (``rank 1 · MainThread``).
 How the ranks' debuggers are reached: the kernel's debugger is debugpy, whose adapter listens on loopback.
 While the panel is on, a rank connects to it at the start of a cell (rank/debugpanel.py); it is the
 kernel's child, so the adapter tells the kernel's debugger of it (a ``debugpyAttach`` event); ``RankDebugger`` then opens a session
-of its own to the adapter for that process (kernel/dap.py), gives it the breakpoints the panel set, and
+of its own to the adapter for that process (kernel/debugger/dap.py), gives it the breakpoints the panel set, and
 lets it run. Requests are routed by the ids in them: each rank's thread, frame and variable ids are
 renumbered into one space of their own (``Ids``), far from the kernel's.
 
@@ -23,7 +23,7 @@ import os
 import threading
 import time
 
-from ..ipy import debugger
+from ...ipy import debugger
 from .dap import DapError, DapSession, untraced
 
 FIRST_ID = 1 << 50  # rank ids: above any id the kernel's own debugger gives (object addresses < 2**47), exact in JavaScript

@@ -19,7 +19,7 @@ a rank alone in a      ALONE_S on: the cell fails naming it, the   the same; eve
 collective             ranks are stopped                           and makes a fresh one (Regroup): the pool lives
 =====================  ==========================================  ==============================================
 
-``BackgroundOneShotRules`` and ``BackgroundPoolRules`` (``%%ddp --bg``, kernel/background.py) are either kind
+``BackgroundOneShotRules`` and ``BackgroundPoolRules`` (``%%ddp --bg``, kernel/cells/background.py) are either kind
 run on the background thread (``InBackground``): the notebook goes on once the ranks have the cell
 (``started``), and a rank's prompt is answered with the error a front end without an input box gives (the
 request that could answer it has ended: ``prompts_refused``). Their interrupt arrives through
@@ -33,11 +33,11 @@ from __future__ import annotations
 import abc
 import time
 
-from ..errors import RankFailure
-from ..ipy import tracebacks
-from ..rank.server import INTERRUPT
-from ..wire import messages
-from . import failure
+from ...errors import RankFailure
+from ...ipy import tracebacks
+from ...rank.server import INTERRUPT
+from ...wire import messages
+from ..ranks import failure
 from .recovery import HEALTH_S, Recovery
 
 PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from ..ipy.session import running_shell
-from ..wire import messages
+from ...ipy.session import running_shell
+from ...wire import messages
 
 HOLD_S = 0.5  # the rank answered last asks again within this: still its turn (a pdb session)
 

@@ -16,18 +16,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..errors import RankFailure, ResultError
-from ..ipy import tracebacks
-from ..rank import copywatch
-from ..rank.server import Server
-from ..views.relay import CellSink, Relay
-from ..wire import messages, values
-from . import checks, failure, rankdebug, rules, starters, warm
-from .gang import Gang
+from ...errors import RankFailure, ResultError
+from ...ipy import tracebacks
+from ...rank import copywatch
+from ...rank.server import Server
+from ...views.relay import CellSink, Relay
+from ...wire import messages, values
+from .. import checks
+from ..ranks import failure, starters, warm
+from ..debugger import rankdebug
+from . import rules
+from ..ranks.gang import Gang
 from .probe import CollectiveProbe
 from .prompts import Prompts
-from .stacks import StackCapture
-from .supervisor import Started
+from ..ranks.stacks import StackCapture
+from ..ranks.supervisor import Started
 
 
 @dataclass

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import ResultError
-from ..ipy import cellcode
-from ..views import output
-from ..wire import values
+from ...errors import ResultError
+from ...ipy import cellcode
+from ...views import output
+from ...wire import values
 
 
 def shown_in_place(per_rank: list, shell) -> list:

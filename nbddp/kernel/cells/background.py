@@ -36,9 +36,9 @@ import sys
 import threading
 import time
 
-from ..errors import NbddpError, interrupt
-from ..views import output
-from . import starters
+from ...errors import NbddpError, interrupt
+from ...views import output
+from ..ranks import starters
 
 KEPT_JOBS = 16  # ended background cells remembered (%ddp status, %ddp attach)
 
@@ -446,7 +446,7 @@ class WaitForNames(ast.NodeTransformer):
         at = next((i for i, st in enumerate(node.body)  # after `from __future__ import ...`, which come first
                    if not (isinstance(st, ast.ImportFrom) and st.module == "__future__")), len(node.body))
         line = node.body[min(at, len(node.body) - 1)].lineno
-        call = ast.parse(f"__import__('nbddp.kernel.background', fromlist=['x']).waiting({wanted!r})").body[0]
+        call = ast.parse(f"__import__('nbddp.kernel.cells.background', fromlist=['x']).waiting({wanted!r})").body[0]
         for sub in ast.walk(call):
             if hasattr(sub, "lineno"):
                 sub.lineno = sub.end_lineno = line

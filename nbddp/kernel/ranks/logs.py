@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from ..wire.messages import Progress
+from ...wire.messages import Progress
 
 
 class RankLogs:

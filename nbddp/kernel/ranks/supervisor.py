@@ -21,8 +21,9 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from ..wire import framing, messages
-from . import failure, rankdebug
+from ...wire import framing, messages
+from . import failure
+from ..debugger import rankdebug
 from .stacks import StackRequest
 
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic

@@ -11,10 +11,10 @@ import types
 import weakref
 from dataclasses import dataclass, field
 
-from ..errors import UsageError
-from ..units import size
-from ..ipy.cellcode import names_used, notebook_name, split_last_expression
-from ..wire import sharedtensor, values
+from ...errors import UsageError
+from ...units import size
+from ...ipy.cellcode import names_used, notebook_name, split_last_expression
+from ...wire import sharedtensor, values
 
 
 class Blobs(dict):

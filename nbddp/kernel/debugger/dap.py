@@ -1,5 +1,5 @@
 """One Debug Adapter Protocol client session on a loopback socket: how the kernel's debug panel
-(kernel/rankdebug.py) talks to one rank's debugger, through the debugpy adapter the kernel's own debugger
+(kernel/debugger/rankdebug.py) talks to one rank's debugger, through the debugpy adapter the kernel's own debugger
 started (``debugpy.listen`` on 127.0.0.1). Messages are framed as the protocol says (a ``Content-Length``
 header, then JSON); one reader thread answers requests and hands events on."""
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..wire import framing, messages
+from ...wire import framing, messages
 from . import failure, groupstore, rendezvous, starters
 from .logs import RankLogs
 from .supervisor import Supervisor

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from ..wire import messages
-from . import starters
+from ...wire import messages
+from ..ranks import starters
 
 HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
 REGROUP_S = 10.0  # pool: every rank in a fresh process group within this (a rank stuck elsewhere: torn down)

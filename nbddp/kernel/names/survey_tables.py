@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import html
 
-from ..rank.survey import NamespaceSurvey
-from ..units import ranks_text, size
-from ..views.output import text_table
+from ...rank.survey import NamespaceSurvey
+from ...units import ranks_text, size
+from ...views.output import text_table
 
 
 WIDTH = 110  # characters of a row: JupyterLab's output at 1200 px, sidebar open, in its monospace font

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 
-from ..ipy import tracebacks
-from ..units import ranks_text
-from . import failure
-from .stacks import StackCapture
+from ...ipy import tracebacks
+from ...units import ranks_text
+from ..ranks import failure
+from ..ranks.stacks import StackCapture
 
 ALONE_S = 2.0  # a rank still in the cell this long after every other rank answered: where is it?
 STILL_S = 30.0  # ... and asked again every STILL_S: a stack that has not moved is shown in the cell

@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 
-from ..errors import UsageError
-from ..rank import forkloop as wire
+from ...errors import UsageError
+from ...rank import forkloop as wire
 
 class ForkServer:
     def __init__(self, sock: socket.socket, pid: int, kind: str):
@@ -169,7 +169,7 @@ def policy() -> str:
     asked = os.environ.get("NBDDP_FORKSERVER", "").strip().lower()
     if asked in ("template", "fresh", "off"):
         return asked
-    from ..hw import cuda, nvml
+    from ...hw import cuda, nvml
 
     try:
         return "template" if cuda.backend().built() and nvml.backend().count() > 0 else "off"
@@ -182,8 +182,8 @@ def at_load() -> None:
     global _server
     if _server is not None and _server.alive or policy() != "template":
         return
-    from ..hw import cuda, openmp
-    from ..rank import inherit
+    from ...hw import cuda, openmp
+    from ...rank import inherit
 
     if cuda.backend().refusal() is not None:
         return  # too late for a clean template: a fresh interpreter at the first cell that needs one

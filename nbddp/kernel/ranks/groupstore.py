@@ -14,7 +14,7 @@ import os
 import select
 import threading
 
-from ..wire.framing import Reader, encode, write_all
+from ...wire.framing import Reader, encode, write_all
 
 
 class Store:

@@ -14,12 +14,14 @@ import threading
 import time
 import warnings
 
-from ..rank import inherit
-from ..rank.stdio import LIBC
-from ..rank.worker import RankSpec, fork_main
-from ..wire import values
-from ..hw import openmp
-from . import devices, rankdebug, rendezvous, warm
+from ...rank import inherit
+from ...rank.stdio import LIBC
+from ...rank.worker import RankSpec, fork_main
+from ...wire import values
+from ...hw import openmp
+from .. import devices
+from ..debugger import rankdebug
+from . import rendezvous, warm
 from .supervisor import RankProc, Supervisor
 
 # posix's own fork and posix_spawn, not os's: the kernel's debugger (debugpy) replaces those, its fork with one
@@ -170,8 +172,8 @@ def nccl_env(env: dict, backend: str, ifname: str) -> dict:
     """``env`` with what an NCCL rank needs, its sockets on ``ifname`` (what ``env`` or the kernel's
     environment already says wins)."""
     if backend == "nccl":
-        from ..hw import nccl
-        from ..ipy.session import session_kind
+        from ...hw import nccl
+        from ...ipy.session import session_kind
 
         env.update({k: v for k, v in nccl.rank_env(ifname, session_kind()).items()
                     if k not in os.environ and k not in env})
@@ -255,7 +257,7 @@ class SpawnStarter:
 
 
 class ForkserverStarter:
-    """Ranks forked by the forkserver (kernel/forkserver.py), a process that never initialised CUDA: for a
+    """Ranks forked by the forkserver (kernel/ranks/forkserver.py), a process that never initialised CUDA: for a
     kernel that holds a CUDA context and ranks that need GPUs (chosen by checks.preflight), or asked for by
     name. The notebook values a cell reads travel with it as with spawn, big tensors and arrays through
     shared memory (wire/sharedtensor.py); its imports are the kernel's, done once in the server."""
@@ -268,7 +270,7 @@ class ForkserverStarter:
     def ready(self, config) -> None:
         """Before the first rank, outside the forks' deferred interrupt (the server's imports can take
         seconds the first time: an interrupt then ends the server, and the next cell starts a fresh one)."""
-        from ..hw import cuda
+        from ...hw import cuda
         from . import forkserver
 
         self.server = forkserver.ready(cuda.backend().culprits())

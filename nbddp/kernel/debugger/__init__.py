@@ -1,0 +1,1 @@
+"""JupyterLab's debugger panel in the ranks, the kernel's side."""

@@ -1,0 +1,1 @@
+"""The ranks' life in the kernel: gangs, start methods, the forkserver's end, the supervisor, rendezvous, stores, logs."""
