@@ -4,7 +4,10 @@ stops every rank; each rank is threads named by it; frames, variables, evaluate 
 next act on the rank or on all; detach lets stopped ranks go; nothing is left when the ranks end."""
 from __future__ import annotations
 
+import os
 import re
+import time
+from collections import Counter
 
 import psutil
 import pytest
@@ -302,3 +305,82 @@ def test_a_background_cell_stops_in_the_panel_while_the_notebook_runs_other_cell
     res = kernel.follow(msg_id, lambda r: said(r.stdout, 0, "done 0 82") and said(r.stdout, 1, "done 1 84"), timeout=60)
     assert res.error is None
     panel.stop()
+
+
+LOOP_CELL = """%%ddp
+hits = 0
+for i in range(10):
+    hits += 1
+print('loop', rank, hits)
+"""
+STRESS = int(os.environ.get("NBDDP_STRESS", "2"))  # how many times each pace runs (issue 51 asks for 20)
+
+
+@pytest.fixture(scope="module")
+def pool_kernel():
+    with Kernel() as k:
+        k.ok("%load_ext nbddp")
+        k.ok("%ddp start --devices 2")
+        yield k
+
+
+def continue_every_stop(kernel, panel, msg_id: str, pace: float, timeout: float = 120) -> tuple[Counter, Counter, list]:
+    """As JupyterLab's user does it: each rank thread's stop continued by its thread id (``pace`` seconds after
+    it was seen), until the cell ends. A stop said again of a thread still stopped (``stillStopped``: the panel
+    cleared its view at another thread's ``continued``) is no new stop. (stops, continues by thread, failed
+    continue replies)."""
+    stops, continues, failed = Counter(), Counter(), []
+    waiting: set[int] = set()  # threads seen stopped, not continued yet
+    seen = len(panel.events)
+    deadline = time.monotonic() + timeout
+
+    def ended(_events=None):
+        return any(m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                   for m in kernel.stray.get(msg_id, []))
+
+    while not ended():
+        try:
+            panel.pump(lambda events, seen=seen: len(events) > seen or ended(), max(0.1, deadline - time.monotonic()), "a debug event")
+        except TimeoutError as e:
+            raise AssertionError(f"the cell never ended: stops {dict(stops)}, continues {dict(continues)}, "
+                                 f"failed {failed}, waiting {waiting}: {e}") from None
+        new, seen = panel.events[seen:], len(panel.events)
+        for event in new:
+            body = event.get("body") or {}
+            if event["event"] == "stopped" and body.get("threadId", 0) >= 1 << 50 and not body.get("stillStopped"):
+                assert body["threadId"] not in waiting, f"a second stop of a thread never continued: {event}"
+                stops[body["threadId"]] += 1
+                waiting.add(body["threadId"])
+        for tid in sorted(waiting):
+            time.sleep(pace)
+            reply = panel.request("continue", {"threadId": tid})
+            continues[tid] += 1
+            waiting.discard(tid)
+            if not reply.get("success"):
+                failed.append(reply.get("message"))
+    return stops, continues, failed
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("run", range(STRESS))
+@pytest.mark.parametrize("pace", [0.0, 0.5], ids=["at-once", "half-second"])
+def test_a_breakpoint_in_a_pool_loop_stops_each_rank_ten_times_each_continued_by_its_thread(pool_kernel, pace, run):
+    panel = DebugClient(pool_kernel)
+    panel.start()
+    msg_id = None
+    try:
+        panel.breakpoints(LOOP_CELL, [4])  # `hits += 1`: hit 10 times on each of 2 ranks
+        start = time.monotonic()
+        msg_id = pool_kernel.execute(LOOP_CELL)
+        stops, continues, failed = continue_every_stop(pool_kernel, panel, msg_id, pace)
+        res = pool_kernel.collect(msg_id, timeout=60)
+        msg_id = None
+        assert not failed and sorted(stops.values()) == [10, 10] and stops == continues, (stops, continues, failed)
+        assert res.error is None and said(res.stdout, 0, "loop 0 10") and said(res.stdout, 1, "loop 1 10"), res.stdout
+        print(f"pace {pace}: 20 stops, 20 continues, {time.monotonic() - start:.1f} s")
+    finally:
+        try:
+            panel.request("disconnect", {"restart": False, "terminateDebuggee": False}, timeout=30)
+        finally:
+            if msg_id is not None:  # a run that failed: its ranks let go, the cell over, for the next run
+                pool_kernel.collect(msg_id, timeout=60)

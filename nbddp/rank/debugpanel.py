@@ -8,20 +8,80 @@ it inherited (``after_fork``). Once the panel is off, the next cell disconnects 
 ``breakpoint()`` back to pdb in the notebook."""
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
+from types import SimpleNamespace
+
+# what nbddp uses of pydevd's private modules (debugpy's vendored pydevd): (module, names, what for). Checked
+# once per process (``parts``): where one is missing, the debugger panel sees the kernel only (kernel/rankdebug.py
+# says why at %load_ext) and every rank starts and runs as without the panel.
+REQUIRED = (
+    ("pydevd", ("settrace", "settrace_forked", "stoptrace", "install_breakpointhook"), "a rank's debugger"),
+    ("_pydevd_bundle.pydevd_constants", ("get_global_debugger", "GlobalDebuggerHolder"), "the rank's debugger object"),
+    ("pydevd_tracing", ("restore_sys_set_trace_func",), "a forked rank's tracing undone"),
+    ("_pydev_bundle.pydev_monkey", ("undo_patch_thread_modules",), "a forked rank's threading undone"),
+)
+MONITORING = ("_pydevd_sys_monitoring.pydevd_sys_monitoring", ("stop_monitoring",), "a forked rank's sys.monitoring undone")
+
+_gate: list = []  # [(parts or None, why or None)], once checked in this process (a fork inherits the kernel's)
+
+
+def parts():
+    """pydevd's parts nbddp uses (``REQUIRED``, as attributes), or None where this debugpy lacks one."""
+    if not _gate:
+        _gate.append(_check())
+    return _gate[0][0]
+
+
+def unsupported() -> str | None:
+    """Why the ranks' debugger cannot be used with this debugpy, or None."""
+    parts()
+    return _gate[0][1]
+
+
+def _check() -> tuple:
+    try:
+        import debugpy
+        import debugpy.server.api  # noqa: F401 - puts debugpy's own pydevd on the path
+    except Exception as e:  # noqa: BLE001 - no debugpy, or one that does not import
+        return None, f"nbddp: the debugger panel cannot reach the ranks: debugpy does not import ({e!r})."
+    found = {}
+    constants = None
+    for module, names, what in REQUIRED:
+        try:
+            mod = importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - renamed or gone in this debugpy
+            return None, _why(debugpy, f"no module {module}", what)
+        for name in names:
+            if not hasattr(mod, name):
+                return None, _why(debugpy, f"no {module}.{name}", what)
+            found[name] = getattr(mod, name)
+        if module == "_pydevd_bundle.pydevd_constants":
+            constants = mod
+    found["monitoring"] = bool(getattr(constants, "PYDEVD_USE_SYS_MONITORING", False))
+    if found["monitoring"]:
+        module, (name,), what = MONITORING
+        try:
+            found[name] = getattr(importlib.import_module(module), name)
+        except Exception:  # noqa: BLE001
+            return None, _why(debugpy, f"no {module}.{name}", what)
+    return SimpleNamespace(**found), None
+
+
+def _why(debugpy, missing: str, what: str) -> str:
+    return (f"nbddp: the debugger panel cannot reach the ranks with debugpy {getattr(debugpy, '__version__', '?')}: "
+            f"its pydevd has {missing} ({what}). The panel works in the kernel as usual; pdb works in the ranks "
+            "(breakpoint(), %ddp debug).")
 
 
 def _debugger():
     """The rank's own connected debugger (pydevd's), or None: one inherited from the kernel by a fork
     debugpy did not see is not connected (its threads stayed in the kernel)."""
-    pydevd = sys.modules.get("pydevd")
-    if pydevd is None:
+    if sys.modules.get("pydevd") is None or parts() is None:
         return None
-    from _pydevd_bundle.pydevd_constants import get_global_debugger
-
-    db = get_global_debugger()
+    db = parts().get_global_debugger()
     writer = getattr(db, "writer", None)
     return db if writer is not None and writer.is_alive() else None
 
@@ -30,12 +90,12 @@ def after_fork() -> None:
     """In a rank just forked: a debugger the kernel ran (on the forking thread: it traces the rank's too)
     is let go, as debugpy's own fork hook does for a child it does not debug; the rank connects at its
     cell while the panel is on."""
-    pydevd = sys.modules.get("pydevd")
-    if pydevd is None:
+    if sys.modules.get("pydevd") is None:
         return
-    from _pydevd_bundle.pydevd_constants import GlobalDebuggerHolder
-
-    if GlobalDebuggerHolder.global_dbg is not None:
+    pydevd = parts()
+    if pydevd is None:  # (a debugpy whose pydevd nbddp cannot reach: the rank runs on as it is)
+        return
+    if pydevd.GlobalDebuggerHolder.global_dbg is not None:
         pydevd.settrace_forked(setup_tracing=False)  # the kernel's debugger object, its threads: gone here
         _untrace()
 
@@ -43,31 +103,26 @@ def after_fork() -> None:
 def _untrace() -> None:
     """No tracing left of pydevd's here: pydevd.stoptrace's own steps but for its flush of sys.stdout (the
     kernel's stream, whose lock the kernel's IO thread may have held at the fork)."""
-    import pydevd_tracing
-    from _pydev_bundle.pydev_monkey import undo_patch_thread_modules
-    from _pydevd_bundle.pydevd_constants import PYDEVD_USE_SYS_MONITORING
-
-    pydevd_tracing.restore_sys_set_trace_func()
-    if PYDEVD_USE_SYS_MONITORING:
-        from _pydevd_sys_monitoring import pydevd_sys_monitoring
-
-        pydevd_sys_monitoring.stop_monitoring(all_threads=True)
+    pydevd = parts()
+    pydevd.restore_sys_set_trace_func()
+    if pydevd.monitoring:
+        pydevd.stop_monitoring(all_threads=True)
     else:
         sys.settrace(None)
         threading.settrace(None)
-    undo_patch_thread_modules()
+    pydevd.undo_patch_thread_modules()
 
 
 def before_cell(setup: dict | None) -> None:
     """Connected while the panel is on (``setup``), not once it is off."""
     connected = _debugger() is not None
     if setup is not None:
+        if parts() is None:  # (the kernel sends no setup then: the panel sees the kernel only)
+            return
         if not connected:
             _forget()  # one whose connection died is made anew
             connect(setup)
-        import pydevd
-
-        pydevd.install_breakpointhook()  # breakpoint() stops in the panel (rank/debug.py gave it to pdb at the start)
+        parts().install_breakpointhook()  # breakpoint() stops in the panel (rank/debug.py gave it to pdb at the start)
     elif connected:
         disconnect()
 
@@ -76,20 +131,17 @@ def _forget() -> None:
     """A debugger object whose connection is gone (or none): nothing of it left, for a new one."""
     if sys.modules.get("pydevd") is None:
         return
-    from _pydevd_bundle.pydevd_constants import GlobalDebuggerHolder
-
-    if GlobalDebuggerHolder.global_dbg is not None:
+    holder = parts().GlobalDebuggerHolder
+    if holder.global_dbg is not None:
         _untrace()
-        GlobalDebuggerHolder.global_dbg = None
+        holder.global_dbg = None
 
 
 def connect(setup: dict) -> None:
     """Connect to the kernel's debugpy adapter and wait until the panel let the rank run (breakpoints set)."""
     import debugpy
-    import debugpy.server.api  # noqa: F401 - puts debugpy's own pydevd on the path
 
-    import pydevd
-
+    pydevd = parts()
     # a rank forked from a background cell's thread runs on a copy of it, a daemon thread: pydevd would take
     # the program for ended (no user thread left that is not a daemon) and end the session at once
     setattr(threading.current_thread(), "__pydevd_main_thread", True)
@@ -117,11 +169,9 @@ def _settrace_parameters(pydevd) -> set:
 
 def disconnect() -> None:
     """The panel is off: the rank's debugger gone, ``breakpoint()`` pdb's again (rank/debug.py)."""
-    import pydevd
-    from _pydevd_bundle.pydevd_constants import GlobalDebuggerHolder
-
+    pydevd = parts()
     pydevd.stoptrace()
-    GlobalDebuggerHolder.global_dbg = None  # a later connect makes a new one
+    pydevd.GlobalDebuggerHolder.global_dbg = None  # a later connect makes a new one
     sys.breakpointhook = sys.__breakpointhook__
 
 

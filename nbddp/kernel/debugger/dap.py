@@ -36,26 +36,30 @@ class DapSession:
         self.on_event, self.on_close = on_event, on_close
         self.seq = itertools.count(1)
         self.pending: dict[int, concurrent.futures.Future] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # pending, closed (the reader takes it for each response)
+        self.send_lock = threading.Lock()  # one message on the socket at a time (a send that blocks holds no reply up)
         self.closed = False
         self.reader = untraced(threading.Thread(target=self._read, name="nbddp-dap", daemon=True))
         self.reader.start()
 
     def send(self, command: str, arguments: dict | None = None) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        with self.lock:
-            if self.closed:
-                future.set_exception(DapError("the rank's debugger connection is closed"))
-                return future
-            seq = next(self.seq)
-            self.pending[seq] = future
+        with self.send_lock:
+            with self.lock:
+                if self.closed:
+                    future.set_exception(DapError("the rank's debugger connection is closed"))
+                    return future
+                seq = next(self.seq)
+                self.pending[seq] = future  # (before it is sent: its response can come at once)
             body = json.dumps({"seq": seq, "type": "request", "command": command,
                                "arguments": arguments or {}}).encode()
             try:
                 self.sock.sendall(HEADER + str(len(body)).encode() + b"\r\n\r\n" + body)
             except OSError as e:
-                self.pending.pop(seq, None)
-                future.set_exception(DapError(f"the rank's debugger connection failed: {e}"))
+                with self.lock:
+                    mine = self.pending.pop(seq, None) is not None  # (else the reader's end failed it)
+                if mine:
+                    future.set_exception(DapError(f"the rank's debugger connection failed: {e}"))
         return future
 
     def request(self, command: str, arguments: dict | None = None, timeout: float = 10.0) -> dict:
@@ -100,7 +104,7 @@ class DapSession:
         elif msg.get("type") == "event":
             try:
                 self.on_event(msg)
-            except Exception:  # noqa: BLE001 - a listener's failure must not end the connection
+            except Exception:
                 logging.getLogger(__name__).exception("nbddp: a rank's debugger event %r", msg.get("event"))
 
     def _closed(self) -> None:

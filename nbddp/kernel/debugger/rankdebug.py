@@ -13,7 +13,14 @@ What JupyterLab does, which shapes the rules here: it has no thread list, asks `
 thread that stopped only (with no ``levels``), and its Continue button sends thread 1. So a stack trace of
 a rank's thread without ``levels`` lists every stopped rank's frames, each named by its thread; a
 ``continue`` or ``pause`` of a thread that is no rank's acts on the kernel and every rank (one action
-continues them all); one of a rank's thread acts on that rank. The ipykernel side is ipy/debugger.py."""
+continues them all); one of a rank's thread acts on that rank. The ipykernel side is ipy/debugger.py.
+
+Which rank threads are stopped (``RankLink.stopped``) is the panel's view, kept under one lock
+(``RankDebugger.lock``) by the ranks' reader threads (their ``stopped`` and ``continued`` events) and the
+control thread (a ``continue`` or step takes a rank's threads out of it before it is sent). pydevd answers a
+``continue`` of a thread that runs only once the thread next goes on (after its next stop): a ``continue``
+of a rank whose threads all run (a stop said again that crossed the user's continue) is answered here, not
+sent."""
 from __future__ import annotations
 
 import ast
@@ -24,12 +31,14 @@ import threading
 import time
 
 from ...ipy import debugger
+from ...rank import debugpanel
 from .dap import DapError, DapSession, untraced
 
 FIRST_ID = 1 << 50  # rank ids: above any id the kernel's own debugger gives (object addresses < 2**47), exact in JavaScript
 CALL_TIMEOUT_S = 10.0
-NBDDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NBDDP_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nbddp/
 KEPT_EVENTS = ("stopped", "continued", "thread")  # a rank's events the panel sees; its output comes through nbddp
+RESUMING = ("continue", "next", "stepIn", "stepOut")  # a rank's requests that let its stopped threads go on
 
 
 class Ids:
@@ -61,11 +70,13 @@ class Ids:
 
 
 class RankLink:
-    """One rank's debugger session: its rank, the threads of it that are stopped (local ids)."""
+    """One rank's debugger session: its rank, the threads of it that are stopped (local ids). ``lock``
+    (the RankDebugger's, shared by every rank) guards ``stopped``, ``quiet`` and ``names``."""
 
-    def __init__(self, pid: int, rank, session: DapSession, inherited=frozenset()):
+    def __init__(self, pid: int, rank, session: DapSession, inherited=frozenset(), lock=None):
         self.pid, self.rank, self.session = pid, rank, session
         self.inherited = inherited  # (file, line) of the notebook's frames the fork left under the rank's own
+        self.lock = lock if lock is not None else threading.RLock()
         self.stopped: set[int] = set()
         self.quiet: set[int] = set()  # threads let go after a pause the user could not see: their continued unsaid
         self.names: dict[int, str] = {}
@@ -79,15 +90,24 @@ class RankLink:
     def label(self) -> str:
         return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
 
-    async def call(self, command: str, arguments: dict | None = None, timeout: float = CALL_TIMEOUT_S) -> dict:
-        return await asyncio.wait_for(asyncio.wrap_future(self.session.send(command, arguments)), timeout)
+    async def call(self, command: str, arguments: dict | None = None, timeout: float | None = None) -> dict:
+        return await asyncio.wait_for(asyncio.wrap_future(self.session.send(command, arguments)), timeout or CALL_TIMEOUT_S)
 
     async def threads(self) -> list[dict]:
         """The rank's threads the user has: nbddp's own and the debugger's are left out."""
         reply = await self.call("threads")
         found = [t for t in reply.get("body", {}).get("threads", []) if not t["name"].startswith(("nbddp", "pydevd"))]
-        self.names.update((t["id"], t["name"]) for t in found)
+        with self.lock:
+            self.names.update((t["id"], t["name"]) for t in found)
         return found
+
+    def name(self, local: int):
+        with self.lock:
+            return self.names.get(local)
+
+    def name_list(self) -> list[tuple]:
+        with self.lock:
+            return list(self.names.items())
 
 
 class RankDebugger:
@@ -102,7 +122,9 @@ class RankDebugger:
         self.ranks: dict[int, tuple] = {}  # pid -> (rank, inherited frames), of the ranks the kernel started
         self.exception_filters: dict | None = None
         self.set_breakpoints: dict[str, dict] = {}  # path -> the panel's last setBreakpoints arguments (conditions too)
-        self.lock = threading.Lock()
+        # links, clocks and every link's stopped/quiet/names: the ranks' reader threads and the control thread
+        # change them; events are published under it too, so that the panel hears them in the order decided
+        self.lock = threading.RLock()
         self.registered = threading.Condition(self.lock)
         self.clocks: dict[int, list] = {}  # pid -> [seconds stopped before, stopped since] (stopped_s)
 
@@ -144,7 +166,7 @@ class RankDebugger:
         try:
             connect = config.pop("connect")
             session = DapSession(connect["host"], connect["port"], on_event, on_close=lambda: self.gone(pid))
-            link = RankLink(pid, rank, session, inherited)
+            link = RankLink(pid, rank, session, inherited, self.lock)
             link_box.append(link)
             session.request("initialize", {"clientID": "nbddp", "adapterID": "python", "pathFormat": "path",
                                            "linesStartAt1": True, "columnsStartAt1": True})
@@ -172,17 +194,18 @@ class RankDebugger:
         went on (``told``; not when the panel itself is going), and which rank is still stopped."""
         with self.lock:
             link = self.links.pop(pid, None)
-        if link is None:
-            return
-        self.note_stops()
+            if link is None:
+                return
+            stopped, link.stopped = sorted(link.stopped), set()
+            self.note_stops()
+            if told:
+                for local in stopped:
+                    self.kernel.publish(_event("continued", threadId=self.threads.out(link, local), allThreadsContinued=False))
+            for ids in (self.threads, self.frames, self.refs):
+                ids.forget(link)
+            if told:
+                self._still_stopped()
         link.session.close()
-        if told:
-            for local in sorted(link.stopped):
-                self.kernel.publish(_event("continued", threadId=self.threads.out(link, local), allThreadsContinued=False))
-        for ids in (self.threads, self.frames, self.refs):
-            ids.forget(link)
-        if told:
-            self._still_stopped()
 
     def _rank_event(self, link: RankLink, event: dict) -> None:
         kind, body = event.get("event"), dict(event.get("body") or {})
@@ -196,18 +219,21 @@ class RankDebugger:
             untraced(threading.Thread(target=self._paused, args=(link, event), name="nbddp-debug-pause",
                                       daemon=True)).start()
             return
-        if kind == "continued" and local in link.quiet:  # (a pause let go at once: never said to be stopped)
-            link.quiet.discard(local)
-            return
-        if kind == "stopped":
-            link.stopped.add(local)
-        elif kind == "continued":
-            link.stopped.clear() if body.get("allThreadsContinued", True) else link.stopped.discard(local)
-        self.note_stops()
-        body["threadId"] = self.threads.out(link, local)
-        self.kernel.publish({**event, "body": body})
-        if kind == "continued":
-            self._still_stopped()
+        with self.lock:
+            if self.links.get(link.pid) is not link:  # (a session let go: its last events are no one's)
+                return
+            if kind == "continued" and local in link.quiet:  # (a pause let go at once: never said to be stopped)
+                link.quiet.discard(local)
+                return
+            if kind == "stopped":
+                link.stopped.add(local)
+            elif kind == "continued":  # (pydevd says it of a continue the panel asked for too, before its answer)
+                link.stopped.clear() if body.get("allThreadsContinued", True) else link.stopped.discard(local)
+            self.note_stops()
+            body["threadId"] = self.threads.out(link, local)
+            self.kernel.publish({**event, "body": body})
+            if kind == "continued":
+                self._still_stopped()
 
     def _paused(self, link: RankLink, event: dict) -> None:
         """A rank paused where no cell of the notebook is on its stack (in nbddp's own code, waiting for its
@@ -218,20 +244,46 @@ class RankDebugger:
         try:
             frames = link.session.request("stackTrace", {"threadId": local}).get("body", {}).get("stackFrames", [])
             if not any(((f.get("source") or {}).get("path") or "").startswith(prefix) for f in link.own(frames)):
-                link.quiet.add(local)
+                with self.lock:
+                    link.quiet.add(local)
                 link.session.request("continue", {"threadId": local})
                 return
         except Exception:  # noqa: BLE001 - the rank went meanwhile
             return
-        link.stopped.add(local)
-        self.note_stops()
-        self.kernel.publish({**event, "body": {**event["body"], "threadId": self.threads.out(link, local)}})
+        with self.lock:
+            if self.links.get(link.pid) is not link:
+                return
+            link.stopped.add(local)
+            self.note_stops()
+            self.kernel.publish({**event, "body": {**event["body"], "threadId": self.threads.out(link, local)}})
 
     def _still_stopped(self) -> None:
-        """JupyterLab clears its view at any ``continued``: a rank still stopped is said again."""
-        for link, local in self.stopped()[:1]:
-            self.kernel.publish(_event("stopped", threadId=self.threads.out(link, local), reason="breakpoint",
-                                       allThreadsStopped=False))
+        """JupyterLab clears its view at any ``continued``: a rank still stopped is said again (``stillStopped``:
+        no new stop; one the user's continue crossed on its way is answered as a thread that runs)."""
+        with self.lock:
+            for link, local in self.stopped()[:1]:
+                self.kernel.publish(_event("stopped", threadId=self.threads.out(link, local), reason="breakpoint",
+                                           allThreadsStopped=False, stillStopped=True))
+
+    def take_stopped(self, link: RankLink | None = None) -> dict:
+        """The threads stopped now of ``link`` (or of every rank), as they are let go: no longer said to be
+        stopped, at once ({link: [local ids]}). A stop that comes after stays, to be let go on its own."""
+        with self.lock:
+            links = [link] if link is not None else list(self.links.values())
+            taken = {one: sorted(one.stopped) for one in links if one.stopped}
+            for one, locals_ in taken.items():
+                one.stopped.difference_update(locals_)
+            self.note_stops()
+        return taken
+
+    def still_stopped(self, taken: dict) -> None:
+        """Threads taken out (``take_stopped``) that the rank did not let go after all (it never answered):
+        stopped again, as far as the panel knows."""
+        with self.lock:
+            for link, locals_ in taken.items():
+                if self.links.get(link.pid) is link:
+                    link.stopped.update(locals_)
+            self.note_stops()
 
     def note_stops(self) -> None:
         """After any rank thread stopped or went on: each rank's clock of time spent stopped, kept."""
@@ -251,7 +303,8 @@ class RankDebugger:
     def stopped_s(self, pids) -> float:
         """Seconds the longest stopped of these ranks stood stopped in the panel, all told (now included)."""
         now = time.monotonic()
-        found = [c[0] + (now - c[1] if c[1] is not None else 0.0) for c in map(self.clocks.get, pids) if c]
+        with self.lock:
+            found = [c[0] + (now - c[1] if c[1] is not None else 0.0) for c in map(self.clocks.get, pids) if c]
         return max(found, default=0.0)
 
     def breakpoints(self) -> dict[str, dict]:
@@ -262,10 +315,12 @@ class RankDebugger:
 
     def stopped(self) -> list[tuple]:
         """(link, local thread id) of every rank thread stopped now."""
-        return [(link, local) for link in list(self.links.values()) for local in sorted(link.stopped)]
+        with self.lock:
+            return [(link, local) for link in self.links.values() for local in sorted(link.stopped)]
 
     def stopped_pids(self) -> frozenset:
-        return frozenset(link.pid for link in list(self.links.values()) if link.stopped)
+        with self.lock:
+            return frozenset(link.pid for link in self.links.values() if link.stopped)
 
     def stopped_ids(self) -> list[int]:
         return [self.threads.out(link, local) for link, local in self.stopped()]
@@ -309,10 +364,22 @@ class Router:
         if command == "copyToGlobals":  # into the rank's own globals, as ipykernel does in the kernel
             command, args = "setExpression", {"expression": f"globals()['{args['dstVariableName']}']",
                                               "value": args["srcVariableName"], "frameId": args["srcFrameId"]}
+        taken = {}
+        if command in RESUMING:
+            with self.ranks.lock:
+                stopped = args.get("threadId") in link.stopped if command != "continue" else bool(link.stopped)
+                if stopped:  # (a continue or step lets every stopped thread of the rank go on)
+                    taken = self.ranks.take_stopped(link)
+            if not stopped:  # every thread of it runs (a stop said again crossed this): pydevd would not answer
+                if command == "continue":
+                    return _reply(msg, body={"allThreadsContinued": False})
+                return _reply(msg, success=False, message=f"{link.label}: the thread is not stopped")
         try:
             reply = await link.call(command, args)
         except (DapError, asyncio.TimeoutError) as e:
-            return _reply(msg, success=False, message=f"{link.label}: {e}")
+            if isinstance(e, asyncio.TimeoutError):
+                self.ranks.still_stopped(taken)
+            return _reply(msg, success=False, message=f"{link.label}: {str(e) or f'no answer within {CALL_TIMEOUT_S:g} s'}")
         body = reply.get("body") or {}
         if command == "stackTrace":
             body = await self._stack(link, args, body)
@@ -337,10 +404,10 @@ class Router:
         return {**body, "stackFrames": frames, "totalFrames": len(frames)}
 
     async def _named(self, link: RankLink, local: int, frames: list) -> list:
-        name = link.names.get(local)
+        name = link.name(local)
         if name is None:
             await link.threads()
-            name = link.names.get(local, "thread")
+            name = link.name(local) or "thread"
         own = link.own(frames)
         return [{**f, "id": self.ranks.frames.out(link, f["id"]), "name": f"{link.label} · {name} · {f.get('name', '')}"}
                 for f in own]
@@ -395,10 +462,9 @@ class Router:
         """A thread that is no rank's (JupyterLab's Continue sends thread 1): the kernel and every rank."""
         # (the kernel's own debugger leaves a continue of a thread that runs unanswered)
         reply = await self.kernel.forward(msg) if self.kernel.stopped() else _reply(msg)
-        targets = {link: sorted(link.stopped)[:1] for link in list(self.ranks.links.values())}
-        for link in targets:
-            link.stopped.clear()  # all go on: none is said to be stopped still when the others' `continued` come
-        self.ranks.note_stops()
+        # all go on: none is said to be stopped still when the others' `continued` come (one continue a rank:
+        # it lets all its threads go)
+        targets = {link: locals_[:1] for link, locals_ in self.ranks.take_stopped().items()}
         await self._every_rank("continue", lambda link, local: {"threadId": local}, only=targets)
         return {**reply, "success": True, "body": {**(reply.get("body") or {}), "allThreadsContinued": True}}
 
@@ -441,7 +507,7 @@ class Router:
         (``main_only``: its main thread)."""
         calls = []
         for link in list(self.ranks.links.values()):
-            if main_only and not link.names:
+            if main_only and not link.name_list():
                 try:
                     await link.threads()
                 except (DapError, asyncio.TimeoutError):
@@ -449,7 +515,7 @@ class Router:
             if only is not None:
                 targets = only.get(link, [])
             elif main_only:
-                targets = [local for local, name in link.names.items() if name == "MainThread"][:1]
+                targets = [local for local, name in link.name_list() if name == "MainThread"][:1]
             else:
                 targets = [None]
             calls += [link.call(command, arguments(link, local)) for local in targets]
@@ -478,6 +544,13 @@ _ranks: list = []  # the kernel's RankDebugger, once nbddp is in front of the ke
 
 def install(shell) -> str | None:
     """JupyterLab's debugger panel reaches the ranks too (at %load_ext); a line to say if it cannot."""
+    kernel = getattr(shell, "kernel", None)
+    if getattr(kernel, "debugger", None) is not None:
+        why = debugpanel.unsupported()  # (what the ranks need of pydevd, checked once: ranks forked inherit it)
+        if why:
+            kernel.log.warning(why)
+            return why
+
     def make(side):
         ranks = RankDebugger(side)
         _ranks[:] = [ranks]
