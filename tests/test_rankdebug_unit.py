@@ -1,4 +1,4 @@
-"""kernel/rankdebug.py's routing and its view of which rank threads are stopped, with fake rank sessions and a
+"""kernel/debugger/rankdebug.py's routing and its view of which rank threads are stopped, with fake rank sessions and a
 fake kernel debugger (no kernel, no debugpy session): ids renumbered per rank, a rank thread's continue vs
 thread 1's, a stop that comes while a continue is on its way kept, rank/debugpanel.py's gate on pydevd."""
 from __future__ import annotations
