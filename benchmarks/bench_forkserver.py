@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -35,16 +34,12 @@ BEGIN, END = "<!-- forkserver:begin -->", "<!-- forkserver:end -->"
 
 COMMON = r'''
 %load_ext nbddp
-import json, time, statistics, torch
+import json, os, time, statistics, torch
 def bench(name, value):
     print("BENCH " + json.dumps({"name": name, "value": value}), flush=True)
-def private():
-    total = 0
-    with open('/proc/self/smaps_rollup') as f:
-        for line in f:
-            if line.startswith(('Private_Clean:', 'Private_Dirty:')):
-                total += int(line.split()[1]) * 1024
-    return total
+from nbddp.hw.procmem import uss_of
+def private():  # this process's private memory (USS), as the dashboard reads it
+    return uss_of(os.getpid())
 X = torch.ones(256 * 2**20)  # 1 GiB
 '''
 
@@ -115,17 +110,10 @@ bench("pool", {"anchor_s": anchor, "first_s": first, "first_private_mib": first_
 '''
 
 
-def measures(res) -> dict:
-    out = {}
-    for line in res.stdout.splitlines():
-        if "BENCH " in line and not line.startswith("[rank"):
-            item = json.loads(line.split("BENCH ", 1)[1])
-            out[item["name"]] = item["value"]
-    return out
-
-
 def in_kernel(code: str, env=None) -> dict:
     k = Kernel(env={"GLOO_SOCKET_IFNAME": "lo", "NBDDP_RUNS_DIR": tempfile.mkdtemp(), **(env or {})})
+    from run import measures  # (run.py imports this module when it runs its section)
+
     try:
         k.ok(COMMON, timeout=300)
         return measures(k.ok(code, timeout=1200))

@@ -6,7 +6,6 @@ import json
 import re
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -21,13 +20,9 @@ pytestmark = pytest.mark.timeout(240)
 
 MiB = 2**20
 PRIVATE = """
-def private():  # this process's private memory, as the dashboard's USS
-    total = 0
-    with open('/proc/self/smaps_rollup') as f:
-        for line in f:
-            if line.startswith(('Private_Clean:', 'Private_Dirty:')):
-                total += int(line.split()[1]) * 1024
-    return total
+from nbddp.hw.procmem import uss_of
+def private():  # this process's private memory (USS), as the dashboard reads it
+    return uss_of(os.getpid())
 """
 
 

@@ -113,15 +113,23 @@ def _untrace() -> None:
     pydevd.undo_patch_thread_modules()
 
 
+_session = None  # the panel's session this rank's debugger connected in (ipy/debugger.py's count)
+
+
 def before_cell(setup: dict | None) -> None:
     """Connected while the panel is on (``setup``), not once it is off."""
+    global _session
     connected = _debugger() is not None
     if setup is not None:
         if parts() is None:  # (the kernel sends no setup then: the panel sees the kernel only)
             return
+        if connected and setup.get("session") != _session:  # a pool's rank, connected to a panel since turned off
+            disconnect()  # (whether its pydevd has noticed yet or not: the adapter never re-announces it)
+            connected = False
         if not connected:
             _forget()  # one whose connection died is made anew
             connect(setup)
+            _session = setup.get("session")
         parts().install_breakpointhook()  # breakpoint() stops in the panel (rank/debug.py gave it to pdb at the start)
     elif connected:
         disconnect()

@@ -496,6 +496,7 @@ class Router:
         session is closed rather than sent ``disconnect``: the adapter takes a closed client as one that
         disconnected, and a ``disconnect`` crossing a rank's exit can leave debugpy's adapter (1.8) holding a
         lock, so that it never answers the kernel's own."""
+        debugger.session_ended()  # a pool's rank still connected to this session connects anew at its next cell
         for pid in list(self.ranks.links):
             self.ranks.gone(pid, told=False)
         self.ranks.exception_filters = None
