@@ -223,21 +223,6 @@ class Sharer:
             if entry.arena.users == 0:
                 self._idle.append(entry.arena)
 
-    def held(self) -> int:
-        """Bytes of notebook values the arenas hold for the ranks."""
-        return sum(e.nbytes for e in self._cache.values())
-
-    def arenas(self) -> int:
-        """Memfds open in this process for the ranks."""
-        return len({id(e.arena) for e in self._cache.values()} | {id(a) for a in self._idle if a.fd is not None})
-
-    def close(self) -> None:
-        for key in list(self._cache):
-            self._forget(key)
-        for arena in self._idle:
-            arena.close()
-        self._idle = []
-
 
 def changed_array(value) -> bool:
     """A numpy array whose bytes went to the ranks through an arena and have changed since (it has no
