@@ -34,9 +34,8 @@ import sys
 import warnings
 
 from . import worker
-from .stdio import LIBC
+from .stdio import LIBC, POSIX
 
-_posix = sys.modules.get("posix", os)  # posix's own fork: a debugger's replacement of os.fork holds the child
 
 _HEADER = struct.Struct("<Q")
 MAX_FDS = 16
@@ -132,7 +131,7 @@ class ForkLoop:
         got = dict(zip(roles, fds))
         job = self.job
         LIBC.fflush(None)
-        pid = _posix.fork()
+        pid = POSIX.fork()
         if pid == 0:  # pragma: no cover - the rank
             _name(self.kernel_name)  # a rank is named as the kernel's ranks are, not as its server
             with contextlib.suppress(BaseException):

@@ -80,6 +80,11 @@ def marks() -> tuple[int, int]:
 
 
 LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library: prctl, setvbuf, fflush
+# posix's own fork and posix_spawn, not os's: the kernel's debugger (debugpy) replaces those, its fork with one
+# that holds the child until a debugger attaches, its posix_spawn with one that starts the child under the
+# debugger from its first line (a spawned rank took 39 s to reach a breakpoint); a rank connects at its cell
+# instead while the panel is on (rank/debugpanel.py). os where there is no posix module (options.py refuses it).
+POSIX = sys.modules.get("posix", os)
 
 
 def _stream(fd: int, line_buffering: bool) -> io.TextIOWrapper:

@@ -17,10 +17,11 @@ import signal
 import socket
 import sys
 import threading
-import time
 
 from ...errors import UsageError
 from ...rank import forkloop as wire
+from ...rank.stdio import POSIX
+from . import rendezvous
 
 class ForkServer:
     def __init__(self, sock: socket.socket, pid: int, kind: str):
@@ -29,7 +30,6 @@ class ForkServer:
         self.lock = threading.RLock()
         self.gone = False
         self.imported: set[str] = set()  # module names sent to it already
-        self.pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
 
     # -- starting one -----------------------------------------------------------------------------------------
     @classmethod
@@ -37,7 +37,7 @@ class ForkServer:
         """A fork of the kernel, now (its imports and settings as they are at ``%load_ext``)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         kernel = os.getpid()
-        pid = _posix.fork()
+        pid = POSIX.fork()
         if pid == 0:  # pragma: no cover - the template; never returns
             ours.close()
             wire.run(theirs, kernel, fresh=False)
@@ -48,11 +48,11 @@ class ForkServer:
     def fresh(cls) -> "ForkServer":
         """A fresh interpreter (``python -m nbddp.rank.forkloop``), importing torch and nbddp's rank side."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         fd = theirs.fileno()
-        pid = _posix.posix_spawn(sys.executable, [sys.executable, "-m", "nbddp.rank.forkloop", "3", str(os.getpid())],
-                                 env, file_actions=[(os.POSIX_SPAWN_DUP2, fd, 3)], setpgroup=0)
+        pid = POSIX.posix_spawn(sys.executable, [sys.executable, "-m", "nbddp.rank.forkloop", "3",
+                                                          str(os.getpid())],
+                                         rendezvous.interpreter_env(), file_actions=[(os.POSIX_SPAWN_DUP2, fd, 3)],
+                                         setpgroup=0)
         theirs.close()
         return cls(ours, pid, "fresh")
 
@@ -133,25 +133,10 @@ class ForkServer:
         self.gone = True
         try:
             os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
+            os.waitpid(self.pid, 0)  # (SIGKILL: at once; reaped, no zombie is left in the kernel)
+        except (ProcessLookupError, ChildProcessError):
             pass
         self.sock.close()
-
-    def close(self) -> None:
-        with self.lock:
-            if not self.gone:
-                try:
-                    wire.send(self.sock, ("stop",))
-                except OSError:
-                    pass
-                end = time.monotonic() + 2
-                while time.monotonic() < end and os.waitpid(self.pid, os.WNOHANG) == (0, 0):
-                    time.sleep(0.01)
-                self._lost()
 
 
 class ForkServerGone(RuntimeError):
@@ -159,7 +144,6 @@ class ForkServerGone(RuntimeError):
         super().__init__(f"nbddp's forkserver ({kind}) has ended; the next cell starts a new one")
 
 
-_posix = sys.modules.get("posix", os)
 _server: ForkServer | None = None
 _never: set[str] = set()  # packages that initialised CUDA in a server: never imported ahead again
 
@@ -215,10 +199,3 @@ def ready(never: set[str]) -> ForkServer:
         _never.add(poisoned)
     raise RuntimeError("nbddp's forkserver keeps initialising CUDA as it imports the kernel's modules "
                        f"({', '.join(sorted(_never))}); use --start-method spawn")
-
-
-def stop() -> None:
-    global _server
-    if _server is not None:
-        _server.close()
-        _server = None

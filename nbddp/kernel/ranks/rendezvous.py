@@ -11,6 +11,7 @@ import functools
 import os
 import shutil
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -193,3 +194,9 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def interpreter_env() -> dict:
+    """The kernel's environment for a fresh interpreter of nbddp's (a spawned rank, the fresh forkserver):
+    its sys.path as PYTHONPATH, so it imports what the kernel would."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}

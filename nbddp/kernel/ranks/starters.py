@@ -15,7 +15,7 @@ import time
 import warnings
 
 from ...rank import inherit
-from ...rank.stdio import LIBC
+from ...rank.stdio import LIBC, POSIX
 from ...rank.worker import RankSpec, fork_main
 from ...wire import values
 from ...hw import openmp
@@ -24,11 +24,6 @@ from ..debugger import rankdebug
 from . import rendezvous, warm
 from .supervisor import RankProc, Supervisor
 
-# posix's own fork and posix_spawn, not os's: the kernel's debugger (debugpy) replaces those, its fork with one
-# that holds the child until a debugger attaches, its posix_spawn with one that starts the child under the
-# debugger from its first line (a spawned rank took 39 s to reach a breakpoint); a rank connects at its cell
-# instead while the panel is on (rank/debugpanel.py). os where there is no posix module (options.py refuses it).
-_posix = sys.modules.get("posix", os)
 
 # Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
 # ranks only run the cell and exit through os._exit, and worker.py makes torch safe first.
@@ -201,7 +196,7 @@ class ForkStarter:
         life_r, life_w = _life_pipe()
         LIBC.fflush(None)  # C-level buffers would otherwise be written again by the child
         inherit.before_fork()  # what the rank patches, found here: it would fault copying pages there
-        pid = _posix.fork()
+        pid = POSIX.fork()
         if pid == 0:  # pragma: no cover - the child; fork_main never returns (life_w stays open)
             fork_main(spec, job, out_fd=out_w, err_fd=err_w, chan_fd=chan_w,
                       close_fds=[*inherited_fds, out_r, err_r, chan_r, *([life_r] if life_r is not None else [])])
@@ -234,9 +229,8 @@ class SpawnStarter:
         err_r, err_w = os.pipe()
         chan_r, chan_w = os.pipe()
         life_r, life_w = _life_pipe()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
-        pid = _posix.posix_spawn(
+        env = rendezvous.interpreter_env()
+        pid = POSIX.posix_spawn(
             sys.executable,
             [sys.executable, "-m", "nbddp.rank.spawn_main", str(spec_path), str(self.job_path)],
             env,
