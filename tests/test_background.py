@@ -211,12 +211,18 @@ def test_a_second_one_shot_background_cell_queues_behind_the_first_and_both_land
 
 def test_a_queued_cell_starts_its_ranks_only_between_notebook_cells(clean_kernel):
     k = clean_kernel
-    send(k, "%%ddp --bg --devices 2\nimport time\ntime.sleep(1.0)\n")
+    k.ok("import os, tempfile\nflags = tempfile.mkdtemp()\n")
+    # the first cell ends once the notebook is busy (go), and says it is ending (done)
+    send(k, "%%ddp --bg --devices 2\nimport os, time\nend = time.time() + 60\n"
+            "while not os.path.exists(os.path.join(flags, 'go')) and time.time() < end:\n    time.sleep(0.01)\n"
+            "open(os.path.join(flags, f'done{rank}'), 'w').close()\n")
     queued = k.execute("%%ddp --bg --devices 2 --out began\nimport time\nbegan = time.time()\n")
     assert k.collect(queued, timeout=30).error is None
-    # the notebook, busy in torch ops past the first cell's end: the queued one must not fork meanwhile
-    k.ok("import time, torch\nbusy_from = time.time()\na = torch.randn(256, 256)\n"
-         "while time.time() - busy_from < 3.0:\n    a = (a @ a).tanh()\nbusy_to = time.time()\n", timeout=60)
+    # the notebook, busy in torch ops while the first cell ends and 2 s past it: the queued one must not fork meanwhile
+    k.ok("import time, torch\nopen(os.path.join(flags, 'go'), 'w').close()\na = torch.randn(256, 256)\nend = time.time() + 60\n"
+         "while not all(os.path.exists(os.path.join(flags, f'done{r}')) for r in (0, 1)) and time.time() < end:\n"
+         "    a = (a @ a).tanh()\nquiet_from = time.time()\n"
+         "while time.time() - quiet_from < 2.0:\n    a = (a @ a).tanh()\nbusy_to = time.time()\n", timeout=90)
     k.ok("%ddp wait", timeout=60)
     began, busy_to = k.value("began, busy_to")
     assert began >= busy_to, (began, busy_to)

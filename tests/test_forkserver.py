@@ -120,9 +120,8 @@ def test_a_fork_pool_reads_a_tensor_made_after_start_shared_and_never_stale(kern
     grew = [int(line.rsplit(" ", 1)[1]) for line in res.stdout.splitlines() if " MiB " in line]
     assert len(grew) in (1, 2) and all(g < 64 for g in grew), res.stdout  # was +256 MiB per rank (a pickle each)
     assert said(res.stdout, 1, f"sum {float(64 * 2**20)} MiB", start=True), res.stdout
-    t = time.monotonic()
-    k.ok("%%ddp\nx = float(X[0])\n")  # unchanged: nothing copied or sent again
-    assert time.monotonic() - t < 5
+    res = k.ok("%%ddp\nx = float(X[0])\n")  # unchanged: nothing copied or sent again
+    assert "sent" not in res.stderr, res.stderr
     k.ok("X.mul_(2)\n")
     res = k.ok("%%ddp\nprint('doubled', float(X[0]))\n")
     assert said(res.stdout, 0, "doubled 2.0"), res.stdout  # before: the old values, and nothing said
