@@ -22,6 +22,11 @@ class CellResult:
     status: str = ""  # the execute_reply's status: ok | error | aborted
     prompts: list = field(default_factory=list)  # input_request prompts the front end was asked (converse)
 
+    def __str__(self) -> str:  # (a failure's message: the text, and the last display's plain text only)
+        last = next((d.get("data", {}).get("text/plain") for d in reversed(self.displays)), None)
+        return (f"CellResult(status={self.status!r}, error={self.error!r}, stdout={self.stdout[-4000:]!r}, "
+                f"stderr={self.stderr[-4000:]!r}, {len(self.displays)} displays, the last: {last!r})")
+
     @property
     def bar_states(self) -> dict[str, dict]:
         """Each progress-bar output's last state (what the saved notebook keeps), by its display id."""

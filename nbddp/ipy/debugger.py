@@ -136,15 +136,6 @@ def notebook_frames() -> set[tuple[str, int]]:
     return found
 
 
-_session = 0  # the panel's sessions so far: a rank still connected from an earlier one connects anew
-
-
-def session_ended() -> None:
-    """The panel turned off (its ``disconnect``): a rank's connection from now on belongs to an older session."""
-    global _session
-    _session += 1
-
-
 def rank_setup() -> dict | None:
     """While the panel is on: where a rank's debugger connects (the kernel's debugpy adapter, loopback)."""
     if not active():
@@ -154,7 +145,7 @@ def rank_setup() -> dict | None:
     if not setup.get("port"):
         return None
     return {"host": setup.get("client") or "127.0.0.1", "port": setup["port"], "access_token": setup.get("access-token"),
-            "client_access_token": setup.get("client-access-token"), "kernel_pid": os.getpid(), "session": _session}
+            "client_access_token": setup.get("client-access-token"), "kernel_pid": os.getpid()}
 
 
 def cell_file(shell, body_file: str) -> str:

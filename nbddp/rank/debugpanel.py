@@ -1,11 +1,11 @@
 """In a rank: its debugger for JupyterLab's debugger panel (the kernel's side: kernel/debugger/rankdebug.py).
 
 While the panel is on, each cell's command carries where the kernel's debugpy adapter listens
-(``RunCell.debug``, loopback only, with debugpy's access token); the rank connects to it once (``before_cell``)
-and waits until the kernel's panel has given it the breakpoints set. Ranks are started with posix's own
-fork and spawn, not debugpy's replacements of them; a forked rank first lets go of the kernel's debugger
-it inherited (``after_fork``). Once the panel is off, the next cell disconnects the rank and gives
-``breakpoint()`` back to pdb in the notebook."""
+(``RunCell.debug``, loopback only, with debugpy's access token); the rank connects to it (``before_cell``)
+and waits until the kernel's panel has given it the breakpoints set; it lets go at the cell's end
+(``after_cell``): ``breakpoint()`` is pdb's again. Ranks are started with posix's own fork and spawn, not
+debugpy's replacements of them; a forked rank first lets go of the kernel's debugger it inherited
+(``after_fork``)."""
 from __future__ import annotations
 
 import importlib
@@ -113,25 +113,21 @@ def _untrace() -> None:
     pydevd.undo_patch_thread_modules()
 
 
-_session = None  # the panel's session this rank's debugger connected in (ipy/debugger.py's count)
-
-
 def before_cell(setup: dict | None) -> None:
-    """Connected while the panel is on (``setup``), not once it is off."""
-    global _session
-    connected = _debugger() is not None
-    if setup is not None:
-        if parts() is None:  # (the kernel sends no setup then: the panel sees the kernel only)
-            return
-        if connected and setup.get("session") != _session:  # a pool's rank, connected to a panel since turned off
-            disconnect()  # (whether its pydevd has noticed yet or not: the adapter never re-announces it)
-            connected = False
-        if not connected:
-            _forget()  # one whose connection died is made anew
-            connect(setup)
-            _session = setup.get("session")
-        parts().install_breakpointhook()  # breakpoint() stops in the panel (rank/debug.py gave it to pdb at the start)
-    elif connected:
+    """While the panel is on (``setup``): connected for this cell (``after_cell`` lets go)."""
+    if setup is None or parts() is None:  # (the kernel sends no setup then: the panel sees the kernel only)
+        return
+    _forget()  # (a debugger whose connection died: nothing of it left)
+    connect(setup)
+    parts().install_breakpointhook()  # breakpoint() stops in the panel (rank/debug.py gave it to pdb at the start)
+
+
+def after_cell() -> None:
+    """The cell over: a pool's rank lets go of the panel, to connect anew at its next cell. No connection of a
+    rank outlives its cell, so none outlives a panel session: debugpy's adapter (1.8) announces a connection it
+    holds to the panel's next session, whose attach the rank's pydevd answers ``terminated``, and refuses the
+    rank's own new connection while it holds the old one ("already connected": the rank would wait forever)."""
+    if _debugger() is not None:
         disconnect()
 
 

@@ -174,6 +174,13 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound
     _receive(cmd, ns, ctx, notebook)
     debug.new_cell()
     debugpanel.before_cell(cmd.debug)
+    try:
+        return _run_job(cmd, ns, ctx, notebook, track, bound)
+    finally:
+        debugpanel.after_cell()
+
+
+def _run_job(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound) -> messages.Result:
     job = CellJob(cmd.source, cmd.filename, outs=cmd.outs, gathers=cmd.gathers, max_value_bytes=cmd.max_value_bytes,
                   post_mortem=cmd.post_mortem, lead=cmd.lead)
     if not track:

@@ -127,6 +127,7 @@ class RankDebugger:
         self.lock = threading.RLock()
         self.registered = threading.Condition(self.lock)
         self.clocks: dict[int, list] = {}  # pid -> [seconds stopped before, stopped since] (stopped_s)
+        self.keeper: DapSession | None = None  # (``keep_adapter_listening``)
 
     # -- the ranks -------------------------------------------------------------------------------
     def rank_started(self, pid: int, rank: int, inherited=frozenset()) -> None:
@@ -155,9 +156,13 @@ class RankDebugger:
         config["rules"] = [*config.get("rules", []), {"path": NBDDP_DIR, "include": False}]
         initialized = threading.Event()
         link_box: list[RankLink] = []
+        ended = []  # the connection announced is one from a panel session since ended (a cell that ran on)
 
         def on_event(event):
             if event.get("event") == "initialized":
+                initialized.set()
+            elif event.get("event") == "terminated" and not initialized.is_set():
+                ended.append(event)
                 initialized.set()
             elif link_box:
                 self._rank_event(link_box[0], event)
@@ -165,6 +170,7 @@ class RankDebugger:
         session = None
         try:
             connect = config.pop("connect")
+            self.keep_adapter_listening(connect)
             session = DapSession(connect["host"], connect["port"], on_event, on_close=lambda: self.gone(pid))
             link = RankLink(pid, rank, session, inherited, self.lock)
             link_box.append(link)
@@ -173,6 +179,9 @@ class RankDebugger:
             attached = session.send("attach", config)
             if not initialized.wait(CALL_TIMEOUT_S):
                 raise DapError("the rank's debugger never said it was initialized")
+            if ended:  # debugpy's adapter announces it to the next session; the rank's pydevd answers `terminated`:
+                session.close()  # the rank connects anew at its next cell (rank/debugpanel.after_cell)
+                return
             with self.lock:  # from now on the panel's setBreakpoints reach it too (twice at worst: harmless)
                 self.links[pid] = link
             for arguments in self.breakpoints().values():
@@ -184,10 +193,22 @@ class RankDebugger:
             if not debugger.active():  # the panel went off meanwhile: the rank runs on without it
                 self.gone(pid)
         except Exception as e:  # noqa: BLE001 - whatever it was, the rank must not stay held
-            self.kernel.log(f"nbddp: the debugger could not attach to pid {pid} (rank {rank}): {e}")
+            self.kernel.log(f"nbddp: the debugger could not attach to pid {pid} (rank {rank}): {e!r}")
             self.gone(pid)
             if session is not None:
                 session.close()
+
+    def keep_adapter_listening(self, connect: dict) -> None:
+        """Before the first rank's session: one more client of the adapter, connected for as long as the
+        adapter lives and never used. debugpy's adapter (1.8.15 to 1.8.22 at least: ``sessions.report_sockets``)
+        tells every new client's arrival to its oldest session's client; once the panel turned off, that is a
+        rank's session still ending (its client closed, its rank not yet told), the event fails, and the
+        exception ends the adapter's accept thread: no client can connect again, neither a rank nor the panel
+        itself, until the kernel restarts. This client's session is older than every rank's and never ends."""
+        with self.lock:
+            if self.keeper is not None and not self.keeper.closed:
+                return
+            self.keeper = DapSession(connect["host"], connect["port"], on_event=lambda event: None)
 
     def gone(self, pid: int, told: bool = True) -> None:
         """A rank's session ended (the rank did, or the panel let it go): the panel is told its threads
@@ -496,7 +517,6 @@ class Router:
         session is closed rather than sent ``disconnect``: the adapter takes a closed client as one that
         disconnected, and a ``disconnect`` crossing a rank's exit can leave debugpy's adapter (1.8) holding a
         lock, so that it never answers the kernel's own."""
-        debugger.session_ended()  # a pool's rank still connected to this session connects anew at its next cell
         for pid in list(self.ranks.links):
             self.ranks.gone(pid, told=False)
         self.ranks.exception_filters = None
