@@ -12,6 +12,7 @@ import os
 
 from .errors import CudaInitialisedError, NbddpError, RankFailure, ResultError, UsageError
 from .ipy.session import Environment, environment
+from .rank.metrics import log
 from .wire.shared import SharedSequence, shared
 
 
@@ -19,7 +20,7 @@ __version__ = "0.1.0"
 
 
 __all__ = [
-    "launch", "Pool", "environment", "Environment", "shared", "SharedSequence", "load_ipython_extension",
+    "launch", "Pool", "log", "metrics", "environment", "Environment", "shared", "SharedSequence", "load_ipython_extension",
     "NbddpError", "UsageError", "RankFailure", "ResultError", "CudaInitialisedError",
 ]
 
@@ -46,6 +47,16 @@ def launch(fn, *args, **opts) -> list:
     job = CallJob(fn, args, options.max_value_bytes(config))
     outcome = engine.one_shot(Call(job), config, observer=view_for_session())
     return engine.returned(outcome.results())
+
+
+def metrics():
+    """Everything the ranks logged in this kernel (``nbddp.log``, the numbers of their tqdm bars' postfixes),
+    as a pandas DataFrame: columns ``cell``, ``rank``, ``step``, ``time``, then one per scalar. A pool's
+    cells follow each other, so a curve goes on across cells. Each run's folder has the same rows as
+    ``metrics.csv``."""
+    from .kernel.metrics import STORE
+
+    return STORE.frame()
 
 
 def __getattr__(name):

@@ -19,11 +19,12 @@ import html
 import time
 
 from ..ipy import tracebacks
-from ..wire.messages import Error, Exit, Progress, Ready, Result
+from ..wire.messages import Error, Exit, Progress, Ready, Result, Scalars
 from .iopub import line_bundle, publish_line, unsent
 from ..units import ranks_text, size
 from .monitor import Monitor, duration
 from . import output
+from .charts import Chart
 from .output import Slot, text_table
 from .theme import FAILED, MUTED, STATES
 from .relay import latest_redraw
@@ -62,6 +63,7 @@ class RunView:
         self.state = {r: "starting" for r in range(plan.world_size)}
         self.pids: dict[int, int] = {}  # pid -> rank
         self.in_debugger: set[int] = set()  # ranks stopped in JupyterLab's debugger panel, at the last tick
+        self.chart = Chart()  # what the ranks log (nbddp.log, a bar's postfix), drawn below the table
         if self.live:  # the slot, at the top of the cell's output before any rank writes
             self.handle = Slot()
             self.handle.show(self._bundle())
@@ -76,6 +78,9 @@ class RunView:
             if rec.fraction is not None:
                 self.progress[rank] = rec.fraction
             self.last_line[rank] = rec.line[:LAST_CHARS]
+            self.chart.add(rank, rec)
+        elif type(rec) is Scalars:
+            self.chart.add(rank, rec)
         elif isinstance(rec, Ready) and self.state[rank] == "starting":
             self.state[rank] = "running"
         elif isinstance(rec, Result):
@@ -161,10 +166,12 @@ class RunView:
         if self.handle is not None:
             self.handle.update(self._bundle())
         else:
-            output.current().write("stdout", self.render_text() + "\n")
+            output.current().write("stdout", self._bundle()["text/plain"] + "\n")
 
     def _bundle(self) -> dict:
-        return {"text/html": self.render_html(), "text/plain": self.render_text()}
+        if not self.chart:
+            return {"text/html": self.render_html(), "text/plain": self.render_text()}
+        return {"text/html": self.render_html() + self.chart.html(), "text/plain": self.render_text() + "\n" + self.chart.text()}
 
     # -- rendering: one table, live and final ---------------------------------------------------------
     done = False
@@ -300,6 +307,7 @@ class CellLine:
         self.slot: Slot | None = None  # the line's output (live): its place, reserved as the cell begins
         self.ticked = False  # a tick drew the live line in it
         self.finished = False  # the final line is drawn: ticks after it (a pool's health check) draw nothing
+        self.chart = Chart()  # what the ranks log (nbddp.log, a bar's postfix), drawn below the line
 
     def begin(self, plan, run_dir) -> None:
         """The line's place at the top of the cell's output. Queued without a wake, it goes out before any
@@ -320,6 +328,9 @@ class CellLine:
         if type(rec) is Progress:  # a tqdm bar's record
             if rec.fraction is not None:
                 self.progress[event.rank] = rec.fraction
+            self.chart.add(event.rank, rec)
+        elif type(rec) is Scalars:
+            self.chart.add(event.rank, rec)
         elif type(rec) is Error or (type(rec) is Exit and rec.code not in (0, None)):
             self.failed.setdefault(event.rank, getattr(rec, "type", "exit"))
 
@@ -331,7 +342,7 @@ class CellLine:
         if self.slot is None or self.finished:
             return
         self.ticked = True
-        self.slot.update(line_bundle(self.head() + " · running" + self._progress()))
+        self.slot.update(line_bundle(self.head() + " · running" + self._progress(), self.chart))
 
     def head(self, timed: bool = True) -> str:
         ranks = ranks_text(self.ranks or range(self.plan.world_size))
@@ -358,11 +369,11 @@ class CellLine:
             outcome = "failed" if error is not None else "ok"
         line = f"{self.head()} · {outcome}"
         if self.ticked:  # the live line ends as the final one, where it is
-            self.slot.update(line_bundle(line))
+            self.slot.update(line_bundle(line, self.chart))
         elif self.slot is not None:  # a quick cell's: its place filled, queued as it was reserved
-            publish_line(line, flush=False, display_id=self.slot.display_id, update=True)
+            publish_line(line, flush=False, display_id=self.slot.display_id, update=True, chart=self.chart)
         else:
-            output.current().write("stdout", line + "\n")
+            output.current().write("stdout", line_bundle(line, self.chart)["text/plain"] + "\n")
 
 def _cut(text: str, width: int = 80) -> str:
     return text if len(text) <= width else text[:width - 1] + "…"

@@ -40,11 +40,12 @@ IDLE_S = 30.0  # the tick stops after this long without a line
 QUEUED = True  # False: every line sent the ordinary way (benchmarks/bench_iopub.py measures both)
 
 
-def publish_line(line: str, flush: bool, display_id: str | None = None, update: bool = False) -> None:
-    """A one-line static summary (``text/plain``, grey ``text/html``) as display data. ``flush``: the
-    cell wrote text to the kernel's streams, which goes first. ``display_id``: its output's id, for later
-    updates (``update``: this one redraws that output in place, wherever it is)."""
-    data = line_bundle(line)
+def publish_line(line: str, flush: bool, display_id: str | None = None, update: bool = False, chart=None) -> None:
+    """A one-line static summary (``text/plain``, grey ``text/html``) as display data, with ``chart`` (what
+    the ranks logged, charts.py) below it. ``flush``: the cell wrote text to the kernel's streams, which goes
+    first. ``display_id``: its output's id, for later updates (``update``: this one redraws that output in
+    place, wherever it is)."""
+    data = line_bundle(line, chart)
     transient = {"display_id": display_id} if display_id else {}
     place = output.current()
     if place is not output.HERE:  # a background cell's: sent to its own cell, in order with its text
@@ -70,9 +71,12 @@ def publish_line(line: str, flush: bool, display_id: str | None = None, update: 
         send(socket)
 
 
-def line_bundle(line: str) -> dict:
-    """A pool cell's line as display data: its text, and the same in small grey HTML."""
-    return {"text/plain": line, "text/html": f"<div class='nbddp-line' style='color:{MUTED};font-size:smaller'>{html.escape(line)}</div>"}
+def line_bundle(line: str, chart=None) -> dict:
+    """A pool cell's line as display data: its text, and the same in small grey HTML; ``chart``'s below."""
+    bundle = {"text/plain": line, "text/html": f"<div class='nbddp-line' style='color:{MUTED};font-size:smaller'>{html.escape(line)}</div>"}
+    if chart:
+        bundle = {"text/plain": bundle["text/plain"] + "\n" + chart.text(), "text/html": bundle["text/html"] + chart.html()}
+    return bundle
 
 
 def unsent() -> bool:

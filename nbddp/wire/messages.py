@@ -74,6 +74,31 @@ class Progress:
         total = self.state.get("total")
         return min(1.0, max(0.0, (self.state.get("n") or 0) / total)) if total else None
 
+    @property
+    def scalars(self) -> dict:
+        """The numbers of its postfix (``set_postfix(loss=0.31)``: ``{"loss": 0.31}``), charted as
+        ``nbddp.log``'s are, at step ``n``."""
+        found = {}
+        for part in str(self.state.get("postfix") or "").split(","):
+            name, eq, value = part.partition("=")
+            if eq:
+                try:
+                    found[name.strip()] = float(value.strip())
+                except ValueError:
+                    pass
+        return found
+
+
+@dataclass(frozen=True)
+class Scalars:
+    """What the rank logged (``nbddp.log``) since its last ``Scalars``, one column per name: row ``i`` is
+    logged at ``steps[i]`` (``time.time()``: ``times[i]``) with ``values[name][i]`` (NaN: not logged
+    in that call). Sent at most four times a second, and before the rank's ``Result`` (rank/metrics.py)."""
+
+    steps: tuple
+    times: tuple
+    values: dict  # name -> tuple of floats, as long as steps
+
 
 @dataclass(frozen=True)
 class Item:
@@ -204,5 +229,5 @@ class Stop:
     pass
 
 
-RANK_SENDS = (Mark, Ready, Display, ClearOutput, Progress, InputRequest, Result, Error, Exit, Done, Healthy)
+RANK_SENDS = (Mark, Ready, Display, ClearOutput, Progress, Scalars, InputRequest, Result, Error, Exit, Done, Healthy)
 KERNEL_SENDS = (RunCell, Call, Update, InputReply, PostMortem, HealthCheck, Regroup, Stop)

@@ -22,7 +22,7 @@ from ...rank import copywatch
 from ...rank.server import Server
 from ...views.relay import CellSink, Relay
 from ...wire import messages, values
-from .. import checks
+from .. import checks, metrics
 from ..ranks import failure, starters, warm
 from ..debugger import rankdebug
 from . import rules
@@ -98,6 +98,7 @@ class CellRun:
         self.probe: CollectiveProbe | None = None
         self.sup = gang.sup  # (kept: a one-shot gang lets go of it as it closes, before the cell concludes)
         self._timers: list = []  # what this engine put on the schedule (the relay's clock aside): see quiet()
+        self.metrics = metrics.Recorder(metrics.cell_name(), gang.run_dir.path)  # what the ranks log (nbddp.log)
 
     # -- the ranks' answers, from the supervisor's bus --------------------------------------------------
     def on_Message(self, event) -> None:
@@ -199,7 +200,7 @@ class CellRun:
         self.probe = CollectiveProbe(sup, self.ranks, self.replies, self.stacks, self.relabel,
                                      say=lambda text: relay.sink.write("stderr", text),
                                      on_stranded=self.rules.stranded(self))
-        listeners = [self, self.prompts, *self.rules.listeners(self), self.stacks, RelayClock(relay, sup),
+        listeners = [self, self.prompts, *self.rules.listeners(self), self.stacks, RelayClock(relay, sup), self.metrics,
                      *([self.observer] if self.observer else [])]
         redraws = gang.view or self.observer  # a pool's view, or the cell's dashboard
         sup.begin_cell(listeners, tick=getattr(redraws, "interval", None), on_timeout=lambda: self.rules.timed_out(self))
@@ -212,6 +213,7 @@ class CellRun:
         gang = self.gang
         if self.relay is not None:
             self.relay.close_all()
+        self.metrics.finish()
         if self.observer:
             self.observer.finish(error)
         self.rules.end(self)
