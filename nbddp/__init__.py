@@ -12,7 +12,7 @@ import os
 
 from .errors import CudaInitialisedError, NbddpError, RankFailure, ResultError, UsageError
 from .ipy.session import Environment, environment
-from .rank.metrics import log
+from .rank.scalars import log
 from .wire.shared import SharedSequence, shared
 
 

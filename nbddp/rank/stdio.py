@@ -12,18 +12,18 @@ import time
 
 from ..wire import framing
 from ..wire.budget import Budget
-from . import metrics
+from . import scalars
 
 
 def flush_streams() -> None:
     """Before a record that ends something: the text written before it reaches the pipes first, and what
-    ``nbddp.log`` queued before it, the channel (rank/metrics.py)."""
+    ``nbddp.log`` queued before it, the channel (rank/scalars.py)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # a closed or replaced stream
             pass
-    metrics.flush()
+    scalars.flush()
 
 
 class CountingFileIO(io.FileIO):
@@ -131,7 +131,7 @@ def install(chan: framing.Writer) -> tuple:
     sys.stdout = sys.__stdout__ = _stream(1, line_buffering=False)
     sys.stderr = sys.__stderr__ = _stream(2, line_buffering=True)
     StreamOrder(chan, sys.stdout).install()
-    metrics.install(chan)  # nbddp.log's calls go out on the channel
+    scalars.install(chan)  # nbddp.log's calls go out on the channel
     sys.stdin = sys.__stdin__ = open(os.devnull)  # noqa: SIM115
     _start_flusher()
     os.register_at_fork(after_in_child=_start_flusher)  # DataLoader workers forked by the rank

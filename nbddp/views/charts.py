@@ -101,7 +101,8 @@ class Chart:
         del recent[:-RATE_STEPS]
 
     def __bool__(self) -> bool:
-        return bool(self.series)
+        """Something to draw: a scalar logged, or a slow rank to name."""
+        return bool(self.series) or self.slow() is not None
 
     # -- the slow rank ------------------------------------------------------------------------------
     def step_times(self) -> dict[int, float]:
@@ -117,7 +118,7 @@ class Chart:
 
     # -- drawing --------------------------------------------------------------------------------------
     def html(self) -> str:
-        if not self.series:
+        if not self:
             return ""
         panels = "".join(_panel(name, ranks) for name, ranks in self.series.items())
         slow = self.slow()

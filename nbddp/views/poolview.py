@@ -15,12 +15,13 @@ import collections
 import html
 import time
 
-from ..wire.messages import Error, Exit, Result
+from ..wire.messages import Error, Exit, Progress, Result, Scalars
+from .charts import Chart
 from .dashboard import CELL
 from ..units import size
 from .monitor import Monitor, duration, uptime
 from .output import Slot, text_table
-from .theme import BOX, MUTED, RUNNING, TEXT
+from .theme import BOX, MUTED, RUNNING, TEXT, WARN
 
 REFRESH_S = 1.0  # between cells: sample and redraw if changed
 SERIES_MAX = 512  # points kept per series; past that every other one goes, so the whole life stays
@@ -117,6 +118,7 @@ class PoolView:
         self.cell_t0 = 0.0
         self.ended: str | None = None
         self._timer = None
+        self.steps = Chart()  # the running cell's step times (its logged steps, its bars): the slow rank
 
     # -- the pool's calls ---------------------------------------------------------------------------
     def watch(self, rank: int, pid: int) -> None:
@@ -134,6 +136,7 @@ class PoolView:
 
     def cell_began(self, label: str) -> None:
         self.running, self.cell_t0 = label, time.monotonic()
+        self.steps = Chart()
         for r, s in self.state.items():
             if s != "dead":
                 self.state[r] = "busy"
@@ -142,6 +145,7 @@ class PoolView:
         self.cells.append((self.running or "", time.monotonic() - self.cell_t0, outcome))
         self.cells_run += 1
         self.running = None
+        self.steps = Chart()  # (a slow rank is named while it lasts)
         for r, s in self.state.items():
             if s == "busy":
                 self.state[r] = "idle"
@@ -167,6 +171,8 @@ class PoolView:
     def on_Message(self, event) -> None:
         if isinstance(event.record, (Result, Error, Exit)) and self.state.get(event.rank) == "busy":
             self.state[event.rank] = "idle"
+        elif type(event.record) in (Scalars, Progress):
+            self.steps.add(event.rank, event.record)
 
     def on_Exited(self, event) -> None:
         self.state[event.rank] = "dead"
@@ -278,6 +284,8 @@ class PoolView:
             lines += text_table(table)
         if self.cells:
             lines.append("cells: " + "; ".join(self.cell_rows()))
+        if slow := self.steps.slow():
+            lines.append(f"slow: {slow}")
         lines.append(f"logs: {self.run_dir.path}")
         return "\n".join(lines)
 
@@ -295,6 +303,8 @@ class PoolView:
             parts.append(table(self.gpu_rows()))
         if self.cells:
             parts.append(f"<div style='color:{TEXT}'>" + "<br>".join(html.escape(c) for c in self.cell_rows()) + "</div>")
+        if slow := self.steps.slow():
+            parts.append(f"<div style='color:{WARN}'>slow: {html.escape(slow)}</div>")
         parts.append(f"<div style='color:{MUTED}'>logs: {html.escape(str(self.run_dir.path))}</div></div>")
         return "".join(parts)
 

@@ -93,7 +93,7 @@ class Progress:
 class Scalars:
     """What the rank logged (``nbddp.log``) since its last ``Scalars``, one column per name: row ``i`` is
     logged at ``steps[i]`` (``time.time()``: ``times[i]``) with ``values[name][i]`` (NaN: not logged
-    in that call). Sent at most four times a second, and before the rank's ``Result`` (rank/metrics.py)."""
+    in that call). Sent at most four times a second, and before the rank's ``Result`` (rank/scalars.py)."""
 
     steps: tuple
     times: tuple
