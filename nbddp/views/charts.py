@@ -12,7 +12,7 @@ whose latest value lies farthest out (``OUTLIERS``). Colours read in light and d
 text and axes take the output's own colour.
 
 The slow rank (``slow_rank``): each rank's recent step time, from its last ``RATE_STEPS`` logged steps or
-its bar's rate; a rank at least ``SLOW_RATIO`` times the median is named while it lasts.
+its bar's rate; a rank at least ``SLOW_RATIO`` times the median (and ``SLOW_GAP_S`` more) is named while it lasts.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ MAX_POINTS = 1024  # kept per series (rank, name)
 MAX_LINES = 8  # ranks drawn one line each; beyond, median, band and outliers
 OUTLIERS = 3
 SLOW_RATIO = 1.25
+SLOW_GAP_S = 0.005  # and this much slower a step: microsecond steps' jitter names no one
 RATE_STEPS = 20  # recent logged steps a rank's step time is measured over
 WIDTH, HEIGHT, PANELS_PER_ROW = 300, 150, 3
 LEFT, RIGHT, TOP, BOTTOM = 46, 8, 20, 26  # the plot's margins in a panel (axis labels, legend)
@@ -150,7 +151,7 @@ def slow_rank(step_times: dict[int, float]) -> str | None:
         return None
     median = statistics.median(step_times.values())
     rank, slowest = max(step_times.items(), key=lambda item: item[1])
-    if median <= 0 or slowest < SLOW_RATIO * median:
+    if median <= 0 or slowest < SLOW_RATIO * median or slowest - median < SLOW_GAP_S:
         return None
     return f"rank {rank}: {slowest / median:.1f}× the median step time ({_seconds(slowest)} a step, median {_seconds(median)})"
 

@@ -269,7 +269,8 @@ class RankNames:
                          "started)" + ("; %ddp restart shares big data copy-on-write instead" if total >= BIG_UPDATE
                                        else ""))
         notes += gpu_note(updates)
-        both = [name for name in updates if name in self.assigned]
+        both = [name for name in updates if name in self.assigned  # (`import nbddp` in both: one module, no change)
+                and not isinstance(namespace.get(name), types.ModuleType)]
         if both:
             notes.append(f"{', '.join(both)} changed both in the notebook and on the ranks: the ranks now use "
                          "the notebook's value")
