@@ -104,7 +104,6 @@ for step in range(40):
 
 
 def test_a_pool_curve_goes_on_across_cells_and_status_names_the_slow_rank_of_a_background_cell():
-    # (a background pool cell's own line does not chart yet: the note of stop 54 says so)
     with Kernel() as k:
         k.ok("%load_ext nbddp")
         k.ok("%ddp start --devices 2")
@@ -134,6 +133,9 @@ for step in range(200):
             k.ok("import time; time.sleep(0.5)")
         assert "slow: rank 1:" in status and "× the median step time" in status, status
         k.ok("%ddp wait")
+        attached = k.run("%ddp attach", timeout=120)  # the background cell's output again: its line and charts
+        line = next(d["data"] for d in attached.displays if "nbddp-line" in d.get("data", {}).get("text/html", ""))
+        assert "nbddp-charts" in line["text/html"] and "loss: rank 0 1 (step 199) · rank 1 1 (step 199)" in line["text/plain"], line
         k.ok("%ddp stop")
 
 
