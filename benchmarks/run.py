@@ -80,6 +80,10 @@ def run(quick: bool, only: str | None = None) -> dict:
         import bench_forkserver
 
         return {**json.loads((HERE / "results.json").read_text()), "forkserver": bench_forkserver.measure(quick)}
+    if only == "metrics":  # issue 50's section: what nbddp.log costs, a kernel of its own
+        import bench_metrics
+
+        return {**json.loads((HERE / "results.json").read_text()), "metrics": bench_metrics.measure(quick)}
     if only == "firststep":  # issue 34's section: a real first step and real data, kernels of their own
         import bench_firststep
 
@@ -145,6 +149,10 @@ def run(quick: bool, only: str | None = None) -> dict:
 
     results["forkserver"] = bench_forkserver.measure(quick)
     print("done: forkserver", flush=True)
+    import bench_metrics
+
+    results["metrics"] = bench_metrics.measure(quick)
+    print("done: metrics", flush=True)
     return results
 
 
@@ -395,6 +403,10 @@ def report(r: dict) -> str:
         import bench_forkserver
 
         lines += [bench_forkserver.BEGIN, bench_forkserver.render(r["forkserver"]), "", bench_forkserver.END, ""]
+    if "metrics" in r:
+        import bench_metrics
+
+        lines += [bench_metrics.BEGIN, bench_metrics.render(r["metrics"]), "", bench_metrics.END, ""]
     return "\n".join(lines) + "\n"
 
 

@@ -187,3 +187,70 @@ def test_a_bars_postfix_numbers_are_its_scalars():
     seen = {}
     assert charts.logged(0, bar, seen).values == {"loss": (0.31,), "lr": (0.001,)}
     assert charts.logged(0, bar, seen) is None  # a redraw at the same step adds nothing
+
+
+# -- where users already log: Hugging Face Trainer, Lightning ---------------------------------------
+HF_CELL = """%%ddp --devices 2
+import torch, nbddp.integrations
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+torch.manual_seed(0)
+model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+    intermediate_size=32, max_position_embeddings=16, num_labels=2))
+class Toy(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+    def __getitem__(self, i):
+        x = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": x, "labels": x.sum() % 2}
+args = TrainingArguments(output_dir={out!r}, per_device_train_batch_size=4, num_train_epochs=1, logging_steps=1,
+                         report_to=[], use_cpu=True, disable_tqdm=True, save_strategy='no', seed=0)
+trainer = Trainer(model=model, args=args, train_dataset=Toy(), callbacks=[nbddp.integrations.NbddpCallback()])
+trainer.train()
+print('losses', len([h for h in trainer.state.log_history if 'loss' in h]), trainer.state.global_step)
+"""
+
+LIGHTNING_CELL = """%%ddp --devices 2
+import pytorch_lightning as pl, nbddp.integrations
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log('train_loss', loss)
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+trainer = pl.Trainer(accelerator='cpu', devices=2, strategy='ddp', max_epochs=1, log_every_n_steps=1,
+                     logger=nbddp.integrations.NbddpLogger(), enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=8))
+print('steps', trainer.global_step)
+"""
+
+
+def logged_by_rank(k, column: str) -> str:
+    return k.ok(f"import nbddp; df = nbddp.metrics(); df = df[df.cell == df.cell.iloc[-1]]\n"
+                f"print(df.dropna(subset=[{column!r}]).groupby('rank').step.agg(['count', 'max']).values.tolist())").stdout
+
+
+def test_a_hugging_face_trainers_logs_reach_the_charts_through_nbddps_callback(tmp_path):
+    with Kernel() as k:
+        k.ok("%load_ext nbddp")
+        res = k.run(HF_CELL.format(out=str(tmp_path)), timeout=240)
+        assert res.error is None and "losses 4 4" in res.stdout, res
+        assert "nbddp-charts" in res.displays[0]["data"]["text/html"] and "loss: rank 0" in res.displays[0]["data"]["text/plain"]
+        assert logged_by_rank(k, "loss").strip() == "[[4, 4], [4, 4]]"  # 32 samples, 2 ranks x 4 a step: 4 steps
+
+
+def test_lightnings_self_log_reaches_the_charts_through_nbddps_logger():
+    with Kernel() as k:
+        k.ok("%load_ext nbddp")
+        k.ok("import pytorch_lightning  # imported in the notebook first: Lightning then believes it is interactive")
+        res = k.run(LIGHTNING_CELL, timeout=240)
+        assert res.error is None and "steps 4" in res.stdout, res
+        assert "train_loss: rank 0" in res.displays[0]["data"]["text/plain"], res.displays[0]["data"]["text/plain"]
+        counts = logged_by_rank(k, "train_loss").strip()
+        assert counts.startswith("[[") and counts.count("[") == 3, counts  # both ranks logged
