@@ -25,7 +25,13 @@ def parts(row: dict) -> dict:
 
 
 def show(profile) -> None:
-    output.current().display(bundle(profile), {}, None)
+    """The bars in the cell; if no rank profiled anything, only why (one line, said once for all ranks alike)."""
+    if profile.rows:
+        output.current().display(bundle(profile), {}, None)
+        return
+    whys = sorted({p.split(": ", 1)[-1] for p in profile.problems})
+    text = whys[0] if len(whys) == 1 else "; ".join(profile.problems)
+    output.current().write("stderr", f"nbddp: --profile: {text}\n")
 
 
 def bundle(profile) -> dict:
