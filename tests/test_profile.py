@@ -87,6 +87,9 @@ def test_steps_without_an_optimizer_and_no_steps_at_all(clean_kernel):
                                "for _ in range(5):\n    time.sleep(0.01)\n    profiling.step()\n"))
     assert re.search(r"nbddp profile · 2 rank\(s\) · 2 step\(s\)", shown), shown
     assert re.search(r"^rank \d's step is|^no straggler|is the straggler", shown, re.M), shown
+    short = profile_shown(k.ok("%%ddp --devices 2 --profile 10\nfrom nbddp.rank import profiling\n"
+                               "for _ in range(4):\n    profiling.step()\n"))
+    assert "nbddp profile · 2 rank(s) · 3 step(s) (of 10 asked: the cell ended first)" in short, short
     none = k.ok("%%ddp --devices 2 --profile\nx = 1\n")
     assert "nbddp: --profile: no optimizer step or logged step happened: nothing was profiled\n" in none.stderr, none
     assert not none.displays or "nbddp profile" not in str(none.displays), none
@@ -101,6 +104,14 @@ def test_a_bad_value_is_refused_and_nothing_runs(clean_kernel, value, said):
     res = k.run(f"%%ddp --devices 2 --profile {value}\nprint('ran')\n", timeout=30)
     assert said in res.error_text and "Nothing ran" in res.error_text, res
     assert "ran" not in res.stdout
+
+
+@pytest.mark.timeout(10)
+def test_launch_refuses_profile():
+    import nbddp
+
+    with pytest.raises(nbddp.UsageError, match="--profile is for %%ddp cells"):
+        nbddp.launch(print, devices=2, profile=3)
 
 
 @pytest.mark.timeout(10)

@@ -2,7 +2,7 @@
 waiting for other ranks, data loading, other; one length per second, so a longer bar is a slower rank), the
 line that names the straggler, and where each rank's trace is. Inline SVG in HTML: text and axes in
 ``currentColor``, the segments in mid-saturation colours that read on a light page and a dark one, the empty
-track in the theme's border grey; a ``text/plain`` table for the rest."""
+track in the theme's border grey (a CSS variable: in ``style``, never in a presentation attribute); a ``text/plain`` table for the rest."""
 from __future__ import annotations
 
 import html
@@ -61,19 +61,19 @@ def page(profile) -> str:
     longest = max((row["step_s"] for row in profile.rows), default=0.0) or 1.0
     scale = BAR_W / longest
     height = ROW_H * len(profile.rows) + 18
-    svg = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{LABEL_W + BAR_W + 70}' height='{height}' "
-           "style='color:inherit;font:12px sans-serif' role='img' aria-label='time per rank'>"]
+    svg = [(f"<svg xmlns='http://www.w3.org/2000/svg' width='{LABEL_W + BAR_W + 70}' height='{height}' "
+            "style='color:inherit;font:12px sans-serif' role='img' aria-label='time per rank'>")]
     for i, row in enumerate(profile.rows):
         y = i * ROW_H
         svg.append(f"<text x='0' y='{y + BAR_H - 2}' fill='currentColor'>rank {row['rank']}</text>")
-        svg.append(f"<rect x='{LABEL_W}' y='{y}' width='{BAR_W}' height='{BAR_H}' fill='{TRACK}'/>")
+        svg.append(f"<rect x='{LABEL_W}' y='{y}' width='{BAR_W}' height='{BAR_H}' style='fill:{TRACK}'/>")
         x = float(LABEL_W)
         for col, label, colour in SEGMENTS:
             seconds = parts(row)[col]
             w = seconds * scale
             if w <= 0:
                 continue
-            svg.append(f"<rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='{BAR_H}' fill='{colour}'>"
+            svg.append(f"<rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='{BAR_H}' style='fill:{colour}'>"
                        f"<title>rank {row['rank']}: {label} {seconds:.3f} s</title></rect>")
             x += w
         svg.append(f"<text x='{LABEL_W + BAR_W + 6}' y='{y + BAR_H - 2}' fill='currentColor'>"
