@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 
 __all__ = [
-    "launch", "Pool", "log", "metrics", "environment", "Environment", "shared", "SharedSequence", "load_ipython_extension",
+    "launch", "Pool", "log", "metrics", "profile", "environment", "Environment", "shared", "SharedSequence", "load_ipython_extension",
     "NbddpError", "UsageError", "RankFailure", "ResultError", "CudaInitialisedError",
 ]
 
@@ -44,6 +44,9 @@ def launch(fn, *args, **opts) -> list:
     from .wire.messages import Call
 
     config = options.config(opts)
+    if config.profile is not None:
+        raise UsageError("profile: --profile is for %%ddp cells (their optimizer steps); nbddp.launch does not "
+                         "profile. Nothing ran.")
     job = CallJob(fn, args, options.max_value_bytes(config))
     outcome = engine.one_shot(Call(job), config, observer=view_for_session())
     return engine.returned(outcome.results())
@@ -57,6 +60,14 @@ def metrics():
     from .kernel.metrics import STORE
 
     return STORE.frame()
+
+
+def profile():
+    """The last ``%%ddp --profile`` cell's figures as a pandas DataFrame, a row per rank: rank, steps, step_s,
+    compute_s, comm_s, wait_s (part of comm_s), data_s, other_s, in seconds summed over the profiled steps."""
+    from .kernel import profiles
+
+    return profiles.last()
 
 
 def __getattr__(name):

@@ -32,7 +32,8 @@ class Option:
     type: object = str
     choices: tuple = ()
     metavar: str | None = None
-    nargs: object = None  # argparse's, for a cell's own options (--out NAME [NAME ...])
+    nargs: object = None  # argparse's, for a cell's own options (--out NAME [NAME ...]); "?": the value may be left out
+    const: object = None  # with nargs "?": the value of the flag given alone (--profile: 5 steps)
     need: str = ""  # what a good value is, as the refusal says it ("a whole number >= 1")
     ok: object = None  # value -> bool, for values the type and choices do not already settle
 
@@ -61,6 +62,13 @@ def _rank_list(text: str) -> tuple:
 
 
 _rank_list.__name__ = "ranks (such as 0 or 0,2)"  # argparse's refusal: "invalid ranks (such as 0 or 0,2) value"
+
+
+def _steps(text: str) -> int:
+    return int(text)
+
+
+_steps.__name__ = "number of steps (such as 10)"  # argparse's refusal: "invalid number of steps ... value: 'x'"
 
 
 def _holds(test, value) -> bool:
@@ -155,6 +163,13 @@ OPTIONS = (
     Option("max_output_mb", ("--max-output-mb",), 20.0, type=float, metavar="MB", need="a size in MiB >= 0",
            ok=_size(False), help="Text per rank shown in the cell, in MiB (default 20); the rest stays in the "
            "rank's log file."),
+    Option("profile", ("--profile",), None, type=_steps, metavar="STEPS", nargs="?", const=5,
+           need="a whole number of steps >= 1", ok=lambda v: v is None or _whole(1)(v),
+           help="torch.profiler on every rank for STEPS optimizer steps (5 if no number is given), begun after the "
+           "first step on every rank. The cell shows each rank's step as compute, communication, waiting for "
+           "other ranks, data loading and other, and names the straggler; nbddp.profile() returns the figures "
+           "as a DataFrame; each rank's trace (Chrome/Perfetto JSON) is written beside its log. A cell without "
+           "an optimizer counts steps with nbddp.rank.profiling.step()."),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 POOL_FIXED = tuple(o.name for o in OPTIONS if o.scope == LAUNCH)  # what a running pool cannot change
@@ -225,6 +240,8 @@ def argument_specs(scopes=(LAUNCH, CELL, NAMES)):
             kw.update(nargs=o.nargs, metavar=o.metavar)
         else:
             kw.update(type=o.type, metavar=o.metavar)
+            if o.nargs == "?":  # the flag alone means its const
+                kw.update(nargs="?", const=o.const)
             if o.choices:
                 kw["choices"] = o.choices
         yield GROUPS[o.group], o.flags, kw

@@ -24,7 +24,7 @@ import time
 import cloudpickle
 
 from ..wire import messages, values
-from . import debug, debugpanel, jobs, libstate, stdin, usergroup
+from . import debug, debugpanel, jobs, libstate, profiling, stdin, usergroup
 from .commands import CommandPipe
 from .jobs import CellJob, fresh_namespace
 from .stdio import flush_streams
@@ -174,10 +174,15 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound
     _receive(cmd, ns, ctx, notebook)
     debug.new_cell()
     debugpanel.before_cell(cmd.debug)
+    profiler = profiling.begin(cmd.profile, ctx.rank, getattr(ctx.device, "type", "cpu"))  # --profile only
+    summary = None
     try:
-        return _run_job(cmd, ns, ctx, notebook, track, bound)
+        result = _run_job(cmd, ns, ctx, notebook, track, bound)
     finally:
         debugpanel.after_cell()
+        if profiler is not None:
+            summary = profiler.end()
+    return result if summary is None else dataclasses.replace(result, profile=summary)
 
 
 def _run_job(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound) -> messages.Result:

@@ -118,6 +118,7 @@ class Result:
     assigned: tuple = ()  # names the cell (re)bound on this rank (a pool keeps them the rank's own)
     imported: tuple = ()  # modules the rank imported since its last answer (the kernel warms them: kernel/ranks/warm.py)
     copied: tuple = ()  # (bytes, ((name, what), ...)): private memory grew reading notebook Python objects (copywatch.py)
+    profile: dict | None = None  # --profile: this rank's summary of its profiled steps (rank/profiling.py)
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ class RunCell:
     lead: int = 0  # the rank whose last expression and --out names come back (a pool's --ranks: the first)
     dropped: tuple = ()  # notebook names the ranks forget: rebound to a value that cannot be sent (kernel/names/sending.py)
     debug: dict | None = None  # JupyterLab's debugger panel is on: where the rank's debugger connects (rank/debugpanel.py)
+    profile: tuple | None = None  # --profile: (steps, the run's folder, where each rank writes its trace)
 
 
 @dataclass(frozen=True)
