@@ -447,6 +447,59 @@ NOTEBOOKS = {
            "outlives the cell*."),
         code("%ddp stop"),
     ],
+    "12-seeing-a-training.ipynb": [
+        md("# Seeing a training: loss charts from every rank, the slow rank named, a profile that says why\n\n"
+           "`nbddp.log(step=..., loss=...)` in a rank draws live charts in the cell (one panel per name, one line per "
+           "rank), kept as a static chart in the saved notebook; `nbddp.metrics()` gives every logged number back as a "
+           "DataFrame. A rank that steps slower than the others is named; `%%ddp --profile` shows where each rank's "
+           "step goes, and which rank the others wait for."),
+        code("%load_ext nbddp\nimport nbddp, torch\ntorch.manual_seed(0)\nX = torch.randn(4096, 32)\n"
+             "Y = X @ torch.randn(32, 1) + 0.1 * torch.randn(4096, 1)"),
+        md("Two ranks train one model with DDP, each on its half of the data, and log their own loss every step "
+           "(each rank's: rank 0's alone would hide a rank that diverges). The chart is drawn below the dashboard "
+           "while the cell runs, at most twice a second, and stays when it ends."),
+        code("%%ddp --devices 2 --seed 0\n"
+             "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 1))\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+             "x, y = X[rank::world_size], Y[rank::world_size]\n"
+             "for step in range(100):\n"
+             "    i = (step * 64) % len(x)\n"
+             "    loss = torch.nn.functional.mse_loss(model(x[i:i + 64]), y[i:i + 64])\n"
+             "    opt.zero_grad(); loss.backward(); opt.step()\n"
+             "    nbddp.log(step=step, loss=loss.item(), lr=opt.param_groups[0]['lr'])"),
+        md("Everything logged in this kernel, one row per call: `cell`, `rank`, `step`, `time`, then a column per name "
+           "(also written as `metrics.csv` in the run's folder)."),
+        code("# NBVAL_CHECK_OUTPUT\ndf = nbddp.metrics()\nprint(list(df.columns))\n"
+             "print(df.groupby('rank').step.agg(['count', 'min', 'max']))\n"
+             "print('loss went down on both ranks:', bool((df[df.step >= 90].groupby('rank').loss.mean() < "
+             "df[df.step < 10].groupby('rank').loss.mean()).all()))"),
+        md("## A rank made slow on purpose\n\nHere each rank works through its own shard with no collective per step "
+           "(preprocessing, evaluation), and rank 1 takes 40 ms a step where rank 0 takes 10 ms. From each rank's "
+           "recent step time, a rank at least 1.25× the median is named above the charts (and by `%ddp status` "
+           "while a pool cell runs)."),
+        code("%%ddp --devices 2\nimport time\n"
+             "for step in range(40):\n"
+             "    time.sleep(0.04 if rank == 1 else 0.01)\n"
+             "    nbddp.log(step=step, items=float(step * 64))"),
+        md("## Why a DDP step is slow: `--profile`\n\nIn DDP every rank waits for the slowest in each gradient "
+           "all-reduce, so every rank steps at its pace and step times alike name no one. `%%ddp --profile 10` runs "
+           "torch.profiler on every rank for 10 optimizer steps, begun at the same step on each, and splits each "
+           "rank's time into compute, communication (and, of it, waiting for other ranks), data loading and the "
+           "rest. Rank 1 sleeps 50 ms a step here (a slow data source, say): rank 0's bar is mostly waiting, and "
+           "the line under the bars names rank 1. Each rank's trace (Chrome/Perfetto JSON with `distributedInfo`, "
+           "readable by Holistic Trace Analysis) is written beside its log."),
+        code("%%ddp --devices 2 --seed 0 --profile 10\nimport time\n"
+             "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256))\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+             "for step in range(12):\n"
+             "    if rank == 1:\n"
+             "        time.sleep(0.05)\n"
+             "    loss = model(torch.randn(64, 256)).pow(2).mean()\n"
+             "    opt.zero_grad(); loss.backward(); opt.step()"),
+        code("# NBVAL_CHECK_OUTPUT\nprofile = nbddp.profile()\nprint(list(profile.columns))\n"
+             "waits = profile.set_index('rank').wait_s\n"
+             "print('rank 0 waited at least 0.3 s more than rank 1 over 10 steps:', bool(waits[0] - waits[1] >= 0.3))"),
+    ],
 }
 
 

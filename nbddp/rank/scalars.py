@@ -18,6 +18,7 @@ import threading
 import time
 
 from ..wire.messages import Scalars
+from . import profiling
 
 SEND_S = 0.25  # the kernel redraws at most twice a second: four batches a second keep it live
 _queue: collections.deque = collections.deque()  # (step, time, scalars) of each call, in order
@@ -33,7 +34,9 @@ def log(step=None, **scalars) -> None:
         return
     if step is None:
         step = _state["step"] + 1
-    _state["step"] = step
+    if step != _state["step"]:
+        _state["step"] = step
+        profiling.step()  # a logged step counts as one for --profile in a loop without an optimizer
     _queue.append((step, time.time(), scalars))
 
 

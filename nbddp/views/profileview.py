@@ -87,7 +87,7 @@ def page(profile) -> str:
     legend = " ".join(f"<span style='white-space:nowrap'><span style='display:inline-block;width:10px;height:10px;"
                       f"background:{colour};margin:0 4px 0 10px'></span>{html.escape(label)}</span>"
                       for _, label, colour in SEGMENTS)
-    out = [f"<div style='color:inherit;font-size:12px'><div style='color:{MUTED}'>{html.escape(_title(profile))}</div>"]
+    out = [f"<div class='nbddp-profile' style='color:inherit;font-size:12px'><div style='color:{MUTED}'>{html.escape(_title(profile))}</div>"]
     if profile.rows:
         out += ["".join(svg), f"<div>{legend}</div>"]
     if profile.verdict:
