@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import threading
 
 from ..views import charts
@@ -65,7 +66,7 @@ class Store:
             return None
         path = f"{run_dir}/{CSV_NAME}"
         keep = [i for i, c in enumerate(columns) if i < len(COLUMNS) or any(not math.isnan(r[i]) for r in rows)]
-        with open(path, "w", newline="") as f:
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", newline="") as f:  # private, as every file of a run
             out = csv.writer(f)
             out.writerow([columns[i] for i in keep])
             out.writerows([["" if isinstance(r[i], float) and math.isnan(r[i]) else r[i] for i in keep] for r in rows])

@@ -31,8 +31,10 @@ the sum of the profiled steps' wall time, ``step_s``):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import time
 
 MARK_START, MARK_STOP = "nbddp:profile-start", "nbddp:profile-stop"
@@ -96,7 +98,8 @@ class Session:
         if self.cuda:
             torch.cuda.synchronize()  # the last step's kernels end before the window
         self.prof = tp.profile(activities=activities)
-        self.prof.start()
+        with kineto_quiet():
+            self.prof.start()
         self.t0 = time.time()
         with tp.record_function(MARK_START):
             pass
@@ -109,7 +112,8 @@ class Session:
             torch.cuda.synchronize()  # every kernel of the window is in the trace
         with tp.record_function(MARK_STOP):
             pass
-        self.prof.stop()
+        with kineto_quiet():
+            self.prof.stop()
         self.profiled = self.n - 1
 
     def end(self) -> dict:
@@ -127,12 +131,14 @@ class Session:
             return {**summary, "problem": self.problem}
         if self.prof is None or self.profiled == 0:
             if self.prof is not None:
-                self.prof.stop()
+                with kineto_quiet():
+                    self.prof.stop()
             return {**summary, "problem": NO_STEP if self.n == 0 else ONE_STEP}
         try:
             path = os.path.join(self.folder, f"rank{self.rank}.trace.json")
             os.makedirs(self.folder, exist_ok=True)
             self.prof.export_chrome_trace(path)
+            os.chmod(path, 0o600)  # private, as every file of a run (its ops name the user's code)
             with open(path) as f:
                 trace = json.load(f)
             if "distributedInfo" not in trace:  # (torch writes it when the group is up; HTA reads it)
@@ -143,6 +149,32 @@ class Session:
                     "trace": path}
         except Exception as e:  # noqa: BLE001
             return {**summary, "problem": f"the trace could not be written or read: {type(e).__name__}: {e}"}
+
+
+KINETO_NOISE = re.compile(rb"^(USDT|STAGE):\S+ \S+ \d+:\d+ \w+\.cpp:\d+\] .*\n?", re.MULTILINE)
+
+
+@contextlib.contextmanager
+def kineto_quiet():
+    """The profiler's start and stop without the lines kineto writes on fd 2 itself (torch 2.13:
+    ``USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start``, no setting turns them off): fd 2 goes
+    to a file meanwhile, and whatever else was written there in those milliseconds is written on after."""
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            rest = KINETO_NOISE.sub(b"", held.read())
+            if rest:
+                os.write(2, rest)
 
 
 def distributed_info(rank: int) -> dict:
