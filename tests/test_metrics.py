@@ -202,7 +202,7 @@ class Toy(torch.utils.data.Dataset):
     def __getitem__(self, i):
         x = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
         return {"input_ids": x, "labels": x.sum() % 2}
-args = TrainingArguments(output_dir={out!r}, per_device_train_batch_size=4, num_train_epochs=1, logging_steps=1,
+args = TrainingArguments(output_dir=OUT, per_device_train_batch_size=4, num_train_epochs=1, logging_steps=1,
                          report_to=[], use_cpu=True, disable_tqdm=True, save_strategy='no', seed=0)
 trainer = Trainer(model=model, args=args, train_dataset=Toy(), callbacks=[nbddp.integrations.NbddpCallback()])
 trainer.train()
@@ -210,7 +210,7 @@ print('losses', len([h for h in trainer.state.log_history if 'loss' in h]), trai
 """
 
 LIGHTNING_CELL = """%%ddp --devices 2
-import pytorch_lightning as pl, nbddp.integrations
+import torch, pytorch_lightning as pl, nbddp.integrations
 class Regression(pl.LightningModule):
     def __init__(self):
         super().__init__()
@@ -239,9 +239,9 @@ def logged_by_rank(k, column: str) -> str:
 def test_a_hugging_face_trainers_logs_reach_the_charts_through_nbddps_callback(tmp_path):
     with Kernel() as k:
         k.ok("%load_ext nbddp")
-        res = k.run(HF_CELL.format(out=str(tmp_path)), timeout=240)
+        res = k.run(HF_CELL.replace("OUT", repr(str(tmp_path))), timeout=240)
         assert res.error is None and "losses 4 4" in res.stdout, res
-        assert "nbddp-charts" in res.displays[0]["data"]["text/html"] and "loss: rank 0" in res.displays[0]["data"]["text/plain"]
+        assert chart_displays(res) and "loss: rank 0" in chart_displays(res)[-1]["text/plain"], res
         assert logged_by_rank(k, "loss").strip() == "[[4, 4], [4, 4]]"  # 32 samples, 2 ranks x 4 a step: 4 steps
 
 
@@ -251,6 +251,6 @@ def test_lightnings_self_log_reaches_the_charts_through_nbddps_logger():
         k.ok("import pytorch_lightning  # imported in the notebook first: Lightning then believes it is interactive")
         res = k.run(LIGHTNING_CELL, timeout=240)
         assert res.error is None and "steps 4" in res.stdout, res
-        assert "train_loss: rank 0" in res.displays[0]["data"]["text/plain"], res.displays[0]["data"]["text/plain"]
+        assert chart_displays(res) and "train_loss: rank 0" in chart_displays(res)[-1]["text/plain"], res
         counts = logged_by_rank(k, "train_loss").strip()
         assert counts.startswith("[[") and counts.count("[") == 3, counts  # both ranks logged
