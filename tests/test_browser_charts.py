@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from test_browser import _lab, _open, _run_first_cell, _shot, cell, run_cell, wait_for_text
+from test_browser import _dismiss_toasts, _lab, _open, _run_first_cell, _shot, cell, run_cell, wait_for_text
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,12 +47,14 @@ def test_charts_the_slow_rank_and_the_profile_in_jupyterlab(charts_lab):
             assert charts.count() == 2, done  # a panel per name
             box = charts.first.bounding_box()
             assert box["width"] >= 250 and box["height"] >= 120, box
+            _dismiss_toasts(page)  # (JupyterLab's news toast would lie over the view)
             _shot(cell(page, 1), "charts", theme)
 
             run_cell(page, 2)
             said = wait_for_text(page, ["nbddp profile", "waiting in all_reduce for rank 1"], index=2, timeout_s=120)
             assert re.search(r"rank 0 spends \d+ % of its step waiting", said), said
             assert cell(page, 2).locator(".nbddp-profile svg rect").count() >= 4  # the tracks and their parts
+            _dismiss_toasts(page)
             _shot(cell(page, 2), "profile", theme)
         finally:
             browser.close()
