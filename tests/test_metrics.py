@@ -159,10 +159,14 @@ def test_outside_a_rank_log_does_nothing_and_costs_next_to_nothing():
 
 def test_a_series_keeps_at_most_max_points_and_always_its_last():
     s = charts.Series()
-    for i in range(100_000):
-        s.add(i, float(i))
+    for start in range(0, 100_000, 2500):  # batches, as the ranks send them
+        s.extend(list(range(start, start + 2500)), [float(i) for i in range(start, start + 2500)])
+    s.extend([100_000, 100_001], [math.nan, 5.0])  # (NaN: not logged at that step)
     pts = s.points()
-    assert len(pts) <= charts.MAX_POINTS + 1 and pts[0] == (0, 0.0) and pts[-1] == (99_999, 99_999.0)
+    assert len(pts) <= charts.MAX_POINTS + 1 and pts[0] == (0, 0.0) and pts[-1] == (100_001, 5.0)
+    steps = [p[0] for p in pts[:-1]]
+    gaps = {b - a for a, b in zip(steps, steps[1:])}
+    assert len(gaps) <= 2 and max(gaps) <= 2 * min(gaps), gaps  # evenly spread over the run
 
 
 def test_past_eight_ranks_a_panel_draws_median_band_and_outliers():
@@ -254,3 +258,21 @@ def test_lightnings_self_log_reaches_the_charts_through_nbddps_logger():
         assert chart_displays(res) and "train_loss: rank 0" in chart_displays(res)[-1]["text/plain"], res
         counts = logged_by_rank(k, "train_loss").strip()
         assert counts.startswith("[[") and counts.count("[") == 3, counts  # both ranks logged
+
+
+def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first_appears(tmp_path):
+    from nbddp.kernel.metrics import Store
+
+    store, run = Store(), str(tmp_path)
+    store.add("In [1]", run, 0, messages.Scalars((0, 1), (1.0, 2.0), {"loss": (2.0, 1.0)}))
+    store.add("In [1]", "elsewhere", 0, messages.Scalars((0,), (1.0,), {"other": (9.0,)}))
+    store.write_csv(run)
+    store.add("In [2]", run, 1, messages.Scalars((2,), (3.0,), {"loss": (0.5,)}))
+    store.write_csv(run)  # appended
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == [
+        "cell,rank,step,time,loss", "In [1],0,0,1.0,2.0", "In [1],0,1,2.0,1.0", "In [2],1,2,3.0,0.5"]
+    store.add("In [3]", run, 0, messages.Scalars((3,), (4.0,), {"loss": (0.25,), "lr": (0.1,)}))
+    store.write_csv(run)  # a new name: the file anew, with its column
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert lines[0] == "cell,rank,step,time,loss,lr" and lines[1] == "In [1],0,0,1.0,2.0," and lines[-1] == "In [3],0,3,4.0,0.25,0.1"
+    assert len(lines) == 5
