@@ -141,3 +141,22 @@ def test_summary_splits_the_window_by_the_rules():
     assert (s["comm_s"], s["data_s"], s["compute_s"]) == pytest.approx((30e-6, 10e-6, 30e-6))
     assert s["other_s"] == pytest.approx(30e-6)
     assert s["collectives"] == [("all_reduce", pytest.approx(100.0 + 40e-6), pytest.approx(30e-6))]
+
+
+@pytest.mark.timeout(10)
+def test_on_a_gpu_nccls_kernels_are_communication_todays_names_included():
+    """A GPU trace (no GPU here: its events as kineto writes them): NCCL's kernels, ``ncclKernel_*`` and today's
+    ``ncclDevKernel_*`` (which Holistic Trace Analysis takes for compute), are communication; the other kernels
+    are compute; the CPU's own ops are not counted twice."""
+    X = "X"
+    ev = [{"ph": X, "name": profiling.MARK_START, "ts": 0, "dur": 1, "tid": 7, "cat": "user_annotation"},
+          {"ph": X, "name": "aten::mm", "ts": 2, "dur": 5, "tid": 7, "cat": "cpu_op"},
+          {"ph": X, "name": "ampere_sgemm_128x64_tn", "ts": 10, "dur": 30, "tid": 20, "cat": "kernel"},
+          {"ph": X, "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "ts": 40,
+           "dur": 25, "tid": 21, "cat": "kernel"},
+          {"ph": X, "name": "ncclKernel_AllGather_RING_LL_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)",
+           "ts": 70, "dur": 10, "tid": 21, "cat": "kernel"},
+          {"ph": X, "name": profiling.MARK_STOP, "ts": 99, "dur": 1, "tid": 7, "cat": "user_annotation"}]
+    s = profiling.summarise({"traceEvents": ev}, t0=0.0)
+    assert (s["comm_s"], s["compute_s"]) == pytest.approx((35e-6, 30e-6))
+    assert [name for name, _, _ in s["collectives"]] == ["AllReduce", "AllGather"]
