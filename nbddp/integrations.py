@@ -17,10 +17,11 @@ from .rank.scalars import log
 
 
 def numeric(metrics: dict) -> dict:
-    """The entries of a trainer's logs that are numbers (a tensor of one element counts): name -> float."""
+    """The entries of a trainer's logs that are numbers (a tensor of one element counts): name -> float; its
+    own ``step``, if it logs one, left out (the step is the trainer's global step)."""
     out = {}
     for name, value in (metrics or {}).items():
-        if isinstance(value, bool):
+        if isinstance(value, bool) or name == "step":
             continue
         if isinstance(value, numbers.Number):
             out[name] = float(value)

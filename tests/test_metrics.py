@@ -278,3 +278,34 @@ def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
     assert lines[0] == "cell,rank,step,time,loss,lr" and lines[1] == "In [1],0,0,1.0,2.0," and lines[-1] == "In [3],0,3,4.0,0.25,0.1"
     assert len(lines) == 5
+
+
+def test_an_infinite_or_missing_value_is_left_out_of_the_drawing_and_never_breaks_it():
+    chart = charts.Chart()
+    chart.add(0, messages.Scalars((0, 1, 2), (0.0, 1.0, 2.0), {"loss": (1.0, math.inf, 0.5), "gn": (math.nan,) * 3}))
+    assert "<svg" in chart.html() and "loss: rank 0 0.5 (step 2)" in chart.text()
+    many = charts.Chart()
+    for rank in range(10):  # past MAX_LINES ranks, every value of a name missing: nothing to draw, no exception
+        many.add(rank, messages.Scalars((0,), (0.0,), {"gn": (math.nan,)}))
+    assert many.html() == "" or "<svg" not in many.html()
+
+
+def test_a_scalar_named_as_a_column_is_kept_beside_it(tmp_path):
+    from nbddp.kernel.metrics import Store
+
+    store = Store()
+    store.add("In [1]", str(tmp_path), 0, messages.Scalars((7,), (1.0,), {"step": (3.0,), "loss": (0.5,)}))
+    cols = store.columns()
+    assert cols["step"] == [7] and cols["step_"] == [3.0] and cols["loss"] == [0.5]
+
+
+def test_a_batch_that_cannot_be_sent_never_reaches_the_cell(monkeypatch):
+    class Gone:
+        def send(self, record):
+            raise BrokenPipeError("the kernel is gone")
+
+    monkeypatch.setitem(scalars._state, "chan", Gone())
+    scalars.log(loss=10 ** 400)  # (no float can hold it: left out, said once)
+    scalars.log(loss=1.0)
+    scalars.flush()  # neither the value nor the pipe raises
+    assert not scalars._queue

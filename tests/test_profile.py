@@ -160,3 +160,14 @@ def test_on_a_gpu_nccls_kernels_are_communication_todays_names_included():
     s = profiling.summarise({"traceEvents": ev}, t0=0.0)
     assert (s["comm_s"], s["compute_s"]) == pytest.approx((35e-6, 30e-6))
     assert [name for name, _, _ in s["collectives"]] == ["AllReduce", "AllGather"]
+
+
+def test_waits_of_collectives_that_overlap_count_once_and_unmatched_ranks_are_said():
+    """gloo runs DDP's buckets two at a time: a rank waiting in both at once waited once."""
+    summary = {"steps": 1, "step_s": 1.0, "compute_s": 0.1, "comm_s": 0.6, "data_s": 0.0, "other_s": 0.3}
+    r0 = {**summary, "rank": 0, "trace": "a", "collectives": [("all_reduce", 10.0, 0.5), ("all_reduce", 10.0, 0.5)]}
+    r1 = {**summary, "rank": 1, "trace": "b", "collectives": [("all_reduce", 10.4, 0.1), ("all_reduce", 10.4, 0.1)]}
+    assert profiles.combine([r0, r1]).rows[0]["wait_s"] == pytest.approx(0.4)
+    r1_short = {**r1, "collectives": r1["collectives"][:1]}
+    p = profiles.combine([r0, r1_short])
+    assert all(row["wait_s"] == 0 for row in p.rows) and any("different numbers of collectives" in x for x in p.problems)

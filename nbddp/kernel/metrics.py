@@ -12,6 +12,7 @@ import csv
 import math
 import os
 import threading
+from array import array
 
 from ..views import charts
 from ..wire.messages import Scalars
@@ -30,9 +31,15 @@ class Store:
         self.written: dict[str, tuple] = {}  # run dir -> (its metrics.csv's header, the chunks written so far)
 
     def add(self, cell: str, run_dir: str, rank: int, record: Scalars) -> None:
+        """A rank's batch, kept as arrays (8 bytes a value); a scalar named as a column of its own (``step``: a
+        bar's postfix ``step=...``) is kept as ``step_``."""
+        steps = record.steps
+        kept = Scalars(array("q" if all(type(x) is int for x in steps) else "d", steps), array("d", record.times),
+                       {(f"{name}_" if name in COLUMNS else name): array("d", column)
+                        for name, column in record.values.items()})
         with self.lock:
-            self.chunks.append((cell, run_dir, rank, record))
-            for name in record.values:
+            self.chunks.append((cell, run_dir, rank, kept))
+            for name in kept.values:
                 self.names.setdefault(name, None)
 
     def columns(self, run_dir: str | None = None, since: int = 0, upto: int | None = None) -> dict[str, list]:
@@ -70,6 +77,8 @@ class Store:
         the whole file written anew only when a name first logged now widens its header."""
         path = f"{run_dir}/{CSV_NAME}"
         header, done = self.written.get(run_dir, (None, 0))
+        if header is not None and not os.path.exists(path):  # (removed since: written anew, whole)
+            header, done = None, 0
         with self.lock:
             upto = len(self.chunks)
         cols = self.columns(run_dir, since=done, upto=upto)

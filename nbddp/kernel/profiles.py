@@ -13,6 +13,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..rank.profiling import covered
 from ..wire import messages
 
 COLUMNS = ("rank", "steps", "step_s", "compute_s", "comm_s", "wait_s", "data_s", "other_s")
@@ -47,17 +48,21 @@ def combine(summaries: list) -> Profile:
     """One profile of every rank's summary (ranks that profiled nothing are named in ``problems``)."""
     good = [s for s in summaries if not s.get("problem")]
     problems = [f"rank {s['rank']}: {s['problem']}" for s in summaries if s.get("problem")]
-    waits = {s["rank"]: 0.0 for s in good}
+    spans = {s["rank"]: [] for s in good}  # rank -> (start, end) of its waits: a union (gloo runs two at once)
     waited = {s["rank"]: Counter() for s in good}
-    count = min((len(s["collectives"]) for s in good), default=0)
-    for i in range(count):
+    counts = {len(s["collectives"]) for s in good}
+    if len(counts) > 1:  # matched by order of issue only when every rank issued as many
+        problems.append("the ranks issued different numbers of collectives in the window "
+                        f"({', '.join(str(len(s['collectives'])) for s in good)}): waiting not worked out")
+    for i in range(min(counts, default=0) if len(counts) == 1 else 0):
         ins = [(s["rank"], *s["collectives"][i]) for s in good]  # (rank, name, start, seconds)
         late_rank, _, latest, _ = max(ins, key=lambda c: c[2])
         for rank, name, start, seconds in ins:
             wait = min(seconds, max(0.0, latest - start))
             if wait > 0:
-                waits[rank] += wait
+                spans[rank].append((start, start + wait))
                 waited[rank][(name, late_rank)] += wait
+    waits = {rank: covered(found) for rank, found in spans.items()}
     rows = [{"rank": s["rank"], "steps": s["steps"], "step_s": s["step_s"], "compute_s": s["compute_s"],
              "comm_s": s["comm_s"], "wait_s": min(waits[s["rank"]], s["comm_s"]), "data_s": s["data_s"],
              "other_s": s["other_s"]} for s in sorted(good, key=lambda s: s["rank"])]

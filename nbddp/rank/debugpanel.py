@@ -127,8 +127,11 @@ def after_cell() -> None:
     rank outlives its cell, so none outlives a panel session: debugpy's adapter (1.8) announces a connection it
     holds to the panel's next session, whose attach the rank's pydevd answers ``terminated``, and refuses the
     rank's own new connection while it holds the old one ("already connected": the rank would wait forever)."""
-    if _debugger() is not None:
-        disconnect()
+    try:
+        if _debugger() is not None:
+            disconnect()
+    except Exception:  # noqa: BLE001 - a connection already gone: the next cell connects anew all the same
+        _forget()
 
 
 def _forget() -> None:

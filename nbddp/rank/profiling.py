@@ -127,6 +127,10 @@ class Session:
                 self._stop()  # the cell ended before STEPS steps: the steps it made
         except Exception as e:  # noqa: BLE001
             self.problem = f"the profiler failed: {type(e).__name__}: {e}"
+            try:  # never left recording in a pool's rank: the next --profile could not start
+                self.prof.stop()
+            except Exception:  # noqa: BLE001 - stopped already
+                pass
         if self.problem is not None:
             return {**summary, "problem": self.problem}
         if self.prof is None or self.profiled == 0:

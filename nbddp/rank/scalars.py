@@ -5,7 +5,8 @@ training loop can log every step. A thread of the rank takes what is queued ever
 as one record, one column per name; what is still queued goes before the rank's answer to its cell
 (``flush``), so the kernel has all a cell logged when the cell ends. Values are made floats there, not in
 the call: a tensor's ``.item()`` costs the caller nothing (a value that is no number is left out, said
-once). Outside a rank (the notebook itself, the same code under torchrun from ``%ddp_export``) a call does
+once). A tensor is read when it is sent, up to ``SEND_S`` later: log ``loss.item()``, not a tensor a later
+step changes in place. Outside a rank (the notebook itself, the same code under torchrun from ``%ddp_export``) a call does
 nothing.
 """
 from __future__ import annotations
@@ -57,18 +58,20 @@ def _not_a_rank() -> None:
 def flush() -> None:
     """What is queued, sent now (before the rank answers its cell)."""
     chan = _state["chan"]
-    if chan is None or not _queue:
+    if chan is None:
         return
-    with _send_lock:
+    with _send_lock:  # (the queue looked at under it: a batch the thread took is sent before this returns)
+        if not _queue:
+            return
         rows = []
         while _queue:
             rows.append(_queue.popleft())
-        record = _columns(rows)
-        if record is not None:
-            try:
+        try:
+            record = _columns(rows)
+            if record is not None:
                 chan.send(record)
-            except OSError:  # the kernel is gone: nothing to show them in
-                pass
+        except Exception:  # noqa: BLE001 - the kernel gone, a value no stream can say: the cell goes on
+            pass
 
 
 def _send_forever() -> None:
@@ -107,9 +110,12 @@ def _columns(rows: list) -> Scalars | None:
 def _number(name: str, value) -> float | None:
     try:
         return float(value)  # a Python number, a numpy scalar, a one-element tensor (its .item())
-    except (TypeError, ValueError, RuntimeError):
+    except Exception:  # noqa: BLE001 - not a number (a string, a big tensor, 10**400)
         if name not in _state["warned"]:
             _state["warned"].add(name)
-            print(f"nbddp.log: {name}={type(value).__name__} is not a number: left out of the charts "
-                  f"(log a float: {name}=value.item())", file=sys.stderr)
+            try:
+                print(f"nbddp.log: {name}={type(value).__name__} is not a number: left out of the charts "
+                      f"(log a float: {name}=value.item())", file=sys.stderr)
+            except Exception:  # noqa: BLE001 - a closed stderr
+                pass
         return None

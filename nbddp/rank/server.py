@@ -174,14 +174,14 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound
     _receive(cmd, ns, ctx, notebook)
     debug.new_cell()
     debugpanel.before_cell(cmd.debug)
-    profiler = profiling.begin(cmd.profile, ctx.rank, getattr(ctx.device, "type", "cpu"))  # --profile only
-    summary = None
+    profiler, summary = None, None
     try:
+        profiler = profiling.begin(cmd.profile, ctx.rank, getattr(ctx.device, "type", "cpu"))  # --profile only
         result = _run_job(cmd, ns, ctx, notebook, track, bound)
     finally:
-        debugpanel.after_cell()
         if profiler is not None:
-            summary = profiler.end()
+            summary = profiler.end()  # (the hook removed and the profiler stopped however the cell ended)
+        debugpanel.after_cell()
     return result if summary is None else dataclasses.replace(result, profile=summary)
 
 

@@ -61,8 +61,8 @@ class Series:
     def extend(self, steps, values) -> None:
         """A batch of points (NaN: not logged at that step), every ``stride``-th kept: slices, not a loop per
         point (ranks logging 10,000 calls a second each cost the kernel's view next to nothing)."""
-        if any(v != v for v in values):  # (a NaN is not equal to itself)
-            pairs = [(s, v) for s, v in zip(steps, values) if v == v]
+        if not all(math.isfinite(v) for v in values):  # (NaN: not logged at that step; an infinity: not drawable)
+            pairs = [(s, v) for s, v in zip(steps, values) if math.isfinite(v)]
             steps, values = [p[0] for p in pairs], [p[1] for p in pairs]
         if not steps:
             return
@@ -89,16 +89,18 @@ class Chart:
         self.series: dict[str, dict[int, Series]] = {}  # name -> rank -> its series
         self.bars: dict = {}
         self.recent: dict[int, list] = {}  # rank -> (step, time) of its last RATE_STEPS logged steps
-        self.bar_rates: dict[int, float] = {}  # rank -> seconds a step, from its tqdm bar's rate
+        self.bar_rates: dict[tuple, float] = {}  # (rank, bar) -> seconds a step, from the bar's rate
 
     def add(self, rank: int, record) -> None:
         if type(record) is Progress and record.state.get("rate"):
-            self.bar_rates[rank] = 1.0 / record.state["rate"]
+            self.bar_rates[(rank, record.bar)] = 1.0 / record.state["rate"]
         rec = logged(rank, record, self.bars)
         if rec is None:
             return
         for name, column in rec.values.items():
             self.series.setdefault(name, {}).setdefault(rank, Series()).extend(rec.steps, column)
+        if type(record) is not Scalars:  # (a bar's postfix: its rate already says its pace)
+            return
         recent = self.recent.setdefault(rank, [])
         for step, when in zip(rec.steps[-RATE_STEPS:], rec.times[-RATE_STEPS:]):
             if not recent or step != recent[-1][0]:
@@ -112,8 +114,10 @@ class Chart:
     # -- the slow rank ------------------------------------------------------------------------------
     def step_times(self) -> dict[int, float]:
         """Each rank's recent seconds a step: from its logged steps, else its bar's rate."""
-        times = dict(self.bar_rates)
-        for rank, recent in self.recent.items():
+        times: dict[int, float] = {}
+        for (rank, _bar), seconds in list(self.bar_rates.items()):  # a rank's fastest bar: its innermost (batches)
+            times[rank] = min(seconds, times.get(rank, seconds))
+        for rank, recent in list(self.recent.items()):
             if len(recent) >= 3 and recent[-1][0] != recent[0][0]:
                 times[rank] = (recent[-1][1] - recent[0][1]) / abs(recent[-1][0] - recent[0][0])
         return times
@@ -123,6 +127,20 @@ class Chart:
 
     # -- drawing --------------------------------------------------------------------------------------
     def html(self) -> str:
+        """The charts (HTML); never an exception: a drawing that fails leaves the cell's view as it was."""
+        try:
+            return self._html()
+        except Exception:  # noqa: BLE001 - the view is the user's window on the training: it must not end it
+            return ""
+
+    def text(self) -> str:
+        """One line per scalar: each rank's latest value, at its step."""
+        try:
+            return self._text()
+        except Exception:  # noqa: BLE001
+            return ""
+
+    def _html(self) -> str:
         if not self:
             return ""
         panels = "".join(_panel(name, ranks) for name, ranks in self.series.items())
@@ -131,8 +149,7 @@ class Chart:
         return (f"<div class='nbddp-charts' style='margin-top:4px'>{said}<div style='display:flex;flex-wrap:wrap;"
                 f"gap:6px'>{panels}</div></div>")
 
-    def text(self) -> str:
-        """One line per scalar: each rank's latest value, at its step."""
+    def _text(self) -> str:
         lines = []
         slow = self.slow()
         if slow:

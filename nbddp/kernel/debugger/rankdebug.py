@@ -208,7 +208,10 @@ class RankDebugger:
         with self.lock:
             if self.keeper is not None and not self.keeper.closed:
                 return
-            self.keeper = DapSession(connect["host"], connect["port"], on_event=lambda event: None)
+            try:
+                self.keeper = DapSession(connect["host"], connect["port"], on_event=lambda event: None)
+            except OSError as e:  # (the rank's own session says whether the adapter is there)
+                self.kernel.log(f"nbddp: the debugger panel's keeper session could not connect: {e!r}")
 
     def gone(self, pid: int, told: bool = True) -> None:
         """A rank's session ended (the rank did, or the panel let it go): the panel is told its threads
