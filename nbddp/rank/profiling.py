@@ -256,5 +256,5 @@ def _collective_name(name: str) -> str:
     if name.startswith("gloo:"):
         return name[5:]
     if name.startswith(NCCL_KERNELS):
-        return name.split("_")[1] if name.count("_") >= 1 else name
+        return name.split("_")[1]
     return name

@@ -1,8 +1,8 @@
 """In a rank: ``nbddp.log(step=None, **scalars)``, batched and sent to the kernel as ``messages.Scalars``.
 
 A call only appends to a queue (a fraction of a microsecond: no lock, no conversion, no I/O), so a
-training loop can log every step. A thread of the rank takes what is queued every ``SEND_S`` and sends it
-as one record, one column per name; what is still queued goes before the rank's answer to its cell
+training loop can log every step. The rank's flusher thread (rank/stdio.py) takes what is queued every
+``SEND_S`` and sends it as one record, one column per name; what is still queued goes before the rank's answer to its cell
 (``flush``), so the kernel has all a cell logged when the cell ends. Values are made floats there, not in
 the call: a tensor's ``.item()`` costs the caller nothing (a value that is no number is left out, said
 once). A tensor is read when it is sent, up to ``SEND_S`` later: log ``loss.item()``, not a tensor a later
@@ -24,7 +24,7 @@ from . import profiling
 SEND_S = 0.25  # the kernel redraws at most twice a second: four batches a second keep it live
 _queue: collections.deque = collections.deque()  # (step, time, scalars) of each call, in order
 _state = {"chan": None, "step": -1, "warned": set()}
-_send_lock = threading.Lock()  # one batch at a time (the thread, or a flush before an answer)
+_send_lock = threading.Lock()  # one batch at a time (the flusher thread, or a flush before an answer)
 
 
 def log(step=None, **scalars) -> None:
@@ -46,9 +46,6 @@ def install(chan) -> None:
     _state.update(chan=chan, step=-1)
     _queue.clear()
     os.register_at_fork(after_in_child=_not_a_rank)  # (a DataLoader worker the rank forks)
-    thread = threading.Thread(target=_send_forever, name="nbddp-metrics", daemon=True)
-    thread.pydev_do_not_trace = thread.is_pydev_daemon_thread = True  # (the debugger panel neither traces nor lists it)
-    thread.start()
 
 
 def _not_a_rank() -> None:
@@ -56,7 +53,8 @@ def _not_a_rank() -> None:
 
 
 def flush() -> None:
-    """What is queued, sent now (before the rank answers its cell)."""
+    """What is queued, sent now: every ``SEND_S`` from the rank's flusher thread (rank/stdio.py), and before
+    the rank answers its cell."""
     chan = _state["chan"]
     if chan is None:
         return
@@ -74,17 +72,11 @@ def flush() -> None:
             pass
 
 
-def _send_forever() -> None:
-    while True:
-        time.sleep(SEND_S)
-        flush()
-
-
 def _columns(rows: list) -> Scalars | None:
     """Rows as one ``Scalars``: a column per name, NaN where a call did not log it."""
     names: dict[str, list] = {}
     steps, times = [], []
-    for i, (step, when, scalars) in enumerate(rows):
+    for step, when, scalars in rows:
         kept = False
         for name, value in scalars.items():
             number = _number(name, value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import itertools
 import os
 import sys
 import time
@@ -101,17 +102,21 @@ FLUSH_S = 0.05
 
 def _start_flusher() -> None:
     """stdout is block-buffered (one write per 64 KiB, not per line: a chatty rank costs its parent
-    and its own loop far less); this thread pushes what is pending every 50 ms, so output stays live.
-    stderr stays line-buffered: warnings and errors go out at once."""
+    and its own loop far less); this thread pushes what is pending every 50 ms, so output stays live,
+    and what ``nbddp.log`` queued every ``scalars.SEND_S`` (one batch: rank/scalars.py). stderr stays
+    line-buffered: warnings and errors go out at once."""
     import threading
 
     def flush_forever():
-        while True:
+        batch_every = max(1, round(scalars.SEND_S / FLUSH_S))
+        for tick in itertools.count(1):
             time.sleep(FLUSH_S)
             try:
                 sys.stdout.flush()
             except Exception:  # a closed or replaced stream: nothing to push
                 pass
+            if tick % batch_every == 0:
+                scalars.flush()  # (never raises; nothing to send outside a rank: a DataLoader worker)
 
     threading.Thread(target=flush_forever, name="nbddp-flush", daemon=True).start()
 
