@@ -34,6 +34,8 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from kernel import Kernel  # noqa: E402
 
+import sections  # noqa: E402
+
 BEGIN, END = "<!-- firststep:begin -->", "<!-- firststep:end -->"
 STEPS = 200
 
@@ -321,17 +323,7 @@ def render(r: dict) -> str:
 
 
 def write(r: dict) -> None:
-    results = json.loads((HERE / "results.json").read_text()) if (HERE / "results.json").exists() else {}
-    results["firststep"] = r
-    (HERE / "results.json").write_text(json.dumps(results, indent=1))
-    md = HERE / "results.md"
-    text = md.read_text() if md.exists() else ""
-    section = render(r)
-    if BEGIN in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    md.write_text(text)
+    sections.save("firststep", r, render(r), BEGIN, END)
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ Writes results.json's "metrics" entry and the section between the markers in res
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +23,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from kernel import Kernel  # noqa: E402
+
+import sections  # noqa: E402
 
 BEGIN, END = "<!-- metrics:begin -->", "<!-- metrics:end -->"
 
@@ -131,17 +132,7 @@ def render(r: dict) -> str:
 
 
 def write(r: dict) -> None:
-    results = json.loads((HERE / "results.json").read_text())
-    results["metrics"] = r
-    (HERE / "results.json").write_text(json.dumps(results, indent=1))
-    md = (HERE / "results.md").read_text()
-    block = f"{BEGIN}\n{render(r)}\n\n{END}"
-    if BEGIN in md:
-        md = md[:md.index(BEGIN)] + block + md[md.index(END) + len(END):]
-    else:
-        at = md.index("## GPU (issue 22)")
-        md = md[:at] + block + "\n\n" + md[at:]
-    (HERE / "results.md").write_text(md)
+    sections.save("metrics", r, f"{BEGIN}\n{render(r)}\n\n{END}", BEGIN, END, before="## GPU (issue 22)")
 
 
 if __name__ == "__main__":
