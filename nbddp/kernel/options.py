@@ -125,6 +125,11 @@ OPTIONS = (
     Option("nodes", ("--nodes",), 1, scope=LAUNCH, group="ranks", type=int, metavar="N", need="a whole number >= 1",
            ok=_whole(1), help="Nodes of the --cluster a pool spans, --devices ranks on each (node 0 is the "
            "kernel's). Default 1."),
+    Option("on_loss", ("--on-loss",), "heal", scope=LAUNCH, group="ranks", choices=("heal", "shrink", "end"),
+           help="What a pool does when it loses a rank (killed, out of memory, a crash): heal (default) forks a "
+           "replacement with the same rank and device, which takes the pool's state from a surviving peer; "
+           "shrink goes on with the survivors, renumbered; end ends the pool. See docs/user-guide.md, \"When a "
+           "rank is lost\"."),
     Option("ranks", ("--ranks",), (), scope=NAMES, group="pool", type=_rank_list, metavar="R[,R...]",
            help="Run the cell on these ranks of the pool only (0 or 0,2), to look at or fix one rank's state; a "
            "collective called there fails fast, and the pool lives on. Its last expression and --out come from "

@@ -20,7 +20,7 @@ from ..rank.server import Server
 from ..views import output
 from ..views.display import view_for_pool
 from ..wire import messages, sharedbuffer, values
-from . import checks, options
+from . import checks, healing, options
 from .cells import engine
 from .ranks import failure
 from .ranks.gang import Gang
@@ -55,6 +55,10 @@ class Pool:
         self.started_at: float | None = None  # time.time() once its ranks are up
         self.held = RankNames(namespace)  # what the ranks hold of the notebook's names (made anew at start())
         self._turn = threading.Lock()  # one cell in the ranks at a time (a background cell's thread, the notebook's)
+        self.losses = healing.Losses()  # its ranks lost (made anew at start())
+        self.bound_by: dict[str, str] = {}  # a name its cells bound -> the cell that bound it last
+        self.mended: list[str] = []  # what mending the pool said, not yet said in a cell's output
+        self.watch: healing.LossWatch | None = None
 
     # -- life --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -80,6 +84,10 @@ class Pool:
                                       inherited=plan.start_method == "fork",
                                       gpu_ipc=plan.start_method == "forkserver" and plan.accelerator == "cuda")
                 gang.sup.announce()
+                self.losses = healing.Losses(self.view)
+                gang.sup.listen(self.losses)
+                gang.sup.keep_peers = self.config.on_loss != "end"  # a lost rank's peers stay up to be mended
+                gang.mend = self.mend
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
                               wake_at=end)
@@ -92,6 +100,8 @@ class Pool:
             raise failure.rank_failed(exits, {}, str(gang.run_dir.path)) if failure.root_cause(exits) else \
                 RankFailure(f"the pool's ranks did not come up within {START_S:g} s; nothing is left running.",
                             rank=None, cause="start")
+        self.watch = healing.LossWatch(self)
+        self.watch.arm()
         return self
 
     @property
@@ -108,7 +118,47 @@ class Pool:
 
     @property
     def alive(self) -> bool:
-        return self.gang is not None and self.gang.alive
+        """Its ranks are all up, or it lost some and will mend itself before its next cell."""
+        return self.gang is not None and (self.gang.alive or self.mendable)
+
+    @property
+    def mendable(self) -> bool:
+        gang = self.gang
+        return (self.config.on_loss != "end" and gang.sup is not None and bool(self.losses.pending)
+                and bool(gang.sup.live()))
+
+    # -- a lost rank ----------------------------------------------------------------------------------
+    def mend(self) -> str:
+        """The ranks lost so far mended as ``--on-loss`` says (the ranks held: a cell's turn, or the watch's);
+        what to say. A pool that cannot be mended ends, and that is said."""
+        gang = self.gang
+        policy = self.config.on_loss
+        if not self.losses.pending or gang.sup is None:
+            return ""
+        lost = ", ".join(str(loss.rank) for loss in self.losses.pending)
+        if policy == "end" or not gang.sup.live():
+            gang.close("a rank exited")
+            return "The pool has ended and its ranks' state is gone (--on-loss end): %ddp start to begin again."
+        self.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost")
+        try:
+            mended = healing.mend(self, policy)
+        except healing.HealFailed as e:
+            gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {e}")
+            return (f"nbddp could not mend the pool: {e}.\nThe pool has ended and its ranks' state is gone: "
+                    "%ddp start to begin again.")
+        text = mended.say(self.bound_by)
+        self.view.said(text.splitlines()[0])
+        if mended.lacking:
+            self.view.said(f"lacking on rank(s) {lost}: {', '.join(sorted(mended.lacking))}")
+        return text
+
+    def mend_between_cells(self) -> None:
+        """A loss seen while no cell runs (the watch): mended now, said in the view, and in the next cell."""
+        self.gang.sup.poll()  # the exit itself: reaped, recorded (Losses), shown
+        if self.losses.pending:
+            text = self.mend()
+            if text and self.alive:
+                self.mended.append(text)
 
     @property
     def ended(self) -> str | None:
@@ -124,6 +174,8 @@ class Pool:
 
     def stop(self) -> None:
         """Ask every rank to leave the group and exit; SIGTERM/SIGKILL whoever does not within 5 s."""
+        if self.watch is not None:
+            self.watch.disarm()
         if self.gang is not None:
             self.gang.stop()
 
@@ -143,6 +195,7 @@ class Pool:
         """``job(ctx)`` on every rank (a job that needs the rank's context, such as its namespace: %ddp who);
         each rank's value, as ``run``."""
         with self.one_cell():
+            self.before_cell()
             outcome = self._engine(self.config, label).run(command=messages.Call(values.to_ranks(job)))
         return engine.returned(outcome.results())
 
@@ -157,6 +210,7 @@ class Pool:
         the cell reads. ``post_mortem``: IPython's %pdb. ``on_start``: engine.CellRun's. ``per_cell``: the
         cell's own options (checked by the caller), over the pool's."""
         config = options.config(per_cell, base=self.config)
+        self.before_cell()
         world = self.gang.world_size if self.gang else 0
         if ranks and max(ranks) >= world:
             raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
@@ -188,7 +242,27 @@ class Pool:
             place.write("stderr", f"nbddp: {note}\n")
         per_rank = outcome.results()
         self.held.answered(per_rank)
+        for res in per_rank:
+            self.bound_by.update(dict.fromkeys(res.assigned, label))
         return per_rank
+
+    def before_cell(self) -> None:
+        """A rank lost since the last cell: known now if not yet (no event loop watched it), mended first, and
+        what mending said, said here, before the cell's own output."""
+        if self.gang is None or self.gang.sup is None:
+            return
+        self.gang.sup.poll()
+        if self.losses.pending:
+            text = self.mend()
+            if text:
+                self.mended.append(text)
+        place = output.current()
+        for text in self.mended:
+            place.write("stderr", "".join(f"nbddp: {line}\n" if not line.startswith(" ") else f"{line}\n"
+                                          for line in text.splitlines()))
+        if self.mended:
+            place.flush("stderr")
+        self.mended = []
 
     def notebook_bound(self, names) -> None:
         """A notebook cell bound ``names``: the notebook's latest word, sent to the ranks at the next cell
@@ -212,14 +286,19 @@ class Pool:
 
     @contextlib.contextmanager
     def one_cell(self):
-        """The ranks for one cell: another thread's cell (a background one) ends first, said once."""
+        """The ranks for one cell: another thread's cell (a background one) ends first, said once. The watch
+        for lost ranks stands aside meanwhile (the cell's own loop sees them)."""
         if not self._turn.acquire(blocking=False):
             print("nbddp: waiting for the pool's cell running in the background to end", file=sys.stderr, flush=True)
             self._turn.acquire()
+        if self.watch is not None:
+            self.watch.disarm()
         try:
             yield
         finally:
             self._turn.release()
+            if self.watch is not None:
+                self.watch.arm()
 
     def _engine(self, config, label, relabel=None, observer=None, ranks=None, on_start=None) -> engine.CellRun:
         if self.ended:

@@ -41,6 +41,11 @@ def install(rank: int, world_size: int) -> None:
     _patch_ipython_shell()
 
 
+def renumber(rank: int, world_size: int) -> None:
+    """The rank's new place (a pool shrunk or resized), for the launchers the user's code starts."""
+    _state.update(rank=rank, world_size=world_size)
+
+
 # -- torch.multiprocessing.spawn / start_processes ---------------------------------------------------
 def _patch_torch_multiprocessing() -> None:
     import torch.multiprocessing as mp

@@ -28,7 +28,7 @@ from . import debug, debugpanel, jobs, libstate, profiling, stdin, usergroup
 from .commands import CommandPipe
 from .jobs import CellJob, fresh_namespace
 from .stdio import flush_streams
-from .worker import exit_code, exit_site, report
+from .worker import exit_code, exit_site, place_env, report
 
 INJECTED = {"rank", "local_rank", "world_size", "device", "exit", "quit"}
 INTERRUPT = signal.SIGUSR2
@@ -53,7 +53,7 @@ class Server:
     def __call__(self, ctx) -> messages.Result | None:
         """A one-shot rank's Result (sent by the worker before it leaves), or None after a pool's Stop."""
         ns = self.namespace if self.namespace is not None else fresh_namespace()
-        ctx = dataclasses.replace(ctx, namespace=ns)
+        ctx = dataclasses.replace(ctx, namespace=ns, owned=set())
         if self.namespace is not None:  # forked: what libraries cached in the kernel becomes the rank's own
             libstate.after_fork(ns, ctx)
         # what the kernel has too (by reference on the way back); spawn: cloudpickle's class tracking
@@ -87,6 +87,8 @@ class Server:
                 if isinstance(cmd, messages.InputReply):
                     continue  # the answer to a prompt its cell no longer waits for (the cell was interrupted)
                 usergroup.release_destroyed()  # idle since the last command: safe to free (usergroup)
+                if isinstance(cmd, messages.Regroup) and cmd.rank is not None:
+                    ctx = renumbered(ctx, cmd.rank, cmd.world_size)
                 busy.append(True)
                 try:
                     answer = imports.said(_answer(cmd, ns, ctx, notebook, bound))
@@ -122,7 +124,7 @@ def _answer(cmd, ns: dict, ctx, notebook, bound=None):
             debug.post_mortem_last(ctx.rank)
             return messages.Result()
         if isinstance(cmd, messages.Regroup):
-            old = usergroup.regroup(cmd.generation)
+            old = usergroup.regroup(cmd.generation, cmd.rank, cmd.world_size)
             return messages.Healthy(bound=_bound_to(old, ns))
         return _run(cmd, ns, ctx, notebook, bound=bound)
     except SystemExit as e:
@@ -130,6 +132,18 @@ def _answer(cmd, ns: dict, ctx, notebook, bound=None):
     except BaseException as e:  # noqa: BLE001 - the rank lives on; the kernel decides
         report(ctx.channel, "cell", e)
         return None
+
+
+def renumbered(ctx, rank: int, world_size: int):
+    """The rank's context at its new place (a pool shrunk or resized): its names, its environment and the
+    launchers' view of it say the new rank and world size from now on."""
+    from . import launchers
+
+    os.environ.update(place_env(rank, world_size))
+    launchers.renumber(rank, world_size)
+    ctx = dataclasses.replace(ctx, rank=rank, local_rank=rank, world_size=world_size)
+    ctx.namespace.update(rank=rank, local_rank=rank, world_size=world_size)
+    return ctx
 
 
 def _bound_to(group, ns: dict) -> tuple:
@@ -158,7 +172,10 @@ def _run(cmd, ns: dict, ctx, notebook, track: bool = True, bound=None) -> messag
 
 def _receive(cmd, ns: dict, ctx, notebook) -> None:
     """The notebook names a command carries (``RunCell``, ``Update``), into the rank's namespace; the
-    names it drops (their notebook value cannot be sent: the rank's copy is stale), out of it."""
+    names it drops (their notebook value cannot be sent: the rank's copy is stale), out of it. Either way
+    they are the notebook's now, not the pool's own (``ctx.owned``)."""
+    if ctx.owned is not None:
+        ctx.owned.difference_update(cmd.dropped, cmd.updates)
     for name in cmd.dropped:
         ns.pop(name, None)
     for name, blob in cmd.updates.items():
@@ -196,6 +213,8 @@ def _run_job(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound)
         result = job.run_in(ns, ctx, notebook)
     finally:
         assigned = tuple(k for k in bound.since() if k not in INJECTED)
+        if ctx.owned is not None:  # (a failed cell's too: what it bound before failing is the rank's own)
+            ctx.owned.update(k for k in assigned if not k.startswith("_"))
         if notebook is not None:  # the rank's own now: they travel by value
             for name in assigned:
                 notebook.pop(id(ns[name]), None)

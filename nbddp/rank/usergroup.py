@@ -27,16 +27,17 @@ import os
 _state: dict = {}
 
 
-def install(group_sockets=frozenset()) -> None:
+def install(group_sockets=frozenset(), store=None, generation: int = 0) -> None:
     """Call once in a rank, right after nbddp's own ``init_process_group``; ``group_sockets``: the
-    descriptors that init opened (its connections to the peers)."""
+    descriptors that init opened (its connections to the peers); ``store``: nbddp's store the group met on
+    (without a generation's prefix: later generations meet under their own); ``generation``: the group's."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     if _state:
         return
     _state.update(
-        store=c10d._get_default_store(),  # also keeps nbddp's store alive after a destroy
+        store=store if store is not None else c10d._get_default_store(),  # also kept alive after a destroy
         backend=str(dist.get_backend()),
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -53,19 +54,36 @@ def install(group_sockets=frozenset()) -> None:
     dist.destroy_process_group = c10d.destroy_process_group = destroy
 
 
+def keep(obj) -> None:
+    """Keep ``obj`` (a DDP model of a group that is gone) until the rank is idle, as destroyed groups are."""
+    _state.setdefault("kept", []).append(obj)
+
+
 def release_destroyed() -> None:
     """Let the groups destroyed so far go (the rank is idle: no worker of theirs is finishing work)."""
     _state.get("kept", []).clear()
 
 
-def regroup(generation: int):
-    """nbddp's own fresh group (a pool after a collective no peer would join): the old one destroyed
-    here, then made again on nbddp's store under a prefix of its own, with the same ranks. Returns the
-    old group (what the rank's objects bound to it point at)."""
-    import torch.distributed as dist
+def generation_store(store, generation: int):
+    """Where generation ``generation`` of nbddp's group meets on ``store`` (0: the store itself)."""
+    if not generation:
+        return store
     from torch.distributed import PrefixStore
 
+    return PrefixStore(f"nbddp-regroup-{generation}", store)
+
+
+def regroup(generation: int, rank: int | None = None, world_size: int | None = None):
+    """nbddp's own fresh group (a pool after a collective no peer would join, or one that lost a rank whose
+    replacement joins it): the old one destroyed here, then made again on nbddp's store under the
+    generation's prefix, with the same ranks. Returns the old group (what the rank's objects bound to it
+    point at). ``rank``, ``world_size``: the rank's place in the new group, where the pool was renumbered
+    (shrunk or resized)."""
+    import torch.distributed as dist
+
     s = _state
+    if rank is not None:
+        s["rank"], s["world_size"] = rank, world_size
     from torch.distributed import distributed_c10d as c10d
 
     old = c10d._get_default_group() if dist.is_initialized() else None
@@ -76,7 +94,7 @@ def regroup(generation: int):
         except Exception:  # a group already broken by a peer's leaving: what is left of it goes with it
             pass
     before = sockets()
-    s["original"](backend=s["backend"], store=PrefixStore(f"nbddp-regroup-{generation}", s["store"]),
+    s["original"](backend=s["backend"], store=generation_store(s["store"], generation),
                   rank=s["rank"], world_size=s["world_size"])
     s["sockets"] = sockets() - before
     return old

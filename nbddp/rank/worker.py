@@ -42,6 +42,13 @@ class RankSpec:
     store_fds: tuple | None = None  # a forked rank's (request, reply) pipes to the kernel's store (spawn: FileStore)
     switch_interval: float | None = None  # the kernel's sys.getswitchinterval(), whatever thread forked the rank
     blocked: tuple = ()  # the signals the kernel's main thread blocks (a fork takes the forking thread's mask)
+    generation: int = 0  # of the pool's process group: a replacement for a lost rank joins the survivors' new one
+
+
+def place_env(rank: int, world_size: int) -> dict:
+    """The environment variables that say a rank's place (as torchrun's), for a rank moved to a new one."""
+    return {**{k: str(rank) for k in ("RANK", "LOCAL_RANK", "ROLE_RANK", "NBDDP_RANK")},
+            **{k: str(world_size) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE")}}
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class RankContext:
     device: object  # torch.device
     channel: object = None  # the rank's framing.Writer (a pool's ranks answer each command on it)
     namespace: object = None  # the rank's globals, where the cells run (a pool's %ddp who and diff read them)
+    owned: object = None  # a pool's: the names its cells bound (a set), what a replacement may be healed with
 
 
 # What every rank imports: imported once in the kernel by %load_ext (``warm_start``), so a fork shares
@@ -122,8 +130,8 @@ def run_rank(spec: RankSpec, load_job, chan: framing.Writer) -> int:
 
         launchers.guard_descendants()  # before the group: the guardian must hold none of its sockets
         sockets = usergroup.sockets()
-        _join_group(spec)
-        usergroup.install(usergroup.sockets() - sockets)
+        store = _join_group(spec)
+        usergroup.install(usergroup.sockets() - sockets, store=store, generation=spec.generation)
         # launchers the user's code starts meet what they would under torchrun
         launchers.install(torch.distributed.get_rank(), torch.distributed.get_world_size())
         chan.send(messages.Ready())
@@ -194,7 +202,10 @@ def _device(spec: RankSpec, torch):
     return torch.device("cpu")
 
 
-def _join_group(spec: RankSpec) -> None:
+def _join_group(spec: RankSpec):
+    """The default process group, on the kernel's store (or a FileStore); returns that store. A later
+    generation's group (a replacement joining a pool that lost a rank) meets under that generation's prefix,
+    as the survivors' ``usergroup.regroup`` does."""
     import torch.distributed as dist
 
     if spec.store_fds is None:
@@ -203,13 +214,16 @@ def _join_group(spec: RankSpec) -> None:
         from . import pipestore
 
         store = pipestore.connect(*spec.store_fds, spec.pg_timeout_s)
+    from .usergroup import generation_store
+
     dist.init_process_group(
         spec.backend,
-        store=store,
+        store=generation_store(store, spec.generation),
         rank=spec.rank,
         world_size=spec.world_size,
         timeout=datetime.timedelta(seconds=spec.pg_timeout_s),
     )
+    return store
 
 
 def _leave_group(spec: RankSpec, told: bool) -> None:

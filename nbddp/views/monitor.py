@@ -52,6 +52,8 @@ class Monitor:
     def watch(self, rank: int, pid: int) -> None:
         self._pids[rank] = pid
         self.ranks[rank] = RankSample()
+        self.lost.discard(rank)  # (a replacement for a rank that was lost)
+        self._uss_at.pop(rank, None)
 
     def forget(self, rank: int) -> None:
         self._pids.pop(rank, None)

@@ -30,6 +30,7 @@ SPAN_FLOOR = 0.1  # the range drawn spans at least this fraction of the highest 
 MEMORY_FLOOR = 16 * 2**20  # a memory series' range drawn spans at least this (bytes)
 LINE_STEP_PX, LINE_HEIGHT_PX = 4, 14  # each point's width and the line's box height in the HTML view
 CELLS_SHOWN = 8
+EVENTS_SHOWN = 6  # a pool's last losses and mendings, each with its time
 BARS = "▁▂▃▄▅▆▇█"
 SMALL_TABLE = "border-collapse:collapse;font-size:12px;line-height:1.4"
 
@@ -119,6 +120,7 @@ class PoolView:
         self.ended: str | None = None
         self._timer = None
         self.steps = Chart()  # the running cell's step times (its logged steps, its bars): the slow rank
+        self.events: collections.deque = collections.deque(maxlen=EVENTS_SHOWN)  # (time, what): lost, healed
 
     # -- the pool's calls ---------------------------------------------------------------------------
     def watch(self, rank: int, pid: int) -> None:
@@ -133,6 +135,26 @@ class PoolView:
             self._publish(update=False)
             if self._timer is None:
                 self._schedule()
+
+    def said(self, text: str, at: float | None = None) -> None:
+        """A moment of the pool's life (a rank lost, the pool healing, healed), with its time: shown at once."""
+        self.events.append((at or time.time(), text))
+        if text.startswith("healing") or text.startswith("shrinking"):
+            for r, s in self.state.items():
+                self.state[r] = "healing" if s == "dead" else s
+        self.redraw()
+
+    def renumber(self, moves: dict, plan) -> None:
+        """The pool shrank: rank ``old`` is rank ``moves[old]`` from now on."""
+        self.plan = plan
+        self.rss = {moves[r]: s for r, s in self.rss.items() if r in moves}
+        self.state = {moves[r]: s for r, s in self.state.items() if r in moves}
+        pids = {moves[r]: pid for r, pid in self.pids.items() if r in moves}
+        for r in list(self.monitor.ranks):
+            self.monitor.forget(r)
+        self.pids = {}
+        for r, pid in pids.items():
+            self.watch(r, pid)
 
     def cell_began(self, label: str) -> None:
         self.running, self.cell_t0 = label, time.monotonic()
@@ -167,6 +189,8 @@ class PoolView:
     # -- supervisor events during a cell ------------------------------------------------------------
     def on_Started(self, event) -> None:
         self.watch(event.rank, event.pid)
+        if self.state.get(event.rank) in ("dead", "healing"):  # a replacement for a lost rank
+            self.state[event.rank] = "idle"
 
     def on_Message(self, event) -> None:
         if isinstance(event.record, (Result, Error, Exit)) and self.state.get(event.rank) == "busy":
@@ -278,6 +302,9 @@ class PoolView:
     def cell_rows(self) -> list[str]:
         return [f"{label} · {duration(sec)} · {outcome}" for label, sec, outcome in self.cells]
 
+    def event_lines(self) -> list[str]:
+        return [f"{time.strftime('%H:%M:%S', time.localtime(at))} {text}" for at, text in self.events]
+
     def render_text(self) -> str:
         lines = [self.title()]
         for table in (self.rows(), self.gpu_rows()):
@@ -286,6 +313,7 @@ class PoolView:
             lines.append("cells: " + "; ".join(self.cell_rows()))
         if slow := self.steps.slow():
             lines.append(f"slow: {slow}")
+        lines += self.event_lines()
         lines.append(f"logs: {self.run_dir.path}")
         return "\n".join(lines)
 
@@ -305,6 +333,7 @@ class PoolView:
             parts.append(f"<div style='color:{TEXT}'>" + "<br>".join(html.escape(c) for c in self.cell_rows()) + "</div>")
         if slow := self.steps.slow():
             parts.append(f"<div style='color:{WARN}'>slow: {html.escape(slow)}</div>")
+        parts += [f"<div style='color:{WARN}'>{html.escape(line)}</div>" for line in self.event_lines()]
         parts.append(f"<div style='color:{MUTED}'>logs: {html.escape(str(self.run_dir.path))}</div></div>")
         return "".join(parts)
 

@@ -221,9 +221,12 @@ class HealthCheck:
 class Regroup:
     """Pool: leave the process group and make a fresh one (generation ``generation`` on nbddp's store).
     Leaving closes this rank's connections, which frees a peer stuck in a collective no rank will join
-    (its collective fails: "Connection closed by peer"); every rank answers ``Healthy`` once regrouped."""
+    (its collective fails: "Connection closed by peer"); every rank answers ``Healthy`` once regrouped.
+    ``rank`` and ``world_size``, when given: the rank's new place (a pool shrunk or resized)."""
 
     generation: int
+    rank: int | None = None
+    world_size: int | None = None
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,18 @@ class Sharer:
             self._by_place[(ptr, nbytes)] = entry
             return arena.handle(), offset
 
+    def let_go(self) -> None:
+        """Close every arena now, whatever still uses it here (a rank's export to a replacement, once it has
+        mapped them: its mappings keep the pages, this process keeps none)."""
+        with self._lock:
+            arenas = {id(e.arena): e.arena for e in self._cache.values()}
+            arenas.update((id(a), a) for a in self._idle)
+            self._cache.clear()
+            self._by_place.clear()
+            self._idle = []
+            for arena in arenas.values():
+                arena.close()
+
     def _forget(self, key: int) -> None:
         with self._lock:
             entry = self._cache.pop(key, None)

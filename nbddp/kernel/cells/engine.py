@@ -115,6 +115,10 @@ class CellRun:
             self.first_error = time.monotonic()
             self._at(self.first_error + rules.PEER_GRACE_S, lambda: self.rules.peer_failed(self))
 
+    def on_Exited(self, event) -> None:
+        if not event.exit.stopped and event.rank in self.ranks:
+            self.rules.rank_lost(self)
+
     def _answered(self) -> None:
         self.last_reply = time.monotonic()
         if len(self.replies) == self.gang.world_size:

@@ -55,6 +55,9 @@ class CellRules(abc.ABC):
     def started(self, run) -> None:
         """The ranks have the cell."""
 
+    def rank_lost(self, run) -> None:
+        """A rank died during the cell (its exit known: a pool that mends itself keeps its peers up)."""
+
     @abc.abstractmethod
     def prompts_refused(self, run) -> str | None:
         """None while a rank's input() or pdb prompt may be asked in the notebook; else why not, which is
@@ -185,6 +188,7 @@ class PoolRules(CellRules):
         self.interrupted_at: float | None = None  # when the ranks still running were interrupted
         self.gave_up = False  # they did not all answer within HEALTH_S of it
         self.survived = True  # whether the pool lives on after an interrupt
+        self.lost = False  # a rank died during the cell
 
     def listeners(self, run) -> list:
         self.recovery = Recovery(run.gang, run.ranks, run.replies, run.wait_for)
@@ -201,6 +205,9 @@ class PoolRules(CellRules):
         return self.interrupted_at is not None
 
     def over(self, run) -> bool:
+        if self.lost and run.sup is not None:  # a pool that mends itself: once every live rank answered
+            live = {p.rank for p in run.sup.live()}
+            return all(r in run.replies for r in run.ranks if r in live) or self.gave_up
         return (not run.gang.alive or set(run.replies) >= set(run.ranks) or bool(run.probe.stranded)
                 or self.gave_up)
 
@@ -209,6 +216,13 @@ class PoolRules(CellRules):
 
     def peer_failed(self, run) -> None:
         self.interrupt_running(run)  # the others would wait for it in their next collective
+
+    def rank_lost(self, run) -> None:
+        """The survivors still in the cell are interrupted after PEER_GRACE_S (a collective with the lost rank
+        fails on its own as its connections close); the cell is over once they answered."""
+        if run.gang.mend is not None and not self.lost:
+            self.lost = True
+            run.sup.at(time.monotonic() + PEER_GRACE_S, lambda: self.peer_failed(run))
 
     def timed_out(self, run) -> None:
         self.interrupt_running(run)
@@ -248,15 +262,19 @@ class PoolRules(CellRules):
         return failure.interrupted(running, states, str(run.gang.run_dir.path), fate)
 
     def check_alive(self, run) -> None:
-        """A rank died: the pool ends with it, and the cell says so."""
+        """A rank died: the cell fails saying so, and the pool mends itself (``--on-loss heal|shrink``) or
+        ends with it."""
         gang = run.gang
         if gang.alive:
             return
         dead = [p.exit for p in gang.sup.procs if p.exit is not None]
-        gang.close("a rank exited")
         err = failure.rank_failed(dead, run.relabel, str(gang.run_dir.path)) if failure.root_cause(dead) else None
-        raise RankFailure((str(err) if err else "a rank of the pool exited") +
-                          "\nThe pool has ended and its ranks' state is gone: %ddp start to begin again.",
+        if gang.mend is not None:
+            fate = gang.mend()
+        else:
+            gang.close("a rank exited")
+            fate = "The pool has ended and its ranks' state is gone: %ddp start to begin again."
+        raise RankFailure((str(err) if err else "a rank of the pool exited") + "\n" + fate,
                           rank=err.rank if err else None, cause=err.cause if err else "exit")
 
     def exits(self, run) -> list:

@@ -9,13 +9,14 @@ Its run directory (0700), rank logs (0600), supervisor and command pipes live an
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
 from ...wire import framing, messages
 from . import failure, groupstore, rendezvous, starters
 from .logs import RankLogs
-from .supervisor import Supervisor
+from .supervisor import Started, Supervisor
 
 STOP_S = 5.0  # a pool's ranks leave the group and exit within this after Stop, or are killed
 
@@ -33,10 +34,14 @@ class Gang:
         self.started = False
         self.generation = 0  # of its process group: a pool's is made anew when a rank is stuck in a collective
         self.old_group: tuple | None = None  # once its group was made anew: what the ranks had bound to the old one
+        self.mend = None  # a pool's: () -> what it says, mending the ranks it lost (kernel/healing.py); None: it ends
         self.why: str | None = None  # how it ended, once closed ("stopped", "rank 1 exited: ...")
         self._cmd: dict[int, int] = {}
         self._starter = None
-        self.local = None  # forked ranks: the kernel's store and the thread serving their store pipes
+        self.specs: dict = {}  # rank -> the RankSpec it was forked with
+        self.local = None
+        self._job_for = None  # a rank's job, given its command pipes (a replacement's too)
+        self._prepare = None  # what each fork is given besides (its store pipes)  # forked ranks: the kernel's store and the thread serving their store pipes
 
     def lifelong(self) -> list:
         """The subscribers every cell's bus starts with."""
@@ -64,15 +69,64 @@ class Gang:
         if self.piped:  # the process group meets on the kernel's store, over pipes
             self.local = groupstore.LocalStores(groupstore.Store())
             prepare = starters.store_pipes(self.local)
+        self._job_for, self._prepare = job_for, prepare
         try:
             self._starter.ready(self.config)
-            starters.fork_ranks(self.sup, self._starter, job_for(pipes), self.config, self.plan, self.run_dir,
-                                deadline, prepare)
+            self.specs = {spec.rank: spec for spec in starters.rank_specs(self.config, self.plan, self.run_dir)}
+            starters.fork_specs(self.sup, self._starter, job_for(pipes), list(self.specs.values()), deadline, prepare)
         finally:
             for read, _ in pipes.values():
                 os.close(read)
             if self.local is not None:
                 self.local.start()
+
+    def replace(self, rank: int, generation: int) -> None:
+        """A new rank ``rank`` in place of the one that ended: forked as it was (same device, environment and
+        start method, from the kernel as it is now), its own command pipe, joining the process group's
+        ``generation`` (the survivors make it with ``Regroup``)."""
+        for proc in [p for p in self.sup.procs if p.rank == rank]:
+            self.sup.forget(proc)  # (it ended: its descriptors are closed)
+        old = self._cmd.pop(rank, None)
+        if old is not None:
+            os.close(old)
+        self.ready.discard(rank)
+        self._starter.ready(self.config)  # (the kernel's OpenMP threads released again: it ran ops since)
+        read, write = os.pipe()
+        others = list(self._cmd.values())  # no other rank's command pipe in the new one
+
+        def prepare(spec):
+            spec, not_inherited, forked = self._prepare(spec) if self._prepare else (spec, (), None)
+            return spec, [*not_inherited, *others], forked
+
+        try:
+            starters.fork_specs(self.sup, self._starter, self._job_for({rank: (read, write)}),
+                                [starters.again(self.specs[rank], generation)], None, prepare)
+        except BaseException:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        self._cmd[rank] = write
+        proc = self.sup.procs[-1]
+        self.sup.bus.publish(Started(proc.rank, proc.pid))  # the pool's view watches it
+
+    def renumber(self, moves: dict) -> None:
+        """The pool shrunk to the ranks of ``moves`` (old rank -> new, in order): every table of the gang
+        follows (its supervisor's ranks, command pipes, specs, logs and view), the ranks that ended forgotten."""
+        for proc in [p for p in self.sup.procs if p.rank not in moves]:
+            self.sup.forget(proc)
+        for proc in self.sup.procs:
+            proc.rank = moves[proc.rank]
+        for rank in [r for r in self._cmd if r not in moves]:
+            os.close(self._cmd.pop(rank))
+        self._cmd = {moves[r]: fd for r, fd in self._cmd.items()}
+        self.ready = {moves[r] for r in self.ready if r in moves}
+        self.specs = {moves[r]: starters.moved(spec, moves[r], len(moves)) for r, spec in self.specs.items() if r in moves}
+        self.plan = dataclasses.replace(self.plan, device_ids=tuple(self.plan.device_ids[r] for r in sorted(moves)))
+        self.world_size = len(moves)
+        self.logs.renumber({r: str(self.run_dir.log(r)) for r in moves.values()})
+        if self.view is not None:
+            self.view.renumber(moves, self.plan)
 
     def node_of(self, rank: int) -> str:
         """The node a rank runs on, as failures name it: none on one machine (a cluster pool's gang says)."""

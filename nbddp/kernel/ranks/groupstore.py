@@ -100,9 +100,19 @@ class LocalStores:
         self.wake_r, self.wake_w = os.pipe()
         self.thread: threading.Thread | None = None
         self.closed = False
+        self._lock = threading.Lock()  # the pipes: added by the kernel's thread, served and dropped by this one
 
     def add(self, request_fd: int, reply_fd: int) -> None:
-        self.pipes[request_fd] = (reply_fd, Reader())
+        """A rank's two store pipes; served from now on (a replacement forked while the thread runs too)."""
+        with self._lock:
+            self.pipes[request_fd] = (reply_fd, Reader())
+        if self.thread is not None:
+            _reply(self.wake_w, b"+")  # the thread lists its pipes again
+
+    def fds(self) -> list[int]:
+        """The kernel's descriptors here: every rank's two store pipes' ends, and the thread's wake pipe."""
+        with self._lock:
+            return [*self.pipes, *(reply for reply, _ in self.pipes.values()), self.wake_r, self.wake_w]
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._serve, name="nbddp-store", daemon=True)
@@ -110,14 +120,19 @@ class LocalStores:
 
     def _serve(self) -> None:
         while not self.closed:
-            fds = [self.wake_r, *self.pipes]
+            with self._lock:
+                fds = [self.wake_r, *self.pipes]
             for fd in select.select(fds, [], [])[0]:
                 if fd == self.wake_r:
-                    return
+                    _read(self.wake_r)
+                    if self.closed:
+                        return
+                    break  # a pipe was added: list them again
                 data = _read(fd)
                 reply_fd, frames = self.pipes[fd]
                 if not data:  # the rank is gone: its two pipes' ends here with it
-                    self.pipes.pop(fd)
+                    with self._lock:
+                        self.pipes.pop(fd)
                     for end in (fd, reply_fd):
                         try:
                             os.close(end)

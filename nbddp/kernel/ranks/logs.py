@@ -35,6 +35,13 @@ class RankLogs:
             self._bar[event.rank] = rec.bar
         os.write(fd, text.encode("utf-8", "replace"))
 
+    def renumber(self, paths: dict) -> None:
+        """Ranks moved (a pool shrunk): each rank's bytes go on in its new number's log (``paths``)."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._bar.clear()
+        self._fds = {r: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r, p in paths.items()}
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)

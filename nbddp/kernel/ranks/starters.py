@@ -1,6 +1,7 @@
 """Starting ranks: one small class per start method (fork, spawn), each giving a rank three pipes
-(stdout, stderr, its typed channel) and registering it with the supervisor; ``fork_ranks`` starts one
-rank per planned device, an interrupt held back until every rank started is tracked.
+(stdout, stderr, its typed channel) and registering it with the supervisor; ``fork_specs`` starts one
+rank per spec (``rank_specs``: one per planned device), an interrupt held back until every rank started is
+tracked.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import warnings
 
 from ...rank import inherit
 from ...rank.stdio import LIBC, POSIX
-from ...rank.worker import RankSpec, fork_main
+from ...rank.worker import RankSpec, fork_main, place_env
 from ...wire import values
 from ...hw import openmp
 from .. import devices
@@ -36,13 +37,12 @@ def _life_pipe() -> tuple[int, int] | tuple[None, None]:
     return (None, None) if hasattr(os, "pidfd_open") else os.pipe()
 
 
-def fork_ranks(sup: Supervisor, starter, job, config, plan: devices.Plan, run_dir,
-               deadline: float | None = None, prepare=None) -> None:
-    """One rank per device, registered with the supervisor as soon as it exists. Past ``deadline``
-    (--timeout) no more are forked: hundreds of CPU ranks on a few cores can take minutes to fork."""
+def rank_specs(config, plan: devices.Plan, run_dir) -> list[RankSpec]:
+    """Each planned device's rank, as it is forked (a pool keeps them: a replacement for a lost rank is forked
+    from its spec, with the same device and environment)."""
     ifname = rendezvous.loopback_ifname()
     port = rendezvous.free_port()
-    specs = [
+    return [
         RankSpec(
             rank=rank,
             world_size=plan.world_size,
@@ -59,7 +59,18 @@ def fork_ranks(sup: Supervisor, starter, job, config, plan: devices.Plan, run_di
         )
         for rank, dev in enumerate(plan.device_ids)
     ]
-    fork_specs(sup, starter, job, specs, deadline, prepare)
+
+
+def moved(spec: RankSpec, rank: int, world_size: int) -> RankSpec:
+    """``spec`` at a new place (a pool shrunk): its rank, world size and the environment that says them."""
+    return dataclasses.replace(spec, rank=rank, world_size=world_size, env={**spec.env, **place_env(rank, world_size)})
+
+
+def again(spec: RankSpec, generation: int) -> RankSpec:
+    """``spec`` for a replacement forked now, joining the group's generation ``generation``."""
+    env = dict(spec.env, TORCHELASTIC_RESTART_COUNT=str(generation))
+    return dataclasses.replace(spec, generation=generation, env=env, parent_pid=os.getpid(),
+                               switch_interval=kernel_switch_interval(), blocked=main_thread_blocked())
 
 
 def store_pipes(local, env=None, forked=None):
@@ -68,8 +79,6 @@ def store_pipes(local, env=None, forked=None):
     FileStore, whose waits poll every 10 ms: a rendezvous that answers as soon as the key is set. No rank
     inherits another's pipes. ``env(spec)``: the rank's environment, if it differs from the spec's;
     ``forked(proc)``: called with each forked rank."""
-    kernel_ends = []  # the kernel's ends of the ranks' store pipes: no later rank inherits them
-
     def prepare(spec):
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
@@ -77,13 +86,14 @@ def store_pipes(local, env=None, forked=None):
         def on_fork(proc):
             os.close(req_w)
             os.close(rep_r)
-            kernel_ends.extend((req_r, rep_w))
             local.add(req_r, rep_w)
             if forked is not None:
                 forked(proc)
 
         spec = dataclasses.replace(spec, store_fds=(req_w, rep_r), env=env(spec) if env else spec.env)
-        return spec, [*kernel_ends, req_r, rep_w, local.wake_r, local.wake_w], on_fork
+        # the kernel's ends of the other ranks' store pipes, as they are now (a lost rank's are closed, their
+        # numbers maybe this rank's own by now): no rank inherits them
+        return spec, [*local.fds(), req_r, rep_w], on_fork
 
     return prepare
 

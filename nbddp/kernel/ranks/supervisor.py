@@ -184,6 +184,7 @@ class Supervisor:
         self._exits_seen = 0
         self.on_timeout = self.stop_all  # what --timeout does once the stacks are in (a pool interrupts)
         self._waker = Waker(self.sel)  # an interrupt from another thread (a background cell's %ddp interrupt)
+        self.keep_peers = False  # a rank that fails by dying leaves its peers running (a pool that heals)
 
     def begin_cell(self, listeners=(), *, tick: float | None = None, on_timeout=None) -> None:
         """A cell's listeners after the lifelong ones, its tick and its --timeout rule (``on_timeout``,
@@ -198,6 +199,11 @@ class Supervisor:
         self._waker.pending = False  # (an interrupt asked between cells, as the last ended, was for that one)
         for p in self.procs:  # what a rank said in earlier cells must not explain how this one ends
             p.records.clear()
+
+    def listen(self, sub) -> None:
+        """One more lifelong listener (a pool's record of its lost ranks)."""
+        self._lifelong.append(sub)
+        self.bus.subscribe(sub)
 
     def end_cell(self) -> None:
         """Only the lifelong listeners again (a pool's stop: no cell is there to show its ranks' last words)."""
@@ -268,6 +274,18 @@ class Supervisor:
             if next_tick is not None and now >= next_tick:
                 self.bus.publish(Tick(rankdebug.stopped_pids()))
                 next_tick = now + self.tick
+
+    def poll(self) -> None:
+        """The events there are now, handled without waiting (a pool between cells, when a rank's pidfd says
+        it ended: its exit is known at once, not at the next cell)."""
+        for key, _ in self.sel.select(0):
+            self._event(*key.data, key.fd)
+
+    def forget(self, proc: RankProc) -> None:
+        """A rank that ended and was replaced (a pool that healed, or shrank): no longer one of the loop's."""
+        if proc.exit_fd >= 0 or proc.fds:
+            raise ValueError(f"rank {proc.rank} (pid {proc.pid}) has not ended")
+        self.procs.remove(proc)
 
     def _event(self, proc: RankProc, kind: str, fd: int) -> None:
         if kind == "wake":
@@ -350,7 +368,7 @@ class Supervisor:
         self._exits_seen += 1
         proc.exit = dataclasses.replace(record, order=self._exits_seen, node=proc.node)
         self.bus.publish(Exited(proc.rank, proc.exit))
-        if failure.failed(proc.exit) and not proc.stop_sent:
+        if failure.failed(proc.exit) and not proc.stop_sent and not self.keep_peers:
             self.stop_all()
 
     def feed(self, proc: RankProc, event) -> None:

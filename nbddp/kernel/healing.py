@@ -1,0 +1,329 @@
+"""A pool that survives a lost rank (``%ddp start --on-loss heal|shrink|end``): the loss known at once, said,
+and the pool mended without the user doing anything.
+
+- ``Losses`` (a lifelong listener of the pool's supervisor) records each rank that died: its number, the
+  cause in words, the cell it was running, when. Between cells, ``LossWatch`` puts the ranks' pidfds on the
+  kernel's event loop (the main thread, between cells, as the pool's view redraws), so a rank killed while
+  the pool is idle is known within milliseconds, said in the pool's view and ``%ddp status``, and mended
+  there and then; where no event loop runs (a script's ``nbddp.Pool``) the next cell finds it first.
+- ``mend`` heals (a replacement with the lost rank's number and device, forked as the rank was, joins the
+  survivors in a new process group at the same world size, and takes the pool's state from a survivor:
+  rank/heal.py) or shrinks (the survivors renumbered in order, a new group at N-1); either way every
+  DistributedDataParallel in a rank's namespace is made anew on the new group. Whatever fails while mending
+  (a second rank lost, a step that does not answer within its time, an interrupt) ends the pool with that
+  reason: nothing hangs, nothing is left running.
+
+Each step is a ``Call`` of one of rank/heal.py's functions on some ranks, its answers awaited on the
+supervisor's loop with a deadline (``ask``), as a cell's are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..rank import heal
+from ..wire import messages, values
+from .ranks import starters
+
+POLICIES = ("heal", "shrink", "end")
+STEP_S = 120.0  # a mending step's answers (a survey of many GiB, an export) within this, or the pool ends
+JOIN_S = 60.0  # a replacement up and every rank in the new group within this
+UNLIMITED = 1 << 62  # an export's pickle may be as big as it is: it goes once, from one peer
+
+
+class HealFailed(RuntimeError):
+    """Mending the pool failed; the message says what happened, on which rank."""
+
+
+@dataclasses.dataclass
+class Loss:
+    rank: int
+    cause: str  # in words, as a failed cell says it ("killed by SIGKILL: ...")
+    cell: str | None  # the cell it was running, if any
+    at: float  # time.time() the kernel saw it
+
+    def line(self) -> str:
+        during = f" while running {self.cell}" if self.cell else " while idle"
+        return f"rank {self.rank} lost{during}: {self.cause}"
+
+
+class Losses:
+    """The pool's supervisor's lifelong listener: each rank that ended without being asked to."""
+
+    def __init__(self, view=None):
+        self.view = view
+        self.pending: list[Loss] = []  # not mended yet
+        self.history: list[Loss] = []
+
+    def on_Exited(self, event) -> None:
+        exit = event.exit
+        if exit.stopped or exit.only_leaving:
+            return  # nbddp ended it (a stop, a teardown), or it left after its work
+        running = getattr(self.view, "running", None) if self.view is not None else None
+        loss = Loss(event.rank, exit.describe(), running, exit.seen or time.time())
+        self.pending.append(loss)
+        self.history.append(loss)
+        if self.view is not None:
+            self.view.said(loss.line(), at=loss.at)
+
+
+class LossWatch:
+    """Between cells, the pool's live ranks' pidfds on the kernel's event loop (its main thread, between cells):
+    a rank that dies is reaped, said and mended at once (``Pool.mend_between_cells``). Armed only while no
+    cell holds the ranks (``Pool.one_cell`` disarms it): a cell's own loop sees its losses. Where no event
+    loop runs (a script), nothing is armed: the next cell finds the loss."""
+
+    RETRY_S = 0.5  # a background cell holds the ranks: look again then (its own loop sees a loss meanwhile)
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.loop = None
+        self.fds: list[int] = []
+
+    def arm(self) -> None:
+        """From any thread: the watch is set on the event loop's thread."""
+        import asyncio
+        import threading
+
+        if self.loop is None:
+            try:
+                self.loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # no event loop here (a script): the next cell looks
+        if threading.current_thread() is threading.main_thread():
+            self._arm()
+        else:
+            self.loop.call_soon_threadsafe(self._arm)
+
+    def _arm(self) -> None:
+        self.disarm()
+        pool = self.pool
+        if pool.gang is None or pool.gang.sup is None or self.loop.is_closed():
+            return
+        if pool._turn.locked():  # a cell holds the ranks (a background one): it sees a loss itself
+            self.loop.call_later(self.RETRY_S, self._arm)
+            return
+        for proc in pool.gang.sup.live():
+            if proc.here and proc.exit_fd >= 0:
+                self.loop.add_reader(proc.exit_fd, self._fired)
+                self.fds.append(proc.exit_fd)
+
+    def disarm(self) -> None:
+        import threading
+
+        if self.loop is None:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            self.loop.call_soon_threadsafe(self.disarm)
+            return
+        for fd in self.fds:
+            self.loop.remove_reader(fd)
+        self.fds = []
+
+    def _fired(self) -> None:
+        self.disarm()
+        pool = self.pool
+        if not pool._turn.acquire(blocking=False):
+            self.loop.call_later(self.RETRY_S, self._arm)
+            return
+        try:
+            pool.mend_between_cells()
+        finally:
+            pool._turn.release()
+        if pool.alive:
+            self._arm()
+
+
+# -- asking some ranks, with a deadline ------------------------------------------------------------------------
+class _Answers:
+    def __init__(self, ranks):
+        self.ranks = set(ranks)
+        self.got: dict[int, object] = {}
+        self.lost: list = []
+
+    def on_Message(self, event) -> None:
+        if event.rank in self.ranks and isinstance(event.record, (messages.Result, messages.Error, messages.Exit,
+                                                                  messages.Healthy)):
+            self.got.setdefault(event.rank, event.record)
+
+    def on_Exited(self, event) -> None:
+        if not event.exit.stopped:  # any rank: the step cannot go on without it
+            self.lost.append(event.exit)
+
+
+def ask(gang, commands: dict, what: str, within: float = STEP_S, also=lambda: True) -> dict:
+    """``commands`` (rank -> command) sent, and each rank's answer (rank -> record) once every one answered
+    and ``also()`` holds; a rank lost meanwhile, an error, or no answer within ``within`` s is HealFailed."""
+    answers = _Answers(commands)
+    sup = gang.sup
+    sup.begin_cell([answers])
+    try:
+        with starters.sigint_deferred():
+            for rank, cmd in commands.items():
+                gang.command(cmd, ranks=[rank])
+        end = time.monotonic() + within
+        sup.wait(None, until=lambda: answers.lost or len(answers.got) == len(commands) and also()
+                 or time.monotonic() >= end, wake_at=end)
+    except KeyboardInterrupt:
+        raise HealFailed(f"interrupted while {what}") from None
+    finally:
+        sup.end_cell()
+    if answers.lost:
+        e = answers.lost[0]
+        raise HealFailed(f"rank {e.rank} was lost too while {what}: {e.describe()}")
+    for rank, rec in sorted(answers.got.items()):
+        if isinstance(rec, messages.Error):
+            raise HealFailed(f"rank {rank} failed while {what}: {rec.type}: {rec.message}")
+        if isinstance(rec, messages.Exit):
+            raise HealFailed(f"rank {rank} exited while {what} (sys.exit({rec.code}))")
+    missing = sorted(set(commands) - set(answers.got))
+    if missing or not also():
+        late = f"rank(s) {', '.join(map(str, missing))}" if missing else "a replacement"
+        raise HealFailed(f"{late} did not answer within {within:g} s while {what}")
+    return answers.got
+
+
+def call(fn, *args):
+    """A command that runs ``fn(ctx, *args)`` on a rank and answers with its value (rank/heal.py's steps)."""
+    return messages.Call(values.to_ranks(heal.Step(fn, args, UNLIMITED)))
+
+
+def value(record):
+    return values.loads(record.value.blob) if record.value is not None and record.value.blob is not None else None
+
+
+# -- the state: which names a replacement may be given -----------------------------------------------------------
+@dataclasses.dataclass
+class Verdict:
+    agreed: list  # names every survivor holds alike (two or more of them)
+    ddps: list  # of those, the DistributedDataParallel models (made anew on every rank)
+    lacking: dict  # name -> why the replacement lacks it
+    stale: list  # DDP models on the survivors that no replacement has (bound to the old group until run again)
+
+
+def verdict(views: dict) -> Verdict:
+    """From each survivor's survey (rank -> name -> (kind, fingerprint or why)): what may be copied."""
+    names = sorted(set().union(*views.values())) if views else []
+    agreed, ddps, lacking, stale = [], [], {}, []
+    for name in names:
+        seen = [v[name] for v in views.values() if name in v]
+        lost = next((why for kind, why in seen if kind == "lost"), None)
+        if lost is not None:
+            lacking[name] = lost
+        elif len(views) < 2:
+            lacking[name] = "only one survivor holds it: no second rank can vouch that it is not rank-specific"
+        elif len(seen) < len(views):
+            lacking[name] = "not every survivor holds it"
+        elif len({fp for _, fp in seen}) > 1:
+            lacking[name] = "its value differs between ranks (made from rank)"
+        else:
+            agreed.append(name)
+            if seen[0][0] == "ddp":
+                ddps.append(name)
+        if name in lacking and any(kind == "ddp" for kind, _ in seen):
+            stale.append(name)
+    return Verdict(agreed, ddps, lacking, stale)
+
+
+# -- mending ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Mended:
+    how: str  # "healed" | "shrunk"
+    lost: list  # the Loss records mended
+    seconds: float
+    copied: list = dataclasses.field(default_factory=list)
+    peer: int | None = None
+    lacking: dict = dataclasses.field(default_factory=dict)  # name -> why
+    rebuilt: list = dataclasses.field(default_factory=list)
+    renumbered: dict = dataclasses.field(default_factory=dict)  # shrink: old rank -> new
+
+    def say(self, bound_by: dict) -> str:
+        """What the cell's output and %ddp status say, with the names to run again and the cells that bound them."""
+        ranks = ", ".join(str(loss.rank) for loss in self.lost)
+        if self.how == "shrunk":
+            moves = ", ".join(f"{a}→{b}" for a, b in sorted(self.renumbered.items()) if a != b) or "none"
+            lines = [f"shrank the pool in {self.seconds:.1f} s: rank(s) {ranks} gone, the survivors renumbered "
+                     f"({moves}) in a new process group of {len(self.renumbered)}."]
+        else:
+            what = f"{len(self.copied)} name(s) from rank {self.peer}" if self.copied else "no names from a peer"
+            lines = [f"healed the pool in {self.seconds:.1f} s: a new rank {ranks} took {what} "
+                     f"({', '.join(self.copied[:12])}{', ...' if len(self.copied) > 12 else ''})"
+                     if self.copied else f"healed the pool in {self.seconds:.1f} s: a new rank {ranks}, {what}."]
+        if self.rebuilt:
+            lines.append(f"made anew on the new process group: {', '.join(self.rebuilt)} (DistributedDataParallel)")
+        if self.lacking:
+            who = f"rank {ranks}" if self.how == "healed" else "the ranks"
+            lines.append(f"{who} lack(s) these names; run the cells that bound them again:")
+            for name, why in sorted(self.lacking.items()):
+                lines.append(f"  {name} ({bound_by.get(name, 'a cell of the pool')}): {why}")
+        return "\n".join(lines)
+
+
+def mend(pool, policy: str) -> Mended:
+    """The pool's pending losses mended by ``policy`` ("heal" or "shrink"); HealFailed if it cannot be."""
+    gang = pool.gang
+    losses = list(pool.losses.pending)
+    start = time.monotonic()
+    survivors = sorted(p.rank for p in gang.sup.live())
+    if not survivors:
+        raise HealFailed("no rank survived")
+    if gang.plan.backend != "gloo":
+        raise HealFailed(f"a pool on {gang.plan.backend} cannot be mended yet: its communicators cannot be freed "
+                         "from the survivors here")
+    if policy == "shrink":
+        mended = _shrink(gang, survivors, losses)
+    else:
+        mended = _heal(gang, survivors, losses)
+    mended.seconds = time.monotonic() - start
+    pool.losses.pending.clear()
+    return mended
+
+
+def _heal(gang, survivors: list, losses: list) -> Mended:
+    lost = sorted({loss.rank for loss in losses})
+    views = {r: value(rec) for r, rec in ask(gang, {r: call(heal.survey) for r in survivors},
+                                             "fingerprinting the pool's names").items()}
+    found = verdict(views)
+    peer = survivors[0]
+    blob = value(ask(gang, {peer: call(heal.export, found.agreed)}, f"rank {peer} sent the pool's names")[peer]) \
+        if found.agreed else None
+    gang.generation += 1
+    for rank in lost:
+        gang.replace(rank, gang.generation)
+    ask(gang, {r: messages.Regroup(gang.generation) for r in survivors}, "every rank joined the new process group",
+        within=JOIN_S, also=lambda: all(r in gang.ready for r in lost))
+    if blob is not None or found.lacking:
+        ask(gang, {r: call(heal.adopt, blob, sorted(found.lacking)) for r in lost}, "the new rank took the names")
+    rebuilt = _rebuild(gang, found.ddps)
+    return Mended("healed", losses, 0.0, copied=found.agreed, peer=peer, lacking=found.lacking, rebuilt=rebuilt)
+
+
+def _rebuild(gang, names: list) -> list:
+    """The DDP models ``names`` made anew on every rank (one collective each, in this order everywhere); with
+    no names, the peer's export is let go all the same."""
+    answers = ask(gang, {r: call(heal.rebuild, names) for r in range(gang.world_size)},
+                  "DistributedDataParallel models were made anew")
+    return value(answers[0]) or []
+
+
+def _shrink(gang, survivors: list, losses: list) -> Mended:
+    moves = {old: new for new, old in enumerate(survivors)}
+    stale = {r: value(rec) for r, rec in ask(gang, {r: call(heal.ddp_models) for r in survivors},
+                                             "listing the DDP models").items()}
+    gang.generation += 1
+    gang.renumber(moves)
+    ask(gang, {new: messages.Regroup(gang.generation, new, len(moves)) for new in moves.values()},
+        "the survivors joined their new process group", within=JOIN_S)
+    common = sorted(set.intersection(*(set(v) for v in stale.values()))) if stale else []
+    rebuilt = _rebuild(gang, common)
+    odd = sorted(set().union(*(set(v) for v in stale.values())) - set(common)) if stale else []
+    lacking = {n: "a DistributedDataParallel model not on every rank: still bound to the old group" for n in odd}
+    return Mended("shrunk", losses, 0.0, lacking=lacking, rebuilt=rebuilt, renumbered=moves)
+
+
+def regrouped(gang) -> list:
+    """After a pool's process group was made anew (a stuck collective freed: recovery.py): the DDP models every
+    rank holds, made anew on it. Returns their names."""
+    stale = [set(value(rec) or ()) for rec in ask(gang, {r: call(heal.ddp_models) for r in range(gang.world_size)},
+                                                    "listing the DDP models").values()]
+    return _rebuild(gang, sorted(set.intersection(*stale))) if stale else []

@@ -1,0 +1,275 @@
+"""In a rank: a pool's state, vouched for, sent to a replacement, and what was bound to a dead group made anew.
+
+When a pool loses a rank (kernel/healing.py), a replacement is forked from the kernel: it has the notebook's
+names, not what the pool's cells built. The survivors hold that state. Each is asked for a fingerprint of every
+name its cells bound (``survey``): tensors and arrays by their layout and two 64-bit sums of their words (0.1 s
+a GiB, where hashing every byte would take seconds), everything else by its pickle. A name whose fingerprint
+two or more survivors agree on is the pool's, not one rank's (a DDP model, its optimizer, a tokenised
+dataset); a name they disagree on was made from ``rank`` (a shard, ``mine = rank * 10``), and one only a single
+survivor holds cannot be vouched for: neither is ever given to the replacement.
+
+One survivor then pickles the agreed names in one pickle (``export``: shared references survive, an optimizer
+still points at its model's parameters), tensors and arrays through its own memfd arena
+(wire/sharedtensor.py, as the notebook's go to ranks), which the replacement maps privately (``adopt``): one
+copy, no pickle of the bytes, and the replacement's own memory grows only as it writes. A
+``DistributedDataParallel`` travels as its module and options; after every rank is in the new process group,
+``rebuild`` makes each DDP anew on it (same module, same options), on every rank, so a training loop goes on
+unchanged.
+"""
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import io
+import pickle
+import sys
+import types
+
+import cloudpickle
+
+from ..wire import sharedtensor, values
+from ..wire.messages import Result
+from . import usergroup
+from .jobs import in_namespace
+
+_exported: list = []  # the export's arenas, held until every rank rebuilt (the replacement has mapped them)
+
+
+class NotTransferable(TypeError):
+    """A value no other rank can be given as it is (a process group, a shard); the message says why."""
+
+
+# -- survey: a fingerprint per name -------------------------------------------------------------------------
+class Step:
+    """``fn(ctx, *args)`` on a rank, its value the answer (the kernel's mending steps, kernel/healing.py)."""
+
+    def __init__(self, fn, args, max_value_bytes: int):
+        self.fn, self.args, self.max_value_bytes = fn, args, max_value_bytes
+
+    def __call__(self, ctx) -> Result:
+        return Result(value=values.pack(self.fn(ctx, *self.args), max_bytes=self.max_value_bytes))
+
+
+def survey(ctx) -> dict:
+    """name -> (kind, what) for each name this rank's cells bound (``ctx.owned``) that it holds:
+    ("value", fingerprint), ("ddp", fingerprint of its module and options), or ("lost", why) for a value no
+    peer can be given. Run on every survivor."""
+    ns = ctx.namespace
+    out = {}
+    for name in sorted(ctx.owned or ()):
+        if name not in ns:
+            continue
+        kind = "ddp" if _is_ddp(ns[name]) else "value"
+        try:
+            out[name] = (kind, fingerprint(ns[name]))
+        except NotTransferable as e:
+            out[name] = ("lost", str(e))
+        except Exception as e:  # noqa: BLE001 - any value a pickler refuses: that name is not healed, said why
+            out[name] = ("lost", f"cannot be pickled ({type(e).__name__}: {e})")
+    return out
+
+
+def ddp_models(ctx) -> list:
+    """The names of the DistributedDataParallel models in the rank's namespace."""
+    return sorted(n for n, v in ctx.namespace.items() if not n.startswith("_") and _is_ddp(v))
+
+
+def _is_ddp(value) -> bool:
+    return any(c.__name__ == "DistributedDataParallel" for c in type(value).__mro__) or isinstance(value, PendingDDP)
+
+
+class _Hash(io.RawIOBase):
+    def __init__(self):
+        self.h = hashlib.blake2b(digest_size=16)
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self.h.update(b)
+        return len(b)
+
+
+class _Fingerprinter(cloudpickle.CloudPickler):
+    """A pickle of the value as it would travel, big data replaced by its sums, classes of the pool's cells by
+    name (cloudpickle tags them with a per-process id, which would make equal values differ)."""
+
+    def reducer_override(self, obj):
+        special = _special(obj)
+        if special is not None:
+            return special
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            if obj.requires_grad and not obj.is_leaf:
+                raise NotTransferable("a tensor inside an autograd graph (a loss, an output): compute it again")
+            return _tensor_sums(torch, obj)
+        np = sys.modules.get("numpy")
+        if np is not None and type(obj) is np.ndarray and not obj.dtype.hasobject:
+            return _sums, ("ndarray", obj.dtype.str, obj.shape, *_word_sums(torch, np, obj))
+        if isinstance(obj, type) and obj.__module__ == "__main__":
+            return _sums, ("class", obj.__qualname__, tuple(sorted(vars(obj))))
+        return _cell_function(obj) or super().reducer_override(obj)
+
+
+def fingerprint(value) -> str:
+    h = _Hash()
+    _Fingerprinter(h, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return h.h.hexdigest()
+
+
+def _sums(*parts):  # never called: a fingerprint is only hashed
+    return parts
+
+
+def _tensor_sums(torch, t):
+    if t.is_quantized or t.layout != torch.strided:
+        return _sums, ("tensor", str(t.dtype), t.layout, repr(t.tolist()) if t.numel() < 4096 else id(t))
+    flat = t.detach().reshape(-1)
+    raw = flat.contiguous().view(torch.uint8)
+    return _sums, ("tensor", str(t.dtype), tuple(t.shape), str(t.device), t.requires_grad, *_raw_sums(torch, raw))
+
+
+def _word_sums(torch, np, a):
+    raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return _raw_sums(torch, torch.from_numpy(raw)) if torch is not None else (hashlib.blake2b(raw).hexdigest(),)
+
+
+def _raw_sums(torch, raw) -> tuple:
+    """Two 64-bit sums of the bytes as words (all of them, and every third from the second), and the bytes
+    that do not fill a word: equal data gives equal sums; data made from ``rank`` differs in them."""
+    n = raw.numel()
+    cut = n - n % 8
+    words = raw[:cut].view(torch.int64)
+    return int(words.sum()), int(words[1::3].sum()), bytes(raw[cut:].cpu().numpy()), n
+
+
+def _special(obj):
+    """What no peer may be given, refused with why; a DDP model as its module (its group is the rank's own)."""
+    kind = type(obj)
+    if kind.__module__ == "builtins":  # (asked of every object pickled: a list of a million strings too)
+        return None
+    names = {c.__name__ for c in kind.__mro__}
+    if "DistributedDataParallel" in names:
+        return _ddp_placeholder(obj)
+    if "ProcessGroup" in names or "DeviceMesh" in names:
+        raise NotTransferable(f"a {kind.__name__} belongs to its process group: make it again on the new group")
+    if "DTensor" in names or "FSDPModule" in names or "FullyShardedDataParallel" in names:
+        raise NotTransferable("sharded (FSDP2 / DTensor): the lost rank's shards went with it; load the last "
+                              "torch.distributed.checkpoint (dcp.load, resharded) on every rank")
+    return None
+
+
+# -- DDP: its module and options travel; it is made anew on the new group ----------------------------------------
+class PendingDDP:
+    """A DistributedDataParallel to make once the process group is whole (``rebuild``)."""
+
+    def __init__(self, module, options: dict):
+        self.module, self.options = module, options
+
+    def __repr__(self):
+        return f"PendingDDP({type(self.module).__name__}, made anew once the pool's group is whole)"
+
+
+def ddp_options(ddp) -> dict:
+    """What a DistributedDataParallel was made with, to make it again (its group: the default one)."""
+    options = {
+        "device_ids": ddp.device_ids,
+        "output_device": ddp.output_device,
+        "dim": ddp.dim,
+        "broadcast_buffers": ddp.broadcast_buffers,
+        "find_unused_parameters": ddp.find_unused_parameters,
+        "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+        "static_graph": getattr(ddp, "static_graph", False),
+    }
+    cap = getattr(ddp, "bucket_bytes_cap", None)
+    if cap is not None:
+        options["bucket_cap_mb"] = cap / (1024 * 1024)
+    return options
+
+
+def _ddp_placeholder(ddp):
+    return PendingDDP, (ddp.module, ddp_options(ddp))
+
+
+# -- export and adopt -----------------------------------------------------------------------------------------
+class _Exporter(values._ToRanks):
+    def reducer_override(self, obj):
+        return _special(obj) or _cell_function(obj) or super().reducer_override(obj)
+
+
+def _cell_function(obj):
+    """A function a cell defined (``__main__``, no closure): its code and defaults, not the values of the
+    globals it names. Those are each rank's own (``shard``): the function runs against the namespace it
+    lands in (``adopt``), as it did against the peer's, and its fingerprint is the same on every rank."""
+    if (type(obj) is types.FunctionType and obj.__module__ == "__main__" and obj.__closure__ is None
+            and obj.__name__ != "<lambda>"):
+        return _main_function, (obj.__code__, obj.__name__, obj.__qualname__, obj.__defaults__, obj.__kwdefaults__,
+                                obj.__doc__, obj.__dict__ or None)
+    return None
+
+
+_landing: contextvars.ContextVar = contextvars.ContextVar("nbddp_heal_landing", default=None)
+
+
+def _main_function(code, name, qualname, defaults, kwdefaults, doc, attrs):
+    """A cell's function, rebuilt against the namespace it lands in (``adopt``'s), as if defined there."""
+    ns = _landing.get()
+    fn = types.FunctionType(code, ns if ns is not None else {"__name__": "__main__"}, name, defaults)
+    fn.__qualname__, fn.__kwdefaults__, fn.__doc__, fn.__module__ = qualname, kwdefaults, doc, "__main__"
+    if attrs:
+        fn.__dict__.update(attrs)
+    return fn
+
+
+def export(ctx, names) -> bytes:
+    """``names`` of this rank's namespace in one pickle, tensors and arrays through this rank's memfd arenas
+    (kept open until ``rebuild``, by which time the replacement has mapped them)."""
+    ns = ctx.namespace
+    buf = io.BytesIO()
+    sharer = sharedtensor.sharer()
+    with sharer.send():
+        _Exporter(buf, protocol=pickle.HIGHEST_PROTOCOL).dump({n: ns[n] for n in names})
+    _exported.append(sharer)
+    return buf.getvalue()
+
+
+def adopt(ctx, blob: bytes | None, lacking) -> list:
+    """The replacement's: the peer's names into its namespace, and the names it must not have (the pool's cells
+    bound them, no peer could vouch for a value) out of it, so the notebook's value never stands in."""
+    ns = ctx.namespace
+    landing = _landing.set(ns)
+    try:
+        got = pickle.loads(blob) if blob is not None else {}
+    finally:
+        _landing.reset(landing)
+    for name, value in got.items():
+        ns[name] = in_namespace(value, ns) if isinstance(value, type) else value
+    for name in lacking:
+        ns.pop(name, None)
+    ctx.owned.update(got)
+    return sorted(got)
+
+
+def rebuild(ctx, names) -> list:
+    """Each of ``names`` (in this order on every rank: DDP's constructor is a collective) made anew on the
+    current group: a DistributedDataParallel bound to a group that is gone, or one that came from a peer. The
+    old one is kept until the rank is idle (usergroup: freeing it could deadlock). The export's arenas are let
+    go (the replacement mapped them before). Returns the names made anew."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    for sharer in _exported:
+        sharer.let_go()
+    _exported.clear()
+    ns = ctx.namespace
+    made = []
+    for name in names:
+        value = ns.get(name)
+        if isinstance(value, PendingDDP):
+            ns[name] = DDP(value.module, **value.options)
+        elif _is_ddp(value):
+            usergroup.keep(value)
+            ns[name] = DDP(value.module, **ddp_options(value))
+        else:
+            continue
+        made.append(name)
+    return made
