@@ -19,6 +19,7 @@ supervisor's loop with a deadline (``ask``), as a cell's are.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from ..rank import heal
@@ -57,10 +58,10 @@ class Losses:
 
     def on_Exited(self, event) -> None:
         exit = event.exit
-        if exit.stopped or exit.only_leaving:
-            return  # nbddp ended it (a stop, a teardown), or it left after its work
+        if exit.stopped or exit.only_leaving or exit.ok:
+            return  # nbddp ended it (a stop, a teardown, a pool resized), or it left after its work
         running = getattr(self.view, "running", None) if self.view is not None else None
-        loss = Loss(event.rank, exit.describe(), running, exit.seen or time.time())
+        loss = Loss(event.rank, exit.describe(), running, exit.seen if math.isfinite(exit.seen) else time.time())
         self.pending.append(loss)
         self.history.append(loss)
         if self.view is not None:
@@ -236,11 +237,18 @@ class Mended:
     lacking: dict = dataclasses.field(default_factory=dict)  # name -> why
     rebuilt: list = dataclasses.field(default_factory=list)
     renumbered: dict = dataclasses.field(default_factory=dict)  # shrink: old rank -> new
+    sizes: tuple = (0, 0)  # resize: the world size before and after
 
     def say(self, bound_by: dict) -> str:
         """What the cell's output and %ddp status say, with the names to run again and the cells that bound them."""
         ranks = ", ".join(str(loss.rank) for loss in self.lost)
-        if self.how == "shrunk":
+        if self.how == "resized":
+            old, new = self.sizes
+            took = (f"; rank(s) {old}-{new - 1} took {len(self.copied)} name(s) from rank 0" if new > old and self.copied
+                    else "")
+            lines = [f"resized the pool from {old} to {new} ranks in {self.seconds:.1f} s{took}."]
+            ranks = f"{old}-{new - 1}" if new > old else ""
+        elif self.how == "shrunk":
             moves = ", ".join(f"{a}→{b}" for a, b in sorted(self.renumbered.items()) if a != b) or "none"
             lines = [f"shrank the pool in {self.seconds:.1f} s: rank(s) {ranks} gone, the survivors renumbered "
                      f"({moves}) in a new process group of {len(self.renumbered)}."]
@@ -251,9 +259,12 @@ class Mended:
                      if self.copied else f"healed the pool in {self.seconds:.1f} s: a new rank {ranks}, {what}."]
         if self.rebuilt:
             lines.append(f"made anew on the new process group: {', '.join(self.rebuilt)} (DistributedDataParallel)")
+        if self.lacking and self.how == "shrunk" or self.lacking and self.how == "resized" and not ranks:
+            lines.append("these names were made from each rank's old number (or world size); run the cells that "
+                         "bound them again:")
+        elif self.lacking:
+            lines.append(f"rank(s) {ranks} lack these names; run the cells that bound them again:")
         if self.lacking:
-            who = f"rank {ranks}" if self.how == "healed" else "the ranks"
-            lines.append(f"{who} lack(s) these names; run the cells that bound them again:")
             for name, why in sorted(self.lacking.items()):
                 lines.append(f"  {name} ({bound_by.get(name, 'a cell of the pool')}): {why}")
         return "\n".join(lines)
@@ -281,21 +292,37 @@ def mend(pool, policy: str) -> Mended:
 
 def _heal(gang, survivors: list, losses: list) -> Mended:
     lost = sorted({loss.rank for loss in losses})
-    views = {r: value(rec) for r, rec in ask(gang, {r: call(heal.survey) for r in survivors},
-                                             "fingerprinting the pool's names").items()}
-    found = verdict(views)
-    peer = survivors[0]
-    blob = value(ask(gang, {peer: call(heal.export, found.agreed)}, f"rank {peer} sent the pool's names")[peer]) \
-        if found.agreed else None
+    found = _survey(gang, survivors)
+    blob = _export(gang, survivors[0], found)
     gang.generation += 1
     for rank in lost:
         gang.replace(rank, gang.generation)
-    ask(gang, {r: messages.Regroup(gang.generation) for r in survivors}, "every rank joined the new process group",
-        within=JOIN_S, also=lambda: all(r in gang.ready for r in lost))
-    if blob is not None or found.lacking:
-        ask(gang, {r: call(heal.adopt, blob, sorted(found.lacking)) for r in lost}, "the new rank took the names")
+    _join(gang, {r: messages.Regroup(gang.generation) for r in survivors}, lost)
+    _adopt(gang, lost, blob, found)
     rebuilt = _rebuild(gang, found.ddps)
-    return Mended("healed", losses, 0.0, copied=found.agreed, peer=peer, lacking=found.lacking, rebuilt=rebuilt)
+    return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking=found.lacking,
+                  rebuilt=rebuilt)
+
+
+def _survey(gang, holders: list) -> Verdict:
+    return verdict({r: value(rec) for r, rec in ask(gang, {r: call(heal.survey) for r in holders},
+                                                    "fingerprinting the pool's names").items()})
+
+
+def _export(gang, peer: int, found: Verdict):
+    if not found.agreed:
+        return None
+    return value(ask(gang, {peer: call(heal.export, found.agreed)}, f"rank {peer} sent the pool's names")[peer])
+
+
+def _join(gang, regroups: dict, new: list) -> None:
+    ask(gang, regroups, "every rank joined the new process group", within=JOIN_S,
+        also=lambda: all(r in gang.ready for r in new))
+
+
+def _adopt(gang, new: list, blob, found: Verdict) -> None:
+    if blob is not None or found.lacking:
+        ask(gang, {r: call(heal.adopt, blob, sorted(found.lacking)) for r in new}, "the new rank took the names")
 
 
 def _rebuild(gang, names: list) -> list:
@@ -308,17 +335,47 @@ def _rebuild(gang, names: list) -> list:
 
 def _shrink(gang, survivors: list, losses: list) -> Mended:
     moves = {old: new for new, old in enumerate(survivors)}
-    stale = {r: value(rec) for r, rec in ask(gang, {r: call(heal.ddp_models) for r in survivors},
-                                             "listing the DDP models").items()}
+    found = _survey(gang, survivors)
     gang.generation += 1
     gang.renumber(moves)
     ask(gang, {new: messages.Regroup(gang.generation, new, len(moves)) for new in moves.values()},
         "the survivors joined their new process group", within=JOIN_S)
-    common = sorted(set.intersection(*(set(v) for v in stale.values()))) if stale else []
-    rebuilt = _rebuild(gang, common)
-    odd = sorted(set().union(*(set(v) for v in stale.values())) - set(common)) if stale else []
-    lacking = {n: "a DistributedDataParallel model not on every rank: still bound to the old group" for n in odd}
+    ddps = [n for n in found.agreed if n in found.ddps]
+    rebuilt = _rebuild(gang, ddps)
+    lacking = {n: why for n, why in found.lacking.items() if "differs" in why}  # (made from the old rank)
+    lacking.update({n: "a DistributedDataParallel model not alike on every rank: still bound to the old group"
+                    for n in found.stale})
     return Mended("shrunk", losses, 0.0, lacking=lacking, rebuilt=rebuilt, renumbered=moves)
+
+
+def resize(pool, world_size: int) -> Mended:
+    """``%ddp resize N``: the pool grown (new ranks take the pool's state from rank 0, as a replacement does)
+    or shrunk (its highest ranks leave), in a new process group at ``world_size``, DDP models made anew."""
+    gang = pool.gang
+    old = gang.world_size
+    start = time.monotonic()
+    ranks = list(range(old))
+    found = _survey(gang, ranks)
+    if world_size < old:
+        gang.retire(list(range(world_size, old)))
+        gang.generation += 1
+        gang.renumber({r: r for r in range(world_size)})
+        ask(gang, {r: messages.Regroup(gang.generation, r, world_size) for r in range(world_size)},
+            "the ranks joined their new process group", within=JOIN_S)
+        mended = Mended("resized", [], 0.0, lacking={n: why for n, why in found.lacking.items() if "differs" in why})
+    else:
+        blob = _export(gang, 0, found)
+        gang.generation += 1
+        new = list(range(old, world_size))
+        gang.grow(world_size, pool.more_devices(len(new)), gang.generation)
+        _join(gang, {r: messages.Regroup(gang.generation, r, world_size) for r in ranks}, new)
+        _adopt(gang, new, blob, found)
+        mended = Mended("resized", [], 0.0, copied=found.agreed, peer=0, lacking=found.lacking)
+    mended.rebuilt = _rebuild(gang, [n for n in found.ddps if n not in found.stale])
+    mended.renumbered = {r: r for r in range(world_size)}
+    mended.seconds = time.monotonic() - start
+    mended.sizes = (old, world_size)
+    return mended
 
 
 def regrouped(gang) -> list:

@@ -292,7 +292,7 @@ class DDPMagics(Magics):
 
     @line_magic("ddp")
     def ddp_pool(self, line):
-        """%ddp start [options] | stop | restart [options] | status — ranks that live across cells.
+        """%ddp start [options] | stop | restart [options] | resize N | status — ranks that live across cells.
 
         ``%ddp start`` forks one rank per device from the kernel (everything in the notebook is shared
         copy-on-write) and joins the process group once; every ``%%ddp`` cell then runs in those ranks,
@@ -301,7 +301,10 @@ class DDPMagics(Magics):
         defaults (a cell's own win); ``--out``/``--gather`` belong on a cell. A notebook variable a cell
         reads that was created or rebound after the start is sent to every rank once. ``restart``
         re-forks (the way to share new big data copy-on-write; bad options leave the running pool as it
-        is); ``stop`` ends the ranks; ``status`` (or ``%ddp`` alone) shows them.
+        is); ``resize N`` grows or shrinks the running pool to N ranks, its state kept (new ranks take it
+        from a peer); ``stop`` ends the ranks; ``status`` (or ``%ddp`` alone) shows them. A rank the pool
+        loses (killed, out of memory, a crash) is said at once and mended as ``--on-loss`` says: heal
+        (default: a replacement takes the pool's state from a peer), shrink, or end.
         """
         return self.verbs.run(line)
 

@@ -59,6 +59,7 @@ class Pool:
         self.bound_by: dict[str, str] = {}  # a name its cells bound -> the cell that bound it last
         self.mended: list[str] = []  # what mending the pool said, not yet said in a cell's output
         self.watch: healing.LossWatch | None = None
+        self.plan_inherited = True  # its ranks are forks of the kernel (they inherit the notebook's names)
 
     # -- life --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -80,6 +81,7 @@ class Pool:
             try:
                 gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
                 self.started_at = time.time()
+                self.plan_inherited = plan.start_method == "fork"
                 self.held = RankNames(self.namespace, other_nodes=bool(self.config.cluster),
                                       inherited=plan.start_method == "fork",
                                       gpu_ipc=plan.start_method == "forkserver" and plan.accelerator == "cuda")
@@ -142,15 +144,60 @@ class Pool:
         self.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost")
         try:
             mended = healing.mend(self, policy)
-        except healing.HealFailed as e:
-            gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {e}")
-            return (f"nbddp could not mend the pool: {e}.\nThe pool has ended and its ranks' state is gone: "
+        except BaseException as e:  # noqa: BLE001 - whatever stopped the mending (an interrupt too) ends the pool
+            why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}".rstrip(": ")
+            gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {why}")
+            if not isinstance(e, (healing.HealFailed, Exception)):
+                raise
+            return (f"nbddp could not mend the pool: {why}.\nThe pool has ended and its ranks' state is gone: "
                     "%ddp start to begin again.")
+        return self._said(mended)
+
+    def _said(self, mended) -> str:
+        """What mending (or resizing) the pool did, in its view; the text the cell says."""
+        if not self.plan_inherited:  # the new ranks hold none of the notebook's names: each is sent again
+            self.held = RankNames(self.namespace, other_nodes=False, inherited=False, gpu_ipc=self.held.gpu_ipc)
         text = mended.say(self.bound_by)
         self.view.said(text.splitlines()[0])
         if mended.lacking:
-            self.view.said(f"lacking on rank(s) {lost}: {', '.join(sorted(mended.lacking))}")
+            self.view.said(f"lacking: {', '.join(sorted(mended.lacking))}")
         return text
+
+    def resize(self, world_size: int) -> str:
+        """``%ddp resize N``: the pool grown or shrunk to ``world_size`` ranks, its state kept."""
+        if self.config.cluster:
+            raise UsageError("%ddp resize: a --cluster pool cannot be resized yet; %ddp restart --devices N. "
+                             "Nothing changed.")
+        if self.gang.plan.backend != "gloo":
+            raise UsageError(f"%ddp resize: a pool on {self.gang.plan.backend} cannot be resized yet (its "
+                             "communicators cannot be made anew here); %ddp restart --devices N. Nothing changed.")
+        if world_size == self.gang.world_size:
+            return f"the pool has {world_size} rank(s) already; nothing changed."
+        with self.one_cell():
+            self.before_cell()
+            self.view.said(f"resizing: {self.gang.world_size} → {world_size} ranks")
+            try:
+                mended = healing.resize(self, world_size)
+            except BaseException as e:  # noqa: BLE001 - half resized, the pool cannot be vouched for
+                why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}"
+                self.gang.close(f"torn down: resizing it failed ({why})")
+                if not isinstance(e, Exception):
+                    raise
+                raise RankFailure(f"resizing the pool failed: {why}.\nThe pool has ended and its ranks' state is "
+                                  "gone: %ddp start to begin again.", rank=None, cause="resize") from None
+            return self._said(mended)
+
+    def more_devices(self, n: int) -> tuple:
+        """Devices for ``n`` more ranks: CPU ranks need none; GPUs not used by the pool yet."""
+        plan = self.gang.plan
+        if plan.accelerator != "cuda":
+            return (None,) * n
+        from .devices import plan as plan_devices
+
+        free = [d for d in plan_devices(-1, "cuda", plan.backend).device_ids if d not in plan.device_ids]
+        if len(free) < n:
+            raise UsageError(f"%ddp resize: {n} more GPU(s) wanted, {len(free)} not used by the pool. Nothing changed.")
+        return tuple(free[:n])
 
     def mend_between_cells(self) -> None:
         """A loss seen while no cell runs (the watch): mended now, said in the view, and in the next cell."""

@@ -50,8 +50,21 @@ class Verbs:
             return
         if verb in ("start", "restart"):
             return self._start(verb, rest)
-        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options], status, debug [RANK], who, "
+        if verb == "resize":
+            return self._resize(rest.strip())
+        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options], resize N, status, debug [RANK], who, "
                          "diff EXPR, wait [--timeout S], interrupt or attach.")
+
+    def _resize(self, rest: str) -> None:
+        """``%ddp resize N``: the running pool grown or shrunk to N ranks, its state kept (kernel/healing.py)."""
+        from .pool import NO_POOL
+
+        if not rest.isdigit() or int(rest) < 1:
+            raise UsageError(f"%ddp resize {rest}: give the new number of ranks, a whole number >= 1 (%ddp resize 4). "
+                             "Nothing changed.")
+        if self.m.pool is None or not self.m.pool.alive:
+            raise UsageError(f"%ddp resize: {NO_POOL}. Nothing changed.")
+        print(f"nbddp: {self.m.pool.resize(int(rest))}")
 
     def _start(self, verb: str, rest: str) -> None:
         """``%ddp start [options]``, ``%ddp restart [options]``: a new pool, the running one stopped only once

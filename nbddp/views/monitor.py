@@ -58,6 +58,13 @@ class Monitor:
     def forget(self, rank: int) -> None:
         self._pids.pop(rank, None)
 
+    def renumber(self, moves: dict) -> None:
+        """Ranks moved (old -> new: a pool shrank); the others forgotten."""
+        self._pids = {moves[r]: pid for r, pid in self._pids.items() if r in moves}
+        self.ranks = {moves[r]: s for r, s in self.ranks.items() if r in moves}
+        self.lost = {moves[r] for r in self.lost if r in moves}
+        self._uss_at = {moves[r]: v for r, v in self._uss_at.items() if r in moves}
+
     def sample(self, force: bool = False) -> None:
         """RSS of every rank; USS (it walks the page tables: ~5 ms a rank forked from a kernel with torch) of
         every rank when ``force``, else when it may have moved: a rank's first reading at sample

@@ -145,16 +145,16 @@ class PoolView:
         self.redraw()
 
     def renumber(self, moves: dict, plan) -> None:
-        """The pool shrank: rank ``old`` is rank ``moves[old]`` from now on."""
+        """The pool shrank or grew: rank ``old`` is rank ``moves[old]`` from now on, and ``plan`` says its ranks."""
         self.plan = plan
         self.rss = {moves[r]: s for r, s in self.rss.items() if r in moves}
         self.state = {moves[r]: s for r, s in self.state.items() if r in moves}
-        pids = {moves[r]: pid for r, pid in self.pids.items() if r in moves}
-        for r in list(self.monitor.ranks):
-            self.monitor.forget(r)
-        self.pids = {}
-        for r, pid in pids.items():
-            self.watch(r, pid)
+        for r in range(plan.world_size):  # ranks added
+            self.rss.setdefault(r, LifeSeries())
+            self.state.setdefault(r, "starting")
+        self.pids = {moves[r]: pid for r, pid in self.pids.items() if r in moves}
+        self.nodes = {moves[r]: n for r, n in self.nodes.items() if r in moves}
+        self.monitor.renumber(moves)
 
     def cell_began(self, label: str) -> None:
         self.running, self.cell_t0 = label, time.monotonic()
@@ -189,7 +189,7 @@ class PoolView:
     # -- supervisor events during a cell ------------------------------------------------------------
     def on_Started(self, event) -> None:
         self.watch(event.rank, event.pid)
-        if self.state.get(event.rank) in ("dead", "healing"):  # a replacement for a lost rank
+        if self.state.get(event.rank) in ("dead", "healing", "starting"):  # a replacement, or a rank added
             self.state[event.rank] = "idle"
 
     def on_Message(self, event) -> None:

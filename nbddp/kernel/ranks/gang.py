@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 
 from ...wire import framing, messages
@@ -89,7 +90,26 @@ class Gang:
         old = self._cmd.pop(rank, None)
         if old is not None:
             os.close(old)
-        self.ready.discard(rank)
+        self._fork_one(starters.again(self.specs[rank], generation))
+
+    def grow(self, world_size: int, device_ids: tuple, generation: int) -> None:
+        """Ranks ``self.world_size .. world_size - 1`` added on ``device_ids`` (one each), joining the group's
+        ``generation`` at ``world_size`` (the ranks there make it with ``Regroup``, at the new world size)."""
+        first = self.specs[0]
+        old = self.world_size
+        self.specs = {r: starters.moved(spec, r, world_size) for r, spec in self.specs.items()}
+        self.plan = dataclasses.replace(self.plan, device_ids=tuple(self.plan.device_ids) + tuple(device_ids))
+        self.world_size = world_size
+        self.logs.renumber({r: str(self.run_dir.log(r)) for r in range(world_size)})
+        if self.view is not None:
+            self.view.renumber({r: r for r in range(old)}, self.plan)
+        for rank, dev in zip(range(old, world_size), device_ids):
+            self.specs[rank] = dataclasses.replace(starters.moved(first, rank, world_size), device_id=dev)
+            self._fork_one(starters.again(self.specs[rank], generation))
+
+    def _fork_one(self, spec) -> None:
+        """One rank forked from ``spec`` into the running gang, with its own command pipe."""
+        self.ready.discard(spec.rank)
         self._starter.ready(self.config)  # (the kernel's OpenMP threads released again: it ran ops since)
         read, write = os.pipe()
         others = list(self._cmd.values())  # no other rank's command pipe in the new one
@@ -99,16 +119,29 @@ class Gang:
             return spec, [*not_inherited, *others], forked
 
         try:
-            starters.fork_specs(self.sup, self._starter, self._job_for({rank: (read, write)}),
-                                [starters.again(self.specs[rank], generation)], None, prepare)
+            starters.fork_specs(self.sup, self._starter, self._job_for({spec.rank: (read, write)}), [spec], None,
+                                prepare)
         except BaseException:
             os.close(write)
             raise
         finally:
             os.close(read)
-        self._cmd[rank] = write
+        self._cmd[spec.rank] = write
         proc = self.sup.procs[-1]
         self.sup.bus.publish(Started(proc.rank, proc.pid))  # the pool's view watches it
+
+    def retire(self, ranks: list[int]) -> None:
+        """``ranks`` leave: told to stop, given STOP_S to exit, then killed; reaped and forgotten."""
+        procs = [p for p in self.sup.live() if p.rank in ranks]
+        self.command(messages.Stop(), ranks=ranks)
+        end = time.monotonic() + STOP_S
+        self.sup.wait(None, until=lambda: all(p.exit is not None for p in procs) or time.monotonic() >= end,
+                      wake_at=end)
+        for p in procs:
+            if p.exit is None:
+                p.stop_sent = True
+                p.signal(signal.SIGKILL)
+        self.sup.wait(None, until=lambda: all(p.exit is not None for p in procs))
 
     def renumber(self, moves: dict) -> None:
         """The pool shrunk to the ranks of ``moves`` (old rank -> new, in order): every table of the gang
