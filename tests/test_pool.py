@@ -89,7 +89,7 @@ def test_rule_a_peer_failing_while_others_compute_interrupts_them_and_keeps_the_
 def test_rule_a_bad_batch_on_one_rank_while_the_other_waits_in_ddp_keeps_the_model(pool):
     """Issue 18 point 5: rank 1 raises while rank 0 waits in DDP's gradient all_reduce. The pool lives
     on: rank 1's leaving the old process group frees rank 0, every rank makes a fresh one, and training
-    goes on from where it was after the model is wrapped again (as the message says)."""
+    goes on from where it was: the DDP model is made anew on the fresh group for the user (issue 55)."""
     k = pool
     pids = pool_pids(k)
     k.ok("%%ddp\nfrom torch.nn.parallel import DistributedDataParallel as DDP\ntorch.manual_seed(0)\n"
@@ -104,16 +104,20 @@ def test_rule_a_bad_batch_on_one_rank_while_the_other_waits_in_ddp_keeps_the_mod
     text = res.error_text
     assert "rank 1 failed: ValueError: bad batch on rank 1" in text, text
     assert "The pool and its state survived, and its process group was made anew: rank(s) 0 waited" in text
-    assert "model (DistributedDataParallel: model = DDP(model.module))" in text, text
+    assert "Made anew on it: model (DistributedDataParallel, same module and options)" in text, text
+    assert "model = DDP(model.module)" not in text, text
     assert pool_pids(k) == pids, "no rank was killed"
-    k.ok("%%ddp --gather w2\nmodel = DDP(model.module)\nstep()\nw2 = model.module.weight.detach().clone()\n")
+    k.ok("%%ddp --gather w2\nstep()\nw2 = model.module.weight.detach().clone()\n")
     w2 = k.value("[t.tolist() for t in w2]")
     assert w2[0] == w2[1], "the replicas trained on together in the fresh group"
     assert k.value("[t.tolist() for t in w]")[0] != w2[0], "a step was taken"
 
 
 def test_rule_a_rank_that_dies_ends_the_pool_naming_rank_and_cause(pool):
+    """--on-loss end: today's rule before issue 55 (the default heals: tests/test_healing.py)."""
     k = pool
+    k.ok("%ddp stop")
+    k.ok("%ddp start --devices 2 --on-loss end")
     assert "NameError" in k.run("%%ddp\nundefined_name\n").error_text  # an earlier cell's error is not the cause
     res = k.run("%%ddp\nimport signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
                 "dist.all_reduce(torch.ones(1))\n", timeout=60)
@@ -351,20 +355,23 @@ def test_a_name_rebound_to_what_cannot_be_pickled_refuses_only_cells_that_read_i
 
 
 def test_after_a_regroup_a_later_failure_of_the_old_ddp_model_says_to_wrap_it_again(pool):
-    """Issue 35: the pool's process group was made anew to free a rank; the next cell steps the DDP
-    model still bound to the old group and fails with gloo's "Connection closed by peer": the message says
-    again what to make anew, not only the first time."""
+    """Issue 35: the pool's process group was made anew to free a rank. The DDP model under its name is
+    made anew on the new group (issue 55), so the next step works; one the namespace holds only inside a
+    list is not: stepping it fails with gloo's "Connection closed by peer", and the message says again what
+    to make anew, not only the first time."""
     k = pool
     k.ok("%%ddp\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
-         "model = DDP(torch.nn.Linear(4, 1))\n"
-         "def step(bad=False):\n    if bad:\n        raise ValueError('bad batch')\n"
-         "    model(torch.randn(8, 4)).pow(2).mean().backward()\nstep()\n")
+         "model = DDP(torch.nn.Linear(4, 1))\nkept = [DDP(torch.nn.Linear(4, 1))]\n"
+         "def step(bad=False, m=None):\n    if bad:\n        raise ValueError('bad batch')\n"
+         "    (m or model)(torch.randn(8, 4)).pow(2).mean().backward()\nstep()\n")
     res = k.run("%%ddp\nstep(bad=(rank == 1))\n", timeout=60)
     assert "its process group was made anew" in res.error_text, res.error_text
+    assert "Made anew on it: model (DistributedDataParallel" in res.error_text, res.error_text
+    k.ok("%%ddp\nstep()\n")  # the model under its name was made anew
     for _ in range(2):  # each time, not only the first
-        res = k.run("%%ddp\nstep()\n", timeout=60)
+        res = k.run("%%ddp\nstep(m=kept[0])\n", timeout=60)
         text = res.error_text
         assert "Connection closed by peer" in text, text
         assert "This pool's process group was made anew after an earlier cell" in text, text
-        assert "Make it again: model (DistributedDataParallel: model = DDP(model.module))" in text, text
-    k.ok("%%ddp\nmodel = DDP(model.module)\nstep()\n")
+        assert "Make it again: a DistributedDataParallel model would be: model = DDP(model.module)" in text, text
+    k.ok("%%ddp\nkept = [DDP(kept[0].module)]\nstep(m=kept[0])\n")

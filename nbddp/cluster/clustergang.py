@@ -187,7 +187,7 @@ class ClusterGang(Gang):
             self.extra, self.given = {}, set()
 
     # -- end ----------------------------------------------------------------------------------------------------
-    def close(self, why: str = "torn down") -> None:
+    def close(self, why: str = "torn down", *, as_said: bool = False) -> None:
         """Once: a second call (an interrupt during the health check closes, then the cell's end) does nothing."""
         if self.closed:
             return
@@ -196,7 +196,7 @@ class ClusterGang(Gang):
             self._stop_remote()
         finally:
             try:
-                super().close(why)
+                super().close(why, as_said=as_said)
             finally:
                 with starters.sigint_deferred() as interrupted:  # an interrupt must not leave agents or the group
                     self._release()

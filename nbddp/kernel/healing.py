@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import time
 
 from ..rank import heal
@@ -29,6 +30,7 @@ from .ranks import starters
 POLICIES = ("heal", "shrink", "end")
 STEP_S = 120.0  # a mending step's answers (a survey of many GiB, an export) within this, or the pool ends
 JOIN_S = 60.0  # a replacement up and every rank in the new group within this
+SETTLE_S = 0.2  # before mending, other ranks that die with the first are waited for this long
 UNLIMITED = 1 << 62  # an export's pickle may be as big as it is: it goes once, from one peer
 
 
@@ -127,24 +129,30 @@ class LossWatch:
         if not pool._turn.acquire(blocking=False):
             self.loop.call_later(self.RETRY_S, self._arm)
             return
+        # the kernel ignores Jupyter's interrupt while idle; while it heals, the interrupt ends the healing
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             pool.mend_between_cells()
         finally:
+            signal.signal(signal.SIGINT, previous)
             pool._turn.release()
         if pool.alive:
             self._arm()
 
 
 # -- asking some ranks, with a deadline ------------------------------------------------------------------------
+ANSWERS = (messages.Result, messages.Error, messages.Exit, messages.Healthy)
+
+
 class _Answers:
-    def __init__(self, ranks):
+    def __init__(self, ranks, expect=ANSWERS):
         self.ranks = set(ranks)
+        self.expect = expect
         self.got: dict[int, object] = {}
         self.lost: list = []
 
     def on_Message(self, event) -> None:
-        if event.rank in self.ranks and isinstance(event.record, (messages.Result, messages.Error, messages.Exit,
-                                                                  messages.Healthy)):
+        if event.rank in self.ranks and isinstance(event.record, self.expect):
             self.got.setdefault(event.rank, event.record)
 
     def on_Exited(self, event) -> None:
@@ -152,10 +160,11 @@ class _Answers:
             self.lost.append(event.exit)
 
 
-def ask(gang, commands: dict, what: str, within: float = STEP_S, also=lambda: True) -> dict:
-    """``commands`` (rank -> command) sent, and each rank's answer (rank -> record) once every one answered
-    and ``also()`` holds; a rank lost meanwhile, an error, or no answer within ``within`` s is HealFailed."""
-    answers = _Answers(commands)
+def ask(gang, commands: dict, what: str, within: float = STEP_S, also=lambda: True, expect=ANSWERS) -> dict:
+    """``commands`` (rank -> command) sent, and each rank's answer (rank -> record, of the kinds ``expect``)
+    once every one answered and ``also()`` holds; a rank lost meanwhile, an error, or no answer within
+    ``within`` s is HealFailed."""
+    answers = _Answers(commands, expect)
     sup = gang.sup
     sup.begin_cell([answers])
     try:
@@ -273,8 +282,10 @@ class Mended:
 def mend(pool, policy: str) -> Mended:
     """The pool's pending losses mended by ``policy`` ("heal" or "shrink"); HealFailed if it cannot be."""
     gang = pool.gang
-    losses = list(pool.losses.pending)
     start = time.monotonic()
+    settled = start + SETTLE_S  # losses that come together (the OOM killer's) are mended together
+    gang.sup.wait(None, until=lambda: time.monotonic() >= settled, wake_at=settled)
+    losses = list(pool.losses.pending)
     survivors = sorted(p.rank for p in gang.sup.live())
     if not survivors:
         raise HealFailed("no rank survived")
@@ -291,13 +302,15 @@ def mend(pool, policy: str) -> Mended:
 
 
 def _heal(gang, survivors: list, losses: list) -> Mended:
+    """The group first: a survivor still waiting in a collective with the lost rank (or with a peer that left
+    it) is freed as the others leave the old group, answers its cell, then joins; then the state."""
     lost = sorted({loss.rank for loss in losses})
-    found = _survey(gang, survivors)
-    blob = _export(gang, survivors[0], found)
     gang.generation += 1
     for rank in lost:
         gang.replace(rank, gang.generation)
     _join(gang, {r: messages.Regroup(gang.generation) for r in survivors}, lost)
+    found = _survey(gang, survivors)
+    blob = _export(gang, survivors[0], found)
     _adopt(gang, lost, blob, found)
     rebuilt = _rebuild(gang, found.ddps)
     return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking=found.lacking,
@@ -316,8 +329,10 @@ def _export(gang, peer: int, found: Verdict):
 
 
 def _join(gang, regroups: dict, new: list) -> None:
+    """Every rank in the group's new generation: the ranks of ``regroups`` (their late answer to a cell they
+    were freed from is not the answer awaited) and the new ones (``Ready``)."""
     ask(gang, regroups, "every rank joined the new process group", within=JOIN_S,
-        also=lambda: all(r in gang.ready for r in new))
+        also=lambda: all(r in gang.ready for r in new), expect=(messages.Healthy,))
 
 
 def _adopt(gang, new: list, blob, found: Verdict) -> None:
@@ -335,11 +350,10 @@ def _rebuild(gang, names: list) -> list:
 
 def _shrink(gang, survivors: list, losses: list) -> Mended:
     moves = {old: new for new, old in enumerate(survivors)}
-    found = _survey(gang, survivors)
     gang.generation += 1
     gang.renumber(moves)
-    ask(gang, {new: messages.Regroup(gang.generation, new, len(moves)) for new in moves.values()},
-        "the survivors joined their new process group", within=JOIN_S)
+    _join(gang, {new: messages.Regroup(gang.generation, new, len(moves)) for new in moves.values()}, [])
+    found = _survey(gang, list(moves.values()))
     ddps = [n for n in found.agreed if n in found.ddps]
     rebuilt = _rebuild(gang, ddps)
     lacking = {n: why for n, why in found.lacking.items() if "differs" in why}  # (made from the old rank)

@@ -146,7 +146,7 @@ class Pool:
             mended = healing.mend(self, policy)
         except BaseException as e:  # noqa: BLE001 - whatever stopped the mending (an interrupt too) ends the pool
             why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}".rstrip(": ")
-            gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {why}")
+            gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {why}", as_said=True)
             if not isinstance(e, (healing.HealFailed, Exception)):
                 raise
             return (f"nbddp could not mend the pool: {why}.\nThe pool has ended and its ranks' state is gone: "
@@ -180,7 +180,7 @@ class Pool:
                 mended = healing.resize(self, world_size)
             except BaseException as e:  # noqa: BLE001 - half resized, the pool cannot be vouched for
                 why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}"
-                self.gang.close(f"torn down: resizing it failed ({why})")
+                self.gang.close(f"torn down: resizing it failed ({why})", as_said=True)
                 if not isinstance(e, Exception):
                     raise
                 raise RankFailure(f"resizing the pool failed: {why}.\nThe pool has ended and its ranks' state is "

@@ -3,7 +3,8 @@
 Every rank must answer the cell and pass a barrier (``HealthCheck``) within ``HEALTH_S``. Where ranks
 still wait in a collective (gloo), nothing can interrupt them: the others leave the process group,
 which frees them ("Connection closed by peer"), and every rank makes a fresh one (``Regroup``) within
-``REGROUP_S``; what the ranks had bound to the old group is named so the user can make it again. An
+``REGROUP_S``; the DDP models in the ranks' namespaces are made anew on it (kernel/healing.py), and
+anything else bound to the old group is named so the user can make it again. An
 NCCL communicator cannot be freed from its peers: that pool, like one whose rank never answers, is torn
 down. An interrupt during any of this tears the pool down too: it can no longer be vouched for.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 
 from ...wire import messages
+from .. import healing
 from ..ranks import starters
 
 HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
@@ -28,6 +30,7 @@ class Recovery:
         self.healthy: set[int] = set()
         self.regrouped: list[int] = []  # ranks freed from a collective by a fresh process group
         self.old_group_users: set[str] = set()  # what the ranks had bound to the old group (their Healthy answers)
+        self.rebuilt: list[str] = []  # the DDP models made anew on the fresh group
 
     def on_Message(self, event) -> None:
         if isinstance(event.record, messages.Healthy):
@@ -43,7 +46,13 @@ class Recovery:
             if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
                                  "torn down by an interrupt while its process group was made anew"):
                 self.regrouped = stuck
-                gang.old_group = tuple(sorted(self.old_group_users))
+                try:  # the DDP models in the ranks' namespaces, made anew on the new group for the user
+                    self.rebuilt = healing.regrouped(gang)
+                except healing.HealFailed as e:
+                    gang.close(f"torn down: its DDP models could not be made anew on its new process group ({e})")
+                    return False
+                made = tuple(f"{name} (DistributedDataParallel" for name in self.rebuilt)
+                gang.old_group = tuple(sorted(u for u in self.old_group_users if not u.startswith(made)))
                 return True
             gang.close("torn down: its process group could not be made anew")
             return False

@@ -258,7 +258,7 @@ class PoolRules(CellRules):
 
     def interrupted(self, run, running: list[int], announced: bool) -> KeyboardInterrupt:
         states = failure.reply_states(running, run.replies, run.relabel)
-        fate = failure.interrupt_fate(self.survived, self.recovery.regrouped)
+        fate = failure.interrupt_fate(self.survived, self.recovery.regrouped, self.recovery.rebuilt)
         return failure.interrupted(running, states, str(run.gang.run_dir.path), fate)
 
     def check_alive(self, run) -> None:
@@ -284,7 +284,8 @@ class PoolRules(CellRules):
         """The failure with what became of the pool: its recovery first, when the ranks must be brought back
         (``recover``); a cell that failed on every rank, each of them answering, leaves the pool as it was."""
         survived = self.recovery.recover() if recover else True
-        fate = failure.pool_fate(survived, self.recovery.regrouped, self.recovery.old_group_users)
+        fate = failure.pool_fate(survived, self.recovery.regrouped, self.recovery.gang.old_group or (),
+                                 self.recovery.rebuilt)
         return RankFailure(f"{err}\n{fate}", rank=err.rank, cause=err.cause, stacks=err.stacks)
 
     def end(self, run) -> None:

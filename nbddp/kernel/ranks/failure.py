@@ -251,27 +251,29 @@ def was_at(frames: list, relabel, otherwise: str) -> str:
 REWRAP = "a DistributedDataParallel model would be: model = DDP(model.module)"
 
 
-def pool_fate(survived: bool, regrouped=(), old_group_users=()) -> str:
+def pool_fate(survived: bool, regrouped=(), old_group_users=(), rebuilt=()) -> str:
     """The line a pool's failed cell ends with: whether the pool and its state live on, and (after a
-    fresh process group) what must be made again."""
+    fresh process group) what was made anew on it and what must be made again."""
     if survived and regrouped:
-        bound = (": " + "; ".join(sorted(old_group_users))) if old_group_users else f" (none found on the ranks; {REWRAP})"
+        made = (f" Made anew on it: {', '.join(rebuilt)} (DistributedDataParallel, same module and options)."
+                if rebuilt else "")
+        bound = (f" Make again what else was bound to the old group before the next step: "
+                 f"{'; '.join(sorted(old_group_users))}." if old_group_users else "")
         return ("The pool and its state survived, and its process group was made anew: rank(s) "
                 f"{ranks_text(regrouped, word=False)} waited in a collective that could only be ended by "
-                f"leaving the old group. Make again what was bound to the old group before the next step{bound}. "
-                "Tensors, optimizers and everything else are as they were.")
+                f"leaving the old group.{made}{bound} Tensors, optimizers and everything else are as they were.")
     if survived:
         return "The pool and its state survived: fix the cell and run it again."
     return ("The pool was torn down (a rank did not come back from a collective), and its ranks' state "
             "with it: %ddp start to begin again.")
 
 
-def interrupt_fate(survived: bool, regrouped=()) -> str:
+def interrupt_fate(survived: bool, regrouped=(), rebuilt=()) -> str:
     """What became of a pool after Jupyter's interrupt, for ``interrupted``."""
     if survived and regrouped:
+        made = f" ({', '.join(rebuilt)}: DistributedDataParallel made anew on it)" if rebuilt else ""
         return ("the pool and its state survived; its process group was made anew to free rank(s) "
-                f"{ranks_text(regrouped, word=False)} from a collective: wrap DDP models again "
-                "(model = DDP(model.module))")
+                f"{ranks_text(regrouped, word=False)} from a collective{made}")
     if survived:
         return "every rank stopped its cell; the pool and its state survived"
     return ("the pool was torn down (a rank did not stop its cell), and its ranks' state with it: "

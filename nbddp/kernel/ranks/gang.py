@@ -190,14 +190,16 @@ class Gang:
         finally:
             self.close("stopped")
 
-    def close(self, why: str = "torn down") -> None:
+    def close(self, why: str = "torn down", *, as_said: bool = False) -> None:
         """Stop whatever still runs, reap it, and release everything the gang holds (once). ``why``: how it
-        ended, as the pool's view and its next cell say it (a rank's own death is named instead)."""
+        ended, as the pool's view and its next cell say it (a rank's own death is named instead, unless
+        ``as_said``: ``why`` names it already)."""
         if self.sup is None:
             return
         dead = [p.exit for p in self.sup.procs if p.exit is not None and not p.exit.stopped]
         cause = failure.root_cause(dead) or (dead[0] if dead else None)  # not a peer that died of its loss
-        self.why = why if why == "stopped" or cause is None else f"rank {cause.rank}{cause.where} exited ({cause.describe()})"
+        self.why = why if why == "stopped" or as_said or cause is None else \
+            f"rank {cause.rank}{cause.where} exited ({cause.describe()})"
         if self.view is not None:
             self.view.finish(self.why if why == "stopped" else f"ended: {self.why}")
         sup, self.sup = self.sup, None

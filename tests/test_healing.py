@@ -1,0 +1,221 @@
+"""Issue 55 through a real kernel: a pool that survives a lost rank. The loss known at once (no cell run), the
+survivors' state kept, a replacement healed from a peer (rank-specific names listed, never copied), DDP made
+anew on the new group; shrink and resize; faults of the healing itself end the pool with the reason, and leave
+nothing behind (the clean_kernel fixture checks every process)."""
+import os
+import signal
+import time
+
+import pytest
+
+from helpers import pool_pids
+from kernel import said
+
+pytestmark = pytest.mark.timeout(240)
+
+POOL = "get_ipython().magics_manager.registry['DDPMagics'].pool"
+BUILD = ("%%ddp\nfrom torch.nn.parallel import DistributedDataParallel as DDP\ntorch.manual_seed(0)\n"
+         "model = DDP(torch.nn.Linear(4, 1))\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+         "data = torch.arange(100_000.)\nshard = data[rank::world_size]\nmine = rank * 10\n"
+         "def step():\n    opt.zero_grad()\n    model(torch.ones(8, 4) * shard[:8, None]).pow(2).mean().backward()\n"
+         "    opt.step()\nstep()\n")
+CHECK = ("%%ddp --gather w have\nshard = data[rank::world_size]\nstep()\nw = model.module.weight.detach().clone()\n"
+         "have = (rank, world_size, os.environ['RANK'], os.environ['WORLD_SIZE'], 'mine' in globals(), "
+         "data.sum().item())\n")
+
+
+@pytest.fixture
+def pool3(clean_kernel):
+    k = clean_kernel
+    k.ok("import torch.distributed as dist")
+    yield k
+    k.ok("%ddp stop")
+    assert not [n for n in os.listdir("/dev/shm") if "nbddp" in n], "no shared memory entry left"
+
+
+def start(k, devices=3, on_loss=None):
+    res = k.ok(f"%ddp start --devices {devices}" + (f" --on-loss {on_loss}" if on_loss else ""))
+    assert f"pool of {devices} rank(s)" in res.stdout, res.stdout
+    k.ok(BUILD)
+    return pool_pids(k)
+
+
+def weights_and_places(k):
+    res = k.ok(CHECK, timeout=120)
+    w = k.value("[t.tolist() for t in w]")
+    assert all(x == w[0] for x in w), f"the replicas trained on together: {w}"
+    return res, k.value("have")
+
+
+def wait_for(k, expr, deadline_s=10.0):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if k.value(expr):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_rank_killed_while_idle_is_known_at_once_and_healed_from_a_peer(pool3):
+    k = pool3
+    pids = start(k)
+    killed_at = time.time()
+    os.kill(pids[2], signal.SIGKILL)
+    assert wait_for(k, f"bool({POOL}.losses.history) and not {POOL}.losses.pending"), "said and mended, no cell run"
+    seen = k.value(f"{POOL}.losses.history[-1].at")
+    assert seen - killed_at < 1.0, f"the loss was known {seen - killed_at:.2f} s after the kill"
+    status = k.ok("%ddp status").displays[-1]["data"]["text/plain"]
+    assert "rank 2 lost while idle: killed by SIGKILL" in status and "healed the pool in" in status, status
+    assert "lacking: mine, shard" in status, status
+    res, places = weights_and_places(k)
+    # what healing said comes first in the next cell's output: rank-specific names with the cell that bound them
+    assert "nbddp: healed the pool in" in res.stderr and "took 5 name(s) from rank 0" in res.stderr, res.stderr
+    assert "(DDP, data, model, opt, step)" in res.stderr, res.stderr
+    assert "made anew on the new process group: model (DistributedDataParallel)" in res.stderr, res.stderr
+    assert "rank(s) 2 lack these names; run the cells that bound them again:" in res.stderr, res.stderr
+    assert "mine (Cell In[" in res.stderr and "its value differs between ranks (made from rank)" in res.stderr
+    assert places == [(r, 3, str(r), "3", r != 2, 4999949824.0) for r in range(3)], places
+    new = pool_pids(k)
+    assert new[:2] == pids[:2] and new[2] != pids[2], "the survivors kept their processes"
+
+
+def test_a_rank_lost_in_a_collective_fails_the_cell_on_every_survivor_then_the_pool_heals(pool3):
+    k = pool3
+    start(k)
+    t0 = time.monotonic()
+    res = k.run("%%ddp\nimport signal, time\nfor i in range(100):\n    if rank == 0 and i == 3:\n"
+                "        os.kill(os.getpid(), signal.SIGKILL)\n    step()\n    time.sleep(0.02)\n", timeout=60)
+    assert time.monotonic() - t0 < 10, "the survivors were freed within 10 s"
+    text = res.error_text
+    assert "rank 0 failed: killed by SIGKILL" in text and "healed the pool in" in text, text
+    assert "a new rank 0 took" in text and "from rank 1" in text, text
+    _, places = weights_and_places(k)
+    assert [p[:2] for p in places] == [(0, 3), (1, 3), (2, 3)]
+
+
+@pytest.mark.parametrize("how", ["os._exit(3)", "import ctypes; ctypes.string_at(0)"])
+def test_os_exit_and_a_segfault_are_losses_healed_alike(pool3, how):
+    k = pool3
+    start(k)
+    res = k.run(f"%%ddp\nif rank == 1:\n    {how}\nstep()\n", timeout=60)
+    cause = "exited with code 3" if "_exit" in how else "killed by SIGSEGV"
+    assert f"rank 1 failed: {cause}" in res.error_text and "healed the pool" in res.error_text, res.error_text
+    weights_and_places(k)
+
+
+def test_two_ranks_lost_leave_one_survivor_who_cannot_vouch_for_the_names(pool3):
+    k = pool3
+    pids = start(k)
+    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[2], signal.SIGKILL)
+    assert wait_for(k, f"len({POOL}.losses.history) == 2 and not {POOL}.losses.pending"), k.value(f"({POOL}.ended, [l.line() for l in {POOL}.losses.history])")
+    res = k.ok("%%ddp --gather has\nhas = sorted(n for n in ('data', 'model', 'mine') if n in globals())\n")
+    assert k.value("has") == [["data", "mine", "model"], [], []], "nothing a single survivor holds is copied"
+    assert "only one survivor holds it" in res.stderr, res.stderr
+    k.ok(BUILD)  # the cell that built them, run again
+    weights_and_places(k)
+
+
+def test_shrink_renumbers_the_survivors_in_a_group_of_n_minus_1(pool3):
+    k = pool3
+    pids = start(k, on_loss="shrink")
+    os.kill(pids[0], signal.SIGKILL)
+    assert wait_for(k, f"not {POOL}.losses.pending and {POOL}.gang.world_size == 2")
+    res, places = weights_and_places(k)
+    assert "shrank the pool" in res.stderr and "(1→0, 2→1)" in res.stderr, res.stderr
+    assert "mine (Cell In[" in res.stderr, "a name made from the old rank is named"
+    assert [p[:4] for p in places] == [(0, 2, "0", "2"), (1, 2, "1", "2")], places
+    assert pool_pids(k) == pids[1:]
+
+
+def test_resize_grows_and_shrinks_a_live_pool_keeping_its_state(pool3):
+    k = pool3
+    start(k, devices=2)
+    res = k.ok("%ddp resize 3", timeout=120)
+    assert "resized the pool from 2 to 3 ranks" in res.stdout and "took 5 name(s) from rank 0" in res.stdout, res.stdout
+    _, places = weights_and_places(k)
+    assert [p[:5] for p in places] == [(0, 3, "0", "3", True), (1, 3, "1", "3", True), (2, 3, "2", "3", False)]
+    res = k.ok("%ddp resize 2", timeout=120)
+    assert "resized the pool from 3 to 2 ranks" in res.stdout, res.stdout
+    _, places = weights_and_places(k)
+    assert len(places) == 2 and len(pool_pids(k)) == 2
+    assert "whole number" in k.run("%ddp resize zero").error_text
+
+
+BOMB = ("%%ddp\nclass Bomb:\n    calls = 0\n    def __reduce__(self):\n        Bomb.calls += 1\n"
+        "        if rank == {rank} and Bomb.calls == {call}:\n            os.kill(os.getpid(), 9)\n"
+        "        return (int, ())\nbomb = Bomb()\n")
+
+
+@pytest.mark.parametrize("rank,call,step", [(1, 1, "fingerprinting the pool's names"),
+                                            (0, 2, "rank 0 sent the pool's names")])
+def test_a_second_rank_lost_while_healing_ends_the_pool_with_the_reason(pool3, rank, call, step):
+    k = pool3
+    pids = start(k)
+    k.ok(BOMB.format(rank=rank, call=call))
+    os.kill(pids[2], signal.SIGKILL)
+    assert wait_for(k, f"{POOL}.ended is not None", 30)
+    why = k.value(f"{POOL}.ended")
+    assert f"could not be mended: rank {rank} was lost too while {step}: killed by SIGKILL" in why, why
+    res = k.run("%%ddp\nprint(1)\n")
+    assert "the pool has ended" in res.error_text, res.error_text
+
+
+def test_a_replacement_that_cannot_start_ends_the_pool_with_the_reason(pool3):
+    k = pool3
+    pids = start(k)
+    k.ok("from nbddp.kernel.ranks import starters\n_start = starters.ForkStarter.start\n"
+         "def no_memory(self, *a):\n    raise OSError(12, 'Cannot allocate memory')\n"
+         "starters.ForkStarter.start = no_memory")
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+        assert wait_for(k, f"{POOL}.ended is not None", 30)
+        why = k.value(f"{POOL}.ended")
+        assert "could not be mended: OSError: [Errno 12] Cannot allocate memory" in why, why
+    finally:
+        k.ok("starters.ForkStarter.start = _start")
+
+
+def test_an_interrupt_while_healing_ends_the_pool_and_leaves_nothing(pool3, tmp_path):
+    k = pool3
+    pids = start(k)
+    mark = tmp_path / "fingerprinting"
+    k.ok(f"%%ddp\nimport time\nclass Slow:\n    def __reduce__(self):\n        open({str(mark)!r}, 'w').close()\n"
+         "        time.sleep(30)\n        return (int, ())\nslow = Slow()\n")
+    os.kill(pids[2], signal.SIGKILL)
+    end = time.monotonic() + 20
+    while not mark.exists() and time.monotonic() < end:  # the watch is healing: a survivor fingerprints Slow
+        time.sleep(0.02)
+    assert mark.exists()
+    k.interrupt()  # the kernel is idle: the watch listens for Jupyter's interrupt while it heals
+    assert wait_for(k, f"{POOL}.ended is not None", 30)
+    assert "interrupted while fingerprinting the pool's names" in k.value(f"{POOL}.ended")
+
+
+def test_a_script_without_an_event_loop_heals_at_the_next_run():
+    """nbddp.Pool in a plain process: no loop watches the ranks, the next run() finds the loss and heals."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time, nbddp, torch\n"
+            "with nbddp.Pool(devices=3) as pool:\n"
+            "    pids = pool.run(os.getpid)\n"
+            "    os.kill(pids[1], signal.SIGKILL)\n"
+            "    time.sleep(0.5)\n"
+            "    print(pool.run(lambda: int(os.environ['RANK'])), pids[1] not in pool.run(os.getpid))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "[0, 1, 2] True" in out.stdout, out.stdout + out.stderr
+    assert "healed the pool" in out.stderr, out.stderr
+
+
+def test_the_loss_and_healing_are_said_in_the_pools_view_with_their_times(pool3):
+    k = pool3
+    pids = start(k)
+    os.kill(pids[1], signal.SIGKILL)
+    assert wait_for(k, f"not {POOL}.losses.pending and bool({POOL}.losses.history)")
+    lines = k.value(f"{POOL}.view.event_lines()")
+    assert len(lines) == 4, lines
+    assert "rank 1 lost while idle: killed by SIGKILL" in lines[0] and "healing: rank(s) 1 lost" in lines[1], lines
+    assert "healed the pool in" in lines[2] and "lacking: mine, shard" in lines[3], lines
+    assert all(line[2] == ":" and line[5] == ":" for line in lines), "each with its time"
+    assert said(k.ok("%%ddp\nprint('on', world_size)\n").stdout, 1, "on 3")
