@@ -500,6 +500,60 @@ NOTEBOOKS = {
              "waits = profile.set_index('rank').wait_s\n"
              "print('rank 0 waited at least 0.3 s more than rank 1 over 10 steps:', bool(waits[0] - waits[1] >= 0.3))"),
     ],
+    "13-when-a-rank-is-lost.ipynb": [
+        md("# When a rank is lost: the pool heals itself\n\nA pool's worth is its state: a model, its optimizer, the "
+           "data, built once in the ranks. When a rank dies (the out-of-memory killer, a `kill -9`, a segfault in an "
+           "extension), nbddp says so at once and mends the pool: a replacement with the same rank number takes the "
+           "state its peers agree on from one of them, every rank joins a new process group, and the DDP model is "
+           "made anew on it. The next cell goes on as if nothing happened, except for names made from `rank`, "
+           "which the replacement never gets from a peer: the cell lists them, to run again."),
+        code("%load_ext nbddp\nimport os, signal, torch\n"
+             "torch.manual_seed(0)\nX = torch.randn(6000, 8)\nY = X @ torch.randn(8, 1) + 0.1 * torch.randn(6000, 1)"),
+        md("Three ranks (`--on-loss heal` is the default: `shrink` goes on with the survivors, `end` ends the pool). "
+           "Healing needs two survivors to agree on a value before it is copied: a pool of 2 has one survivor, whose "
+           "names the replacement then lacks (listed, to run again)."),
+        code("%ddp start --devices 3 --seed 0"),
+        code("%%ddp\n"
+             "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+             "model = DDP(torch.nn.Linear(8, 1))\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+             "x, y = X[rank::world_size], Y[rank::world_size]   # each rank's own shard: made from rank\n"
+             "def train(steps):\n"
+             "    for _ in range(steps):\n"
+             "        loss = torch.nn.functional.mse_loss(model(x), y)\n"
+             "        opt.zero_grad(); loss.backward(); opt.step()\n"
+             "    return loss.item()\n"
+             "loss = train(20)\n"
+             "if rank == 0:\n"
+             "    print(f'loss after 20 steps: {loss:.4f}')"),
+        md("Now rank 2 dies as the out-of-memory killer would kill it. Between cells nbddp watches the ranks on the "
+           "kernel's own event loop: the pool's view above says `rank 2 lost while idle: killed by SIGKILL`, then "
+           "`healing`, then `healed`, with the times, before any cell runs."),
+        code("%%ddp --gather pid\npid = os.getpid()"),
+        code("import psutil, time\n"
+             "os.kill(pid[2], signal.SIGKILL)\n"
+             "while psutil.Process(pid[2]).status() != psutil.STATUS_ZOMBIE:  # dead, not yet reaped by nbddp\n"
+             "    time.sleep(0.01)"),
+        md("The next cell says what healing did. `model`, `opt`, `train` came from rank 0; `x` and `y` differ "
+           "between ranks, so rank 2 lacks them and the message names the cell that made them. Make them again and "
+           "train on: the replicas stay equal."),
+        code("%%ddp\n"
+             "x, y = X[rank::world_size], Y[rank::world_size]\n"
+             "loss = train(20)\n"
+             "if rank == 0:\n"
+             "    print(f'loss after 40 steps: {loss:.4f}')"),
+        code("%%ddp --gather w\nw = model.module.weight.detach().clone()"),
+        code("# NBVAL_CHECK_OUTPUT\nprint('every rank holds the same weights:', all(torch.equal(w[0], v) for v in w))"),
+        md("`%ddp resize N` grows or shrinks a live pool the same way: new ranks take the state from rank 0, a "
+           "shrink lets the highest ranks go. Names made from the old rank numbers or world size are listed."),
+        code("%ddp resize 2"),
+        code("%%ddp\n"
+             "x, y = X[rank::world_size], Y[rank::world_size]\n"
+             "loss = train(20)\n"
+             "if rank == 0:\n"
+             "    print(f'loss after 60 steps on {world_size} ranks: {loss:.4f}')"),
+        code("%ddp stop"),
+    ],
 }
 
 

@@ -103,7 +103,7 @@ class LossWatch:
         pool = self.pool
         if pool.gang is None or pool.gang.sup is None or self.loop.is_closed():
             return
-        if pool._turn.locked():  # a cell holds the ranks (a background one): it sees a loss itself
+        if pool.busy:  # a cell holds the ranks (a background one): it sees a loss itself
             self.loop.call_later(self.RETRY_S, self._arm)
             return
         for proc in pool.gang.sup.live():
@@ -126,16 +126,16 @@ class LossWatch:
     def _fired(self) -> None:
         self.disarm()
         pool = self.pool
-        if not pool._turn.acquire(blocking=False):
-            self.loop.call_later(self.RETRY_S, self._arm)
-            return
-        # the kernel ignores Jupyter's interrupt while idle; while it heals, the interrupt ends the healing
-        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            pool.mend_between_cells()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-            pool._turn.release()
+        with pool.turn_if_free() as free:
+            if not free:
+                self.loop.call_later(self.RETRY_S, self._arm)
+                return
+            # the kernel ignores Jupyter's interrupt while idle; while it heals, the interrupt ends the healing
+            previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                pool.mend_between_cells()
+            finally:
+                signal.signal(signal.SIGINT, previous)
         if pool.alive:
             self._arm()
 
@@ -289,6 +289,8 @@ def mend(pool, policy: str) -> Mended:
     survivors = sorted(p.rank for p in gang.sup.live())
     if not survivors:
         raise HealFailed("no rank survived")
+    if pool.config.cluster:
+        raise HealFailed("a pool across Ray nodes (--cluster) cannot be mended yet")
     if gang.plan.backend != "gloo":
         raise HealFailed(f"a pool on {gang.plan.backend} cannot be mended yet: its communicators cannot be freed "
                          "from the survivors here")

@@ -88,7 +88,8 @@ class Pool:
                 gang.sup.announce()
                 self.losses = healing.Losses(self.view)
                 gang.sup.listen(self.losses)
-                gang.sup.keep_peers = self.config.on_loss != "end"  # a lost rank's peers stay up to be mended
+                # a lost rank's peers stay up to be mended (a pool across Ray nodes is not mended yet)
+                gang.sup.keep_peers = self.config.on_loss != "end" and not self.config.cluster
                 gang.mend = self.mend
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
@@ -330,6 +331,21 @@ class Pool:
             raise UsageError(f"%ddp debug {rank}: the pool has rank(s) 0-{self.gang.world_size - 1}.")
         with self.one_cell():
             self._engine(self.config, f"debug rank {rank}", ranks=[rank]).run(command=messages.PostMortem())
+
+    @property
+    def busy(self) -> bool:
+        """A cell (or a mending) holds the ranks now."""
+        return self._turn.locked()
+
+    @contextlib.contextmanager
+    def turn_if_free(self):
+        """The ranks' turn if no cell holds them now (yields True; released after), else yields False at once."""
+        got = self._turn.acquire(blocking=False)
+        try:
+            yield got
+        finally:
+            if got:
+                self._turn.release()
 
     @contextlib.contextmanager
     def one_cell(self):

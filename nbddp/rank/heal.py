@@ -192,7 +192,7 @@ def _ddp_placeholder(ddp):
 
 
 # -- export and adopt -----------------------------------------------------------------------------------------
-class _Exporter(values._ToRanks):
+class _Exporter(values.RankPickler):
     def reducer_override(self, obj):
         return _special(obj) or _cell_function(obj) or super().reducer_override(obj)
 

@@ -126,7 +126,7 @@ def _refuse_wrapped(module) -> None:
                          "StateDictOptions(full_state_dict=True, cpu_offload=True)) instead")
 
 
-class _ToRanks(cloudpickle.CloudPickler):
+class RankPickler(cloudpickle.CloudPickler):
     """cloudpickle, keeping each notebook function's file name (cloudpickle >= 3.1.3 writes "<dynamic-code>"):
     a rank's traceback then labels its frames ``Cell In[n]``, as the notebook's would."""
 
@@ -150,7 +150,7 @@ def to_ranks(obj) -> bytes:
     big tensors and arrays through shared memory (sharedtensor.py), unless ``sharedtensor.sharing(False)``."""
     buf = io.BytesIO()
     with sharedtensor.sharer().send():
-        _ToRanks(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        RankPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
 
 
