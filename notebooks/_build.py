@@ -530,10 +530,11 @@ NOTEBOOKS = {
            "kernel's own event loop: the pool's view above says `rank 2 lost while idle: killed by SIGKILL`, then "
            "`healing`, then `healed`, with the times, before any cell runs."),
         code("%%ddp --gather pid\npid = os.getpid()"),
-        code("import psutil, time\n"
+        code("import select\n"
+             "gone = os.pidfd_open(pid[2])\n"
              "os.kill(pid[2], signal.SIGKILL)\n"
-             "while psutil.Process(pid[2]).status() != psutil.STATUS_ZOMBIE:  # dead, not yet reaped by nbddp\n"
-             "    time.sleep(0.01)"),
+             "select.select([gone], [], [], 10)   # until it has died, as nbddp's watch sees it\n"
+             "os.close(gone)"),
         md("The next cell says what healing did. `model`, `opt`, `train` came from rank 0; `x` and `y` differ "
            "between ranks, so rank 2 lacks them and the message names the cell that made them. Make them again and "
            "train on: the replicas stay equal."),

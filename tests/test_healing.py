@@ -219,3 +219,17 @@ def test_the_loss_and_healing_are_said_in_the_pools_view_with_their_times(pool3)
     assert "healed the pool in" in lines[2] and "lacking: mine, shard" in lines[3], lines
     assert all(line[2] == ":" and line[5] == ":" for line in lines), "each with its time"
     assert said(k.ok("%%ddp\nprint('on', world_size)\n").stdout, 1, "on 3")
+
+
+def test_a_second_heal_finds_the_first_replacements_names_alike(pool3):
+    """The replacement's values were unpickled, not built: their fingerprints must still equal the others'
+    (pickle's memo follows object identity; a function's code was rebuilt)."""
+    k = pool3
+    pids = start(k)
+    os.kill(pids[2], signal.SIGKILL)
+    assert wait_for(k, f"len({POOL}.losses.history) == 1 and not {POOL}.losses.pending")
+    weights_and_places(k)
+    os.kill(pool_pids(k)[0], signal.SIGKILL)  # the survivors now: rank 1 and the replacement
+    assert wait_for(k, f"len({POOL}.losses.history) == 2 and not {POOL}.losses.pending")
+    res, places = weights_and_places(k)
+    assert "a new rank 0 took 5 name(s) from rank 1 (DDP, data, model, opt, step)" in res.stderr, res.stderr

@@ -112,9 +112,20 @@ class _Fingerprinter(cloudpickle.CloudPickler):
 
 
 def fingerprint(value) -> str:
-    h = _Hash()
-    _Fingerprinter(h, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return h.h.hexdigest()
+    """Without pickle's memo where it can (its back-references follow object identity: a string interned on one
+    rank and unpickled on another, the replacement of an earlier heal, would make equal values differ); a value
+    with a cycle needs the memo (a false "differs" only leaves a name to run again, never a wrong copy)."""
+    for fast in (True, False):
+        h = _Hash()
+        pickler = _Fingerprinter(h, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.fast = fast
+        try:
+            pickler.dump(value)
+        except ValueError:
+            if not fast:
+                raise
+            continue  # ("fast mode: can't pickle cyclic objects")
+        return h.h.hexdigest()
 
 
 def _sums(*parts):  # never called: a fingerprint is only hashed
