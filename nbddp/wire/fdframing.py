@@ -40,21 +40,27 @@ def receive(sock: socket.socket):
     gone, before or inside a frame; Unreadable for a whole frame that does not unpickle here."""
     head, anc, _, _ = sock.recvmsg(HEADER.size, socket.CMSG_SPACE(MAX_FDS * 4))
     fds = _descriptors(anc)
+    delivered = False
     try:
         if not head:
             raise EOFError
         head += _exactly(sock, HEADER.size - len(head))
         (n,) = HEADER.unpack(head)
-        body = _exactly(sock, n)
-        try:
-            return pickle.loads(body), fds
-        except Exception as e:  # any error of unpickling: the frame was read whole, so the stream goes on
-            raise Unreadable(f"{type(e).__name__}: {e}") from None
-    except BaseException:  # (EOFError, an interrupt, a timeout...): the descriptors are no one's, closed here
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        raise
+        message = _load(_exactly(sock, n))
+        delivered = True
+        return message, fds
+    finally:
+        if not delivered:  # (the other end gone, Unreadable, an interrupt, a timeout): the descriptors are no one's
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _load(body: bytearray):
+    try:
+        return pickle.loads(body)
+    except Exception as e:  # unpickling raises anything (a module or class this side lacks...): the frame was
+        raise Unreadable(f"{type(e).__name__}: {e}") from None  # read whole, so the stream goes on
 
 
 def _exactly(sock: socket.socket, n: int) -> bytearray:
