@@ -13,7 +13,7 @@ python benchmarks/bench_forkserver.py [--quick]   (benchmarks/run.py --only fork
    its data (its time is what reaching the ranks costs; a trivial pool cell is the anchor), each rank's
    private memory growth over the cell read from outside (psutil): the first such cell, the next ones
    (unchanged), the one after ``X.add_(1)`` in the notebook; this code (shared memory) and "before"
-   (``sharedtensor.sharing`` off: the pickle per rank nbddp sent until issue 49), each in a kernel of its own.
+   (``memfd.elsewhere``: the pickle per rank nbddp sent until issue 49), each in a kernel of its own.
 
 Writes results.json's "forkserver" entry and the section between the markers in results.md.
 """
@@ -85,8 +85,8 @@ bench("one_shot", {m: {"trivial_s": statistics.median(trivial[m]), "first_step_s
 
 POOL = r'''
 import psutil
-import nbddp.wire.sharedtensor as st
-st._enabled = SHARED
+from nbddp.wire import memfd
+memfd.elsewhere(not SHARED).__enter__()  # "before": for the rest of this cell, pickled by value as for another machine
 get_ipython().run_line_magic("ddp", "start --devices 2")
 ranks = [psutil.Process(p) for p in sorted(c.pid for c in psutil.Process().children())]
 del X
@@ -163,7 +163,7 @@ def render(r: dict) -> str:
               "2,199 MiB before, §9 of an earlier run).", "",
               "A fork pool's cell given a 1 GiB tensor made after `%ddp start` (a cell that names `X` without reading "
               "its data; each row a kernel of its own; \"before\": the pickle per rank nbddp sent until issue 49, "
-              "`sharedtensor.sharing` off). Private memory: each rank's USS growth over the cell, read from outside.", "",
+              "`memfd.elsewhere`). Private memory: each rank's USS growth over the cell, read from outside.", "",
               "| | trivial pool cell (anchor) | first cell | rank private memory | next cells (unchanged) | after `X.add_(1)` | rank private memory |",
               "|---|---|---|---|---|---|---|"]
     for label in ("before", "this code"):

@@ -91,18 +91,18 @@ def test_a_twin_travels_by_handle_and_maps_the_same_memory_in_another_interprete
 
 
 def test_to_another_machine_the_bytes_travel_once_into_one_file_its_ranks_map(tmp_path):
-    from nbddp.wire import sharedbuffer
+    from nbddp.wire import memfd
 
     twin = nbddp.shared(ROWS)
     assert len(pickle.dumps(twin)) < 1024
-    with sharedbuffer.carrying():
+    with memfd.elsewhere():
         blob = pickle.dumps(twin)
     assert len(blob) > twin._buf.size
     (tmp_path / "blob").write_bytes(blob)
     code = textwrap.dedent(f"""
         import os, pickle
-        from nbddp.wire import sharedbuffer
-        sharedbuffer._host = lambda: "another-machine"  # as on a Ray node elsewhere: the kernel's memfd is not there
+        from nbddp.wire import memfd
+        memfd.boot_id = lambda: "another-machine"  # as on a Ray node elsewhere: the kernel's memfd is not there
         os.environ["TORCHELASTIC_ERROR_FILE"] = {str(tmp_path / 'rank1.error.json')!r}
         s = pickle.loads(open({str(tmp_path / 'blob')!r}, 'rb').read())
         print(s[-1]['id'], len(s))

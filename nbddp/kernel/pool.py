@@ -19,7 +19,7 @@ from ..rank.jobs import CallJob
 from ..rank.server import Server
 from ..views import output
 from ..views.display import view_for_pool
-from ..wire import messages, sharedbuffer, values
+from ..wire import messages, values
 from . import checks, healing, options
 from .cells import engine
 from .ranks import failure
@@ -262,11 +262,10 @@ class Pool:
         world = self.gang.world_size if self.gang else 0
         if ranks and max(ranks) >= world:
             raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
-        with sharedbuffer.carrying() if self.config.cluster else contextlib.nullcontext():  # other machines: bytes too
-            # the other nodes lack what the notebook had at the start
-            sync = self.held.before_cell(code or set(), other_nodes=bool(self.config.cluster) and self.alive)
-            if sync.other_nodes:
-                self.gang.owe(sync.other_nodes)  # with the next command to each other node's rank
+        # the other nodes lack what the notebook had at the start (RankNames pickles for other machines)
+        sync = self.held.before_cell(code or set(), other_nodes=bool(self.config.cluster) and self.alive)
+        if sync.other_nodes:
+            self.gang.owe(sync.other_nodes)  # with the next command to each other node's rank
         notes, updates = sync.notes, sync.updates
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
         run = self._engine(config, label, relabel, observer, ranks, on_start)  # (a pool that ended refuses the cell here)

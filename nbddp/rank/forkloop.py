@@ -4,22 +4,24 @@ CUDA context (a fork of that kernel could not use a GPU).
 It is either a fork of the kernel taken at ``%load_ext`` (before the kernel could touch CUDA: the
 "template", with everything the kernel had imported by then), or a fresh interpreter started when it is
 first needed (``python -m nbddp.rank.forkloop FD``). It serves one socket to the kernel, one request at
-a time (kernel/ranks/forkserver.py is the other end):
+a time (kernel/ranks/forkserver.py is the other end; the messages are wire/forkmessages.py's, framed with
+their descriptors by wire/fdframing.py):
 
-- ``prepare``: the kernel's ``sys.path``, working directory and environment at the cell, and the modules the
+- ``Prepare``: the kernel's ``sys.path``, working directory and environment at the cell, and the modules the
   kernel has imported that the server lacks, imported here so every rank forked later has them (a package
   whose import initialised CUDA here is reported and the server ends: kernel/ranks/forkserver.py starts a fresh
   one without it);
-- ``fork``: one rank, with its spec, the job (pickled once per gang) and its descriptors (stdout, stderr,
-  channel; store pipes, command pipe), passed with SCM_RIGHTS; answered with the rank's pid.
+- ``SetJob``: the gang's job, pickled once;
+- ``Fork``: one rank, with its spec, the job (pickled once per gang) and its descriptors (stdout, stderr,
+  channel; store pipes, command pipe), passed with SCM_RIGHTS; answered with the rank's pid;
+- anything else: ``Refused`` (the kernel raises it at once).
 
-It reaps its ranks itself and tells the kernel each one's wait status and peak memory (``exited``), kills
+It reaps its ranks itself and tells the kernel each one's wait status and peak memory (``Exited``), kills
 a rank's process group before reaping it (the kernel's supervisor does the same for its own children), dies
 with the kernel (PR_SET_PDEATHSIG) and ignores Jupyter's SIGINT; its ranks die with it.
 """
 from __future__ import annotations
 
-import array
 import contextlib
 import dataclasses
 import gc
@@ -29,52 +31,17 @@ import pickle
 import selectors
 import signal
 import socket
-import struct
 import sys
 import warnings
 
+from ..wire import fdframing
+from ..wire.forkmessages import Exited, Fork, Forked, JobSet, Prepare, Prepared, Refused, SetJob
 from . import worker
 from .stdio import LIBC, POSIX
-
-
-_HEADER = struct.Struct("<Q")
-MAX_FDS = 16
 
 # never imported ahead in the server: the kernel's own machinery, debuggers, what may start compile workers
 KERNEL_ONLY = ("__main__", "nbddp", "ipykernel", "debugpy", "pydevd", "_pydev", "_pydevd", "zmq", "jupyter_client",
                "tornado", "comm", "torch._inductor", "triton", "torch.compiler", "IPython.core.debugger")
-
-
-# -- framing: a header with the descriptors, then the pickled body (both ends use these) --------------------------
-def send(sock: socket.socket, obj, fds=()) -> None:
-    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
-    sock.sendmsg([_HEADER.pack(len(body))], anc)
-    sock.sendall(body)
-
-
-def receive(sock: socket.socket):
-    """(object, descriptors received with it); raises EOFError when the other end is gone."""
-    head, anc, _, _ = sock.recvmsg(_HEADER.size, socket.CMSG_SPACE(MAX_FDS * 4))
-    if not head:
-        raise EOFError
-    while len(head) < _HEADER.size:
-        more = sock.recv(_HEADER.size - len(head))
-        if not more:
-            raise EOFError
-        head += more
-    fds = []
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(array.array("i", data[:len(data) - len(data) % 4]))
-    (n,) = _HEADER.unpack(head)
-    body = bytearray()
-    while len(body) < n:
-        chunk = sock.recv(min(n - len(body), 1 << 20))
-        if not chunk:
-            raise EOFError
-        body += chunk
-    return pickle.loads(body), fds
 
 
 # -- the server ---------------------------------------------------------------------------------------------------
@@ -96,35 +63,40 @@ class ForkLoop:
             for key, _ in self.sel.select():
                 if key.data is None:
                     try:
-                        request, fds = receive(self.sock)
+                        request, fds = fdframing.receive(self.sock)
+                    except fdframing.Unreadable as e:  # (read whole: the next request is read as it should be)
+                        fdframing.send(self.sock, Refused(f"the forkserver cannot read the request: {e}"))
+                        continue
                     except (EOFError, OSError):
                         return  # the kernel is gone (its ranks die with this process)
                     self.answer(request, fds)
                 else:
                     self.reap(key.fd)
 
-    def answer(self, request, fds) -> None:
-        kind = request[0]
-        if kind == "prepare":
-            send(self.sock, ("prepared", prepare(*request[1:])))
-            if cuda_held():
-                os._exit(3)  # reported: the kernel starts a fresh server
-        elif kind == "job":
-            self.job = request[1]
-            send(self.sock, ("ok",))
-        elif kind == "fork":
+    def answer(self, request, fds: list[int]) -> None:
+        """One reply to each request; the descriptors that came with it are closed once it is answered
+        (a rank forked meanwhile holds its own copies)."""
+        try:
+            fdframing.send(self.sock, self._reply(request, fds))
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if isinstance(request, Prepare) and cuda_held():
+            os._exit(3)  # reported in the reply: the kernel starts a fresh server
+
+    def _reply(self, request, fds: list[int]):
+        if isinstance(request, Prepare):
+            return prepare(request.path, request.cwd, request.environ, request.modules)
+        if isinstance(request, SetJob):
+            self.job = request.blob
+            return JobSet()
+        if isinstance(request, Fork):
             try:
-                pid = self.fork(request[1], request[2], fds)
+                return Forked(self.fork(request.spec, request.roles, fds))
             except Exception as e:  # noqa: BLE001 - reported to the kernel, which raises it
-                send(self.sock, ("error", f"{type(e).__name__}: {e}"))
-            else:
-                send(self.sock, ("forked", pid))
-            finally:
-                for fd in fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-        elif kind == "stop":
-            os._exit(0)
+                return Refused(f"{type(e).__name__}: {e}")
+        return Refused(f"the forkserver does not know the request {type(request).__name__}")
 
     def fork(self, spec, roles: tuple, fds: list[int]) -> int:
         """A rank: ``roles`` names each descriptor received (out, err, chan, store_req, store_rep, cmd)."""
@@ -165,7 +137,7 @@ class ForkLoop:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)  # its own children (DataLoader workers) go with it; pid still reserved
         _, status, usage = os.wait4(pid, 0)
-        send(self.sock, ("exited", pid, status, usage.ru_maxrss * 1024))
+        fdframing.send(self.sock, Exited(pid, status, usage.ru_maxrss * 1024))
 
 
 NAME = b"nbddp-forksrv"  # the server's process name (ps, psutil's name(): at most 15 bytes)
@@ -177,7 +149,7 @@ def _name(name: bytes) -> None:
         LIBC.prctl(PR_SET_NAME, name[:15], 0, 0, 0)
 
 
-def prepare(path, cwd, environ, modules) -> dict:
+def prepare(path, cwd, environ, modules) -> Prepared:
     """The kernel's setting at the cell, and its imports: returns what could not be imported, and the
     package whose import initialised CUDA here, if one did."""
     sys.path[:] = path
@@ -203,7 +175,7 @@ def prepare(path, cwd, environ, modules) -> dict:
                 if cuda_held():
                     poisoned = package
                     break
-    return {"failed": failed, "poisoned": poisoned}
+    return Prepared(failed, poisoned)
 
 
 def _by_package(modules):

@@ -17,7 +17,7 @@ bytes nobody writes, so the pages stay shared, in every rank and every loader wo
 The buffer is a memfd. A fork inherits its mapping; anywhere else (a pool started before the call, a
 spawned rank, a Ray node on the same machine) the twin travels by handle (the kernel's pid, fd and the
 buffer's inode) and is mapped there, never copied. To another machine (a Ray node) the bytes travel once
-per node (``sharedbuffer.carrying``) into a file of the node's run directory that its ranks map.
+per node (under ``memfd.elsewhere()``) into a file of the node's run directory that its ranks map.
 """
 from __future__ import annotations
 

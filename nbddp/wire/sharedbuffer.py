@@ -1,33 +1,21 @@
 """The shared-memory buffer behind ``nbddp.shared`` (shared.py, sharedframe.py): one memfd, written once
 in the kernel, mapped read-only wherever a twin is read.
 
-A fork inherits the mapping. Anywhere else on the same machine a buffer travels by handle (the kernel's
-pid, fd and the memfd's inode, checked against the boot id) and is mapped from ``/proc/<pid>/fd/<fd>``;
-to another machine, pickled under ``carrying()``, its bytes go with the handle once per node, into one
-file of the node's run directory that the node's ranks map.
+A fork inherits the mapping. Anywhere else on the same machine a buffer travels by handle (memfd.py: the
+kernel's pid, fd and the memfd's inode, checked against the boot id) and is mapped from
+``/proc/<pid>/fd/<fd>``; to another machine, pickled under ``memfd.elsewhere()``, its bytes go with the
+handle once per node, into one file of the node's run directory that the node's ranks map.
 """
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
-import tempfile
 import weakref
 
+from . import memfd
+
 _ALIGN = 64
-_carry = False  # pickling for another machine: the bytes go with the handle (``carrying``)
-_mapped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (host, inode) -> Buffer, this process
-
-
-@contextlib.contextmanager
-def carrying():
-    """While pickling for ranks on other machines: twins carry their bytes (once per node)."""
-    global _carry
-    before, _carry = _carry, True
-    try:
-        yield
-    finally:
-        _carry = before
+_mapped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (boot id, inode) -> Buffer, this process
 
 
 # -- the buffer ------------------------------------------------------------------------------------------------
@@ -38,23 +26,21 @@ class Buffer:
         self.fd, self.size = fd, size
         # the kernel maps every page at once: a page only one rank has mapped would count as that rank's
         # private memory (USS), though it is the kernel's buffer, counted once
-        populate = getattr(mmap, "MAP_POPULATE", 0) if owner else 0
-        self.map = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+        self.map = memfd.map_shared(fd, max(size, 1), populate=owner)
         self.view = memoryview(self.map)
-        st = os.fstat(fd)
-        self.key = (_host(), st.st_ino)
-        self.pid = os.getpid()
-        if not owner:  # mapped: the descriptor is no longer needed
+        self.handle = memfd.handle(fd)
+        if not owner:  # mapped: the descriptor is no longer needed (a handle pickled here opens nothing)
             os.close(fd)
             self.fd = None
-        _mapped[self.key] = self
+            self.handle = self.handle._replace(fd=None)
+        _mapped[self.handle.key] = self
 
     def __reduce__(self):
-        carried = bytes(self.view[:self.size]) if _carry else None
-        return _attach, (self.key, self.pid, self.fd, self.size, carried)
+        carried = bytes(self.view[:self.size]) if memfd.going_elsewhere() else None
+        return _attach, (self.handle, self.size, carried)
 
     def __del__(self):
-        if self.fd is not None and os.getpid() == self.pid:  # a fork's copy of the number may be reused there
+        if self.fd is not None and os.getpid() == self.handle.pid:  # a fork's copy of the number may be reused there
             with contextlib.suppress(OSError):
                 os.close(self.fd)
 
@@ -63,11 +49,7 @@ class BufferWriter:
     """Builds a buffer: parts appended at aligned offsets, then sealed read-only."""
 
     def __init__(self, name: str):
-        if hasattr(os, "memfd_create"):
-            self.fd = os.memfd_create(f"nbddp-shared-{name}", os.MFD_CLOEXEC)
-        else:  # no memfd (macOS): an unlinked file, shared with forks all the same
-            self.fd, path = tempfile.mkstemp(prefix=f"nbddp-shared-{name}-")
-            os.unlink(path)
+        self.fd = memfd.create(f"nbddp-shared-{name}")
         self.pos = 0
 
     def append(self, data) -> int:
@@ -90,30 +72,16 @@ class BufferWriter:
         return Buffer(self.fd, self.pos, owner=True)
 
 
-def _host() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return os.uname().nodename
-
-
-def _attach(key, pid: int, fd, size: int, carried):
-    """In a rank (or the kernel): the buffer of ``key``, mapped once per process."""
-    buf = _mapped.get(tuple(key))
+def _attach(handle: memfd.Handle, size: int, carried):
+    """In a rank (or the kernel): the buffer of ``handle``, mapped once per process; its carried bytes
+    where the memfd cannot be opened here (another machine)."""
+    buf = _mapped.get(handle.key)
     if buf is not None:
         return buf
-    if key[0] == _host() and fd is not None:
-        try:
-            mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
-        except OSError:
-            mine = None
-        if mine is not None and os.fstat(mine).st_ino == key[1]:
-            return Buffer(mine, size, owner=False)
-        if mine is not None:
-            os.close(mine)
+    with contextlib.suppress(memfd.Unreachable):
+        return Buffer(memfd.open_handle(handle), size, owner=False)
     if carried is not None:
-        return Buffer(_node_file(key, carried), size, owner=False)
+        return Buffer(_node_file(handle.key, carried), size, owner=False)
     raise RuntimeError("this nbddp.shared data lives in the kernel's memory on another machine, or its "
                        "kernel has let it go: make it again with nbddp.shared(...) in the notebook")
 

@@ -14,60 +14,46 @@ its handle travels. Arenas hold many tensors each (one per send: 10,000 tensors 
 kernel, none in a rank), and are let go once no notebook value they hold is alive and unchanged.
 
 Small values (under ``MIN_BYTES``) are pickled as they are; so are tensors that are not plain dense CPU
-tensors (sparse, quantized, a subclass, one that needs a graph). ``sharing(False)`` (a rank on another
-machine) pickles everything by value.
+tensors (sparse, quantized, a subclass, one that needs a graph). Under ``memfd.elsewhere()`` (ranks on another
+machine) everything is pickled by value. A memfd's making, handle, opening and mapping are memfd.py's.
 """
 from __future__ import annotations
 
 import contextlib
-import errno
+import contextvars
 import mmap
 import os
 import sys
 import threading
 import weakref
 
-from ..units import size
+from . import memfd
 
 # the kernel's GPU tensors: the CUDA seam's ``share(tensor) -> (rebuild, args) | None`` (hw/cuda.py, CUDA IPC),
 # set by the kernel at %load_ext (the wire imports no seam); None: they travel as their CPU copies, pickled
 gpu_share = None
 MIN_BYTES = 64 << 10  # smaller tensors and arrays are pickled as they are (a page rounds each up: <= 6 % here)
 _PAGE = mmap.PAGESIZE
-_enabled = True  # pickling for ranks of this machine (sharing(False): ranks elsewhere)
-_gpu = False  # pickling for GPU ranks that are no fork of the kernel (handing_gpu): its GPU tensors by CUDA IPC
-
-
-class SharedMemoryFull(MemoryError):
-    """There is not room in memory for a notebook value the ranks need; the message says what to free."""
-
-
-@contextlib.contextmanager
-def sharing(on: bool):
-    """While pickling for ranks that can (``on``) or cannot (other machines) open the kernel's memfds (never
-    turns sharing on where it was turned off)."""
-    global _enabled
-    before, _enabled = _enabled, _enabled and on
-    try:
-        yield
-    finally:
-        _enabled = before
+SharedMemoryFull = memfd.SharedMemoryFull  # what a send raises where an arena finds no room (sending.py catches it)
+# pickling for GPU ranks that are no fork of the kernel (``handing_gpu``): its GPU tensors by CUDA IPC. A
+# ContextVar, as memfd.elsewhere's: two threads may pickle at once, for different ranks
+_gpu: contextvars.ContextVar[bool] = contextvars.ContextVar("nbddp_handing_gpu", default=False)
 
 
 @contextlib.contextmanager
 def handing_gpu(on: bool):
     """While pickling for GPU ranks the forkserver starts: the kernel's GPU tensors go by CUDA IPC
     (``gpu_share``); for any other ranks they travel as their CPU copies."""
-    global _gpu
-    before, _gpu = _gpu, on
+    token = _gpu.set(on)
     try:
         yield
     finally:
-        _gpu = before
+        _gpu.reset(token)
 
 
 def enabled() -> bool:
-    return _enabled and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+    """Values pickled now go through shared memory: ranks of this machine only, which has memfds."""
+    return not memfd.going_elsewhere() and memfd.available()
 
 
 # -- the kernel's side ------------------------------------------------------------------------------------------
@@ -79,9 +65,8 @@ class Arena:
     value, or 10,000 tensors would be 10,000 descriptors)."""
 
     def __init__(self):
-        self.fd = os.memfd_create("nbddp-tensors", os.MFD_CLOEXEC)
-        self.inode = os.fstat(self.fd).st_ino
-        self.pid = os.getpid()
+        self.fd = memfd.create("nbddp-tensors")
+        self.handle = memfd.handle(self.fd)  # (this process is its owner: a fork's copy never closes it)
         self.end = 0
         self.map: mmap.mmap | None = None
         self.users = 0  # cache entries that point here
@@ -91,13 +76,8 @@ class Arena:
         shortage is SharedMemoryFull here, never a SIGBUS in a rank). Returns the offset."""
         start, n = self.end, max(int(src.nbytes), 1)
         rounded = -(-n // _PAGE) * _PAGE
-        try:
-            os.posix_fallocate(self.fd, start, rounded)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise SharedMemoryFull(size(n)) from None
-            raise
-        m = mmap.mmap(self.fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        memfd.reserve(self.fd, start, rounded, wanted=n)
+        m = memfd.map_shared(self.fd, n, offset=start, writable=True)
         try:
             _bytes_of(m, src.nbytes).copy_(_as_tensor(src))  # torch copies with every core
         finally:
@@ -109,22 +89,18 @@ class Arena:
         """The kernel maps the whole arena (its pages are all there: no new memory); again if it grew since
         (an array compared while its send was still being written)."""
         if self.end and (self.map is None or len(self.map) < self.end):
-            self.map = mmap.mmap(self.fd, self.end, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                 prot=mmap.PROT_READ)
+            self.map = memfd.map_shared(self.fd, self.end, populate=True)
 
     def bytes_at(self, offset: int, nbytes: int):
         self.seal()
         return _bytes_of(self.map, nbytes, offset)
-
-    def handle(self) -> tuple:
-        return (_boot_id(), self.inode, self.pid, self.fd)
 
     def close(self) -> None:
         if self.map is not None:
             with contextlib.suppress(BufferError):
                 self.map.close()
             self.map = None
-        if self.fd is not None and os.getpid() == self.pid:
+        if self.fd is not None and os.getpid() == self.handle.pid:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
         self.fd = None
@@ -180,7 +156,8 @@ class Sharer:
                         self._arena.seal()
                     self._arena = None
 
-    def place(self, obj, ptr: int, nbytes: int, version, src_for, *, compare: bool = False) -> tuple[tuple, int]:
+    def place(self, obj, ptr: int, nbytes: int, version, src_for, *,
+              compare: bool = False) -> tuple[memfd.Handle, int]:
         """(arena handle, offset) of the ``nbytes`` at ``ptr`` that ``obj`` holds (``src_for()``: them as a
         flat uint8 tensor or array, read only when needed), copied once and found again while a value
         holding them is alive at the same address and ``version`` (a tensor's views share its version
@@ -194,7 +171,7 @@ class Sharer:
                                       or found.version != version or compare and not _equal(found, src_for())):
                 found = None
             if found is not None and found is self._cache.get(id(obj)):
-                return found.arena.handle(), found.offset  # this very value, unchanged
+                return found.arena.handle, found.offset  # this very value, unchanged
             if found is not None:
                 arena, offset = found.arena, found.offset
             else:
@@ -210,7 +187,7 @@ class Sharer:
             arena.users += 1
             self._cache[id(obj)] = entry
             self._by_place[(ptr, nbytes)] = entry
-            return arena.handle(), offset
+            return arena.handle, offset
 
     def let_go(self) -> None:
         """Close every arena now, whatever still uses it here (a rank's export to a replacement, once it has
@@ -235,6 +212,16 @@ class Sharer:
             if entry.arena.users == 0:
                 self._idle.append(entry.arena)
 
+    def changed_array(self, np, value) -> bool:
+        """``value`` (a numpy array) went through an arena and its bytes have changed since. Under the lock:
+        another thread's send may forget its entry and close its arena meanwhile."""
+        with self._lock:
+            entry = self._cache.get(id(value))
+            if entry is None or entry.ref() is not value:
+                return False
+            lo, nbytes, src = _array_bytes(np, value)
+            return (lo, nbytes) != (entry.ptr, entry.nbytes) or not _equal(entry, src())
+
 
 def changed_array(value) -> bool:
     """A numpy array whose bytes went to the ranks through an arena and have changed since (it has no
@@ -242,11 +229,7 @@ def changed_array(value) -> bool:
     np = sys.modules.get("numpy")
     if np is None or type(value) is not np.ndarray or _sharer is None:
         return False
-    entry = _sharer._cache.get(id(value))
-    if entry is None or entry.ref() is not value:
-        return False
-    lo, nbytes, src = _array_bytes(np, value)
-    return (lo, nbytes) != (entry.ptr, entry.nbytes) or not _equal(entry, src())
+    return _sharer.changed_array(np, value)
 
 
 def _equal(entry: _Entry, src) -> bool:
@@ -274,7 +257,7 @@ def reduce(obj):
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
-        if obj.device.type == "cuda" and _gpu and gpu_share is not None:
+        if obj.device.type == "cuda" and _gpu.get() and gpu_share is not None:
             reduced = gpu_share(obj)
             if reduced is not None:
                 sharer().on_gpu += obj.untyped_storage().nbytes()
@@ -331,30 +314,27 @@ def _array_bytes(np, a):
 
 
 # -- the rank's side ---------------------------------------------------------------------------------------------
-_mapped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (boot id, inode) -> its mmap here, while a value uses it
+# (boot id, inode) -> its mmap here, while a value uses it
+_mapped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _open(handle) -> mmap.mmap:
-    key = (handle[0], handle[1])
-    m = _mapped.get(key)
+def _open(handle: memfd.Handle) -> mmap.mmap:
+    m = _mapped.get(handle.key)
     if m is not None:
         return m
-    boot, inode, pid, fd = handle
     try:
-        if boot != _boot_id():
-            raise OSError(errno.ENOENT, "another machine")
-        mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
-    except OSError as e:
+        mine = memfd.open_handle(handle)
+    except memfd.Replaced:
+        raise RuntimeError("a notebook tensor sent through shared memory was let go by the kernel before this "
+                           "rank opened it: send it again (rerun the cell)") from None
+    except memfd.Unreachable as e:
         raise RuntimeError(f"a notebook tensor sent through shared memory could not be opened here ({e}): the "
                            "kernel that sent it is gone, or this rank runs on another machine") from None
     try:
-        if os.fstat(mine).st_ino != inode:
-            raise RuntimeError("a notebook tensor sent through shared memory was let go by the kernel before this "
-                               "rank opened it: send it again (rerun the cell)")
-        m = mmap.mmap(mine, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        m = memfd.map_private(mine)
     finally:
         os.close(mine)
-    _mapped[key] = m
+    _mapped[handle.key] = m
     return m
 
 
@@ -377,16 +357,3 @@ def _array(handle, offset, meta):
     flat = np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=offset)
     return np.ndarray(shape, dtype=np.dtype(dtype), buffer=flat, offset=start, strides=strides)
 
-
-_boot: str | None = None
-
-
-def _boot_id() -> str:
-    global _boot
-    if _boot is None:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                _boot = f.read().strip()
-        except OSError:
-            _boot = os.uname().nodename
-    return _boot

@@ -147,7 +147,7 @@ class RankPickler(cloudpickle.CloudPickler):
 
 def to_ranks(obj) -> bytes:
     """A notebook value pickled for the ranks (by value: spawn, forkserver, a pool's updates, another node):
-    big tensors and arrays through shared memory (sharedtensor.py), unless ``sharedtensor.sharing(False)``."""
+    big tensors and arrays through shared memory (sharedtensor.py), unless under ``memfd.elsewhere()``."""
     buf = io.BytesIO()
     with sharedtensor.sharer().send():
         RankPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)

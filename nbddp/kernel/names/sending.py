@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ...errors import UsageError
 from ...units import size
 from ...ipy.cellcode import names_used, notebook_name, split_last_expression
-from ...wire import sharedtensor, values
+from ...wire import memfd, sharedtensor, values
 
 
 class Blobs(dict):
@@ -219,12 +219,14 @@ class RankNames:
         marked sent until ``sent``: the cell may yet be refused. ``other_nodes``: a running pool across
         nodes, whose other nodes get what they lack once (``Changes.other_nodes``)."""
         self.reads |= cell_reads
-        # a pool across nodes: its ranks elsewhere cannot open this machine's memfds, so values are pickled
-        with sharedtensor.handing_gpu(self.gpu_ipc), sharedtensor.sharing(not self.across_nodes):
-            changes = self._changes(cell_reads)
-        if other_nodes:
-            with sharedtensor.sharing(False):  # (their ranks cannot open this machine's memfds)
-                changes.other_nodes = self._for_other_nodes(cell_reads)
+        # a pool across nodes: its ranks elsewhere cannot open this machine's memfds, so tensors are pickled
+        # by value and shared buffers carry their bytes (once per node)
+        with memfd.elsewhere(self.across_nodes):
+            with sharedtensor.handing_gpu(self.gpu_ipc):
+                changes = self._changes(cell_reads)
+            if other_nodes:
+                with memfd.elsewhere():  # (their ranks cannot open this machine's memfds)
+                    changes.other_nodes = self._for_other_nodes(cell_reads)
             sizes = sent_text(changes.other_nodes, self.namespace)
             if sizes:
                 changes.notes.append(f"sent {', '.join(sizes)} to the other nodes' ranks, once (they do not share "

@@ -8,7 +8,9 @@ started at the first cell that needs it. Either imports what the kernel has impo
 cell's ranks (``ForkServer.prepare``), so a rank's first step runs at fork speed, and takes the kernel's
 ``sys.path``, working directory and environment as they are at the cell. One request at a time, under a
 lock (a background cell's thread and the notebook's may both start ranks); the exits its ranks report
-arrive between the replies and are kept until the supervisor asks (``wait_exit``).
+arrive between the replies and are kept until the supervisor asks (``wait_exit``). The messages are
+wire/forkmessages.py's, framed with their descriptors by wire/fdframing.py; a request the server refuses
+is raised at once (``ForkServerRefused``).
 """
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ import sys
 import threading
 
 from ...errors import UsageError
-from ...rank import forkloop as wire
+from ...rank import forkloop
 from ...rank.stdio import POSIX
+from ...wire import fdframing
+from ...wire.forkmessages import Exited, Fork, Forked, Prepare, Prepared, Refused, SetJob
 from . import rendezvous
+
 
 class ForkServer:
     def __init__(self, sock: socket.socket, pid: int, kind: str):
@@ -40,7 +45,7 @@ class ForkServer:
         pid = POSIX.fork()
         if pid == 0:  # pragma: no cover - the template; never returns
             ours.close()
-            wire.run(theirs, kernel, fresh=False)
+            forkloop.run(theirs, kernel, fresh=False)
         theirs.close()
         return cls(ours, pid, "template")
 
@@ -58,55 +63,60 @@ class ForkServer:
 
     # -- requests ---------------------------------------------------------------------------------------------
     def request(self, message, fds=(), timeout: float | None = 60.0):
-        """``message``'s answer. Anything that leaves the exchange unfinished (the server gone, no answer in
-        ``timeout``, an interrupt while waiting) ends the server: a later answer would be taken for another's."""
+        """``message``'s reply; ForkServerRefused where the server refused it (the server goes on). Anything
+        that leaves the exchange unfinished (the server gone, no answer in ``timeout``, an interrupt while
+        waiting) ends the server: a later answer would be taken for another's."""
         with self.lock:
             if self.gone:
                 raise ForkServerGone(self.kind)
             try:
-                wire.send(self.sock, message, fds)
-                return self._reply(timeout)
+                fdframing.send(self.sock, message, fds)
+                reply = self._reply(timeout)
             except (OSError, EOFError):
                 self._lost()
                 raise ForkServerGone(self.kind) from None
             except BaseException:
                 self._lost()
                 raise
+        if isinstance(reply, Refused):
+            raise ForkServerRefused(reply.error)
+        return reply
 
     def _reply(self, timeout):
         """The answer to the request just sent (the ranks' exits met on the way are kept)."""
-        while (message := self._next(timeout))[0] == "exited":
+        while isinstance(message := self._next(timeout), Exited):
             pass
         return message
 
     def _next(self, timeout):
         self.sock.settimeout(timeout)
         try:
-            message, _ = wire.receive(self.sock)
+            message, _ = fdframing.receive(self.sock)
         finally:
             self.sock.settimeout(None)
-        if message[0] == "exited":
-            self.exits[message[1]] = (message[2], message[3])
+        if isinstance(message, Exited):
+            self.exits[message.pid] = (message.status, message.peak_rss)
         return message
 
-    def prepare(self, never: set[str]) -> dict:
+    def prepare(self, never: set[str]) -> Prepared:
         """The kernel's sys.path, working directory, environment and imports, given to the server; returns
         its answer (``poisoned``: a package whose import initialised CUDA there, which ended it)."""
         modules = [n for n in list(sys.modules) if n not in self.imported and n.partition(".")[0] not in never]
-        answer = self.request(("prepare", list(sys.path), os.getcwd(), dict(os.environ), modules), timeout=None)[1]
+        answer = self.request(Prepare(list(sys.path), os.getcwd(), dict(os.environ), modules), timeout=None)
         self.imported.update(modules)
-        if answer.get("poisoned"):
+        if answer.poisoned:
             self._lost()
         return answer
 
     def set_job(self, blob: bytes) -> None:
-        self.request(("job", blob))
+        self.request(SetJob(blob))
 
     def fork(self, spec, roles: tuple, fds: list[int]) -> int:
-        reply = self.request(("fork", spec, roles), fds)
-        if reply[0] != "forked":
-            raise RuntimeError(f"the forkserver could not start rank {spec.rank}: {reply[1]}")
-        return reply[1]
+        try:
+            reply: Forked = self.request(Fork(spec, tuple(roles)), fds)
+        except ForkServerRefused as e:
+            raise RuntimeError(f"the forkserver could not start rank {spec.rank}: {e}") from None
+        return reply.pid
 
     def wait_exit(self, pid: int) -> tuple[int, int]:
         """A rank's wait status and peak RSS, once the server has reaped it (its pidfd said it ended)."""
@@ -142,6 +152,10 @@ class ForkServer:
 class ForkServerGone(RuntimeError):
     def __init__(self, kind):
         super().__init__(f"nbddp's forkserver ({kind}) has ended; the next cell starts a new one")
+
+
+class ForkServerRefused(RuntimeError):
+    """The server answered a request with an error (it goes on serving)."""
 
 
 _server: ForkServer | None = None
@@ -192,8 +206,7 @@ def ready(never: set[str]) -> ForkServer:
     that initialised CUDA in it ends it, and a fresh one is made without it."""
     for _ in range(3):
         server = get()
-        answer = server.prepare(never | _never)
-        poisoned = answer.get("poisoned")
+        poisoned = server.prepare(never | _never).poisoned
         if not poisoned:
             return server
         _never.add(poisoned)
