@@ -16,6 +16,7 @@ from ..wire import messages
 from ..views import output
 from .cells import background, engine
 from . import checks, options
+from .ranks import starters
 from .names import delivery, sending
 from .cells.background import Background, Job, WaitForNames
 from .names.history import History, request_metadata
@@ -222,12 +223,12 @@ class DDPMagics(Magics):
         source, filename, _ = self._compiled.get(self.shell, cell)
         filename = debugger.cell_file(shell, filename)  # the debugger panel's breakpoints are set there
         plan = checks.preflight(config, queued=queued)  # everything that refuses, before spawn pickles anything
-        fork = plan.start_method == "fork"
+        method = starters.starter_for(plan)
         # fork: the ranks share the notebook as it is now; spawn, forkserver: the globals the cell reads travel
         # with it (tensors and arrays through shared memory)
-        updates = {} if fork else sending.ship_globals(
-            source, filename, shell.user_ns, method=plan.start_method,
-            gpu_ipc=plan.start_method == "forkserver" and plan.accelerator == "cuda")
+        updates = {} if method.inherits_notebook else sending.ship_globals(
+            source, filename, shell.user_ns, method=method.name, advice=method.unsent_advice,
+            gpu_ipc=method.gpu_ipc(plan))
         for note in sending.shipped_notes(updates, shell.user_ns) if updates else ():
             print(f"nbddp: {note}", file=sys.stderr)
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates,

@@ -22,7 +22,7 @@ from ..views.display import view_for_pool
 from ..wire import messages, sharedbuffer, values
 from . import checks, options
 from .cells import engine
-from .ranks import failure
+from .ranks import failure, starters
 from .ranks.gang import Gang
 from .names.sending import RankNames
 
@@ -77,8 +77,8 @@ class Pool:
                 gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
                 self.started_at = time.time()
                 self.held = RankNames(self.namespace, other_nodes=bool(self.config.cluster),
-                                      inherited=plan.start_method == "fork",
-                                      gpu_ipc=plan.start_method == "forkserver" and plan.accelerator == "cuda")
+                                      inherited=starters.starter_for(plan).inherits_notebook,
+                                      gpu_ipc=starters.starter_for(plan).gpu_ipc(plan))
                 gang.sup.announce()
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
