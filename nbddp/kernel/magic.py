@@ -14,7 +14,7 @@ from ..ipy import cellcode, cells, debugger, tracebacks
 from ..views.display import line_for_pool_cell, view_for_session
 from ..wire import messages
 from ..views import output
-from .cells import background, engine
+from .cells import engine
 from . import checks, options
 from .ranks import starters
 from .names import delivery, sending
@@ -114,8 +114,7 @@ class DDPMagics(Magics):
                 shell.events.register(event, handler)
                 DDPMagics._handlers.append((shell, event, handler))
             shell.input_transformers_cleanup.append(keep_empty_body)
-            shell.ast_transformers.append(WaitForNames(self.background))
-            background.install(self.background)
+            shell.ast_transformers.append(WaitForNames(self.background, shell))
 
     def _failed_in_background(self, job) -> None:
         """A background cell's work failed after its notebook cell returned: %ddp_export leaves it out."""
@@ -168,7 +167,7 @@ class DDPMagics(Magics):
             cls._handlers.remove((owner, event, handler))
         while keep_empty_body in shell.input_transformers_cleanup:
             shell.input_transformers_cleanup.remove(keep_empty_body)
-        shell.ast_transformers[:] = [t for t in shell.ast_transformers if not isinstance(t, WaitForNames)]
+        WaitForNames.remove(shell)
 
     @option_groups
     @cell_magic

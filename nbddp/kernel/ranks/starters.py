@@ -59,7 +59,7 @@ def rank_spec(plan: devices.Plan, config, rank: int, env: dict, store_path: str 
     return RankSpec(rank=rank, world_size=plan.world_size, accelerator=plan.accelerator, backend=plan.backend,
                     device_id=plan.device_ids[rank], threads=config.threads, seed=config.seed,
                     store_path=store_path, parent_pid=os.getpid(), env=env,
-                    switch_interval=kernel_switch_interval(), blocked=main_thread_blocked())
+                    switch_interval=SWITCH_INTERVAL.kernels(), blocked=main_thread_blocked())
 
 
 def store_pipes(local, env=None, forked=None):
@@ -126,19 +126,36 @@ def sigint_deferred():
             raise KeyboardInterrupt
 
 
-_kernel_switch: float | None = None  # the kernel's own switch interval, while a background cell lowered it
+class SwitchInterval:
+    """The kernel's thread switch interval, in one home: a background cell lowers it while it runs
+    (``lowered``, on its thread), and a rank starts with the kernel's own (``kernels``), whichever thread
+    forks it. The lock keeps the setting and the note of the kernel's own one change: a rank forked as a
+    background cell ends gets one or the other, never the lowered one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._kernels: float | None = None  # the kernel's own, while lowered
+
+    @contextlib.contextmanager
+    def lowered(self, to: float):
+        """At most ``to`` seconds for the block's length, the kernel's own setting back after it."""
+        with self._lock:
+            self._kernels = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._kernels, to))
+        try:
+            yield
+        finally:
+            with self._lock:
+                sys.setswitchinterval(self._kernels)
+                self._kernels = None
+
+    def kernels(self) -> float:
+        """The kernel's switch interval as the notebook set it (not a background cell's lowered one)."""
+        with self._lock:
+            return self._kernels if self._kernels is not None else sys.getswitchinterval()
 
 
-def switch_interval_lowered(kernels: float | None) -> float | None:
-    """A background cell lowered the switch interval from ``kernels`` (None: it set it back)."""
-    global _kernel_switch
-    _kernel_switch = kernels
-    return kernels
-
-
-def kernel_switch_interval() -> float:
-    """The kernel's thread switch interval, as the notebook set it (not a background cell's lowered one)."""
-    return _kernel_switch if _kernel_switch is not None else sys.getswitchinterval()
+SWITCH_INTERVAL = SwitchInterval()  # the kernel's
 
 
 def main_thread_blocked() -> tuple:
