@@ -127,17 +127,14 @@ class ClusterGang(Gang):
         env.pop("GLOO_SOCKET_IFNAME")  # the node's own interface (its agent's, or the kernel's)
         env.update(LOCAL_RANK=str(rank % D), LOCAL_WORLD_SIZE=str(D), GROUP_RANK=str(node), NODE_RANK=str(node),
                    GROUP_WORLD_SIZE=str(self.nodes), MASTER_ADDR=nodes[0].ip)
-        return RankSpec(rank=rank, world_size=self.world_size, accelerator=self.plan.accelerator,
-                        backend=self.plan.backend, device_id=self.plan.device_ids[rank], threads=self.config.threads,
-                        seed=self.config.seed, store_path="", parent_pid=os.getpid(), env=env,
-                        switch_interval=starters.kernel_switch_interval(), blocked=starters.main_thread_blocked())
+        return starters.rank_spec(self.plan, self.config, rank, env)
 
     def _fork_local(self, job_for, specs, ifname: str, deadline) -> None:
         """The kernel's node's ranks, forked from the kernel as in any pool (from its forkserver where the
         kernel holds CUDA), each with its store pipes."""
         pipes = {s.rank: os.pipe() for s in specs}
         self._cmd = {r: w for r, (_, w) in pipes.items()}
-        self._starter = starters.STARTERS[self.plan.start_method](self.run_dir)
+        self._starter = starters.starter_for(self.plan)(self.run_dir)
 
         def env(spec):
             return starters.nccl_env(dict(spec.env, GLOO_SOCKET_IFNAME=ifname, NCCL_SOCKET_IFNAME=ifname),

@@ -14,8 +14,9 @@ from ..ipy import cellcode, cells, debugger, tracebacks
 from ..views.display import line_for_pool_cell, view_for_session
 from ..wire import messages
 from ..views import output
-from .cells import background, engine
+from .cells import engine
 from . import checks, options
+from .ranks import starters
 from .names import delivery, sending
 from .cells.background import Background, Job, WaitForNames
 from .names.history import History, request_metadata
@@ -113,8 +114,7 @@ class DDPMagics(Magics):
                 shell.events.register(event, handler)
                 DDPMagics._handlers.append((shell, event, handler))
             shell.input_transformers_cleanup.append(keep_empty_body)
-            shell.ast_transformers.append(WaitForNames(self.background))
-            background.install(self.background)
+            shell.ast_transformers.append(WaitForNames(self.background, shell))
 
     def _failed_in_background(self, job) -> None:
         """A background cell's work failed after its notebook cell returned: %ddp_export leaves it out."""
@@ -167,7 +167,7 @@ class DDPMagics(Magics):
             cls._handlers.remove((owner, event, handler))
         while keep_empty_body in shell.input_transformers_cleanup:
             shell.input_transformers_cleanup.remove(keep_empty_body)
-        shell.ast_transformers[:] = [t for t in shell.ast_transformers if not isinstance(t, WaitForNames)]
+        WaitForNames.remove(shell)
 
     @option_groups
     @cell_magic
@@ -222,12 +222,12 @@ class DDPMagics(Magics):
         source, filename, _ = self._compiled.get(self.shell, cell)
         filename = debugger.cell_file(shell, filename)  # the debugger panel's breakpoints are set there
         plan = checks.preflight(config, queued=queued)  # everything that refuses, before spawn pickles anything
-        fork = plan.start_method == "fork"
+        method = starters.starter_for(plan)
         # fork: the ranks share the notebook as it is now; spawn, forkserver: the globals the cell reads travel
         # with it (tensors and arrays through shared memory)
-        updates = {} if fork else sending.ship_globals(
-            source, filename, shell.user_ns, method=plan.start_method,
-            gpu_ipc=plan.start_method == "forkserver" and plan.accelerator == "cuda")
+        updates = {} if method.inherits_notebook else sending.ship_globals(
+            source, filename, shell.user_ns, method=method.name, advice=method.unsent_advice,
+            gpu_ipc=method.gpu_ipc(plan))
         for note in sending.shipped_notes(updates, shell.user_ns) if updates else ():
             print(f"nbddp: {note}", file=sys.stderr)
         cmd = messages.RunCell(source, filename, tuple(outs), tuple(gathers), options.max_value_bytes(config), updates,

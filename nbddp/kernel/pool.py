@@ -22,7 +22,7 @@ from ..views.display import view_for_pool
 from ..wire import messages, values
 from . import checks, healing, options
 from .cells import engine
-from .ranks import failure
+from .ranks import failure, starters
 from .ranks.gang import Gang
 from .names.sending import RankNames
 
@@ -59,7 +59,7 @@ class Pool:
         self.bound_by: dict[str, str] = {}  # a name its cells bound -> the cell that bound it last
         self.mended: list[str] = []  # what mending the pool said, not yet said in a cell's output
         self.watch: healing.LossWatch | None = None
-        self.plan_inherited = True  # its ranks are forks of the kernel (they inherit the notebook's names)
+        self.starter = None  # what its start method means (starters.Starter), from start() on
 
     # -- life --------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -81,10 +81,9 @@ class Pool:
             try:
                 gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
                 self.started_at = time.time()
-                self.plan_inherited = plan.start_method == "fork"
+                self.starter = starters.starter_for(plan)
                 self.held = RankNames(self.namespace, other_nodes=bool(self.config.cluster),
-                                      inherited=plan.start_method == "fork",
-                                      gpu_ipc=plan.start_method == "forkserver" and plan.accelerator == "cuda")
+                                      inherited=self.starter.inherits_notebook, gpu_ipc=self.starter.gpu_ipc(plan))
                 gang.sup.announce()
                 self.losses = healing.Losses(self.view)
                 gang.sup.listen(self.losses)
@@ -156,7 +155,7 @@ class Pool:
 
     def _said(self, mended) -> str:
         """What mending (or resizing) the pool did, in its view; the text the cell says."""
-        if not self.plan_inherited:  # the new ranks hold none of the notebook's names: each is sent again
+        if not self.starter.inherits_notebook:  # the new ranks hold none of the notebook's names: each sent again
             self.held = RankNames(self.namespace, other_nodes=False, inherited=False, gpu_ipc=self.held.gpu_ipc)
         text = mended.say(self.bound_by)
         self.view.said(text.splitlines()[0])

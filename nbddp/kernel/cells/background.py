@@ -31,14 +31,19 @@ from __future__ import annotations
 import ast
 import collections
 import contextlib
-import dataclasses
+import enum
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Callable
 
 from ...errors import NbddpError, interrupt
 from ...views import output
 from ..ranks import starters
+
+if TYPE_CHECKING:
+    from ..ranks.gang import Gang
+    from ..ranks.supervisor import Supervisor
 
 KEPT_JOBS = 16  # ended background cells remembered (%ddp status, %ddp attach)
 
@@ -51,34 +56,70 @@ class StillRunning(NbddpError):
     """``%ddp wait --timeout S``: background work still runs after S seconds (it goes on)."""
 
 
-@dataclasses.dataclass(eq=False)
+class State(enum.Enum):
+    """A background cell's life: queued, then running, then ok, failed or interrupted; or cancelled while
+    queued (``%ddp interrupt``). Only the background thread moves a job on, but for a queued one's
+    cancelling; the notebook's thread reads it (``%ddp status``, ``attach``, ``interrupt``)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    OK = "ok"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:  # as %ddp status and %ddp attach say it
+        return self.value
+
+
+Work = Callable[[Callable[["Gang"], None]], list]  # work(on_start) -> each rank's Result
+Deliver = Callable[[list], None]  # deliver(each rank's Result): the cell's --out/--gather names, in the notebook
+
+
 class Job:
     """One background cell. ``work(on_start)`` runs it on the background thread and returns each rank's
     Result (raising as a blocking cell would); ``deliver(per_rank)`` brings its --out/--gather names into
-    the notebook, on the main thread; ``observer``: its view (a rank's progress for ``%ddp status``)."""
+    the notebook, on the main thread; ``observer``: its view (a rank's progress for ``%ddp status``).
+    ``sender_waits``: the cell that sent it waits until its ranks have it (nothing was running or queued):
+    it starts at once, and a refusal before its ranks had it is raised in that cell, as a blocking one's.
 
-    number: int
-    label: str
-    work: object
-    deliver: object
-    names: tuple
-    place: output.Detached
-    observer: object = None
-    state: str = "queued"  # queued | running | ok | failed | interrupted | cancelled
-    submitted: float = dataclasses.field(default_factory=time.monotonic)
-    began: float | None = None
-    ended: float | None = None
-    results: list | None = None
-    error: BaseException | None = None
-    landed: bool = False  # its results delivered, or its failure said
-    raised: bool = False  # its failure raised by a waiter (%ddp wait, a cell that needed its names): once
-    parked: bool = False  # the cell that sent it waited for its start: a refusal is raised there, as usual
-    started: threading.Event = dataclasses.field(default_factory=threading.Event)  # the ranks have it (or it ended)
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    _sup: object = None
-    _interrupt_asked: bool = False
+    Its state (``State``), when it began and ended, what it brought back and the handshake of an
+    interrupt with its ranks' supervisor change under the job's one lock: two threads share it."""
 
-    tag: str = ""  # told apart from another background cell of the same number (nbval runs cells unnumbered)
+    def __init__(self, number: int, label: str, work: Work, deliver: Deliver, names: tuple,
+                 place: output.Detached, observer: object = None):
+        self.number, self.label, self.work, self.deliver = number, label, work, deliver
+        self.names, self.place, self.observer = names, place, observer
+        self.sender_waits = False
+        self.tag = ""  # told apart from another background cell of the same number (nbval runs cells unnumbered)
+        self.submitted = time.monotonic()
+        self.started = threading.Event()  # the ranks have it (or it ended)
+        self.done = threading.Event()
+        # the notebook's thread's alone: its results delivered or its failure said; its failure raised by a
+        # waiter (%ddp wait, a cell that needed its names), once
+        self.landed = False
+        self.raised = False
+        self._lock = threading.Lock()
+        self._state = State.QUEUED
+        self._began: float | None = None
+        self._ended: float | None = None
+        self._results: list | None = None
+        self._error: BaseException | None = None
+        self._sup: Supervisor | None = None  # its ranks' supervisor, once they have the cell
+        self._interrupt_asked = False
+
+    # -- what the notebook's thread reads ------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def results(self) -> list | None:
+        return self._results
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
 
     @property
     def name(self) -> str:
@@ -86,19 +127,58 @@ class Job:
 
     @property
     def failed(self) -> bool:
-        return self.state in ("failed", "interrupted")
+        return self._state in (State.FAILED, State.INTERRUPTED)
 
-    def on_start(self, gang) -> None:
+    @property
+    def reached_ranks(self) -> bool:
+        """Its ranks had the cell (``on_start``)."""
+        with self._lock:
+            return self._sup is not None
+
+    @property
+    def refused(self) -> bool:
+        """It ended with an error before its ranks had the cell (a pool that ended, a devices check)."""
+        return self.failed and not self.reached_ranks
+
+    # -- its life: the background thread's, but for cancel -----------------------------------------
+    def begin(self) -> None:
+        with self._lock:
+            assert self._state is State.QUEUED, self._state
+            self._state, self._began = State.RUNNING, time.monotonic()
+
+    def cancel(self) -> None:
+        """Cancelled while queued (its thread never takes it)."""
+        with self._lock:
+            assert self._state is State.QUEUED, self._state
+            self._state, self._ended = State.CANCELLED, time.monotonic()
+
+    def end(self, results: list | None, error: BaseException | None) -> None:
+        """Its work returned ``results``, or raised ``error`` (an interrupt, or any failure)."""
+        with self._lock:
+            assert self._state is State.RUNNING, self._state
+            if error is None:
+                self._state, self._results = State.OK, results
+            else:
+                self._state = State.INTERRUPTED if isinstance(error, KeyboardInterrupt) else State.FAILED
+                self._error = error
+            self._ended = time.monotonic()
+
+    def on_start(self, gang: Gang) -> None:
         """The engine's: the ranks have the cell; an interrupt asked meanwhile reaches it now."""
-        self._sup = gang.sup
+        with self._lock:
+            self._sup = sup = gang.sup
+            asked = self._interrupt_asked
         self.started.set()
-        if self._interrupt_asked:
-            self._sup.interrupt()
+        if asked:
+            sup.interrupt()
 
     def interrupt(self) -> None:
-        self._interrupt_asked = True
-        if self._sup is not None:
-            self._sup.interrupt()
+        """Its ranks interrupted: now if they have the cell, else as they get it (``on_start``)."""
+        with self._lock:
+            self._interrupt_asked = True
+            sup = self._sup
+        if sup is not None:
+            sup.interrupt()
 
     @property
     def fate(self) -> str:
@@ -113,11 +193,13 @@ class Job:
 
     def describe(self) -> str:
         now = time.monotonic()
-        if self.state == "queued":
+        with self._lock:
+            state, began, ended = self._state, self._began, self._ended
+        if state is State.QUEUED:
             return f"{self.name} queued {now - self.submitted:.0f} s · {self.label}"
-        took = (self.ended or now) - (self.began or now)
+        took = (ended or now) - (began or now)
         bar = self.progress()
-        return f"{self.name} {self.state} {took:.1f} s · {self.label}" + (f" · {bar}" if bar else "")
+        return f"{self.name} {state} {took:.1f} s · {self.label}" + (f" · {bar}" if bar else "")
 
 
 class Turns:
@@ -184,7 +266,8 @@ class Background:
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
-        self.on_failed = None  # on_failed(job), as its failure lands: its cell failed after all (%ddp_export)
+        # as a job's failure lands: its cell failed after all (%ddp_export)
+        self.on_failed: Callable[[Job], None] | None = None
 
     # -- the notebook's side (main thread) ---------------------------------------------------------
     def active(self) -> list[Job]:
@@ -193,7 +276,7 @@ class Background:
     def submit(self, job: Job) -> None:
         """Send ``job``: it starts now (the main thread waits until its ranks have it) or queues."""
         ahead = self.active()
-        job.parked = not ahead
+        job.sender_waits = not ahead
         same = sum(j.number == job.number for j in self.jobs)
         job.tag = "abcdefghijklmnopqrstuvwxyz"[same % 26] if same else ""
         print(f"nbddp: background cell {job.name} sent: the notebook is free. Its output keeps arriving here; "
@@ -218,7 +301,7 @@ class Background:
         except KeyboardInterrupt:
             raise interrupt(f"interrupted while background cell {job.name} was being sent: it goes on in the "
                             "background; %ddp interrupt stops it, %ddp status shows it.") from None
-        if job._sup is None and job.done.is_set() and job.error is not None:
+        if job.done.is_set() and job.refused:
             # refused before its ranks had it (a pool that ended, a devices check): raised here, as a blocking
             # cell raises it; nothing runs
             job.landed = True
@@ -280,7 +363,7 @@ class Background:
             job.landed = True
             if job.failed and self.on_failed is not None:
                 self.on_failed(job)
-            if job.state == "ok":
+            if job.state is State.OK:
                 try:
                     job.deliver(job.results)
                     if job.names:
@@ -302,21 +385,20 @@ class Background:
             queued = list(self._queue)
             self._queue.clear()
         for job in queued:
-            job.state = "cancelled"
-            job.ended = time.monotonic()
+            job.cancel()
             job.place.write("stderr", "nbddp: cancelled by %ddp interrupt before it started; nothing ran.\n")
             job.place.flush()
             job.started.set()
             job.done.set()
-        running = next((j for j in self.jobs if j.state == "running"), None)
+        running = next((j for j in self.jobs if j.state is State.RUNNING), None)
         if running is not None:
             running.interrupt()
         return running
 
     def attach(self, parent: dict) -> Job | None:
         """``%ddp attach``: the running background cell (else the last one) shown in the asking cell."""
-        job = next((j for j in reversed(self.jobs) if j.state == "running"), None) or (
-            next((j for j in reversed(self.jobs) if j.state != "queued"), None))
+        job = next((j for j in reversed(self.jobs) if j.state is State.RUNNING), None) or (
+            next((j for j in reversed(self.jobs) if j.state is not State.QUEUED), None))
         if job is not None:
             job.place.attach(parent)
         return job
@@ -351,27 +433,25 @@ class Background:
                 while not self._queue:
                     self._cv.wait()
                 job = self._queue.popleft()
-                job.state, job.began = "running", time.monotonic()  # (under the lock: %ddp interrupt finds it)
+                job.begin()  # (under the queue's lock: %ddp interrupt, which empties the queue, finds it running)
             self._run(job)
 
     def _run(self, job: Job) -> None:
-        with output.routed(job.place), _responsive():
+        # the notebook's thread waits at most SWITCH_S for the interpreter lock while this one runs a cell
+        with output.routed(job.place), starters.SWITCH_INTERVAL.lowered(SWITCH_S):
+            results, error = None, None
             try:
-                if not job.parked:  # queued: its ranks start between notebook cells
+                if not job.sender_waits:  # queued: its ranks start between notebook cells
                     self.turns.hold(lambda: job.place.write(
                         "stderr", f"nbddp: {job.name} starts when the notebook's running cell ends (a queued "
                         "cell starts its ranks between notebook cells)\n"))
-                job.results = job.work(self._started(job))
-                job.state = "ok"
-            except KeyboardInterrupt as e:
-                job.state, job.error = "interrupted", e
-                self._report(job, e)
+                results = job.work(self._started(job))
             except BaseException as e:  # noqa: BLE001 - reported in its cell, said again in the next one
-                job.state, job.error = "failed", e
+                error = e  # (an interrupt too: Job.end tells them apart)
                 self._report(job, e)
             finally:
                 self.turns.release()
-                job.ended = time.monotonic()
+                job.end(results, error)
                 job.place.flush()
                 job.started.set()
                 job.done.set()
@@ -386,7 +466,7 @@ class Background:
     def _report(self, job: Job, err: BaseException) -> None:
         """The failure in the background cell's output, as a blocking cell shows it (a refusal before the
         ranks had the cell is raised by the cell that sent it instead)."""
-        if job.parked and job._sup is None:
+        if job.sender_waits and not job.reached_ranks:
             return
         render = getattr(err, "_render_traceback_", None)
         if render is not None:
@@ -399,22 +479,10 @@ class Background:
         job.place.error(type(err).__name__, str(err).split("\n", 1)[0], list(lines))
 
 
-SWITCH_S = 0.0005  # the interpreter's thread switch interval while a background cell runs (CPython's: 5 ms)
-
-
-class _responsive:
-    """While a background cell runs, the notebook's own thread waits at most ``SWITCH_S`` for the interpreter
-    lock when this thread holds it (at CPython's 5 ms, a notebook cell's reply waited up to that each time the
-    background thread was busy: a trivial background cell's round trip was 1.5x a blocking one's). Ranks
-    start with the kernel's own setting (``starters.kernel_switch_interval``), not this one."""
-
-    def __enter__(self):
-        self.before = starters.switch_interval_lowered(sys.getswitchinterval())
-        sys.setswitchinterval(min(self.before, SWITCH_S))
-
-    def __exit__(self, *exc):
-        sys.setswitchinterval(self.before)
-        starters.switch_interval_lowered(None)
+# the interpreter's thread switch interval while a background cell runs (CPython's: 5 ms): at 5 ms, a
+# notebook cell's reply waited up to that each time the background thread was busy (a trivial background
+# cell's round trip was 1.5x a blocking one's). Ranks start with the kernel's own (starters.SwitchInterval).
+SWITCH_S = 0.0005
 
 
 def _failure_summary(jobs: list[Job]) -> str:
@@ -430,10 +498,24 @@ def _failure_summary(jobs: list[Job]) -> str:
 class WaitForNames(ast.NodeTransformer):
     """An AST transformer: a notebook cell that reads a name a background cell will bring back first waits
     for that cell (a call put before its first statement, on that statement's line: tracebacks keep the
-    cell's line numbers). Costs a cell nothing while no background cell has names to bring back."""
+    cell's line numbers). Costs a cell nothing while no background cell has names to bring back.
 
-    def __init__(self, background: Background):
-        self.background = background
+    The call reaches its function as an object, bound in the notebook's namespace under ``NAME`` as IPython
+    binds its own (hidden from ``%who``), and bound again whenever a call is put (``%reset`` clears it):
+    no module path travels in the cell's code as text."""
+
+    NAME = "_nbddp_wait_for_names"
+
+    def __init__(self, background: Background, shell):
+        self.background, self.shell = background, shell
+        self._wait = background.wait_for_names
+
+    @classmethod
+    def remove(cls, shell) -> None:
+        """The transformers taken off ``shell`` (``%unload_ext``, ``%reload_ext``), and the name they bound."""
+        shell.ast_transformers[:] = [t for t in shell.ast_transformers if not isinstance(t, cls)]
+        shell.user_ns.pop(cls.NAME, None)
+        getattr(shell, "user_ns_hidden", {}).pop(cls.NAME, None)
 
     def visit_Module(self, node: ast.Module) -> ast.Module:
         pending = self.background.pending_names()
@@ -446,24 +528,11 @@ class WaitForNames(ast.NodeTransformer):
         at = next((i for i, st in enumerate(node.body)  # after `from __future__ import ...`, which come first
                    if not (isinstance(st, ast.ImportFrom) and st.module == "__future__")), len(node.body))
         line = node.body[min(at, len(node.body) - 1)].lineno
-        call = ast.parse(f"__import__('nbddp.kernel.cells.background', fromlist=['x']).waiting({wanted!r})").body[0]
+        self.shell.push({self.NAME: self._wait}, interactive=False)
+        call = ast.Expr(ast.Call(ast.Name(self.NAME, ast.Load()), [ast.Constant(tuple(wanted))], []))
         for sub in ast.walk(call):
-            if hasattr(sub, "lineno"):
+            if isinstance(sub, (ast.stmt, ast.expr)):
                 sub.lineno = sub.end_lineno = line
                 sub.col_offset, sub.end_col_offset = 0, 0
         node.body.insert(at, call)
         return node
-
-
-_instance: Background | None = None  # the kernel's (DDPMagics makes it): what WaitForNames' call reaches
-
-
-def install(background: Background) -> None:
-    global _instance
-    _instance = background
-
-
-def waiting(names) -> None:
-    """The call WaitForNames puts at the top of a cell that reads what a background cell brings back."""
-    if _instance is not None:
-        _instance.wait_for_names(names)

@@ -51,7 +51,7 @@ def one_shot(command, config, *, plan=None, namespace=None, observer=None, relab
     plan = plan or checks.preflight(config)  # a caller that passes the plan ran preflight itself
     with checks.one_at_a_time():
         gang = Gang(config, plan, persistent=False)
-        fork = plan.start_method == "fork"
+        fork = starters.starter_for(plan).inherits_notebook
         command = profiles.asked(command, config, gang.run_dir.path)  # --profile: the traces beside the logs
         return CellRun(gang, config, relabel=relabel, observer=observer, on_start=on_start).run(
             lambda pipes: Server(first=command, cmd_pipes=pipes, namespace=namespace if fork else None))

@@ -122,20 +122,19 @@ def pickled_for_cell(cell_reads, reads, namespace: dict, *, wanted, refuse, unse
     return blobs, let_go
 
 
-def ship_globals(source: str, filename: str, user_ns: dict, *, method: str = "spawn", gpu_ipc: bool = False) -> Blobs:
+def ship_globals(source: str, filename: str, user_ns: dict, *, method: str = "spawn", advice: str = ".",
+                 gpu_ipc: bool = False) -> Blobs:
     """The globals a spawned (or forkserver) rank needs, each pickled by value (a module by name), with the
-    names a notebook function or class among them reads; an unpicklable one is named. ``gpu_ipc``: GPU ranks
-    of the forkserver, which get the kernel's GPU tensors by CUDA IPC."""
+    names a notebook function or class among them reads; an unpicklable one is named, with the start
+    method's ``advice`` (its starter's, kernel/ranks/starters.py). ``gpu_ipc``: GPU ranks of the forkserver,
+    which get the kernel's GPU tensors by CUDA IPC."""
     body, last = split_last_expression(source, filename)
 
     def refuse(name, value, e):
         raise UsageError(
             f"--start-method {method} must send the global `{name}` ({values.describe(value)}) to every "
             f"rank, but it cannot be pickled:\n  {type(e).__name__}: {e}\n"
-            f"Create `{name}` inside the cell" + (", or use --start-method fork (it shares the notebook's objects)."
-                                                  if method == "spawn" else "; forkserver ranks are no forks of the "
-                                                  "kernel and cannot share its objects (where the kernel holds no CUDA, "
-                                                  "--start-method fork shares them).")
+            f"Create `{name}` inside the cell{advice}"
         ) from None
 
     with sharedtensor.handing_gpu(gpu_ipc):

@@ -57,14 +57,14 @@ class Gang:
     def piped(self) -> bool:
         """Its ranks have command pipes (every forked gang, from the kernel or the forkserver; spawned ranks
         have none)."""
-        return self.plan.start_method != "spawn"
+        return starters.starter_for(self.plan).command_pipes
 
     def start(self, job_for, deadline: float | None = None) -> None:
         """One rank per planned device, running ``job_for(command pipes)``: a pool's commands, a one-shot
         cell's ``Stop``. Past ``deadline`` no more are forked."""
         pipes = {r: os.pipe() for r in range(self.world_size)} if self.piped else {}
         self._cmd = {r: w for r, (_, w) in pipes.items()}
-        self._starter = starters.STARTERS[self.plan.start_method](self.run_dir)
+        self._starter = starters.starter_for(self.plan)(self.run_dir)
         self.started = True
         prepare = None
         if self.piped:  # the process group meets on the kernel's store, over pipes

@@ -1,7 +1,10 @@
-"""Starting ranks: one small class per start method (fork, spawn), each giving a rank three pipes
-(stdout, stderr, its typed channel) and registering it with the supervisor; ``fork_specs`` starts one
-rank per spec (``rank_specs``: one per planned device), an interrupt held back until every rank started is
-tracked.
+"""Starting ranks: one small class per start method (fork, spawn, forkserver), each giving a rank three
+pipes (stdout, stderr, its typed channel) and registering it with the supervisor, and each answering what
+its start method means to the rest of the kernel (``Starter``: does a rank inherit the notebook, has it a
+command pipe, can the kernel's GPU tensors reach it by CUDA IPC), so no caller compares start-method
+names; ``rank_spec`` makes every rank's RankSpec (``rank_specs``: one per planned device; ``moved`` and
+``again``: a pool's rank at a new place, or forked again); ``fork_specs`` starts one rank per spec, an
+interrupt held back until every rank started is tracked.
 """
 from __future__ import annotations
 
@@ -42,27 +45,13 @@ def rank_specs(config, plan: devices.Plan, run_dir) -> list[RankSpec]:
     from its spec, with the same device and environment)."""
     ifname = rendezvous.loopback_ifname()
     port = rendezvous.free_port()
-    return [
-        RankSpec(
-            rank=rank,
-            world_size=plan.world_size,
-            accelerator=plan.accelerator,
-            backend=plan.backend,
-            device_id=dev,
-            threads=config.threads,
-            seed=config.seed,
-            store_path=str(run_dir.store),
-            parent_pid=os.getpid(),
-            env=_rank_env(plan, rank, run_dir.run_id, port, config.threads, ifname),
-            switch_interval=kernel_switch_interval(),
-            blocked=main_thread_blocked(),
-        )
-        for rank, dev in enumerate(plan.device_ids)
-    ]
+    return [rank_spec(plan, config, rank, _rank_env(plan, rank, run_dir.run_id, port, config.threads, ifname),
+                      store_path=str(run_dir.store))
+            for rank in range(plan.world_size)]
 
 
 def moved(spec: RankSpec, rank: int, world_size: int) -> RankSpec:
-    """``spec`` at a new place (a pool shrunk): its rank, world size and the environment that says them."""
+    """``spec`` at a new place (a pool shrunk or grown): its rank, world size and the environment that says them."""
     return dataclasses.replace(spec, rank=rank, world_size=world_size, env={**spec.env, **place_env(rank, world_size)})
 
 
@@ -70,7 +59,18 @@ def again(spec: RankSpec, generation: int) -> RankSpec:
     """``spec`` for a replacement forked now, joining the group's generation ``generation``."""
     env = dict(spec.env, TORCHELASTIC_RESTART_COUNT=str(generation))
     return dataclasses.replace(spec, generation=generation, env=env, parent_pid=os.getpid(),
-                               switch_interval=kernel_switch_interval(), blocked=main_thread_blocked())
+                               switch_interval=SWITCH_INTERVAL.kernels(), blocked=main_thread_blocked())
+
+
+def rank_spec(plan: devices.Plan, config, rank: int, env: dict, store_path: str = "") -> RankSpec:
+    """Rank ``rank``'s RankSpec, made here only (this machine's ranks, and a cluster pool's on every node):
+    its place in the plan, the config's threads and seed, its environment ``env``, and the interpreter
+    settings of the kernel's that it starts with whichever thread forks it. ``store_path``: the FileStore of
+    a rank that has no store pipes ('' for a cluster pool's, which meet on the kernel's store)."""
+    return RankSpec(rank=rank, world_size=plan.world_size, accelerator=plan.accelerator, backend=plan.backend,
+                    device_id=plan.device_ids[rank], threads=config.threads, seed=config.seed,
+                    store_path=store_path, parent_pid=os.getpid(), env=env,
+                    switch_interval=SWITCH_INTERVAL.kernels(), blocked=main_thread_blocked())
 
 
 def store_pipes(local, env=None, forked=None):
@@ -136,19 +136,36 @@ def sigint_deferred():
             raise KeyboardInterrupt
 
 
-_kernel_switch: float | None = None  # the kernel's own switch interval, while a background cell lowered it
+class SwitchInterval:
+    """The kernel's thread switch interval, in one home: a background cell lowers it while it runs
+    (``lowered``, on its thread), and a rank starts with the kernel's own (``kernels``), whichever thread
+    forks it. The lock keeps the setting and the note of the kernel's own one change: a rank forked as a
+    background cell ends gets one or the other, never the lowered one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._kernels: float | None = None  # the kernel's own, while lowered
+
+    @contextlib.contextmanager
+    def lowered(self, to: float):
+        """At most ``to`` seconds for the block's length, the kernel's own setting back after it."""
+        with self._lock:
+            self._kernels = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._kernels, to))
+        try:
+            yield
+        finally:
+            with self._lock:
+                sys.setswitchinterval(self._kernels)
+                self._kernels = None
+
+    def kernels(self) -> float:
+        """The kernel's switch interval as the notebook set it (not a background cell's lowered one)."""
+        with self._lock:
+            return self._kernels if self._kernels is not None else sys.getswitchinterval()
 
 
-def switch_interval_lowered(kernels: float | None) -> float | None:
-    """A background cell lowered the switch interval from ``kernels`` (None: it set it back)."""
-    global _kernel_switch
-    _kernel_switch = kernels
-    return kernels
-
-
-def kernel_switch_interval() -> float:
-    """The kernel's thread switch interval, as the notebook set it (not a background cell's lowered one)."""
-    return _kernel_switch if _kernel_switch is not None else sys.getswitchinterval()
+SWITCH_INTERVAL = SwitchInterval()  # the kernel's
 
 
 def main_thread_blocked() -> tuple:
@@ -186,11 +203,45 @@ def nccl_env(env: dict, backend: str, ifname: str) -> dict:
 
 
 # -- start methods ----------------------------------------------------------------------------------
-class ForkStarter:
-    """The default: a fork of the kernel, so notebook data is shared copy-on-write."""
+class Starter:
+    """A start method: how a gang's ranks come to be (``start``, after ``ready`` once per gang), and what
+    that means to the rest of the kernel, asked of the class before any rank exists (the magic sends a
+    one-shot cell's globals before its gang is made): each answer here, so that no caller compares names."""
+
+    name = ""  # as --start-method says it (options.py's table; checks.preflight picks one for "auto")
+    # the ranks are forks of the kernel taken as the cell starts: they hold the notebook's names as they
+    # are (copy-on-write), so none is sent; otherwise the names a cell reads travel with it
+    inherits_notebook = False
+    # each rank reads commands on a pipe of its own (a pool's cells, a one-shot cell's Stop) and meets the
+    # others on the kernel's store over pipes; spawned ranks get their job in a file, and a FileStore
+    command_pipes = True
+    # where a one-shot cell's global cannot be sent (pickled): what to do instead, after "create it inside
+    # the cell"
+    unsent_advice = "."
 
     def __init__(self, run_dir):
         self.run_dir = run_dir
+
+    @classmethod
+    def gpu_ipc(cls, plan: devices.Plan) -> bool:
+        """The kernel's GPU tensors reach this plan's ranks by CUDA IPC (not as CPU copies)."""
+        return False
+
+    def ready(self, config) -> None:
+        """Just before the gang's first rank starts."""
+
+    def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        """After the gang's ranks ended."""
+
+
+class ForkStarter(Starter):
+    """The default: a fork of the kernel, so notebook data is shared copy-on-write."""
+
+    name = "fork"
+    inherits_notebook = True
 
     def ready(self, config) -> None:
         """Just before the first fork of the kernel: the modules ranks would import lazily are in (warm.py's
@@ -212,19 +263,17 @@ class ForkStarter:
                       close_fds=[*inherited_fds, out_r, err_r, chan_r, *([life_r] if life_r is not None else [])])
         return _parent_side(pid, spec.rank, out_r, err_r, chan_r, (out_w, err_w, chan_w), (life_r, life_w))
 
-    def cleanup(self) -> None:
-        pass
 
-
-class SpawnStarter:
+class SpawnStarter(Starter):
     """A fresh interpreter per rank: for platforms without fork, or a kernel that already uses CUDA."""
 
-    def __init__(self, run_dir):
-        self.run_dir = run_dir
-        self.job_path = run_dir.path / "job.pkl"
+    name = "spawn"
+    command_pipes = False
+    unsent_advice = ", or use --start-method fork (it shares the notebook's objects)."
 
-    def ready(self, config) -> None:
-        pass
+    def __init__(self, run_dir):
+        super().__init__(run_dir)
+        self.job_path = run_dir.path / "job.pkl"
 
     def start(self, spec: RankSpec, job, inherited_fds: list[int]) -> RankProc:
         if not self.job_path.exists():
@@ -260,16 +309,25 @@ class SpawnStarter:
             p.unlink(missing_ok=True)
 
 
-class ForkserverStarter:
+class ForkserverStarter(Starter):
     """Ranks forked by the forkserver (kernel/ranks/forkserver.py), a process that never initialised CUDA: for a
     kernel that holds a CUDA context and ranks that need GPUs (chosen by checks.preflight), or asked for by
     name. The notebook values a cell reads travel with it as with spawn, big tensors and arrays through
-    shared memory (wire/sharedtensor.py); its imports are the kernel's, done once in the server."""
+    shared memory (wire/sharedtensor.py), the kernel's GPU tensors to GPU ranks by CUDA IPC; its imports
+    are the kernel's, done once in the server."""
+
+    name = "forkserver"
+    unsent_advice = ("; forkserver ranks are no forks of the kernel and cannot share its objects (where the "
+                     "kernel holds no CUDA, --start-method fork shares them).")
 
     def __init__(self, run_dir):
-        self.run_dir = run_dir
+        super().__init__(run_dir)
         self.server = None
         self._job = None  # the job the server holds (one per gang)
+
+    @classmethod
+    def gpu_ipc(cls, plan: devices.Plan) -> bool:
+        return plan.accelerator == "cuda"
 
     def ready(self, config) -> None:
         """Before the first rank, outside the forks' deferred interrupt (the server's imports can take
@@ -307,9 +365,6 @@ class ForkserverStarter:
         proc.reap = lambda: server.wait_exit(pid)  # not the kernel's child: the server reaps it
         return proc
 
-    def cleanup(self) -> None:
-        pass
-
 
 def _without_pipes(job):
     """The job as the server keeps it: no command pipes (each rank is given its own end)."""
@@ -322,7 +377,12 @@ def _without_pipes(job):
     return job
 
 
-STARTERS = {"fork": ForkStarter, "spawn": SpawnStarter, "forkserver": ForkserverStarter}
+STARTERS = {cls.name: cls for cls in (ForkStarter, SpawnStarter, ForkserverStarter)}
+
+
+def starter_for(plan: devices.Plan) -> type[Starter]:
+    """The start method the plan's ranks start by (its class: ask it what that means, or make the gang's)."""
+    return STARTERS[plan.start_method]
 
 
 def _parent_side(pid, rank, out_r, err_r, chan_r, child_ends, life) -> RankProc:
