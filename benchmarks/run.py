@@ -84,6 +84,10 @@ def run(quick: bool, only: str | None = None) -> dict:
         import bench_metrics
 
         return {**json.loads((HERE / "results.json").read_text()), "metrics": bench_metrics.measure(quick)}
+    if only == "healing":  # issue 55's section: a pool that loses a rank, a kernel of its own
+        import bench_healing
+
+        return {**json.loads((HERE / "results.json").read_text()), "healing": bench_healing.measure(quick)}
     if only == "firststep":  # issue 34's section: a real first step and real data, kernels of their own
         import bench_firststep
 
@@ -153,6 +157,10 @@ def run(quick: bool, only: str | None = None) -> dict:
 
     results["metrics"] = bench_metrics.measure(quick)
     print("done: metrics", flush=True)
+    import bench_healing
+
+    results["healing"] = bench_healing.measure(quick)
+    print("done: healing", flush=True)
     return results
 
 
@@ -407,6 +415,10 @@ def report(r: dict) -> str:
         import bench_metrics
 
         lines += [bench_metrics.BEGIN, bench_metrics.render(r["metrics"]), "", bench_metrics.END, ""]
+    if "healing" in r:
+        import bench_healing
+
+        lines += [bench_healing.BEGIN, bench_healing.render(r["healing"]), "", bench_healing.END, ""]
     return "\n".join(lines) + "\n"
 
 
