@@ -232,4 +232,30 @@ def test_a_second_heal_finds_the_first_replacements_names_alike(pool3):
     os.kill(pool_pids(k)[0], signal.SIGKILL)  # the survivors now: rank 1 and the replacement
     assert wait_for(k, f"len({POOL}.losses.history) == 2 and not {POOL}.losses.pending")
     res, places = weights_and_places(k)
-    assert "a new rank 0 took 5 name(s) from rank 1 (DDP, data, model, opt, step)" in res.stderr, res.stderr
+    assert "a new rank 0 took 6 name(s) from rank 1 (DDP, data, model, opt, step, w)" in res.stderr, res.stderr
+
+
+def test_a_rank_lost_in_a_background_cell_is_mended_between_cells(pool3):
+    """No fork beside the notebook's code: a background cell's loss is mended on the notebook's thread."""
+    k = pool3
+    start(k)
+    k.ok("%%ddp --bg\nimport signal, time\nfor i in range(100):\n    if rank == 2 and i == 3:\n"
+         "        os.kill(os.getpid(), signal.SIGKILL)\n    step()\n    time.sleep(0.02)\n")
+    res = k.run("%ddp wait", timeout=60)
+    assert "rank 2 failed: killed by SIGKILL" in res.error_text, res.error_text
+    assert "The pool heals itself (heal) before its next cell." in res.error_text, res.error_text
+    assert wait_for(k, f"not {POOL}.losses.pending and {POOL}.gang.alive", 30)
+    weights_and_places(k)
+
+
+def test_a_forkserver_pool_heals_and_the_replacement_is_sent_the_notebooks_names(pool3):
+    """A forkserver's replacement holds none of the notebook's names: each one a cell reads is sent again."""
+    k = pool3
+    res = k.ok("%ddp start --devices 3 --start-method forkserver")
+    assert "pool of 3 rank(s)" in res.stdout, res.stdout
+    k.ok(BUILD)
+    pids = pool_pids(k)
+    os.kill(pids[2], signal.SIGKILL)
+    assert wait_for(k, f"bool({POOL}.losses.history) and not {POOL}.losses.pending", 30)
+    res, places = weights_and_places(k)
+    assert "healed the pool" in res.stderr and [p[:2] for p in places] == [(0, 3), (1, 3), (2, 3)], res.stderr

@@ -110,6 +110,8 @@ class LossWatch:
             if proc.here and proc.exit_fd >= 0:
                 self.loop.add_reader(proc.exit_fd, self._fired)
                 self.fds.append(proc.exit_fd)
+        if pool.losses.pending:  # lost while a background cell held the ranks: mended now, between cells
+            self.loop.call_soon(self._fired)
 
     def disarm(self) -> None:
         import threading

@@ -138,6 +138,10 @@ class Pool:
         if not self.losses.pending or gang.sup is None:
             return ""
         lost = ", ".join(str(loss.rank) for loss in self.losses.pending)
+        if policy != "end" and gang.sup.live() and threading.current_thread() is not threading.main_thread():
+            # a background cell's end: no fork beside the notebook's code (background.Turns); the watch, or the
+            # next cell, mends it on the notebook's thread
+            return f"The pool heals itself ({policy}) before its next cell."
         if policy == "end" or not gang.sup.live():
             gang.close("a rank exited")
             return "The pool has ended and its ranks' state is gone (--on-loss end): %ddp start to begin again."
@@ -155,8 +159,8 @@ class Pool:
 
     def _said(self, mended) -> str:
         """What mending (or resizing) the pool did, in its view; the text the cell says."""
-        if not self.starter.inherits_notebook:  # the new ranks hold none of the notebook's names: each sent again
-            self.held = RankNames(self.namespace, other_nodes=False, inherited=False, gpu_ipc=self.held.gpu_ipc)
+        if not self.starter.inherits_notebook:
+            self.held.joined_empty()
         text = mended.say(self.bound_by)
         self.view.said(text.splitlines()[0])
         if mended.lacking:
@@ -201,6 +205,8 @@ class Pool:
 
     def mend_between_cells(self) -> None:
         """A loss seen while no cell runs (the watch): mended now, said in the view, and in the next cell."""
+        if self.gang is None or self.gang.sup is None:
+            return
         self.gang.sup.poll()  # the exit itself: reaped, recorded (Losses), shown
         if self.losses.pending:
             text = self.mend()

@@ -242,6 +242,11 @@ class RankNames:
         self.assigned -= {*changes.updates, *changes.dropped}
         self.lacking -= set(changes.updates)  # (sent to every node)
 
+    def joined_empty(self) -> None:
+        """A rank that holds none of the notebook's names joined (a forkserver pool's replacement for a lost
+        rank): every notebook name the pool's cells read goes again with the next cell, except the ranks' own."""
+        self.known = {name: _token(self.namespace[name]) for name in self.assigned if name in self.namespace}
+
     def answered(self, per_rank) -> None:
         """The ranks' ``Result``s of a pool cell: the names each bound are the ranks' own now."""
         for res in per_rank:
