@@ -259,3 +259,22 @@ def test_a_forkserver_pool_heals_and_the_replacement_is_sent_the_notebooks_names
     assert wait_for(k, f"bool({POOL}.losses.history) and not {POOL}.losses.pending", 30)
     res, places = weights_and_places(k)
     assert "healed the pool" in res.stderr and [p[:2] for p in places] == [(0, 3), (1, 3), (2, 3)], res.stderr
+
+
+def test_fsdp2_shards_are_named_lost_with_the_fix_and_never_copied(pool3):
+    """The lost rank's shards went with it: an FSDP2 model and its optimizer are named, with the checkpoint fix."""
+    k = pool3
+    start(k)
+    k.ok("%%ddp\nfrom torch.distributed.fsdp import fully_shard\nsharded = torch.nn.Linear(8, 8)\n"
+         "fully_shard(sharded)\nsopt = torch.optim.Adam(sharded.parameters())\n"
+         "sopt.zero_grad(); sharded(torch.ones(2, 8)).sum().backward(); sopt.step()\n")
+    pids = pool_pids(k)
+    os.kill(pids[1], signal.SIGKILL)
+    assert wait_for(k, f"bool({POOL}.losses.history) and not {POOL}.losses.pending", 30)
+    res, _ = weights_and_places(k)
+    for name in ("sharded", "sopt"):
+        assert f"  {name} (Cell In[" in res.stderr, res.stderr
+    assert "sharded (FSDP2 / DTensor): the lost rank's shards went with it; load the last torch.distributed." \
+           "checkpoint (dcp.load, resharded) on every rank" in res.stderr, res.stderr
+    res = k.ok("%%ddp --gather has\nhas = 'sharded' in globals()\n")
+    assert k.value("has") == [True, False, True]
