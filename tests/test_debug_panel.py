@@ -292,6 +292,35 @@ def test_timeout_moves_on_by_the_time_ranks_stand_stopped_in_the_panel(kernel):
     panel.stop()
 
 
+def test_a_cell_run_before_the_panel_was_on_stops_at_its_breakpoint_when_run_again(kernel):
+    # turning the panel on, ipykernel runs `debugpy.listen` as a silent cell cached under the next cell's number;
+    # the cell run again with the panel on was run by its ranks under that cell's file, not its own: no stop
+    assert said(kernel.ok(ONE_SHOT).stdout, 1, "done 1 84")
+    panel, msg_id, stops = stopped_at_line_4(kernel)
+    path = panel.ok("dumpCell", {"code": ONE_SHOT})["sourcePath"]
+    for stop in stops:
+        frame = panel.frames(stop["threadId"], levels=20)[0]
+        assert frame["line"] == 4 and frame["source"]["path"] == path, frame
+    panel.ok("continue", {"threadId": 1})
+    res = kernel.collect(msg_id, timeout=60)
+    assert res.error is None and said(res.stdout, 0, "done 0 82"), res.stdout
+    panel.stop()
+
+
+def test_the_kernels_debugger_neither_traces_nor_lists_the_thread_warming_imports(monkeypatch):
+    # traced (the panel turned on right after %load_ext), its imports took 7.5 s instead of 1.3 on 2 cores, and
+    # the first cell's forks wait for it on --timeout's clock (test_timeout_moves_on...: rank 1 never forked)
+    from nbddp.kernel.ranks import warm
+
+    monkeypatch.delenv("NBDDP_WARM", raising=False)
+    monkeypatch.setattr(warm, "WARM_IMPORTS", ("nbddp_test_no_such_module",))  # (its failure is swallowed)
+    monkeypatch.setattr(warm, "_thread", None)
+    warm.start()
+    thread = warm._thread
+    assert thread is not None and thread.pydev_do_not_trace and thread.is_pydev_daemon_thread
+    warm.wait()
+
+
 @pytest.mark.parametrize("options", ["--bg", "--bg --start-method forkserver"])
 def test_a_background_cell_stops_in_the_panel_while_the_notebook_runs_other_cells(kernel, options):
     panel, msg_id, stops = stopped_at_line_4(kernel, options, timeout=120)

@@ -158,7 +158,21 @@ def cell_file(shell, body_file: str) -> str:
 
     number = cells.running(shell)
     names = cells.numbers(shell)
-    for name in reversed(list(names)):
+    # the running cell's own frame, the outermost of the notebook's on this stack (the magic runs on the kernel's
+    # thread, under it), not the name cached last with its number: turning the panel on, ipykernel runs
+    # `debugpy.listen` as a silent cell, cached under the next cell's number; a cell whose text ran before the
+    # panel was on keeps its earlier place in the map, so that name came last, and its ranks ran the cell under
+    # a file the panel had set no breakpoint in (every breakpoint of that cell missed)
+    prefix, found = cell_prefix(), None
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name != body_file and name.startswith(prefix) and names.get(name) == number:
+            found = name
+        frame = frame.f_back
+    if found is not None:
+        return found
+    for name in reversed(list(names)):  # (called from outside the cell's code: the last name cached with its number)
         if names[name] == number and name != body_file:
             return name
     return body_file

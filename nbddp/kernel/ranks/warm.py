@@ -20,6 +20,7 @@ import threading
 import warnings
 
 from ...hw import driverwatch
+from ..debugger.dap import untraced
 
 # Measured, not guessed (benchmarks/bench_firststep.py lists what a fresh rank imports in its first real
 # steps, torch 2.13): DDP's constructor (torch._dynamo and what it pulls), AdamW's first step
@@ -56,7 +57,12 @@ def start() -> None:
     global _thread
     names = [n for n in WARM_IMPORTS if n not in sys.modules]
     if enabled() and names and _thread is None:
-        _thread = threading.Thread(target=_import_all, args=(names,), name=driverwatch.WARM_THREAD, daemon=True)
+        # untraced by the kernel's debugger (JupyterLab's panel, often turned on right after %load_ext): under
+        # pydevd's tracer these ~800 imports took 7.5 s instead of 1.3 on 2 cores, and the first %%ddp cell
+        # waits for them before it forks (``wait``), on --timeout's clock: a 6 s one passed with rank 0 forked
+        # and rank 1 not, rank 0 waited at the rendezvous, no rank reached the cell's breakpoint
+        _thread = untraced(threading.Thread(target=_import_all, args=(names,), name=driverwatch.WARM_THREAD,
+                                            daemon=True))
         _thread.start()
         _hook_forks()
 
