@@ -2,9 +2,9 @@
 
 When a pool loses a rank (kernel/healing.py), a replacement is forked from the kernel: it has the notebook's
 names, not what the pool's cells built. The survivors hold that state. Each is asked for a fingerprint of every
-name its cells bound (``survey``): tensors and arrays by their layout and two 64-bit sums of their words (0.1 s
-a GiB, where hashing every byte would take seconds), everything else by its pickle. A name whose fingerprint
-two or more survivors agree on is the pool's, not one rank's (a DDP model, its optimizer, a tokenised
+name its cells bound (``survey``): tensors and arrays by their layout, two 64-bit sums of their words and a hash
+of a sample spread over them (0.3 s a GiB, where hashing every byte would take seconds), everything else by its
+pickle. A name whose fingerprint two or more survivors agree on is the pool's, not one rank's (a DDP model, its optimizer, a tokenised
 dataset); a name they disagree on was made from ``rank`` (a shard, ``mine = rank * 10``), and one only a single
 survivor holds cannot be vouched for: neither is ever given to the replacement.
 
@@ -32,6 +32,7 @@ from ..wire.messages import Result
 from . import usergroup
 from .jobs import in_namespace
 
+SAMPLE_WORDS = 8192  # words of a tensor hashed, spread over it, beside its sums
 _exported: list = []  # the export's arenas, held until every rank rebuilt (the replacement has mapped them)
 
 
@@ -146,12 +147,16 @@ def _word_sums(torch, np, a):
 
 
 def _raw_sums(torch, raw) -> tuple:
-    """Two 64-bit sums of the bytes as words (all of them, and every third from the second), and the bytes
-    that do not fill a word: equal data gives equal sums; data made from ``rank`` differs in them."""
+    """The bytes as 64-bit words: their sum, the sum of the first half, and a hash of 8,192 words spread
+    evenly over them (a permutation, a shuffle made from ``rank``, keeps the sum but not the others), plus
+    the bytes that do not fill a word. One pass and a half over the data: 0.3 s a GiB on one thread."""
     n = raw.numel()
     cut = n - n % 8
     words = raw[:cut].view(torch.int64)
-    return int(words.sum()), int(words[1::3].sum()), bytes(raw[cut:].cpu().numpy()), n
+    m = words.numel()
+    sample = words[::max(1, m // SAMPLE_WORDS)][:SAMPLE_WORDS].cpu().numpy().tobytes()
+    return (int(words.sum()), int(words[:m // 2].sum()), hashlib.blake2b(sample, digest_size=16).hexdigest(),
+            bytes(raw[cut:].cpu().numpy()), n)
 
 
 def _special(obj):

@@ -1,0 +1,74 @@
+"""rank/heal.py without a kernel: what a fingerprint tells apart (a false "equal" would give a replacement a
+value made from another rank's number), export and adopt in one pickle, and kernel/healing.verdict."""
+import pickle
+
+import torch
+
+from nbddp.kernel import healing
+from nbddp.rank import heal
+
+
+def test_equal_values_have_equal_fingerprints_and_rank_made_ones_differ():
+    a, b = torch.arange(100_000.), torch.arange(100_000.)
+    assert heal.fingerprint(a) == heal.fingerprint(b)
+    assert heal.fingerprint(a) != heal.fingerprint(a[1::2]), "a shard"
+    assert heal.fingerprint(a) != heal.fingerprint(a.flip(0)), "a permutation keeps the sum, not the fingerprint"
+    shuffled = a[torch.randperm(len(a), generator=torch.Generator().manual_seed(1))]
+    assert heal.fingerprint(a) != heal.fingerprint(shuffled)
+    assert heal.fingerprint(0 * 10) != heal.fingerprint(1 * 10)
+    assert heal.fingerprint({"lr": 0.1, "w": a}) == heal.fingerprint({"lr": 0.1, "w": b})
+    assert heal.fingerprint(a) != heal.fingerprint(a.double()), "the dtype counts"
+
+
+def test_an_unpickled_value_fingerprints_as_the_original():
+    """Pickle's memo follows object identity: a replacement's values, unpickled, must match a survivor's."""
+    value = {"names": ["step", "step", "opt"], "t": torch.ones(3)}
+    assert heal.fingerprint(pickle.loads(pickle.dumps(value))) == heal.fingerprint(value)
+    cyclic = []
+    cyclic.append(cyclic)
+    assert heal.fingerprint(cyclic)  # (needs the memo: no error)
+
+
+def test_a_tensor_inside_an_autograd_graph_and_a_process_group_are_not_transferable():
+    w = torch.ones(3, requires_grad=True)
+    try:
+        heal.fingerprint(w * 2)
+    except heal.NotTransferable as e:
+        assert "autograd graph" in str(e)
+    else:
+        raise AssertionError("a non-leaf tensor was fingerprinted")
+
+
+class _Ctx:
+    def __init__(self, ns, owned=()):
+        self.namespace, self.owned = ns, set(owned)
+
+
+def test_export_and_adopt_keep_an_optimizer_on_its_models_parameters():
+    model = torch.nn.Linear(300, 300)  # 360 KB of weights: through this process's memfd arena
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    blob = heal.export(_Ctx({"model": model, "opt": opt}), ["model", "opt"])
+    try:
+        ns = {"stale": 1}
+        assert heal.adopt(_Ctx(ns), blob, ["stale"]) == ["model", "opt"]
+        assert "stale" not in ns, "a name no peer could vouch for is removed, never the notebook's value"
+        assert ns["opt"].param_groups[0]["params"][0] is ns["model"].weight
+        assert torch.equal(ns["model"].weight, model.weight)
+        ns["model"].weight.data.add_(1)  # mapped privately: the peer's copy is untouched
+        assert not torch.equal(ns["model"].weight, model.weight)
+    finally:
+        for sharer in heal._exported:
+            sharer.let_go()
+        heal._exported.clear()
+
+
+def test_verdict_copies_only_what_two_survivors_agree_on():
+    views = {0: {"model": ("ddp", "m"), "data": ("value", "d"), "shard": ("value", "s0"), "pg": ("lost", "why")},
+             2: {"model": ("ddp", "m"), "data": ("value", "d"), "shard": ("value", "s2"), "pg": ("lost", "why"),
+                 "extra": ("value", "x")}}
+    v = healing.verdict(views)
+    assert v.agreed == ["data", "model"] and v.ddps == ["model"]
+    assert set(v.lacking) == {"shard", "pg", "extra"} and "differs" in v.lacking["shard"]
+    assert "not every survivor" in v.lacking["extra"]
+    alone = healing.verdict({1: views[0]})
+    assert alone.agreed == [] and "only one survivor" in alone.lacking["data"] and alone.stale == ["model"]
