@@ -63,12 +63,30 @@ def test_export_and_adopt_keep_an_optimizer_on_its_models_parameters():
 
 
 def test_verdict_copies_only_what_two_survivors_agree_on():
-    views = {0: {"model": ("ddp", "m"), "data": ("value", "d"), "shard": ("value", "s0"), "pg": ("lost", "why")},
-             2: {"model": ("ddp", "m"), "data": ("value", "d"), "shard": ("value", "s2"), "pg": ("lost", "why"),
-                 "extra": ("value", "x")}}
+    own = {"model": ("ddp", "m", (1,), True), "data": ("value", "d", (2,), True), "shard": ("value", "s0", (3,), True),
+           "pg": ("lost", "why", (), True), "opt": ("value", "o", (1,), True)}
+    views = {0: own, 2: {**own, "shard": ("value", "s2", (3,), True), "extra": ("value", "x", (), True)}}
     v = healing.verdict(views)
-    assert v.agreed == ["data", "model"] and v.ddps == ["model"]
+    assert v.agreed == ["data", "model", "opt"] and v.ddps == ["model"]
     assert set(v.lacking) == {"shard", "pg", "extra"} and "differs" in v.lacking["shard"]
     assert "not every survivor" in v.lacking["extra"]
-    alone = healing.verdict({1: views[0]})
+    alone = healing.verdict({1: own})
     assert alone.agreed == [] and "only one survivor" in alone.lacking["data"] and alone.stale == ["model"]
+
+
+def test_a_name_sharing_tensors_with_a_lacking_one_lacks_too():
+    """An optimizer copied without its model would point at parameters the new rank's model does not have."""
+    a = {"model": ("value", "m0", (7,), True), "opt": ("value", "o", (7,), True)}
+    b = {"model": ("value", "m1", (7,), True), "opt": ("value", "o", (7,), True)}
+    v = healing.verdict({0: a, 1: b})
+    assert v.agreed == [] and "shares tensors with model" in v.lacking["opt"]
+
+
+def test_a_notebook_value_changed_in_place_by_the_pools_cells_is_copied_or_listed():
+    trained = {"net": ("value", "trained", (5,), False)}
+    fresh = {"net": ("value", "as-the-notebook-has-it", (9,), False)}
+    assert healing.verdict({0: trained, 1: trained}, fresh).agreed == ["net"]
+    assert healing.verdict({0: trained, 1: trained}, {"net": trained["net"]}).agreed == [], "unchanged: nothing"
+    apart = healing.verdict({0: trained, 1: {"net": ("value", "other", (5,), False)}}, fresh)
+    assert "differently on each rank" in apart.lacking["net"]
+    assert healing.verdict({0: trained, 1: trained}, None).agreed == [], "a forkserver's: sent again instead"

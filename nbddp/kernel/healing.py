@@ -136,6 +136,8 @@ class LossWatch:
             previous = signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
                 pool.mend_between_cells()
+            except KeyboardInterrupt:  # the pool has ended with the reason; the kernel's loop must go on
+                pass
             finally:
                 signal.signal(signal.SIGINT, previous)
         if pool.alive:
@@ -213,28 +215,74 @@ class Verdict:
     stale: list  # DDP models on the survivors that no replacement has (bound to the old group until run again)
 
 
-def verdict(views: dict) -> Verdict:
-    """From each survivor's survey (rank -> name -> (kind, fingerprint or why)): what may be copied."""
+def verdict(views: dict, fresh: dict | None = None) -> Verdict:
+    """What may be copied, from each survivor's survey (rank -> name -> (kind, fingerprint or why, tensors,
+    bound by the pool's cells)) and ``fresh``, a new rank's own survey of the notebook's names (a fork of the
+    kernel now: what it has without a copy), or None (it has none of them: a forkserver's)."""
     names = sorted(set().union(*views.values())) if views else []
     agreed, ddps, lacking, stale = [], [], {}, []
     for name in names:
         seen = [v[name] for v in views.values() if name in v]
-        lost = next((why for kind, why in seen if kind == "lost"), None)
-        if lost is not None:
-            lacking[name] = lost
-        elif len(views) < 2:
-            lacking[name] = "only one survivor holds it: no second rank can vouch that it is not rank-specific"
-        elif len(seen) < len(views):
-            lacking[name] = "not every survivor holds it"
-        elif len({fp for _, fp in seen}) > 1:
-            lacking[name] = "its value differs between ranks (made from rank)"
-        else:
+        kinds, prints = {x[0] for x in seen}, {x[1] for x in seen}
+        why = _notebook_name(name, seen, prints, views, fresh) if not any(x[3] for x in seen) else \
+            _pool_name(seen, kinds, prints, views)
+        if why == "agreed":
             agreed.append(name)
-            if seen[0][0] == "ddp":
+            if "ddp" in kinds:
                 ddps.append(name)
-        if name in lacking and any(kind == "ddp" for kind, _ in seen):
-            stale.append(name)
+        elif why:
+            lacking[name] = why
+    _lacking_with_what_they_share(views, agreed, lacking)
+    ddps = [n for n in ddps if n in agreed]
+    stale = [n for n in lacking if any(v.get(n, ("",))[0] == "ddp" for v in views.values())]
     return Verdict(agreed, ddps, lacking, stale)
+
+
+def _pool_name(seen, kinds, prints, views) -> str:
+    """A name the pool's cells bound: copied where two survivors or more agree, else why not."""
+    lost = next((x[1] for x in seen if x[0] == "lost"), None)
+    if lost is not None:
+        return lost
+    if len(views) < 2:
+        return "only one survivor holds it: no second rank can vouch that it is not rank-specific"
+    if len(seen) < len(views):
+        return "not every survivor holds it"
+    if len(prints) > 1:
+        return "its value differs between ranks (made from rank)"
+    return "agreed"
+
+
+def _notebook_name(name, seen, prints, views, fresh) -> str:
+    """A notebook name the survivors hold: nothing to do where the new rank has it alike; copied where a pool's
+    cell changed it in place alike on every survivor; lacking where they changed it differently."""
+    if fresh is None or any(x[0] == "lost" for x in seen) or len(seen) < len(views):
+        return ""
+    mine = fresh.get(name)
+    if len(prints) == 1 and mine is not None and mine[1] in prints:
+        return ""
+    if len(prints) > 1:
+        return "a pool's cell changed this notebook value in place, differently on each rank"
+    if len(views) < 2:
+        return ("a pool's cell changed this notebook value in place; only one survivor holds it: no second rank can "
+                "vouch that it is not rank-specific")
+    return "agreed"
+
+
+def _lacking_with_what_they_share(views, agreed: list, lacking: dict) -> None:
+    """A name that holds tensors a lacking name holds (an optimizer whose model lacks) lacks too: copied alone,
+    it would point at parameters the new rank's model does not have."""
+    view = next(iter(views.values()), {})
+    changed = True
+    while changed:
+        changed = False
+        held = {n: set(view[n][2]) for n in lacking if n in view}
+        for name in list(agreed):
+            shared = next((other for other, tensors in held.items() if tensors & set(view.get(name, ((),) * 3)[2])),
+                          None)
+            if shared is not None:
+                agreed.remove(name)
+                lacking[name] = f"it shares tensors with {shared}, which the new rank lacks"
+                changed = True
 
 
 # -- mending ----------------------------------------------------------------------------------------------------
@@ -299,13 +347,13 @@ def mend(pool, policy: str) -> Mended:
     if policy == "shrink":
         mended = _shrink(gang, survivors, losses)
     else:
-        mended = _heal(gang, survivors, losses)
+        mended = _heal(gang, survivors, losses, pool.starter.inherits_notebook)
     mended.seconds = time.monotonic() - start
     pool.losses.pending.clear()
     return mended
 
 
-def _heal(gang, survivors: list, losses: list) -> Mended:
+def _heal(gang, survivors: list, losses: list, inherited: bool) -> Mended:
     """The group first: a survivor still waiting in a collective with the lost rank (or with a peer that left
     it) is freed as the others leave the old group, answers its cell, then joins; then the state."""
     lost = sorted({loss.rank for loss in losses})
@@ -313,7 +361,7 @@ def _heal(gang, survivors: list, losses: list) -> Mended:
     for rank in lost:
         gang.replace(rank, gang.generation)
     _join(gang, {r: messages.Regroup(gang.generation) for r in survivors}, lost)
-    found = _survey(gang, survivors)
+    found = _survey(gang, survivors, lost[0] if inherited else None)
     blob = _export(gang, survivors[0], found)
     _adopt(gang, lost, blob, found)
     rebuilt = _rebuild(gang, found.ddps)
@@ -321,9 +369,15 @@ def _heal(gang, survivors: list, losses: list) -> Mended:
                   rebuilt=rebuilt)
 
 
-def _survey(gang, holders: list) -> Verdict:
-    return verdict({r: value(rec) for r, rec in ask(gang, {r: call(heal.survey) for r in holders},
-                                                    "fingerprinting the pool's names").items()})
+def _survey(gang, holders: list, fresh: int | None = None) -> Verdict:
+    """``holders``' fingerprints, and ``fresh``'s (a new rank forked from the kernel: its notebook names as the
+    kernel has them now), into a verdict; without ``fresh``, the pool's own names only."""
+    commands = {r: call(heal.survey, fresh is not None) for r in holders}
+    if fresh is not None:
+        commands[fresh] = call(heal.survey, True)
+    views = {r: value(rec) for r, rec in ask(gang, commands, "fingerprinting the pool's names").items()}
+    mine = views.pop(fresh) if fresh is not None else None
+    return verdict(views, mine)
 
 
 def _export(gang, peer: int, found: Verdict):
@@ -366,30 +420,30 @@ def _shrink(gang, survivors: list, losses: list) -> Mended:
     return Mended("shrunk", losses, 0.0, lacking=lacking, rebuilt=rebuilt, renumbered=moves)
 
 
-def resize(pool, world_size: int) -> Mended:
-    """``%ddp resize N``: the pool grown (new ranks take the pool's state from rank 0, as a replacement does)
-    or shrunk (its highest ranks leave), in a new process group at ``world_size``, DDP models made anew."""
+def resize(pool, world_size: int, devices: tuple = ()) -> Mended:
+    """``%ddp resize N``: the pool grown onto ``devices`` (new ranks take the pool's state from rank 0, as a
+    replacement does) or shrunk (its highest ranks leave), in a new process group at ``world_size``, DDP models
+    made anew."""
     gang = pool.gang
     old = gang.world_size
     start = time.monotonic()
-    ranks = list(range(old))
-    found = _survey(gang, ranks)
+    ranks = list(range(min(old, world_size)))
     if world_size < old:
+        found = _survey(gang, list(range(old)))
         gang.retire(list(range(world_size, old)))
         gang.generation += 1
         gang.renumber({r: r for r in range(world_size)})
-        ask(gang, {r: messages.Regroup(gang.generation, r, world_size) for r in range(world_size)},
-            "the ranks joined their new process group", within=JOIN_S)
+        _join(gang, {r: messages.Regroup(gang.generation, r, world_size) for r in ranks}, [])
         mended = Mended("resized", [], 0.0, lacking={n: why for n, why in found.lacking.items() if "differs" in why})
     else:
-        blob = _export(gang, 0, found)
-        gang.generation += 1
         new = list(range(old, world_size))
-        gang.grow(world_size, pool.more_devices(len(new)), gang.generation)
+        gang.generation += 1
+        gang.grow(world_size, devices, gang.generation)
         _join(gang, {r: messages.Regroup(gang.generation, r, world_size) for r in ranks}, new)
-        _adopt(gang, new, blob, found)
+        found = _survey(gang, ranks, new[0] if pool.starter.inherits_notebook else None)
+        _adopt(gang, new, _export(gang, 0, found), found)
         mended = Mended("resized", [], 0.0, copied=found.agreed, peer=0, lacking=found.lacking)
-    mended.rebuilt = _rebuild(gang, [n for n in found.ddps if n not in found.stale])
+    mended.rebuilt = _rebuild(gang, found.ddps)
     mended.renumbered = {r: r for r in range(world_size)}
     mended.seconds = time.monotonic() - start
     mended.sizes = (old, world_size)

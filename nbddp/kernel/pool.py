@@ -144,7 +144,8 @@ class Pool:
             return f"The pool heals itself ({policy}) before its next cell."
         if policy == "end" or not gang.sup.live():
             gang.close("a rank exited")
-            return "The pool has ended and its ranks' state is gone (--on-loss end): %ddp start to begin again."
+            why = "--on-loss end" if policy == "end" else "no rank survived"
+            return f"The pool has ended and its ranks' state is gone ({why}): %ddp start to begin again."
         self.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost")
         try:
             mended = healing.mend(self, policy)
@@ -164,7 +165,8 @@ class Pool:
         text = mended.say(self.bound_by)
         self.view.said(text.splitlines()[0])
         if mended.lacking:
-            self.view.said(f"lacking: {', '.join(sorted(mended.lacking))}")
+            self.view.said("lacking: " + ", ".join(f"{name} ({self.bound_by.get(name, 'the notebook')})"
+                                                   for name in sorted(mended.lacking)))
         return text
 
     def resize(self, world_size: int) -> str:
@@ -177,11 +179,12 @@ class Pool:
                              "communicators cannot be made anew here); %ddp restart --devices N. Nothing changed.")
         if world_size == self.gang.world_size:
             return f"the pool has {world_size} rank(s) already; nothing changed."
+        devices = self.more_devices(world_size - self.gang.world_size) if world_size > self.gang.world_size else ()
         with self.one_cell():
             self.before_cell()
             self.view.said(f"resizing: {self.gang.world_size} → {world_size} ranks")
             try:
-                mended = healing.resize(self, world_size)
+                mended = healing.resize(self, world_size, devices)
             except BaseException as e:  # noqa: BLE001 - half resized, the pool cannot be vouched for
                 why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}"
                 self.gang.close(f"torn down: resizing it failed ({why})", as_said=True)
@@ -334,6 +337,7 @@ class Pool:
         if not 0 <= rank < self.gang.world_size:
             raise UsageError(f"%ddp debug {rank}: the pool has rank(s) 0-{self.gang.world_size - 1}.")
         with self.one_cell():
+            self.before_cell()
             self._engine(self.config, f"debug rank {rank}", ranks=[rank]).run(command=messages.PostMortem())
 
     @property
@@ -368,6 +372,10 @@ class Pool:
                 self.watch.arm()
 
     def _engine(self, config, label, relabel=None, observer=None, ranks=None, on_start=None) -> engine.CellRun:
+        if self.gang is not None and self.gang.sup is not None and self.mendable:  # (not mended off the main thread)
+            lost = ", ".join(str(loss.rank) for loss in self.losses.pending)
+            raise UsageError(f"rank(s) {lost} of the pool were lost; the pool heals itself between cells (its view "
+                             "says when). Nothing ran: run the cell again.")
         if self.ended:
             raise UsageError(self.lost().replace("%ddp restart", "Pool.start()").replace(
                 "; %ddp stop goes back to one-shot cells", ""))

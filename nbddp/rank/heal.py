@@ -33,6 +33,7 @@ from . import usergroup
 from .jobs import in_namespace
 
 SAMPLE_WORDS = 8192  # words of a tensor hashed, spread over it, beside its sums
+COLUMNS = 1021  # a tensor's words summed in this many classes by position (a prime: strides rarely align)
 _exported: list = []  # the export's arenas, held until every rank rebuilt (the replacement has mapped them)
 
 
@@ -51,23 +52,47 @@ class Step:
         return Result(value=values.pack(self.fn(ctx, *self.args), max_bytes=self.max_value_bytes))
 
 
-def survey(ctx) -> dict:
-    """name -> (kind, what) for each name this rank's cells bound (``ctx.owned``) that it holds:
-    ("value", fingerprint), ("ddp", fingerprint of its module and options), or ("lost", why) for a value no
-    peer can be given. Run on every survivor."""
+def survey(ctx, notebook_too: bool = False) -> dict:
+    """name -> (kind, what, tensors, owned) for each name this rank's cells bound (``ctx.owned``) that it holds, and
+    with ``notebook_too`` the notebook's tensors, arrays, modules and optimizers it holds (a pool's cell may
+    have changed them in place: ``model.to(...)``, a training loop): kind "value" (its fingerprint), "ddp"
+    (the fingerprint of its module and options), or "lost" (why no peer can be given it); ``tensors``: the
+    tensors it holds (ids in this rank), so a name holding one that a lacking name holds lacks too. Run on every survivor (and, ``notebook_too``, on a replacement: what the kernel's fork gave it)."""
     ns = ctx.namespace
+    owned = set(ctx.owned or ())
+    names = sorted(owned | ({n for n, v in ns.items() if _inherited_state(n, v)} if notebook_too else set()))
     out = {}
-    for name in sorted(ctx.owned or ()):
+    for name in names:
         if name not in ns:
             continue
         kind = "ddp" if _is_ddp(ns[name]) else "value"
+        met: list = []
         try:
-            out[name] = (kind, fingerprint(ns[name]))
+            fp = fingerprint(ns[name], met)
         except NotTransferable as e:
-            out[name] = ("lost", str(e))
+            out[name] = ("lost", str(e), (), name in owned)
+            continue
         except Exception as e:  # noqa: BLE001 - any value a pickler refuses: that name is not healed, said why
-            out[name] = ("lost", f"cannot be pickled ({type(e).__name__}: {e})")
+            out[name] = ("lost", f"cannot be pickled ({type(e).__name__}: {e})", (), name in owned)
+            continue
+        if met[0].ddps and kind != "ddp":
+            out[name] = ("lost", "holds a DistributedDataParallel inside it, which is made anew only under a name "
+                         "of its own: make it again", (), name in owned)
+            continue
+        out[name] = (kind, fp, tuple(met[0].tensors), name in owned)
     return out
+
+
+def _inherited_state(name: str, value) -> bool:
+    """A notebook name whose value a pool's cell may have changed in place and that costs no copy to
+    fingerprint: tensors, arrays, modules, optimizers (never a list or dict of Python objects: reading those
+    would copy their pages into the rank, reference counts being writes)."""
+    if name.startswith("_"):
+        return False
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    return (torch is not None and isinstance(value, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer))
+            or np is not None and type(value) is np.ndarray)
 
 
 def ddp_models(ctx) -> list:
@@ -92,30 +117,42 @@ class _Hash(io.RawIOBase):
 
 
 class _Fingerprinter(cloudpickle.CloudPickler):
-    """A pickle of the value as it would travel, big data replaced by its sums, classes of the pool's cells by
-    name (cloudpickle tags them with a per-process id, which would make equal values differ)."""
+    """A pickle of the value as it would travel, big data replaced by its sums, classes and functions of the
+    pool's cells by their code and attributes (cloudpickle tags a class with a per-process id, which would make
+    equal values differ). ``tensors``: the tensors met (ids: a name holding one that a name the replacement
+    lacks holds must not be copied either: an optimizer and its model's parameters); ``ddps``: the DDP models
+    met."""
+
+    def __init__(self, file, **kw):
+        super().__init__(file, **kw)
+        self.tensors: set[int] = set()
+        self.ddps = 0
 
     def reducer_override(self, obj):
         special = _special(obj)
         if special is not None:
+            self.ddps += 1
             return special
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
             if obj.requires_grad and not obj.is_leaf:
                 raise NotTransferable("a tensor inside an autograd graph (a loss, an output): compute it again")
+            self.tensors.add(id(obj))
             return _tensor_sums(torch, obj)
         np = sys.modules.get("numpy")
         if np is not None and type(obj) is np.ndarray and not obj.dtype.hasobject:
             return _sums, ("ndarray", obj.dtype.str, obj.shape, *_word_sums(torch, np, obj))
         if isinstance(obj, type) and obj.__module__ == "__main__":
-            return _sums, ("class", obj.__qualname__, tuple(sorted(vars(obj))))
+            return _sums, ("class", obj.__qualname__, tuple(
+                (k, v) for k, v in sorted(vars(obj).items()) if k not in ("__dict__", "__weakref__")))
         return _cell_function(obj) or super().reducer_override(obj)
 
 
-def fingerprint(value) -> str:
+def fingerprint(value, pickler_out: list | None = None) -> str:
     """Without pickle's memo where it can (its back-references follow object identity: a string interned on one
     rank and unpickled on another, the replacement of an earlier heal, would make equal values differ); a value
-    with a cycle needs the memo (a false "differs" only leaves a name to run again, never a wrong copy)."""
+    with a cycle needs the memo (a false "differs" only leaves a name to run again, never a wrong copy).
+    ``pickler_out``: given a list, the pickler is appended (what it met: ``tensors``, ``ddps``)."""
     for fast in (True, False):
         h = _Hash()
         pickler = _Fingerprinter(h, protocol=pickle.HIGHEST_PROTOCOL)
@@ -126,6 +163,8 @@ def fingerprint(value) -> str:
             if not fast:
                 raise
             continue  # ("fast mode: can't pickle cyclic objects")
+        if pickler_out is not None:
+            pickler_out.append(pickler)
         return h.h.hexdigest()
 
 
@@ -134,28 +173,43 @@ def _sums(*parts):  # never called: a fingerprint is only hashed
 
 
 def _tensor_sums(torch, t):
-    if t.is_quantized or t.layout != torch.strided:
-        return _sums, ("tensor", str(t.dtype), t.layout, repr(t.tolist()) if t.numel() < 4096 else id(t))
-    flat = t.detach().reshape(-1)
-    raw = flat.contiguous().view(torch.uint8)
-    return _sums, ("tensor", str(t.dtype), tuple(t.shape), str(t.device), t.requires_grad, *_raw_sums(torch, raw))
+    t = t.detach()
+    if t.is_quantized:
+        parts = (_raw_sums(torch, _bytes(torch, t.int_repr())), t.qscheme(), repr(t.q_per_channel_scales().tolist()
+                 if t.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric) else t.q_scale()))
+    elif t.layout != torch.strided:  # sparse: its indices and values
+        c = t.coalesce() if t.layout == torch.sparse_coo else t.to_sparse_coo().coalesce()
+        parts = (_raw_sums(torch, _bytes(torch, c.indices())), _raw_sums(torch, _bytes(torch, c.values())))
+    else:
+        parts = _raw_sums(torch, _bytes(torch, t))
+    return _sums, ("tensor", str(t.dtype), str(t.layout), tuple(t.shape), str(t.device), t.requires_grad, parts)
+
+
+def _bytes(torch, t):
+    """A tensor's elements as flat bytes, starting at an 8-byte boundary (a view at another offset is copied)."""
+    raw = t.reshape(-1).contiguous().view(torch.uint8)
+    return raw if raw.storage_offset() % 8 == 0 else raw.clone()
 
 
 def _word_sums(torch, np, a):
     raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    return _raw_sums(torch, torch.from_numpy(raw)) if torch is not None else (hashlib.blake2b(raw).hexdigest(),)
+    return _raw_sums(torch, torch.from_numpy(raw).clone() if raw.ctypes.data % 8 else torch.from_numpy(raw)) \
+        if torch is not None else (hashlib.blake2b(raw).hexdigest(),)
 
 
 def _raw_sums(torch, raw) -> tuple:
-    """The bytes as 64-bit words: their sum, the sum of the first half, and a hash of 8,192 words spread
-    evenly over them (a permutation, a shuffle made from ``rank``, keeps the sum but not the others), plus
-    the bytes that do not fill a word. One pass and a half over the data: 0.3 s a GiB on one thread."""
+    """The bytes as 64-bit words, summed in ``COLUMNS`` classes by position (a one-hot at ``rank``, two elements
+    swapped, a shuffle: each moves a word to another class), the first half's sum, and a hash of 8,192 words
+    spread over them, plus the bytes that do not fill a word. One pass and a half: 0.3 s a GiB on one thread."""
     n = raw.numel()
     cut = n - n % 8
     words = raw[:cut].view(torch.int64)
     m = words.numel()
+    whole = m - m % COLUMNS
+    columns = words[:whole].view(-1, COLUMNS).sum(0).cpu().numpy().tobytes() if whole else b""
     sample = words[::max(1, m // SAMPLE_WORDS)][:SAMPLE_WORDS].cpu().numpy().tobytes()
-    return (int(words.sum()), int(words[:m // 2].sum()), hashlib.blake2b(sample, digest_size=16).hexdigest(),
+    return (hashlib.blake2b(columns, digest_size=16).hexdigest(), int(words[whole:].sum()),
+            int(words[:m // 2].sum()), hashlib.blake2b(sample, digest_size=16).hexdigest(),
             bytes(raw[cut:].cpu().numpy()), n)
 
 

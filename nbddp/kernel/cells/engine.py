@@ -116,7 +116,7 @@ class CellRun:
             self._at(self.first_error + rules.PEER_GRACE_S, lambda: self.rules.peer_failed(self))
 
     def on_Exited(self, event) -> None:
-        if not event.exit.stopped and event.rank in self.ranks:
+        if not event.exit.stopped:  # (a rank a --ranks cell leaves out too: the cell cannot conclude without it)
             self.rules.rank_lost(self)
 
     def _answered(self) -> None:

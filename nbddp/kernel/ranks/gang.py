@@ -22,6 +22,22 @@ from .supervisor import Started, Supervisor
 STOP_S = 5.0  # a pool's ranks leave the group and exit within this after Stop, or are killed
 
 
+def _memfds() -> list[int]:
+    """This process's memfd descriptors (Linux; elsewhere none are known)."""
+    found = []
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
+                found.append(int(fd))
+        except OSError:
+            pass  # (the listing's own descriptor, gone by now)
+    return found
+
+
 class Gang:
     def __init__(self, config, plan, *, persistent: bool, view_for=None):
         self.config, self.plan, self.persistent = config, plan, persistent
@@ -116,7 +132,9 @@ class Gang:
 
         def prepare(spec):
             spec, not_inherited, forked = self._prepare(spec) if self._prepare else (spec, (), None)
-            return spec, [*not_inherited, *others], forked
+            # nor the kernel's shared-memory arenas made since the start: a rank maps what it is sent by
+            # /proc, and an inherited descriptor would keep memory the kernel lets go for the rank's life
+            return spec, [*not_inherited, *others, *_memfds()], forked
 
         try:
             starters.fork_specs(self.sup, self._starter, self._job_for({spec.rank: (read, write)}), [spec], None,
@@ -133,6 +151,8 @@ class Gang:
     def retire(self, ranks: list[int]) -> None:
         """``ranks`` leave: told to stop, given STOP_S to exit, then killed; reaped and forgotten."""
         procs = [p for p in self.sup.live() if p.rank in ranks]
+        for p in procs:
+            p.stop_sent = True  # (nbddp ends them: not a loss)
         self.command(messages.Stop(), ranks=ranks)
         end = time.monotonic() + STOP_S
         self.sup.wait(None, until=lambda: all(p.exit is not None for p in procs) or time.monotonic() >= end,
