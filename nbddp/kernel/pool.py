@@ -82,7 +82,7 @@ class Pool:
                 gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
                 self.started_at = time.time()
                 self.starter = starters.starter_for(plan)
-                self.held = RankNames(self.namespace, other_nodes=bool(self.config.cluster),
+                self.held = RankNames(self.namespace, across_nodes=bool(self.config.cluster),
                                       inherited=self.starter.inherits_notebook, gpu_ipc=self.starter.gpu_ipc(plan))
                 gang.sup.announce()
                 self.losses = healing.Losses(self.view)
@@ -156,7 +156,7 @@ class Pool:
     def _said(self, mended) -> str:
         """What mending (or resizing) the pool did, in its view; the text the cell says."""
         if not self.starter.inherits_notebook:  # the new ranks hold none of the notebook's names: each sent again
-            self.held = RankNames(self.namespace, other_nodes=False, inherited=False, gpu_ipc=self.held.gpu_ipc)
+            self.held = RankNames(self.namespace, across_nodes=False, inherited=False, gpu_ipc=self.held.gpu_ipc)
         text = mended.say(self.bound_by)
         self.view.said(text.splitlines()[0])
         if mended.lacking:
@@ -262,9 +262,9 @@ class Pool:
         if ranks and max(ranks) >= world:
             raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
         # the other nodes lack what the notebook had at the start (RankNames pickles for other machines)
-        sync = self.held.before_cell(code or set(), other_nodes=bool(self.config.cluster) and self.alive)
-        if sync.other_nodes:
-            self.gang.owe(sync.other_nodes)  # with the next command to each other node's rank
+        sync = self.held.before_cell(code or set(), nodes_running=bool(self.config.cluster) and self.alive)
+        if sync.for_other_nodes:
+            self.gang.owe(sync.for_other_nodes)  # with the next command to each other node's rank
         notes, updates = sync.notes, sync.updates
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
         run = self._engine(config, label, relabel, observer, ranks, on_start)  # (a pool that ended refuses the cell here)
