@@ -12,7 +12,7 @@ import os
 
 from .errors import CudaInitialisedError, NbddpError, RankFailure, ResultError, UsageError
 from .ipy.session import Environment, environment
-from .rank.scalars import log
+from .rank.metrics_log import log
 from .wire.shared import SharedSequence, shared
 
 
@@ -65,9 +65,9 @@ def metrics():
 def profile():
     """The last ``%%ddp --profile`` cell's figures as a pandas DataFrame, a row per rank: rank, steps, step_s,
     compute_s, comm_s, wait_s (part of comm_s), data_s, other_s, in seconds summed over the profiled steps."""
-    from .kernel import profiles
+    from .kernel.profile import last
 
-    return profiles.last()
+    return last()
 
 
 def __getattr__(name):

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from kernel import Kernel
-from nbddp.rank import scalars
-from nbddp.views import charts
+from nbddp.rank import metrics_log
+from nbddp.views import metrics_chart
 from nbddp.wire import messages
 
 pytestmark = pytest.mark.timeout(300)
@@ -141,7 +141,7 @@ for step in range(200):
 
 # -- the parts, directly ------------------------------------------------------------------------------
 def test_a_batch_is_one_column_per_name_with_nan_where_a_call_did_not_log_it():
-    rec = scalars._columns([(0, 1.0, {"loss": 2.0}), (1, 2.0, {"lr": 0.1}), (2, 3.0, {"loss": 1.0, "lr": 0.2}),
+    rec = metrics_log._columns([(0, 1.0, {"loss": 2.0}), (1, 2.0, {"lr": 0.1}), (2, 3.0, {"loss": 1.0, "lr": 0.2}),
                             (3, 4.0, {"note": "text"})])
     assert rec.steps == (0, 1, 2) and rec.times == (1.0, 2.0, 3.0)
     assert rec.values["loss"][0] == 2.0 and math.isnan(rec.values["loss"][1]) and rec.values["loss"][2] == 1.0
@@ -149,28 +149,28 @@ def test_a_batch_is_one_column_per_name_with_nan_where_a_call_did_not_log_it():
 
 
 def test_outside_a_rank_log_does_nothing_and_costs_next_to_nothing():
-    assert scalars._state["chan"] is None
+    assert metrics_log._state["chan"] is None
     start = time.perf_counter()
     for _ in range(10_000):
-        scalars.log(loss=1.0)
-    assert not scalars._queue
+        metrics_log.log(loss=1.0)
+    assert not metrics_log._queue
     assert (time.perf_counter() - start) / 10_000 < 10e-6
 
 
 def test_a_series_keeps_at_most_max_points_and_always_its_last():
-    s = charts.Series()
+    s = metrics_chart.Series()
     for start in range(0, 100_000, 2500):  # batches, as the ranks send them
         s.extend(list(range(start, start + 2500)), [float(i) for i in range(start, start + 2500)])
     s.extend([100_000, 100_001], [math.nan, 5.0])  # (NaN: not logged at that step)
     pts = s.points()
-    assert len(pts) <= charts.MAX_POINTS + 1 and pts[0] == (0, 0.0) and pts[-1] == (100_001, 5.0)
+    assert len(pts) <= metrics_chart.MAX_POINTS + 1 and pts[0] == (0, 0.0) and pts[-1] == (100_001, 5.0)
     steps = [p[0] for p in pts[:-1]]
     gaps = {b - a for a, b in zip(steps, steps[1:])}
     assert len(gaps) <= 2 and max(gaps) <= 2 * min(gaps), gaps  # evenly spread over the run
 
 
 def test_past_eight_ranks_a_panel_draws_median_band_and_outliers():
-    chart = charts.Chart()
+    chart = metrics_chart.Chart()
     for rank in range(12):
         chart.add(rank, messages.Scalars((0, 1, 2), (0.0, 1.0, 2.0), {"loss": (1.0, 0.5, 9.0 if rank == 7 else 0.2)}))
     html = chart.html()
@@ -179,18 +179,18 @@ def test_past_eight_ranks_a_panel_draws_median_band_and_outliers():
 
 
 def test_the_slow_rank_is_named_at_125_percent_of_the_median_not_below():
-    assert charts.slow_rank({0: 0.10, 1: 0.10, 2: 0.124}) is None
-    said = charts.slow_rank({0: 0.10, 1: 0.10, 2: 0.16})
+    assert metrics_chart.slow_rank({0: 0.10, 1: 0.10, 2: 0.124}) is None
+    said = metrics_chart.slow_rank({0: 0.10, 1: 0.10, 2: 0.16})
     assert said.startswith("rank 2: 1.6× the median step time"), said
-    assert charts.slow_rank({0: 0.1}) is None
+    assert metrics_chart.slow_rank({0: 0.1}) is None
 
 
 def test_a_bars_postfix_numbers_are_its_scalars():
     bar = messages.Progress(0, {"n": 5, "postfix": "loss=0.310, lr=1e-3, tag=x"}, "")
     assert bar.scalars == {"loss": 0.31, "lr": 0.001}
     seen = {}
-    assert charts.logged(0, bar, seen).values == {"loss": (0.31,), "lr": (0.001,)}
-    assert charts.logged(0, bar, seen) is None  # a redraw at the same step adds nothing
+    assert metrics_chart.logged(0, bar, seen).values == {"loss": (0.31,), "lr": (0.001,)}
+    assert metrics_chart.logged(0, bar, seen) is None  # a redraw at the same step adds nothing
 
 
 # -- where users already log: Hugging Face Trainer, Lightning ---------------------------------------
@@ -281,10 +281,10 @@ def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first
 
 
 def test_an_infinite_or_missing_value_is_left_out_of_the_drawing_and_never_breaks_it():
-    chart = charts.Chart()
+    chart = metrics_chart.Chart()
     chart.add(0, messages.Scalars((0, 1, 2), (0.0, 1.0, 2.0), {"loss": (1.0, math.inf, 0.5), "gn": (math.nan,) * 3}))
     assert "<svg" in chart.html() and "loss: rank 0 0.5 (step 2)" in chart.text()
-    many = charts.Chart()
+    many = metrics_chart.Chart()
     for rank in range(10):  # past MAX_LINES ranks, every value of a name missing: nothing to draw, no exception
         many.add(rank, messages.Scalars((0,), (0.0,), {"gn": (math.nan,)}))
     assert many.html() == "" or "<svg" not in many.html()
@@ -304,8 +304,8 @@ def test_a_batch_that_cannot_be_sent_never_reaches_the_cell(monkeypatch):
         def send(self, record):
             raise BrokenPipeError("the kernel is gone")
 
-    monkeypatch.setitem(scalars._state, "chan", Gone())
-    scalars.log(loss=10 ** 400)  # (no float can hold it: left out, said once)
-    scalars.log(loss=1.0)
-    scalars.flush()  # neither the value nor the pipe raises
-    assert not scalars._queue
+    monkeypatch.setitem(metrics_log._state, "chan", Gone())
+    metrics_log.log(loss=10 ** 400)  # (no float can hold it: left out, said once)
+    metrics_log.log(loss=1.0)
+    metrics_log.flush()  # neither the value nor the pipe raises
+    assert not metrics_log._queue

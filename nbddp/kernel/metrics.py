@@ -14,7 +14,7 @@ import os
 import threading
 from array import array
 
-from ..views import charts
+from ..views import metrics_chart
 from ..wire.messages import Scalars
 
 CSV_NAME = "metrics.csv"
@@ -112,10 +112,10 @@ class Recorder:
     def __init__(self, cell: str, run_dir, store: Store = STORE):
         self.cell, self.run_dir, self.store = cell, str(run_dir), store
         self.logged = False
-        self.bars: dict = {}  # (rank, bar) -> the step its postfix was last taken at (charts.logged)
+        self.bars: dict = {}  # (rank, bar) -> the step its postfix was last taken at (metrics_chart.logged)
 
     def on_Message(self, event) -> None:
-        rec = charts.logged(event.rank, event.record, self.bars)
+        rec = metrics_chart.logged(event.rank, event.record, self.bars)
         if rec is not None:
             self.store.add(self.cell, self.run_dir, event.rank, rec)
             self.logged = True

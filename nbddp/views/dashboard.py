@@ -24,7 +24,7 @@ from .iopub import line_bundle, publish_line, unsent
 from ..units import ranks_text, size
 from .monitor import Monitor, duration
 from . import output
-from .charts import Chart
+from .metrics_chart import Chart
 from .output import Slot, text_table
 from .theme import FAILED, MUTED, STATES
 from .relay import latest_redraw

@@ -42,7 +42,7 @@ QUEUED = True  # False: every line sent the ordinary way (benchmarks/bench_iopub
 
 def publish_line(line: str, flush: bool, display_id: str | None = None, update: bool = False, chart=None) -> None:
     """A one-line static summary (``text/plain``, grey ``text/html``) as display data, with ``chart`` (what
-    the ranks logged, charts.py) below it. ``flush``: the cell wrote text to the kernel's streams, which goes
+    the ranks logged, metrics_chart.py) below it. ``flush``: the cell wrote text to the kernel's streams, which goes
     first. ``display_id``: its output's id, for later updates (``update``: this one redraws that output in
     place, wherever it is)."""
     data = line_bundle(line, chart)

@@ -16,7 +16,7 @@ import html
 import time
 
 from ..wire.messages import Error, Exit, Progress, Result, Scalars
-from .charts import Chart
+from .metrics_chart import Chart
 from .dashboard import CELL
 from ..units import size
 from .monitor import Monitor, duration, uptime

@@ -93,7 +93,7 @@ class Progress:
 class Scalars:
     """What the rank logged (``nbddp.log``) since its last ``Scalars``, one column per name: row ``i`` is
     logged at ``steps[i]`` (``time.time()``: ``times[i]``) with ``values[name][i]`` (NaN: not logged
-    in that call). Sent at most four times a second, and before the rank's ``Result`` (rank/scalars.py)."""
+    in that call). Sent at most four times a second, and before the rank's ``Result`` (rank/metrics_log.py)."""
 
     steps: tuple
     times: tuple
@@ -118,7 +118,7 @@ class Result:
     assigned: tuple = ()  # names the cell (re)bound on this rank (a pool keeps them the rank's own)
     imported: tuple = ()  # modules the rank imported since its last answer (the kernel warms them: kernel/ranks/warm.py)
     copied: tuple = ()  # (bytes, ((name, what), ...)): private memory grew reading notebook Python objects (copywatch.py)
-    profile: dict | None = None  # --profile: this rank's summary of its profiled steps (rank/profiling.py)
+    profile: dict | None = None  # --profile: this rank's summary of its profiled steps (rank/profile_session.py)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ...rank import copywatch
 from ...rank.server import Server
 from ...views.relay import CellSink, Relay
 from ...wire import messages, values
-from .. import checks, metrics, profiles
+from .. import checks, metrics, profile
 from ..ranks import failure, starters, warm
 from ..debugger import rankdebug
 from . import rules
@@ -52,7 +52,7 @@ def one_shot(command, config, *, plan=None, namespace=None, observer=None, relab
     with checks.one_at_a_time():
         gang = Gang(config, plan, persistent=False)
         fork = starters.starter_for(plan).inherits_notebook
-        command = profiles.asked(command, config, gang.run_dir.path)  # --profile: the traces beside the logs
+        command = profile.asked(command, config, gang.run_dir.path)  # --profile: the traces beside the logs
         return CellRun(gang, config, relabel=relabel, observer=observer, on_start=on_start).run(
             lambda pipes: Server(first=command, cmd_pipes=pipes, namespace=namespace if fork else None))
 
@@ -154,7 +154,7 @@ class CellRun:
             # kernel wires the cell's listeners (nothing is read before the wait)
             with starters.sigint_deferred():
                 if gang.started:
-                    command = profiles.asked(command, self.config, gang.run_dir.path)
+                    command = profile.asked(command, self.config, gang.run_dir.path)
                     gang.command(command, ranks=self.ranks if self.on_some_ranks else None)
                 self._begin(sup)
             # the cell's dashboard is shown before the forks: ipykernel's display waits on its IO thread,
@@ -281,7 +281,7 @@ class CellRun:
             raise rules_.with_fate(self, err, recover=rules_.told_to_stop() or len(self.replies) < len(exits))
         copied = copywatch.note({e.rank: e.result.copied for e in exits if e.result is not None and e.result.copied})
         notes = failure.notes(exits, self.relabel) + ([copied] if copied else [])
-        profiles.conclude([e.result for e in exits])  # --profile: every rank's summary, shown and kept
+        profile.conclude([e.result for e in exits])  # --profile: every rank's summary, shown and kept
         return Outcome(exits, log_dir, time.monotonic() - start, notes)
 
     def cell_exit(self, rank: int) -> failure.RankExit:

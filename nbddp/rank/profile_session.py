@@ -17,7 +17,7 @@ the sum of the profiled steps' wall time, ``step_s``):
   end, whichever thread has them; on a GPU, NCCL's kernels (``ncclKernel_*``, ``ncclDevKernel_*``). Only if
   neither appears (another backend), the issuing ops ``record_param_comms`` and ``c10d::*`` (on CPU with gloo
   those are the short enqueue, not the collective: ``c10d::allreduce_`` returns at once).
-* waiting (``wait_s``, part of ``comm_s``): worked out in the kernel (kernel/profiles.py), which has every
+* waiting (``wait_s``, part of ``comm_s``): worked out in the kernel (kernel/profile.py), which has every
   rank's collectives: matched across ranks by their order of issue (the order they start in on the rank: gloo
   runs a rank's collectives in the order they were issued; so do NCCL's kernels on one stream), a rank that entered collective i
   before the last rank did waited ``latest start - its start``, at most the collective's duration. The

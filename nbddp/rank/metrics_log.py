@@ -19,7 +19,7 @@ import threading
 import time
 
 from ..wire.messages import Scalars
-from . import profiling
+from . import profile_session
 
 SEND_S = 0.25  # the kernel redraws at most twice a second: four batches a second keep it live
 _queue: collections.deque = collections.deque()  # (step, time, scalars) of each call, in order
@@ -37,7 +37,7 @@ def log(step=None, **scalars) -> None:
         step = _state["step"] + 1
     if step != _state["step"]:
         _state["step"] = step
-        profiling.step()  # a logged step counts as one for --profile in a loop without an optimizer
+        profile_session.step()  # a logged step counts as one for --profile in a loop without an optimizer
     _queue.append((step, time.time(), scalars))
 
 
