@@ -9,6 +9,7 @@ set-up reads "rank 1 failed while joining the process group: ...".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 # phase -> what the rank was doing, as a message says it ("rank 1 failed while ...")
 PHASES = {
@@ -74,10 +75,11 @@ class Progress:
         total = self.state.get("total")
         return min(1.0, max(0.0, (self.state.get("n") or 0) / total)) if total else None
 
-    @property
+    @cached_property
     def scalars(self) -> dict:
         """The numbers of its postfix (``set_postfix(loss=0.31)``: ``{"loss": 0.31}``), charted as
-        ``nbddp.log``'s are, at step ``n``."""
+        ``nbddp.log``'s are, at step ``n``: read once per record, however many listeners chart it (the
+        cell's view, the pool's, ``nbddp.metrics``' recorder)."""
         found = {}
         for part in str(self.state.get("postfix") or "").split(","):
             name, eq, value = part.partition("=")
