@@ -57,9 +57,9 @@ def metrics():
     as a pandas DataFrame: columns ``cell``, ``rank``, ``step``, ``time``, then one per scalar. A pool's
     cells follow each other, so a curve goes on across cells. Each run's folder has the same rows as
     ``metrics.csv``."""
-    from .kernel.metrics import STORE
+    from .kernel.metrics import LOGBOOK
 
-    return STORE.frame()
+    return LOGBOOK.frame()
 
 
 def profile():

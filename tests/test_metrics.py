@@ -263,9 +263,9 @@ def test_lightnings_self_log_reaches_the_charts_through_nbddps_logger():
 
 
 def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first_appears(tmp_path):
-    from nbddp.kernel.metrics import Store
+    from nbddp.kernel.metrics import Logbook
 
-    store, run = Store(), str(tmp_path)
+    store, run = Logbook(), str(tmp_path)
     store.add("In [1]", run, 0, messages.Scalars((0, 1), (1.0, 2.0), {"loss": (2.0, 1.0)}))
     store.add("In [1]", "elsewhere", 0, messages.Scalars((0,), (1.0,), {"other": (9.0,)}))
     store.write_csv(run)
@@ -291,9 +291,9 @@ def test_an_infinite_or_missing_value_is_left_out_of_the_drawing_and_never_break
 
 
 def test_a_scalar_named_as_a_column_is_kept_beside_it(tmp_path):
-    from nbddp.kernel.metrics import Store
+    from nbddp.kernel.metrics import Logbook
 
-    store = Store()
+    store = Logbook()
     store.add("In [1]", str(tmp_path), 0, messages.Scalars((7,), (1.0,), {"step": (3.0,), "loss": (0.5,)}))
     cols = store.columns()
     assert cols["step"] == [7] and cols["step_"] == [3.0] and cols["loss"] == [0.5]
