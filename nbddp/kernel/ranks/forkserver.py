@@ -24,7 +24,7 @@ from ...errors import UsageError
 from ...rank import forkloop
 from ...rank.stdio import POSIX
 from ...wire import fdframing
-from ...wire.forkmessages import Exited, Fork, Forked, Prepare, Prepared, Refused, SetJob
+from ...wire.forkmessages import Reaped, Fork, Forked, Prepare, Prepared, Refused, SetJob
 from . import rendezvous
 
 
@@ -84,7 +84,7 @@ class ForkServer:
 
     def _reply(self, timeout):
         """The answer to the request just sent (the ranks' exits met on the way are kept)."""
-        while isinstance(message := self._next(timeout), Exited):
+        while isinstance(message := self._next(timeout), Reaped):
             pass
         return message
 
@@ -94,7 +94,7 @@ class ForkServer:
             message, _ = fdframing.receive(self.sock)
         finally:
             self.sock.settimeout(None)
-        if isinstance(message, Exited):
+        if isinstance(message, Reaped):
             self.exits[message.pid] = (message.status, message.peak_rss)
         return message
 
