@@ -144,10 +144,6 @@ class Cuda:
                 found |= {s.module, *s.suspects}
         return {m.partition(".")[0] for m in found if m}
 
-    def initialised_in_kernel(self) -> bool:
-        """True when the kernel holds a CUDA context (torch's or anyone's). Never creates one."""
-        return self.refusal() is not None
-
     @staticmethod
     def _forked_child_can_init() -> bool:
         """Fork a throwaway child and call ``cuInit`` there: a context in the parent makes it fail.

@@ -24,13 +24,8 @@ def who(pool) -> None:
     _show(*who_parts(per_rank))
 
 
-def who_table(per_rank: list[dict]) -> str:
-    """One row per name: type, shape/dtype/device, size; ``≠`` and each rank's where they disagree."""
-    head, columns, rows = who_parts(per_rank)
-    return head + "\n" + _table(columns, rows, WHO_CAPS)
-
-
 def who_parts(per_rank: list[dict]) -> tuple:
+    """One row per name: type, shape/dtype/device, size; ``≠`` and each rank's where they disagree."""
     ranks = len(per_rank)
     names = sorted(set().union(*per_rank), key=str.lower)
     rows = []

@@ -98,7 +98,7 @@ class Bus:
 @functools.cache
 def _handled(kind: type) -> tuple:
     """The events a subscriber class may handle, each with its method's name: those it defines, or every
-    event for a class that answers some by ``__getattr__`` (failure.StackCapture, in front of a relay)."""
+    event for a class that answers some by ``__getattr__`` (stacks.StackCapture, in front of a relay)."""
     dynamic = hasattr(kind, "__getattr__")
     return tuple((cls, f"on_{cls.__name__}") for cls in EVENTS if dynamic or hasattr(kind, f"on_{cls.__name__}"))
 
