@@ -15,7 +15,6 @@ from .ipy.session import Environment, environment
 from .rank.metrics_log import log
 from .wire.shared import SharedSequence, shared
 
-
 __version__ = "0.1.0"
 
 
@@ -37,8 +36,8 @@ def launch(fn, *args, **opts) -> list:
     :class:`RankFailure` naming the rank and cause, after every rank has been stopped and reaped; a
     return value that cannot come back raises :class:`ResultError` naming the rank.
     """
-    from .kernel.cells import engine
     from .kernel import options
+    from .kernel.cells import engine
     from .rank.jobs import CallJob
     from .views.display import view_for_session
     from .wire.messages import Call
@@ -102,11 +101,11 @@ def _export_cells(cells, **kwargs) -> str:
 def load_ipython_extension(ipython) -> None:
     from .hw import cuda
     from .ipy import cells
-    from .wire import sharedtensor
-    from .kernel.ranks import forkserver, warm
     from .kernel.debugger import rankdebug
     from .kernel.magic import DDPMagics, register_exporter
+    from .kernel.ranks import forkserver, warm
     from .rank import worker
+    from .wire import sharedtensor
 
     # Large tensors allocated from now on use transparent huge pages: a fork then copies far fewer
     # page-table entries (8 GB resident: ~390 ms -> ~30 ms per rank, measured). Read at allocation.

@@ -8,6 +8,7 @@ import time
 
 import psutil
 import pytest
+
 from kernel import Kernel, said
 
 pytestmark = pytest.mark.timeout(240)

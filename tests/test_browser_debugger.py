@@ -18,8 +18,19 @@ import struct
 import time
 
 import pytest
-from test_browser import (CHROMIUM, IMAGES, THEMES, WIDTH, _dismiss_toasts, _lab, _run_first_cell, cell, run_cell,
-                          wait_for_text)
+
+from test_browser import (
+    CHROMIUM,
+    IMAGES,
+    THEMES,
+    WIDTH,
+    _dismiss_toasts,
+    _lab,
+    _run_first_cell,
+    cell,
+    run_cell,
+    wait_for_text,
+)
 
 pytestmark = pytest.mark.timeout(180)  # it takes ~30 s
 

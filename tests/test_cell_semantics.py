@@ -3,8 +3,8 @@ randomness as under torchrun, top-level await, help, magics, tracebacks a user c
 import re
 
 import pytest
-from kernel import said
 
+from kernel import said
 from nbddp.views.relay import latest_redraw
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,6 +11,7 @@ from collections import Counter
 
 import psutil
 import pytest
+
 from debugclient import DebugClient
 from kernel import Kernel, said
 

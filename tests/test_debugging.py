@@ -4,6 +4,7 @@ pool, %ddp who and %ddp diff. Real kernel, real forks, real gloo."""
 import time
 
 import pytest
+
 from kernel import said
 
 pytestmark = pytest.mark.timeout(300)

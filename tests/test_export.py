@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nbddp.export.script import export_cells
 from nbddp.export.pysyntax import to_python
+from nbddp.export.script import export_cells
 from torchrun import torchrun
 
 pytestmark = pytest.mark.timeout(300)

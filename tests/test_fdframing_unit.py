@@ -12,7 +12,7 @@ import pytest
 from nbddp.kernel.ranks import forkserver
 from nbddp.rank import forkloop
 from nbddp.wire import fdframing
-from nbddp.wire.forkmessages import Reaped, Fork, Forked, JobSet, Refused, SetJob
+from nbddp.wire.forkmessages import Fork, Forked, JobSet, Reaped, Refused, SetJob
 
 WAIT_S = 10.0
 

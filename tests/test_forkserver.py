@@ -3,8 +3,8 @@ reaching ranks through shared memory, in real kernels: one-shot and pool cells, 
 %load_ext and the fresh interpreter, the stand-in CUDA driver (its cuInit fails in a fork of the process that
 initialised it), memory per rank, the in-place rules, a 64 MB /dev/shm, a 1,024 open-file limit, SIGKILL."""
 import json
-import re
 import os
+import re
 import signal
 import sys
 import time

@@ -2,8 +2,8 @@
 shared object named libcuda.so.1, built here with gcc) loaded by stand-in libraries in notebook cells."""
 import pytest
 
-from kernel import Kernel, said
 from helpers import fake_nvml_in_kernel
+from kernel import Kernel, said
 from standin_driver import build
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,6 +1,7 @@
 """Code users already run works inside %%ddp unchanged: TorchMetrics, Lightning, Accelerate."""
 
 import pytest
+
 from kernel import said
 
 pytestmark = pytest.mark.timeout(240)

@@ -6,9 +6,8 @@ import re
 import pytest
 
 import nbddp
-from nbddp.kernel import options
-
 from helpers import pool_pids
+from nbddp.kernel import options
 
 pytestmark = pytest.mark.timeout(240)
 

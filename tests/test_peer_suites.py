@@ -7,6 +7,7 @@ from pathlib import Path
 
 import accelerate
 import pytest
+
 from kernel import said
 
 pytestmark = pytest.mark.timeout(600)

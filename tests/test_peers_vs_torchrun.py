@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from test_libraries import HF_SETUP, hf_args
 from torchrun import torchrun
 

@@ -6,9 +6,9 @@ import time
 import psutil
 import pytest
 
-from torchrun import torchrun
 from helpers import pool_in, pool_pids
 from kernel import Kernel, said
+from torchrun import torchrun
 
 pytestmark = pytest.mark.timeout(240)
 

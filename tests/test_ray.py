@@ -7,6 +7,7 @@ import time
 
 import psutil
 import pytest
+
 from kernel import Kernel, said
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'nbddp[ray]'")

@@ -3,6 +3,7 @@ import re
 from collections import defaultdict
 
 import pytest
+
 from kernel import Kernel
 
 pytestmark = pytest.mark.timeout(180)

@@ -5,6 +5,7 @@ import re
 import time
 
 import pytest
+
 from kernel import Kernel
 
 pytestmark = pytest.mark.timeout(240)

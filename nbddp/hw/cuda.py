@@ -21,8 +21,8 @@ import sys
 import traceback
 from dataclasses import dataclass
 
-from . import driverwatch
 from ..errors import CudaInitialisedError
+from . import driverwatch
 
 
 @dataclass(frozen=True)

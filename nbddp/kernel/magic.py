@@ -11,17 +11,16 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..errors import UsageError
 from ..ipy import cellcode, cells, debugger, tracebacks
+from ..views import output
 from ..views.display import line_for_pool_cell, view_for_session
 from ..wire import messages
-from ..views import output
-from .cells import engine
 from . import checks, options
-from .ranks import starters
-from .names import delivery, sending
+from .cells import engine
 from .cells.background import Background, Job, WaitForNames
+from .names import delivery, sending
 from .names.history import History, request_metadata
+from .ranks import starters
 from .verbs import Verbs
-
 
 
 def option_groups(func):

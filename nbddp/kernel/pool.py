@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 
-
 from ..errors import RankFailure, UsageError
 from ..rank.jobs import CallJob
 from ..rank.server import Server
@@ -22,9 +21,9 @@ from ..views.display import view_for_pool
 from ..wire import messages, values
 from . import checks, healing, options
 from .cells import engine
+from .names.sending import RankNames
 from .ranks import failure, starters
 from .ranks.gang import Gang
-from .names.sending import RankNames
 
 START_S = 600.0  # the ranks of a new pool must all be in the process group by then
 NO_POOL = "no pool is running (%ddp start [options] starts one)"

@@ -35,7 +35,7 @@ import sys
 import warnings
 
 from ..wire import fdframing
-from ..wire.forkmessages import Reaped, Fork, Forked, JobSet, Prepare, Prepared, Refused, SetJob
+from ..wire.forkmessages import Fork, Forked, JobSet, Prepare, Prepared, Reaped, Refused, SetJob
 from . import worker
 from .stdio import LIBC, POSIX
 

@@ -14,7 +14,6 @@ from ..wire import values
 from ..wire.messages import Item, Result
 from . import copywatch, debug
 
-
 _LINES: dict[str, tuple] = {}  # a cell's file name -> the linecache entry this rank made for its text
 
 

@@ -16,12 +16,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..wire import framing
-from ..wire import messages
+from ..ipy import tracebacks
+from ..wire import framing, messages
 from . import debugpanel, inherit, stdio
 from .stdio import LIBC, flush_streams
-from ..ipy import tracebacks
-
 
 PR_SET_PDEATHSIG = 1
 

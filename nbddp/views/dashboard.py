@@ -19,15 +19,15 @@ import html
 import time
 
 from ..ipy import tracebacks
-from ..wire.messages import Error, Exit, Progress, Ready, Result, Scalars
-from .iopub import line_bundle, publish_line, unsent
 from ..units import ranks_text, size
-from .monitor import Monitor, duration
+from ..wire.messages import Error, Exit, Progress, Ready, Result, Scalars
 from . import output
+from .iopub import line_bundle, publish_line, unsent
 from .metrics_chart import Chart
+from .monitor import Monitor, duration
 from .output import Slot, text_table
-from .theme import FAILED, MUTED, STATES
 from .relay import latest_redraw
+from .theme import FAILED, MUTED, STATES
 
 LAST_CHARS = 160  # of a rank's last line kept (its start: a log dict keeps its first keys)
 LINE_BYTES = 4 * LAST_CHARS  # of an unfinished line kept (UTF-8: at most 4 bytes a character)

@@ -32,8 +32,8 @@ import sys
 import threading
 import time
 
-from .theme import MUTED
 from . import output
+from .theme import MUTED
 
 LATE_S = 0.1  # at most this late: a line no message of the kernel's sent
 IDLE_S = 30.0  # the tick stops after this long without a line

@@ -15,10 +15,10 @@ import collections
 import html
 import time
 
-from ..wire.messages import Error, Exit, Progress, Result, Scalars
-from .metrics_chart import Chart
-from .dashboard import CELL
 from ..units import size
+from ..wire.messages import Error, Exit, Progress, Result, Scalars
+from .dashboard import CELL
+from .metrics_chart import Chart
 from .monitor import Monitor, duration, uptime
 from .output import Slot, text_table
 from .theme import BOX, MUTED, RUNNING, TEXT, WARN

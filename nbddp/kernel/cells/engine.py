@@ -23,14 +23,14 @@ from ...rank.server import Server
 from ...views.relay import CellSink, Relay
 from ...wire import messages, values
 from .. import checks, metrics, profile
-from ..ranks import failure, starters, warm
 from ..debugger import rankdebug
-from . import rules
+from ..ranks import failure, starters, warm
 from ..ranks.gang import Gang
-from .probe import CollectiveProbe
-from .prompts import Prompts
 from ..ranks.stacks import StackCapture
 from ..ranks.supervisor import Started
+from . import rules
+from .probe import CollectiveProbe
+from .prompts import Prompts
 
 
 @dataclass

@@ -12,8 +12,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from ...errors import UsageError
-from ...units import size
 from ...ipy.cellcode import names_used, notebook_name, split_last_expression
+from ...units import size
 from ...wire import memfd, sharedtensor, values
 
 

@@ -13,7 +13,6 @@ from ...rank.survey import NamespaceSurvey
 from ...units import ranks_text, size
 from ...views.output import text_table
 
-
 WIDTH = 110  # characters of a row: JupyterLab's output at 1200 px, sidebar open, in its monospace font
 WHO_CAPS = (18, 24, 52, 10)  # name, type, what, size
 DIFF_CAPS = (32, 20, 54)  # entry, what, how the ranks differ

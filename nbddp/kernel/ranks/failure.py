@@ -7,10 +7,10 @@ import signal
 from dataclasses import dataclass
 
 from ... import errors
-from ...ipy import tracebacks
-from ...wire.messages import PHASES, Done, Error, Exit, Result
 from ...errors import RankFailure
+from ...ipy import tracebacks
 from ...units import ranks_text
+from ...wire.messages import PHASES, Done, Error, Exit, Result
 
 # what gloo and NCCL raise in a collective when another rank died or left
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",

@@ -24,7 +24,7 @@ from ...errors import UsageError
 from ...rank import forkloop
 from ...rank.stdio import POSIX
 from ...wire import fdframing
-from ...wire.forkmessages import Reaped, Fork, Forked, Prepare, Prepared, Refused, SetJob
+from ...wire.forkmessages import Fork, Forked, Prepare, Prepared, Reaped, Refused, SetJob
 from . import rendezvous
 
 

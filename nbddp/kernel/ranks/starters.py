@@ -21,16 +21,15 @@ import threading
 import time
 import warnings
 
+from ...hw import openmp
 from ...rank import inherit
 from ...rank.stdio import LIBC, POSIX
 from ...rank.worker import RankSpec, fork_main, place_env
 from ...wire import values
-from ...hw import openmp
 from .. import devices
 from ..debugger import rankdebug
 from . import rendezvous, warm
 from .supervisor import RankProc, Supervisor
-
 
 # Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
 # ranks only run the cell and exit through os._exit, and worker.py makes torch safe first.

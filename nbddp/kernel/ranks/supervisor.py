@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 from ...wire import framing, messages
-from . import failure
 from ..debugger import rankdebug
+from . import failure
 from .stacks import StackRequest
 
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
