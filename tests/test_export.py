@@ -103,7 +103,6 @@ def test_an_exported_session_prints_under_torchrun_what_the_notebook_printed(ker
     kernel.ok(f"%ddp_export {script}")
     text = script.read_text()
     assert "get_ipython" not in text and "%%ddp?" not in text and "pinfo" not in text
-    bindir = Path(sys.executable).parent
     logs = tmp_path / "logs"  # one file per rank: torchrun's shared stdout interleaves ranks mid-line
     run = torchrun(script, timeout=240, cwd=tmp_path, log_dir=logs)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -203,7 +202,6 @@ def test_the_readmes_example_exported_from_a_session_runs_under_torchrun(runs_di
     assert "# --- cell 2 left out: it failed in the session (AttributeError: 'Tensor' object has no attribute " \
            "'summ') ---" in text
     assert re.search(r"\n_nbddp_show\(loss\.item\(\)\) +# rank 0's last expression", text)
-    bindir = Path(sys.executable).parent
     logs = tmp_path / "logs"
     run = torchrun(script, timeout=280, cwd=tmp_path, log_dir=logs)
     assert run.returncode == 0, run.stderr[-3000:]

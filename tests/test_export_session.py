@@ -2,8 +2,6 @@
 without an error, known by the front end's cell id or by its text; and a script that runs to its end under
 real torchrun whatever the cells did with process groups."""
 import re
-import sys
-from pathlib import Path
 
 import pytest
 

@@ -11,7 +11,7 @@ import pytest
 from kernel import Kernel, said
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'nbddp[ray]'")
-from ray.cluster_utils import Cluster
+from ray.cluster_utils import Cluster  # noqa: E402 - only where Ray is installed
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -55,7 +55,7 @@ def test_what_it_cannot_share_is_refused_with_the_fix():
         nbddp.shared({"a": 1})
     df = pd.DataFrame({"n": [1, 2], "meta": [{"a": 1}, {"b": 2}]})
     with pytest.raises(UsageError, match=r"(?s)column 'meta': it holds Python objects \(dict\).*nbddp.shared\(df\['meta'\]"):
-        nbddp.shared(df)  # noqa
+        nbddp.shared(df)
 
 
 def test_a_shared_dataframe_has_equal_values_and_strings_in_arrow_buffers():

@@ -71,10 +71,10 @@ def test_bars_are_in_rank_order_in_one_output_per_epoch_whichever_rank_draws_fir
         for r in arrival:
             draw(relay, r, f"epoch {epoch}", 20, 20, bar=epoch, closed=True)
     assert list(sink.states) == ["bars0", "bars1", "bars2"], "one output per epoch"
-    for epoch, states in enumerate(sink.states.values()):
+    for states in sink.states.values():
         first, last = states[0]["text/plain"].splitlines(), states[-1]["text/plain"].splitlines()
         assert [ln[:7] for ln in last] == ["[rank0]", "[rank1]", "[rank2]", "[rank3]"], last
-        assert all(f"20/20" in ln for ln in last)
+        assert all("20/20" in ln for ln in last)
         assert len(first) == 4, f"shown once every rank's bar is in (within {BAR_GATHER_S} s): {first}"
         assert states[-1]["text/html"].count("class='nbddp-bar'") == 4
 

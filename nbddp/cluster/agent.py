@@ -193,7 +193,7 @@ class Agent:
                         if sig in (signal.SIGTERM, signal.SIGKILL):
                             p.stop_sent = True  # its exit record says nbddp stopped it
                         p.signal(sig, group)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - said to the kernel, the agent lives on
                 self._failed("signal", e)
 
     def _command(self, frame: bytes, ranks) -> None:

@@ -99,7 +99,7 @@ class ClusterGang(Gang):
                 if not ready:
                     raise TimeoutError(f"no answer within {START_S:g} s")
                 pids_per_node.append(pickle.loads(ray.get(next(gen))))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - Ray's errors are many: said
             raise UsageError(f"the agents on the other nodes did not start their ranks: {type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}\nIs nbddp installed on every node, with "
                              "the same Python, torch and Ray? Nothing is left running.") from None

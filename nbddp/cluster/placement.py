@@ -82,7 +82,7 @@ def client_refusal(address: str) -> str:
 def _client_mode(ray) -> bool:
     try:
         return ray.util.client.ray.is_connected()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - not a Ray client, or a Ray without one: a direct driver
         return False
 
 
@@ -142,7 +142,7 @@ def release(pg) -> None:
 
     try:
         remove_placement_group(pg)
-    except Exception:  # noqa: BLE001, S110 - Ray is gone, and the group with it
+    except Exception:  # noqa: BLE001 - Ray is gone, and the group with it
         pass
 
 
@@ -230,7 +230,7 @@ def forget(actor, ray=None) -> None:
     if ray is not None:
         try:
             ray.kill(actor)
-        except Exception:  # noqa: BLE001, S110 - already gone
+        except Exception:  # noqa: BLE001 - already gone
             pass
 
 

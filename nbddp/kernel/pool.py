@@ -143,7 +143,7 @@ class Pool:
         self.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost")
         try:
             mended = healing.mend(self, policy)
-        except BaseException as e:  # noqa: BLE001 - whatever stopped the mending (an interrupt too) ends the pool
+        except BaseException as e:  # whatever stopped the mending (an interrupt too) ends the pool
             why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}".rstrip(": ")
             gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {why}", as_said=True)
             if not isinstance(e, (healing.HealFailed, Exception)):
@@ -177,7 +177,7 @@ class Pool:
             self.view.said(f"resizing: {self.gang.world_size} → {world_size} ranks")
             try:
                 mended = healing.resize(self, world_size)
-            except BaseException as e:  # noqa: BLE001 - half resized, the pool cannot be vouched for
+            except BaseException as e:  # half resized, the pool cannot be vouched for
                 why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}"
                 self.gang.close(f"torn down: resizing it failed ({why})", as_said=True)
                 if not isinstance(e, Exception):

@@ -44,7 +44,7 @@ def unsupported() -> str | None:
 def _check() -> tuple:
     try:
         import debugpy
-        import debugpy.server.api  # noqa: F401 - puts debugpy's own pydevd on the path
+        import debugpy.server.api  # puts debugpy's own pydevd on the path
     except Exception as e:  # noqa: BLE001 - no debugpy, or one that does not import
         return None, f"nbddp: the debugger panel cannot reach the ranks: debugpy does not import ({e!r})."
     found = {}
@@ -65,7 +65,7 @@ def _check() -> tuple:
         module, (name,), what = MONITORING
         try:
             found[name] = getattr(importlib.import_module(module), name)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - renamed or gone in this debugpy
             return None, _why(debugpy, f"no {module}.{name}", what)
     return SimpleNamespace(**found), None
 

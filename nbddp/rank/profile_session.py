@@ -125,7 +125,7 @@ class Session:
         try:
             if self.prof is not None and self.profiled == 0 and self.problem is None and self.n > 1:
                 self._stop()  # the cell ended before STEPS steps: the steps it made
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - torch's profiler: any failure is said
             self.problem = f"the profiler failed: {type(e).__name__}: {e}"
             try:  # never left recording in a pool's rank: the next --profile could not start
                 self.prof.stop()
@@ -151,7 +151,7 @@ class Session:
                     json.dump(trace, f)
             return {**summary, **summarise(trace, self.t0), "steps": self.profiled, "asked": self.steps,
                     "trace": path}
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a trace: any failure is said
             return {**summary, "problem": f"the trace could not be written or read: {type(e).__name__}: {e}"}
 
 

@@ -22,7 +22,7 @@ def flush_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # a closed or replaced stream
+        except Exception:  # noqa: BLE001 - a closed or replaced stream
             pass
     metrics_log.flush()
 
@@ -65,7 +65,7 @@ class StreamOrder:
         if raw is RAW[2]:
             try:
                 self.stdout.flush()  # print("a"); print("b", file=sys.stderr): "a" first
-            except Exception:  # a write from inside a stdout write (a signal handler, a finaliser)
+            except Exception:  # noqa: BLE001 - a write from inside a stdout write (a signal handler, a finaliser)
                 pass
         if self.last is not raw:
             if self.last is not None and self.budget.take():
@@ -113,7 +113,7 @@ def _start_flusher() -> None:
             time.sleep(FLUSH_S)
             try:
                 sys.stdout.flush()
-            except Exception:  # a closed or replaced stream: nothing to push
+            except Exception:  # noqa: BLE001 - a closed or replaced stream: nothing to push
                 pass
             if tick % batch_every == 0:
                 metrics_log.flush()  # (never raises; nothing to send outside a rank: a DataLoader worker)
@@ -137,7 +137,7 @@ def install(chan: framing.Writer) -> tuple:
     sys.stderr = sys.__stderr__ = _stream(2, line_buffering=True)
     StreamOrder(chan, sys.stdout).install()
     metrics_log.install(chan)  # nbddp.log's calls go out on the channel
-    sys.stdin = sys.__stdin__ = open(os.devnull)  # noqa: SIM115
+    sys.stdin = sys.__stdin__ = open(os.devnull)  # (open for the rank's whole life)
     _start_flusher()
     os.register_at_fork(after_in_child=_start_flusher)  # DataLoader workers forked by the rank
     _line_buffer_c_stdout()

@@ -306,11 +306,11 @@ def leave(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the rank exits next whatever a stream says
             pass
     try:
         LIBC.fflush(None)
-    except Exception:
+    except Exception:  # noqa: BLE001 - the rank exits next whatever libc says
         pass
     os._exit(code)
 

@@ -137,7 +137,7 @@ class Chart:
         """One line per scalar: each rank's latest value, at its step."""
         try:
             return self._text()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a drawing never fails the cell: no line
             return ""
 
     def _html(self) -> str:

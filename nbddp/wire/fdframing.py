@@ -59,7 +59,7 @@ def receive(sock: socket.socket):
 def _load(body: bytearray):
     try:
         return pickle.loads(body)
-    except Exception as e:  # unpickling raises anything (a module or class this side lacks...): the frame was
+    except Exception as e:  # noqa: BLE001 - unpickling raises anything (a module or class this side lacks...): the frame was
         raise Unreadable(f"{type(e).__name__}: {e}") from None  # read whole, so the stream goes on
 
 
