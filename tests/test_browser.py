@@ -45,7 +45,8 @@ INTERRUPT_CELL = ("%%ddp --devices 2\nimport time\nfrom tqdm.auto import tqdm\n"
 STATE_CELLS = [SETUP_CELL, DDP_CELL, TQDM_CELL, FAIL_CELL, "%ddp start --devices 2", POOL_CELL, "%ddp who",
                "%ddp stop", INTERRUPT_CELL]
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
-VIEWS = ".nbddp-run, .nbddp-bars, .nbddp-pool, .nbddp-line, .nbddp-table, .nbddp-charts, .nbddp-profile"  # every HTML view of nbddp's
+# every HTML view of nbddp's
+VIEWS = ".nbddp-run, .nbddp-bars, .nbddp-pool, .nbddp-line, .nbddp-table, .nbddp-charts, .nbddp-profile"
 MIN_CONTRAST = 3.0  # text against what is behind it (WCAG's ratio; JupyterLab's own warning colour is ~3.8)
 LIGHT_BOX_MAX = 0.001  # of a view's pixels, its text hidden, in the dark theme: light boxes, tracks, borders
 

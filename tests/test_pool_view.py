@@ -109,7 +109,8 @@ def test_pool_cells_looped_in_one_notebook_cell_show_their_lines_while_it_runs(c
                              f"    get_ipython().run_cell_magic('ddp', '', 'x = rank + ' + str(i) + ';')\n"
                              f"time.sleep(2)")
 
-            def watch(kind, content, got=got):  # each line's final state (its place, reserved as its cell began, filled)
+            # each line's final state (its place, reserved as its cell began, filled)
+            def watch(kind, content, got=got):
                 if kind == "update_display_data" and content["data"]["text/plain"].startswith("nbddp pool · "):
                     got.append(time.monotonic())
 

@@ -212,7 +212,8 @@ class ClusterGang(Gang):
                               wake_at=end)
             except KeyboardInterrupt:
                 pass
-        self.reported = {p.rank for p in remote_procs if p.exit is not None and p.exit.code is not None}  # (a lost one's: None)
+        # (a lost one's: None)
+        self.reported = {p.rank for p in remote_procs if p.exit is not None and p.exit.code is not None}
         for link in self.links:
             link.lost = link.lost or "closed"
         for p in remote_procs:

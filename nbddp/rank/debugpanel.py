@@ -15,7 +15,8 @@ import threading
 from types import SimpleNamespace
 
 # what nbddp uses of pydevd's private modules (debugpy's vendored pydevd): (module, names, what for). Checked
-# once per process (``parts``): where one is missing, the debugger panel sees the kernel only (kernel/debugger/rankdebug.py
+# once per process (``parts``): where one is missing, the debugger panel sees the kernel only
+# (kernel/debugger/rankdebug.py
 # says why at %load_ext) and every rank starts and runs as without the panel.
 REQUIRED = (
     ("pydevd", ("settrace", "settrace_forked", "stoptrace", "install_breakpointhook"), "a rank's debugger"),

@@ -118,8 +118,10 @@ class Result:
     outs: dict = field(default_factory=dict)  # name -> Item
     gathers: dict = field(default_factory=dict)  # name -> Item
     assigned: tuple = ()  # names the cell (re)bound on this rank (a pool keeps them the rank's own)
-    imported: tuple = ()  # modules the rank imported since its last answer (the kernel warms them: kernel/ranks/warm.py)
-    copied: tuple = ()  # (bytes, ((name, what), ...)): private memory grew reading notebook Python objects (copywatch.py)
+    # modules the rank imported since its last answer (the kernel warms them: kernel/ranks/warm.py)
+    imported: tuple = ()
+    # (bytes, ((name, what), ...)): private memory grew reading notebook Python objects (copywatch.py)
+    copied: tuple = ()
     profile: dict | None = None  # --profile: this rank's summary of its profiled steps (rank/profile_session.py)
 
 
@@ -179,8 +181,10 @@ class RunCell:
     updates: dict  # notebook name -> its current value, pickled once in the kernel
     post_mortem: bool = False  # IPython's %pdb is on: an exception opens pdb in the rank first
     lead: int = 0  # the rank whose last expression and --out names come back (a pool's --ranks: the first)
-    dropped: tuple = ()  # notebook names the ranks forget: rebound to a value that cannot be sent (kernel/names/sending.py)
-    debug: dict | None = None  # JupyterLab's debugger panel is on: where the rank's debugger connects (rank/debugpanel.py)
+    # notebook names the ranks forget: rebound to a value that cannot be sent (kernel/names/sending.py)
+    dropped: tuple = ()
+    # JupyterLab's debugger panel is on: where the rank's debugger connects (rank/debugpanel.py)
+    debug: dict | None = None
     profile: tuple | None = None  # --profile: (steps, the run's folder, where each rank writes its trace)
 
 

@@ -34,7 +34,8 @@ from ...ipy import debugger
 from ...rank import debugpanel
 from .dap import DapError, DapSession, untraced
 
-FIRST_ID = 1 << 50  # rank ids: above any id the kernel's own debugger gives (object addresses < 2**47), exact in JavaScript
+# rank ids: above any id the kernel's own debugger gives (object addresses < 2**47), exact in JavaScript
+FIRST_ID = 1 << 50
 CALL_TIMEOUT_S = 10.0
 NBDDP_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nbddp/
 KEPT_EVENTS = ("stopped", "continued", "thread")  # a rank's events the panel sees; its output comes through nbddp

@@ -191,13 +191,15 @@ class RankNames:
         self.gpu_ipc = gpu_ipc
         self.across_nodes = across_nodes
         self.namespace = namespace if namespace is not None else {}
-        self.known = {k: _token(v) for k, v in self.namespace.items()} if inherited else {}  # name -> the value the ranks have
+        # name -> the value the ranks have
+        self.known = {k: _token(v) for k, v in self.namespace.items()} if inherited else {}
         self.unsendable: dict[str, tuple] = {}  # name -> the value dropped from the ranks (it cannot be sent)
         self.assigned: set[str] = set()  # names the ranks bound themselves: theirs until the notebook rebinds them
         self.reads: set[str] = set()  # every name the pool's cells' code reads, functions' bodies too
         # a pool across nodes: the notebook names the other nodes' ranks lack, and those that could not be sent
         self.lacking = {k for k in self.namespace if notebook_name(k)} if across_nodes else set()
-        self.unsendable_elsewhere: dict[str, tuple] = {}  # name -> the value not sent to the other nodes (not tried again)
+        # name -> the value not sent to the other nodes (not tried again)
+        self.unsendable_elsewhere: dict[str, tuple] = {}
 
     # -- events ------------------------------------------------------------------------------------------
     def notebook_bound(self, names) -> None:

@@ -156,7 +156,8 @@ def rank_failed(exits: list[RankExit], relabel, log_dir: str) -> RankFailure:
 def notes(exits: list[RankExit], relabel) -> list[str]:
     """For a run that succeeded: what still deserves a word (a rank that left early)."""
     out = []
-    went_on = any(e.done or e.only_leaving for e in exits)  # exit() on every rank is how a script may end: nothing to say
+    # exit() on every rank is how a script may end: nothing to say
+    went_on = any(e.done or e.only_leaving for e in exits)
     for e in exits:
         if e.left_early and went_on:
             out.append(tracebacks.relabel(e.headline(), relabel))

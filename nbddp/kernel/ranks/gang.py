@@ -42,7 +42,9 @@ class Gang:
         self.specs: dict = {}  # rank -> the RankSpec it was forked with
         self.local = None
         self._job_for = None  # a rank's job, given its command pipes (a replacement's too)
-        self._prepare = None  # what each fork is given besides (its store pipes)  # forked ranks: the kernel's store and the thread serving their store pipes
+        # what each fork is given besides (its store pipes)  # forked ranks: the kernel's store and the thread serving
+        # their store pipes
+        self._prepare = None
 
     def lifelong(self) -> list:
         """The subscribers every cell's bus starts with."""

@@ -117,7 +117,8 @@ class RankProc:
     fds: dict = field(default_factory=dict)  # fd -> "stdout" | "stderr" | "channel"
     reader: framing.Reader = field(default_factory=framing.Reader)
     records: dict = field(default_factory=dict)  # record class -> the last one of that kind
-    held: dict = field(default_factory=lambda: {"stdout": bytearray(), "stderr": bytearray()})  # read, not yet published
+    # read, not yet published
+    held: dict = field(default_factory=lambda: {"stdout": bytearray(), "stderr": bytearray()})
     published: dict = field(default_factory=lambda: {"stdout": 0, "stderr": 0})  # bytes published per stream
     exit: failure.RankExit | None = None
     stop_sent: bool = False
