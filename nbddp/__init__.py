@@ -19,7 +19,8 @@ __version__ = "0.1.0"
 
 
 __all__ = [
-    "launch", "Pool", "log", "metrics", "profile", "environment", "Environment", "shared", "SharedSequence", "load_ipython_extension",
+    "launch", "Pool", "log", "metrics", "profile", "environment", "Environment", "shared", "SharedSequence",
+    "load_ipython_extension",
     "NbddpError", "UsageError", "RankFailure", "ResultError", "CudaInitialisedError",
 ]
 

@@ -211,7 +211,8 @@ def test_a_breakpoint_in_a_ddp_cell_stops_both_ranks_in_jupyterlabs_debugger_pan
             for r in (0, 1):  # rank 1 last: the screenshot's
                 names.filter(has_text=f"rank {r} · MainThread").click()
                 seen[r] = wait_until(page, f"the Variables panel shows rank {r}'s variables",
-                                     lambda r=r: (v := body.evaluate(VARIABLES)).get("rank") == str(r) and "x" in v and v,
+                                     lambda r=r: (v := body.evaluate(VARIABLES)).get("rank") == str(r) and "x" in v
+                                     and v,
                                      log)
                 assert seen[r]["local_rank"] == str(r) and seen[r]["world_size"] == "2", seen[r]
                 assert "total" not in seen[r], f"stopped before line {BREAK_LINE} ran: {seen[r]}"

@@ -99,7 +99,8 @@ def both_ranks_stopped(panel, since: int) -> list[int]:
 
     def done(events):
         live[:] = [tid for name, tid in panel.threads().items() if name.startswith("rank ")]
-        return len(live) == 2 and set(live) <= {e["body"]["threadId"] for e in events[since:] if e["event"] == "stopped"}
+        return len(live) == 2 and set(live) <= {e["body"]["threadId"] for e in events[since:]
+                                                if e["event"] == "stopped"}
 
     panel.pump(done, 60, "both ranks stopped")
     return live
@@ -341,7 +342,8 @@ def continue_every_stop(kernel, panel, msg_id: str, pace: float, timeout: float 
 
     while not ended():
         try:
-            panel.pump(lambda events, seen=seen: len(events) > seen or ended(), max(0.1, deadline - time.monotonic()), "a debug event")
+            panel.pump(lambda events, seen=seen: len(events) > seen or ended(), max(0.1, deadline - time.monotonic()),
+                       "a debug event")
         except TimeoutError as e:
             raise AssertionError(f"the cell never ended: stops {dict(stops)}, continues {dict(continues)}, "
                                  f"failed {failed}, waiting {waiting}: {e}") from None

@@ -115,7 +115,8 @@ def test_ipython_syntax_becomes_plain_python():
                             "y = %time f(x)\nfor i in range(2):\n    %timeit g(i)\n")
     compile(code, "cell", "exec")
     assert "get_ipython" not in code and needs == {"subprocess"}
-    assert "files = subprocess.run(f'ls {path}', shell=True, capture_output=True, text=True).stdout.splitlines()" in code
+    assert ("files = subprocess.run(f'ls {path}', shell=True, capture_output=True, text=True).stdout.splitlines()"
+            in code)
     assert "subprocess.run(f'echo {x}', shell=True)  # !echo $x" in code
     assert "os.environ['A'] = '1'" in code and "os.chdir(os.path.expanduser('/tmp'))" in code
     assert "pass  # (notebook only) %matplotlib inline" in code and "y = f(x)" in code
@@ -141,10 +142,12 @@ def test_the_last_expression_is_wrapped_alone_comments_and_lines_kept():
     from nbddp.export.script import _with_result
 
     cases = {
-        "loss.item()   # rank 0's last expression (a comment)": "_nbddp_show(loss.item())   # rank 0's last expression (a comment)",
+        "loss.item()   # rank 0's last expression (a comment)": "_nbddp_show(loss.item())   # rank 0's last expression "
+             "(a comment)",
         "x = 1; (x,\n  x + 1)  # two lines\n": "x = 1; _nbddp_show((x,\n  x + 1))  # two lines",
         "f(1,\n  2)\n# a comment after it\n": "_nbddp_show(f(1,\n  2))\n# a comment after it",
-        "s = 'é'; len(s + 'é')  # UTF-8 before the expression": "s = 'é'; _nbddp_show(len(s + 'é'))  # UTF-8 before the expression",
+        "s = 'é'; len(s + 'é')  # UTF-8 before the expression": "s = 'é'; _nbddp_show(len(s + 'é'))  # UTF-8 before "
+             "the expression",
         "x;  # quiet, as IPython is": "x;  # quiet, as IPython is",
         "x = 1\ny = 2": "x = 1\ny = 2",
     }
@@ -216,7 +219,8 @@ def test_a_notebook_that_made_accelerates_state_in_the_kernel_exports_a_script_t
     second init ("trying to initialize the default process group twice!")."""
     pytest.importorskip("accelerate")
     cells = ["%load_ext nbddp",
-             "from accelerate import PartialState\nstate = PartialState(cpu=True)  # CPU ranks: its MULTI_CPU path\nprint('processes', state.num_processes)",
+             "from accelerate import PartialState\nstate = PartialState(cpu=True)  # CPU ranks: its MULTI_CPU "
+             "path\nprint('processes', state.num_processes)",
              "%%ddp --devices 2\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
              "t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\n"
              "print(f'rank {rank} of {world_size}: index {state.process_index}, sum {t.item()}')"]

@@ -83,7 +83,8 @@ for i in bar:
     assert "loss: rank 0 0.0333 (step 30) · rank 1 0.0333 (step 30)" in final["text/plain"], final["text/plain"]
     out = kernel.ok("df = nbddp.metrics(); cell = df[df.cell == df.cell.iloc[-1]]\n"
                     "print(sorted(cell.columns[4:]), cell.groupby('rank').step.nunique().tolist(), "
-                    "round(cell[(cell['rank'] == 0)].dropna(subset=['loss']).sort_values('step').loss.iloc[-1], 4))").stdout
+                    "round(cell[(cell['rank'] == 0)].dropna(subset=['loss']).sort_values('step').loss.iloc[-1], 4))"
+                    ).stdout
     assert "'loss'" in out, out
     counts = [int(n) for n in re.search(r"\[(\d+), (\d+)\]", out).groups()]
     assert min(counts) >= 20, out  # a row per step the bar drew (tqdm's own rate limits stay)
@@ -115,7 +116,8 @@ for step in range({first}, {first + 50}):
 """, timeout=120)
             assert res.error is None, res
             assert chart_displays(res) and "(step %d)" % (first + 49) in chart_displays(res)[-1]["text/plain"]
-        out = k.ok("import nbddp; df = nbddp.metrics(); print(df.groupby('cell').step.agg(['min', 'max']).values.tolist(), len(df))").stdout
+        out = k.ok("import nbddp; df = nbddp.metrics(); print(df.groupby('cell').step.agg(['min', "
+                   "'max']).values.tolist(), len(df))").stdout
         assert "[[0, 49], [50, 99]] 200" in out, out
 
         k.ok("""%%ddp --bg
@@ -135,7 +137,8 @@ for step in range(200):
         k.ok("%ddp wait")
         attached = k.run("%ddp attach", timeout=120)  # the background cell's output again: its line and charts
         line = next(d["data"] for d in attached.displays if "nbddp-line" in d.get("data", {}).get("text/html", ""))
-        assert "nbddp-charts" in line["text/html"] and "loss: rank 0 1 (step 199) · rank 1 1 (step 199)" in line["text/plain"], line
+        assert "nbddp-charts" in line["text/html"], line
+        assert "loss: rank 0 1 (step 199) · rank 1 1 (step 199)" in line["text/plain"], line
         k.ok("%ddp stop")
 
 
@@ -198,8 +201,8 @@ HF_CELL = """%%ddp --devices 2
 import torch, nbddp.integrations
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 torch.manual_seed(0)
-model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-    intermediate_size=32, max_position_embeddings=16, num_labels=2))
+model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+    num_attention_heads=2, intermediate_size=32, max_position_embeddings=16, num_labels=2))
 class Toy(torch.utils.data.Dataset):
     def __len__(self):
         return 32
@@ -237,7 +240,8 @@ print('steps', trainer.global_step)
 
 def logged_by_rank(k, column: str) -> str:
     return k.ok(f"import nbddp; df = nbddp.metrics(); df = df[df.cell == df.cell.iloc[-1]]\n"
-                f"print(df.dropna(subset=[{column!r}]).groupby('rank').step.agg(['count', 'max']).values.tolist())").stdout
+                f"print(df.dropna(subset=[{column!r}]).groupby('rank').step.agg(['count', 'max']).values.tolist())"
+                ).stdout
 
 
 def test_a_hugging_face_trainers_logs_reach_the_charts_through_nbddps_callback(tmp_path):
@@ -276,7 +280,8 @@ def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first
     store.add("In [3]", run, 0, messages.Scalars((3,), (4.0,), {"loss": (0.25,), "lr": (0.1,)}))
     store.write_csv(run)  # a new name: the file anew, with its column
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
-    assert lines[0] == "cell,rank,step,time,loss,lr" and lines[1] == "In [1],0,0,1.0,2.0," and lines[-1] == "In [3],0,3,4.0,0.25,0.1"
+    assert lines[0] == "cell,rank,step,time,loss,lr" and lines[1] == "In [1],0,0,1.0,2.0,"
+    assert lines[-1] == "In [3],0,3,4.0,0.25,0.1"
     assert len(lines) == 5
 
 

@@ -73,7 +73,8 @@ def test_pool_cell_profiles_too_and_a_cell_without_the_flag_profiles_nothing(poo
     k = pool
     check_straggler(k, k.ok(f"%%ddp --profile {STEPS}\n" + TRAIN))
     before = set(glob.glob(f"{runs_dir}/**/*.trace.json", recursive=True))
-    res = k.ok("%%ddp --gather hooks on\n" + TRAIN + "from torch.optim import optimizer\nimport torch.autograd.profiler as ap\n"
+    res = k.ok("%%ddp --gather hooks on\n" + TRAIN + "from torch.optim import optimizer\nimport "
+               "torch.autograd.profiler as ap\n"
                "from nbddp.rank import profile_session\nhooks = len(optimizer._global_optimizer_post_hooks)\n"
                "on = ap._is_profiler_enabled or profile_session._session is not None\n")
     assert k.value("hooks") == [0, 0] and k.value("on") == [False, False], "no hook, no profiler without --profile"
@@ -123,7 +124,8 @@ def test_waiting_is_the_time_past_the_latest_arrival():
     p = profile.combine([r1, r0])
     assert [row["rank"] for row in p.rows] == [0, 1]
     assert p.rows[0]["wait_s"] == pytest.approx(0.2) and p.rows[1]["wait_s"] == pytest.approx(0.1)
-    assert p.verdict.startswith("rank 1 is the straggler: rank 0 spends 20 % of its step waiting in all_reduce for rank 1")
+    assert p.verdict.startswith("rank 1 is the straggler: rank 0 spends 20 % of its step waiting in all_reduce for "
+                                "rank 1")
 
 
 @pytest.mark.timeout(10)
@@ -133,7 +135,8 @@ def test_summary_splits_the_window_by_the_rules():
     ev = [{"ph": X, "name": profile_session.MARK_START, "ts": 0, "dur": 1, "tid": 7, "cat": "user_annotation"},
           {"ph": X, "name": "aten::mm", "ts": 10, "dur": 40, "tid": 7, "cat": "cpu_op"},
           {"ph": X, "name": "gloo:all_reduce", "ts": 40, "dur": 30, "tid": 9, "cat": "user_annotation"},
-          {"ph": X, "name": "enumerate(DataLoader)#_X.__next__", "ts": 80, "dur": 10, "tid": 7, "cat": "user_annotation"},
+          {"ph": X, "name": "enumerate(DataLoader)#_X.__next__", "ts": 80, "dur": 10, "tid": 7,
+           "cat": "user_annotation"},
           {"ph": X, "name": "aten::add", "ts": 85, "dur": 2, "tid": 8, "cat": "cpu_op"},  # another thread: not compute
           {"ph": X, "name": profile_session.MARK_STOP, "ts": 99, "dur": 1, "tid": 7, "cat": "user_annotation"}]
     s = profile_session.summarise({"traceEvents": ev}, t0=100.0)
@@ -170,4 +173,5 @@ def test_waits_of_collectives_that_overlap_count_once_and_unmatched_ranks_are_sa
     assert profile.combine([r0, r1]).rows[0]["wait_s"] == pytest.approx(0.4)
     r1_short = {**r1, "collectives": r1["collectives"][:1]}
     p = profile.combine([r0, r1_short])
-    assert all(row["wait_s"] == 0 for row in p.rows) and any("different numbers of collectives" in x for x in p.problems)
+    assert all(row["wait_s"] == 0 for row in p.rows) and any("different numbers of collectives" in x
+                                                             for x in p.problems)

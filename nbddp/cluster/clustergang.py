@@ -208,7 +208,8 @@ class ClusterGang(Gang):
             end = time.monotonic() + GRACE_S + STOP_S
             self.sup.stop_all()
             try:
-                self.sup.wait(None, until=lambda: all(p.exit is not None for p in remote_procs) or time.monotonic() >= end,
+                self.sup.wait(None,
+                              until=lambda: all(p.exit is not None for p in remote_procs) or time.monotonic() >= end,
                               wake_at=end)
             except KeyboardInterrupt:
                 pass

@@ -201,7 +201,8 @@ def prestart(cluster: str = "ray") -> int:
     ray = connect(cluster)
     me, job = ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_job_id()
     actor = ray.remote(Agent)
-    fresh = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != me and (job, n["NodeID"]) not in KEPT]
+    fresh = [n["NodeID"] for n in ray.nodes()
+             if n.get("Alive") and n["NodeID"] != me and (job, n["NodeID"]) not in KEPT]
     for node_id in fresh:
         _keep(ray, actor, job, node_id)
     return len(fresh)

@@ -59,7 +59,8 @@ def readable(doc: str, usage: str, example: str) -> str:
         lines = lines[end + 1:]
     body = re.sub(r"``(.+?)``", r"\1", textwrap.dedent("\n".join(lines)).strip("\n"))
     # prose paragraphs flow again (dropping the backticks left ragged lines); argparse's groups keep their layout
-    body = "\n\n".join(p if any(ln.startswith(" ") for ln in p.splitlines()) else textwrap.fill(" ".join(p.split()), 100, break_on_hyphens=False)
+    body = "\n\n".join(p if any(ln.startswith(" ") for ln in p.splitlines())
+                       else textwrap.fill(" ".join(p.split()), 100, break_on_hyphens=False)
                        for p in body.split("\n\n"))
     return f"{usage}\n\n{textwrap.indent(example, '    ')}\n\n{body}\n"
 
@@ -253,7 +254,8 @@ class DDPMagics(Magics):
             return delivery.shown_in_place(work(on_start), shell)
 
         number = cells.running(shell)
-        label = next((ln.strip() for ln in cell.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")[:60]
+        label = next((ln.strip() for ln in cell.splitlines() if ln.strip() and not ln.lstrip().startswith("#")),
+                     "")[:60]
         job = Job(number, label, work_and_show, deliver, tuple(names),
                   output.Detached(output.kernel_sockets(), output.request_header()),
                   observer=getattr(work, "observer", None))

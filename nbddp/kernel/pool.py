@@ -71,8 +71,8 @@ class Pool:
         with checks.one_at_a_time():
             if self.config.cluster:  # ranks on several nodes (imports Ray only then)
                 if _make_cluster_gang is None:
-                    raise UsageError("--cluster: nbddp's cluster pools are handed out by `import nbddp` (nbddp.Pool, or "
-                                     "%load_ext nbddp); this pool was made from nbddp.kernel.pool directly.")
+                    raise UsageError("--cluster: nbddp's cluster pools are handed out by `import nbddp` (nbddp.Pool, "
+                                     "or %load_ext nbddp); this pool was made from nbddp.kernel.pool directly.")
                 gang = self.gang = _make_cluster_gang(self.config, plan, view_for=view_for_pool)
             else:
                 gang = self.gang = Gang(self.config, plan, persistent=True, view_for=view_for_pool)
@@ -266,7 +266,8 @@ class Pool:
             self.gang.owe(sync.for_other_nodes)  # with the next command to each other node's rank
         notes, updates = sync.notes, sync.updates
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
-        run = self._engine(config, label, relabel, observer, ranks, on_start)  # (a pool that ended refuses the cell here)
+        # (a pool that ended refuses the cell here)
+        run = self._engine(config, label, relabel, observer, ranks, on_start)
         self.held.sent(sync)
         place = output.current()  # this cell, or a background cell's own output
         for line in notes:

@@ -24,7 +24,8 @@ REQUIRED = (
     ("pydevd_tracing", ("restore_sys_set_trace_func",), "a forked rank's tracing undone"),
     ("_pydev_bundle.pydev_monkey", ("undo_patch_thread_modules",), "a forked rank's threading undone"),
 )
-MONITORING = ("_pydevd_sys_monitoring.pydevd_sys_monitoring", ("stop_monitoring",), "a forked rank's sys.monitoring undone")
+MONITORING = ("_pydevd_sys_monitoring.pydevd_sys_monitoring", ("stop_monitoring",),
+              "a forked rank's sys.monitoring undone")
 
 _gate: list = []  # [(parts or None, why or None)], once checked in this process (a fork inherits the kernel's)
 

@@ -19,9 +19,9 @@ the sum of the profiled steps' wall time, ``step_s``):
   those are the short enqueue, not the collective: ``c10d::allreduce_`` returns at once).
 * waiting (``wait_s``, part of ``comm_s``): worked out in the kernel (kernel/profile.py), which has every
   rank's collectives: matched across ranks by their order of issue (the order they start in on the rank: gloo
-  runs a rank's collectives in the order they were issued; so do NCCL's kernels on one stream), a rank that entered collective i
-  before the last rank did waited ``latest start - its start``, at most the collective's duration. The
-  starts are put on one clock: ``time.time()`` read at the start mark, minus the mark's profiler time.
+  runs a rank's collectives in the order they were issued; so do NCCL's kernels on one stream), a rank that
+  entered collective i before the last rank did waited ``latest start - its start``, at most the collective's
+  duration. The starts are put on one clock: ``time.time()`` read at the start mark, minus the mark's profiler time.
 * data loading (``data_s``): DataLoader iteration events (``enumerate(DataLoader)#...__next__``) on the
   thread that ran the step, less what is already communication.
 * compute (``compute_s``): the rest of the busy time: the step thread's ops (CPU), or on a GPU the kernels

@@ -174,7 +174,8 @@ def slow_rank(step_times: dict[int, float]) -> str | None:
     rank, slowest = max(step_times.items(), key=lambda item: item[1])
     if median <= 0 or slowest < SLOW_RATIO * median or slowest - median < SLOW_GAP_S:
         return None
-    return f"rank {rank}: {slowest / median:.1f}× the median step time ({_seconds(slowest)} a step, median {_seconds(median)})"
+    return (f"rank {rank}: {slowest / median:.1f}× the median step time ({_seconds(slowest)} a step, "
+            f"median {_seconds(median)})")
 
 
 def _panel(name: str, ranks: dict[int, Series]) -> str:

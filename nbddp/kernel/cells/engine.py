@@ -209,7 +209,8 @@ class CellRun:
         listeners = [self, self.prompts, *self.rules.listeners(self), self.stacks, RelayClock(relay, sup), self.metrics,
                      *([self.observer] if self.observer else [])]
         redraws = gang.view or self.observer  # a pool's view, or the cell's dashboard
-        sup.begin_cell(listeners, tick=getattr(redraws, "interval", None), on_timeout=lambda: self.rules.timed_out(self))
+        sup.begin_cell(listeners, tick=getattr(redraws, "interval", None),
+                       on_timeout=lambda: self.rules.timed_out(self))
         if gang.view is not None:
             gang.view.cell_began(self.label)
 

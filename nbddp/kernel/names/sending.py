@@ -139,7 +139,8 @@ def ship_globals(source: str, filename: str, user_ns: dict, *, method: str = "sp
 
     with sharedtensor.handing_gpu(gpu_ipc):
         return pickled_for_ranks(names_used(body) | (names_used(last) if last else set()), user_ns,
-                                 wanted=lambda name, value: not (hasattr(builtins, name) and value is getattr(builtins, name)),
+                                 wanted=lambda name, value: not (hasattr(builtins, name)
+                                                                 and value is getattr(builtins, name)),
                                  unsendable=refuse)
 
 
@@ -259,7 +260,8 @@ class RankNames:
                              "Nothing ran. Create it inside a %%ddp cell, or %ddp restart (the ranks then share "
                              "it).") from None
 
-        updates, let_go = pickled_for_cell(cell_reads, self.reads, namespace, refuse=refuse, let_go_before=self.unsendable,
+        updates, let_go = pickled_for_cell(cell_reads, self.reads, namespace, refuse=refuse,
+                                           let_go_before=self.unsendable,
                                            wanted=lambda name, value: not _same(self.known.get(name), value))
         notes = [f"`{name}` was rebound in the notebook to {values.describe(namespace[name])}, which cannot be sent "
                  f"to the ranks ({why}); the ranks' old `{name}` is dropped, and a cell that reads `{name}` (or calls "

@@ -228,7 +228,8 @@ def alone(stuck: dict[int, tuple[str, str]], finished: list[int], log_dir: str, 
     lines = []
     for rank, (name, where) in sorted(stuck.items()):
         others = [f"{ranks_text(finished)} finished the cell without joining it"] if finished else []
-        others += [f"{ranks_text(idle)} {'does' if len(idle) == 1 else 'do'} not run this cell (--ranks)"] if idle else []
+        does = "does" if len(idle) == 1 else "do"
+        others += [f"{ranks_text(idle)} {does} not run this cell (--ranks)"] if idle else []
         lines.append(f"rank {rank} waits in torch.distributed.{name}, but {' and '.join(others)}: a collective that "
                      "only some ranks call never completes.")
         lines.append(f"  rank {rank} {where}")

@@ -156,7 +156,8 @@ class Gang:
             os.close(self._cmd.pop(rank))
         self._cmd = {moves[r]: fd for r, fd in self._cmd.items()}
         self.ready = {moves[r] for r in self.ready if r in moves}
-        self.specs = {moves[r]: starters.moved(spec, moves[r], len(moves)) for r, spec in self.specs.items() if r in moves}
+        self.specs = {moves[r]: starters.moved(spec, moves[r], len(moves)) for r, spec in self.specs.items()
+                      if r in moves}
         self.plan = dataclasses.replace(self.plan, device_ids=tuple(self.plan.device_ids[r] for r in sorted(moves)))
         self.world_size = len(moves)
         self.logs.renumber({r: str(self.run_dir.log(r)) for r in moves.values()})

@@ -105,7 +105,8 @@ def _handled(kind: type) -> tuple:
 
 # records a rank sends after flushing its streams: its text written before them is shown before them
 # (a Mark is sent when the rank's writes switch between stdout and stderr, and does nothing else)
-ORDERED = (messages.Mark, messages.Display, messages.ClearOutput, messages.Progress, messages.Result, messages.Error, messages.Exit)
+ORDERED = (messages.Mark, messages.Display, messages.ClearOutput, messages.Progress, messages.Result, messages.Error,
+           messages.Exit)
 
 
 # -- ranks as the kernel sees them -----------------------------------------------------------------
