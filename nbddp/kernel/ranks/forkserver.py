@@ -158,8 +158,15 @@ class ForkServerRefused(RuntimeError):
     """The server answered a request with an error (it goes on serving)."""
 
 
-_server: ForkServer | None = None
-_never: set[str] = set()  # packages that initialised CUDA in a server: never imported ahead again
+class Current:
+    """The kernel's forkserver, one at a time, and what the servers learned never to import ahead."""
+
+    def __init__(self):
+        self.server: ForkServer | None = None
+        self.never: set[str] = set()  # packages that initialised CUDA in a server: never imported ahead again
+
+
+CURRENT = Current()
 
 
 def policy() -> str:
@@ -177,8 +184,7 @@ def policy() -> str:
 
 def at_load() -> None:
     """``%load_ext``: the template, while the kernel holds no CUDA context, where GPU ranks may be wanted."""
-    global _server
-    if _server is not None and _server.alive or policy() != "template":
+    if CURRENT.server is not None and CURRENT.server.alive or policy() != "template":
         return
     from ...hw import cuda, openmp
     from ...rank import inherit
@@ -190,15 +196,14 @@ def at_load() -> None:
     except UsageError:
         return
     inherit.before_fork()
-    _server = ForkServer.template()
+    CURRENT.server = ForkServer.template()
 
 
 def get() -> ForkServer:
     """The running server, or a fresh one."""
-    global _server
-    if _server is None or not _server.alive:
-        _server = ForkServer.fresh()
-    return _server
+    if CURRENT.server is None or not CURRENT.server.alive:
+        CURRENT.server = ForkServer.fresh()
+    return CURRENT.server
 
 
 def ready(never: set[str]) -> ForkServer:
@@ -206,9 +211,9 @@ def ready(never: set[str]) -> ForkServer:
     that initialised CUDA in it ends it, and a fresh one is made without it."""
     for _ in range(3):
         server = get()
-        poisoned = server.prepare(never | _never).poisoned
+        poisoned = server.prepare(never | CURRENT.never).poisoned
         if not poisoned:
             return server
-        _never.add(poisoned)
+        CURRENT.never.add(poisoned)
     raise RuntimeError("nbddp's forkserver keeps initialising CUDA as it imports the kernel's modules "
-                       f"({', '.join(sorted(_never))}); use --start-method spawn")
+                       f"({', '.join(sorted(CURRENT.never))}); use --start-method spawn")
