@@ -254,7 +254,7 @@ def test_a_breakpoint_in_a_ddp_cell_stops_both_ranks_in_jupyterlabs_debugger_pan
                   f"finished {finished_s:.1f} s after Continue; {len(log.got)} debug messages; replies that failed "
                   f"after Continue: {[(m['command'], m.get('message')) for m in after_continue]}; "
                   f"whole test {time.monotonic() - started:.1f} s")
-        except BaseException:
+        except BaseException:  # any failure: its evidence kept, re-raised
             page.screenshot(path="/tmp/test_browser_debugger-failure.png")
             print(f"debug protocol, last messages:\n{log.tail(60)}\npage errors: {errors}")
             raise

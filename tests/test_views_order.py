@@ -291,7 +291,7 @@ def test_sampling_walks_a_ranks_pages_only_when_its_faults_say_its_memory_moved(
     if pid == 0:
         os.write(ready_w, b"r")  # (a fresh fork's first moments fault in many pages: it waits after them)
         os.read(go, 1)
-        grown = bytearray(50 * 2**20)  # noqa: F841 (50 MiB of its own)
+        grown = bytearray(50 * 2**20)  # noqa: F841 - held, not read: 50 MiB of its own
         time.sleep(30)
         os._exit(0)
     walks = []

@@ -111,7 +111,7 @@ def reserve(ray, nodes: int, per_node: int, accelerator: str):
 
     try:
         where = placement_group_table(pg)["bundles_to_node_id"]
-    except BaseException:
+    except BaseException:  # the group released, re-raised
         release(pg)
         raise
     by_id = {n["NodeID"]: n for n in alive}

@@ -144,7 +144,7 @@ class DDPMagics(Magics):
         would open in nbddp's kernel-side frames, so it is off for this cell's traceback (on again after)."""
         try:
             yield
-        except BaseException:
+        except BaseException:  # any way out, an interrupt too: re-raised
             if getattr(self.shell, "call_pdb", False):
                 self.shell.call_pdb = False
                 self._pdb_back = True

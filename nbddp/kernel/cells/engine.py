@@ -179,7 +179,7 @@ class CellRun:
         except KeyboardInterrupt as e:
             error = e
             running = self.rules.interrupt(self, announced)
-        except BaseException as e:
+        except BaseException as e:  # nbddp's own failure: the gang closed, re-raised
             error = e
             gang.close(f"torn down: nbddp failed in the kernel ({type(e).__name__}: {e})")
             raise
@@ -189,7 +189,7 @@ class CellRun:
             raise self.rules.interrupted(self, running, announced) from None
         try:
             outcome = self._conclude(start)
-        except BaseException:
+        except BaseException:  # the view says failed, re-raised
             if gang.view is not None:
                 gang.view.cell_ended("failed")
             raise

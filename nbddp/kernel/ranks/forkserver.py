@@ -75,7 +75,7 @@ class ForkServer:
             except (OSError, EOFError):
                 self._lost()
                 raise ForkServerGone(self.kind) from None
-            except BaseException:
+            except BaseException:  # an interrupt mid-exchange leaves the stream out of step: re-raised
                 self._lost()
                 raise
         if isinstance(reply, Refused):

@@ -123,7 +123,7 @@ class Gang:
         try:
             starters.fork_specs(self.sup, self._starter, self._job_for({spec.rank: (read, write)}), [spec], None,
                                 prepare)
-        except BaseException:
+        except BaseException:  # whatever stopped the fork, an interrupt too: re-raised
             os.close(write)
             raise
         finally:

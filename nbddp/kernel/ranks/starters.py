@@ -358,7 +358,7 @@ class ForkserverStarter(Starter):
             fds.append(pipes[spec.rank][0])
         try:
             pid = self.server.fork(spec, tuple(roles), fds)
-        except BaseException:
+        except BaseException:  # whatever stopped the fork, an interrupt too: re-raised
             for fd in (out_r, out_w, err_r, err_w, chan_r, chan_w):
                 os.close(fd)
             raise
