@@ -269,7 +269,10 @@ def test_a_diff_row_fits_the_notebook_and_keeps_the_whole_in_its_title():
     from nbddp.kernel.names import survey_tables
 
     key = "module.model.layers.12.self_attention.query_key_value.weight"
-    fp = lambda h, n: {"what": "(4096, 4096) float32", "hash": h, "norm": n, "sum": 1.0}  # noqa: E731
+
+    def fp(h, n):
+        return {"what": "(4096, 4096) float32", "hash": h, "norm": n, "sum": 1.0}
+
     per_rank = [{key: fp(str(r), 12.3456 + r / 1e4), "bias": fp("same", 1.0)} for r in range(4)]
     text = survey_tables.diff_table("model.state_dict()", per_rank)
     rows = text.splitlines()[1:]
