@@ -266,8 +266,7 @@ class Pool:
             self.gang.owe(sync.for_other_nodes)  # with the next command to each other node's rank
         notes, updates = sync.notes, sync.updates
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
-        # (a pool that ended refuses the cell here)
-        run = self._engine(config, label, relabel, observer, ranks, on_start)
+        run = self._engine(config, label, relabel, observer, ranks, on_start)  # (an ended pool refuses the cell)
         self.held.sent(sync)
         place = output.current()  # this cell, or a background cell's own output
         for line in notes:
