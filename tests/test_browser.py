@@ -325,9 +325,8 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             labels = [re.match(r"\[rank\d\]:", t).group(0) for t in bars.all_inner_texts()]
             assert labels == ["[rank0]:", "[rank1]:"], f"bars in rank order, whichever started first: {labels}"
             # a rank's bar and its lines start in the same column (JupyterLab pads text 1ch, HTML otherwise)
-            text_x = cell(page,
-                          2).locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout'] pre")\
-                .first.bounding_box()["x"]
+            stdout = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout'] pre"
+            text_x = cell(page, 2).locator(stdout).first.bounding_box()["x"]
             bar_x = bars.first.bounding_box()["x"]
             assert abs(text_x - bar_x) < 1.5, f"text at x={text_x}, its bar at x={bar_x}"
             assert max(bars.evaluate_all("bs => bs.map(b => b.getBoundingClientRect().height)")) < 24, "a bar wraps"
@@ -367,8 +366,8 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             pool_out = cell(page, 4).locator(".jp-OutputArea-output").first
             inner = cell(page, 4).locator(".nbddp-pool").evaluate("v => v.scrollWidth")
             assert inner <= pool_out.evaluate("o => o.clientWidth"), "the pool's view overflows its cell"
-            lives = cell(page,
-                         4).locator(".nbddp-life").evaluate_all("ls => ls.map(l => l.getBoundingClientRect().width)")
+            lives = cell(page, 4).locator(".nbddp-life").evaluate_all(
+                "ls => ls.map(l => l.getBoundingClientRect().width)")
             assert lives and set(lives) == {160}, lives
             done = wait_for_text(page, ["1 cell run", "Cell In[6] ·", "· ok"], index=4)
             assert "busy" not in done and re.search(r"1\s+\d+\s+cpu\s+idle", done), done

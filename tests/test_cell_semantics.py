@@ -187,8 +187,8 @@ def test_a_timeout_while_a_cell_awaits_says_so(clean_kernel):
 @pytest.mark.parametrize("code", ["%%ddp --devices 2\n", "%%ddp --devices 2", "%%ddp\n\n   \n"])
 def test_an_empty_cell_fails_as_the_other_usage_errors_do(clean_kernel, code):
     res = clean_kernel.run(code, timeout=30)
-    assert res.status == "error" and res.error is not None and res.error["ename"] == "UsageError", (res.status,
-                                                                                                    res.stderr)
+    assert res.status == "error" and res.error is not None and res.error["ename"] == "UsageError", \
+        (res.status, res.stderr)
     assert "%%ddp: the cell is empty" in res.error_text and "nothing ran" in res.error_text, res.error_text
     assert "%ddp start" in res.error_text and res.stderr == "", res.stderr  # not IPython's printed UsageError
 

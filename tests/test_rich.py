@@ -50,8 +50,8 @@ def test_a_figure_and_an_html_table_from_rank_0_arrive_as_png_and_html(clean_ker
 
 def test_a_figure_drawn_but_never_shown_appears_as_the_cell_ends(clean_kernel):
     k = clean_kernel
-    k.ok("import matplotlib\nmatplotlib.use('module://matplotlib_inline.backend_inline')\nimport matplotlib.pyplot as "
-         "plt")
+    k.ok("import matplotlib\nmatplotlib.use('module://matplotlib_inline.backend_inline')\n"
+         "import matplotlib.pyplot as plt")
     res = k.ok("%%ddp --devices 2 --ranks-output 0\nplt.plot([rank, 1])\n;")
     assert sum("image/png" in d["data"] for d in res.displays) == 1, res.displays
 

@@ -31,8 +31,8 @@ def by_rank(text: str) -> dict[int, list[str]]:
 
 def test_two_ranks_times_100k_lines_arrive_whole_and_in_order(clean_kernel):
     res = clean_kernel.ok(
-        "%%ddp --devices 2\nimport sys\nfor i in range(100_000):\n    print(f'line {i} of rank {rank} ' + 'x' * (i % "
-                          "50))\n",
+        "%%ddp --devices 2\nimport sys\nfor i in range(100_000):\n"
+        "    print(f'line {i} of rank {rank} ' + 'x' * (i % 50))\n",
         timeout=150,
     )
     lines = by_rank(res.stdout)

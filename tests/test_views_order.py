@@ -165,8 +165,8 @@ def test_a_bar_is_saved_at_the_ranks_last_state_however_the_cell_ends(clean_kern
     rows = bar_rows(res)
     assert sorted(rows) == [0, 1], rows
     for r in (0, 1):
-        assert rows[r] == logged_bar(runs_dir,
-                                     r), f"rank {r}: saved {rows[r]!r}, the rank drew last {logged_bar(runs_dir, r)!r}"
+        assert rows[r] == logged_bar(runs_dir, r), \
+            f"rank {r}: saved {rows[r]!r}, the rank drew last {logged_bar(runs_dir, r)!r}"
         assert not rows[r].startswith(f"rank {r}: 100%"), rows[r]
 
 
