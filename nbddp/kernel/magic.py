@@ -254,8 +254,8 @@ class DDPMagics(Magics):
             return delivery.shown_in_place(work(on_start), shell)
 
         number = cells.running(shell)
-        label = next((ln.strip() for ln in cell.splitlines() if ln.strip() and not ln.lstrip().startswith("#")),
-                     "")[:60]
+        code_lines = (ln.strip() for ln in cell.splitlines() if ln.strip() and not ln.lstrip().startswith("#"))
+        label = next(code_lines, "")[:60]
         job = Job(number, label, work_and_show, deliver, tuple(names),
                   output.Detached(output.kernel_sockets(), output.request_header()),
                   observer=getattr(work, "observer", None))
