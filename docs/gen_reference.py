@@ -16,7 +16,7 @@ PROFILE = """
 `%%ddp --profile [STEPS]` (5 steps if no number is given) runs torch.profiler on every rank for STEPS
 optimizer steps, begun after the first step on every rank (so that a rank that started a second later is
 no fake straggler). Steps are counted through torch's global optimizer hook: the cell's code is unchanged;
-a loop without an optimizer counts its steps with `nbddp.rank.profiling.step()`. The cell then shows, per
+a loop without an optimizer counts its steps with `nbddp.rank.profile_session.step()`. The cell then shows, per
 rank, a stacked bar of the profiled steps' time: compute, communication (time in collectives), of which
 waiting for other ranks, data loading and other, and one line naming the straggler ("rank 1 is the
 straggler: rank 0 spends 48 % of its step waiting in all_reduce for rank 1, whose own step is 70 % compute.").
@@ -25,7 +25,7 @@ ranks by their order of issue). `nbddp.profile()` returns the last profile as a 
 steps, step_s, compute_s, comm_s, wait_s, data_s, other_s: seconds summed over the profiled steps). Each
 rank's trace is written beside its log, `rank{N}.trace.json` (Chrome/Perfetto JSON with
 `distributedInfo`, as Holistic Trace Analysis reads it); the cell lists the paths. The rules of the split
-are in `nbddp/rank/profiling.py`'s docstring. Without `--profile` nothing of this runs.
+are in `nbddp/rank/profile_session.py`'s docstring. Without `--profile` nothing of this runs.
 """
 
 

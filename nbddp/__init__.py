@@ -12,15 +12,15 @@ import os
 
 from .errors import CudaInitialisedError, NbddpError, RankFailure, ResultError, UsageError
 from .ipy.session import Environment, environment
-from .rank.scalars import log
+from .rank.metrics_log import log
 from .wire.shared import SharedSequence, shared
-
 
 __version__ = "0.1.0"
 
 
 __all__ = [
-    "launch", "Pool", "log", "metrics", "profile", "environment", "Environment", "shared", "SharedSequence", "load_ipython_extension",
+    "launch", "Pool", "log", "metrics", "profile", "environment", "Environment", "shared", "SharedSequence",
+    "load_ipython_extension",
     "NbddpError", "UsageError", "RankFailure", "ResultError", "CudaInitialisedError",
 ]
 
@@ -37,8 +37,8 @@ def launch(fn, *args, **opts) -> list:
     :class:`RankFailure` naming the rank and cause, after every rank has been stopped and reaped; a
     return value that cannot come back raises :class:`ResultError` naming the rank.
     """
-    from .kernel.cells import engine
     from .kernel import options
+    from .kernel.cells import engine
     from .rank.jobs import CallJob
     from .views.display import view_for_session
     from .wire.messages import Call
@@ -57,17 +57,17 @@ def metrics():
     as a pandas DataFrame: columns ``cell``, ``rank``, ``step``, ``time``, then one per scalar. A pool's
     cells follow each other, so a curve goes on across cells. Each run's folder has the same rows as
     ``metrics.csv``."""
-    from .kernel.metrics import STORE
+    from .kernel.metrics import LOGBOOK
 
-    return STORE.frame()
+    return LOGBOOK.frame()
 
 
 def profile():
     """The last ``%%ddp --profile`` cell's figures as a pandas DataFrame, a row per rank: rank, steps, step_s,
     compute_s, comm_s, wait_s (part of comm_s), data_s, other_s, in seconds summed over the profiled steps."""
-    from .kernel import profiles
+    from .kernel.profile import last
 
-    return profiles.last()
+    return last()
 
 
 def __getattr__(name):
@@ -102,11 +102,11 @@ def _export_cells(cells, **kwargs) -> str:
 def load_ipython_extension(ipython) -> None:
     from .hw import cuda
     from .ipy import cells
-    from .wire import sharedtensor
-    from .kernel.ranks import forkserver, warm
     from .kernel.debugger import rankdebug
     from .kernel.magic import DDPMagics, register_exporter
+    from .kernel.ranks import forkserver, warm
     from .rank import worker
+    from .wire import sharedtensor
 
     # Large tensors allocated from now on use transparent huge pages: a fork then copies far fewer
     # page-table entries (8 GB resident: ~390 ms -> ~30 ms per rank, measured). Read at allocation.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import numbers
 
-from .rank.scalars import log
+from .rank.metrics_log import log
 
 
 def numeric(metrics: dict) -> dict:

@@ -4,8 +4,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import left_behind, pool_in  # noqa: E402
-from kernel import Kernel  # noqa: E402
+from helpers import left_behind, pool_in
+from kernel import Kernel
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import time
 
 import psutil
 import pytest
+
 from kernel import Kernel, said
 
 pytestmark = pytest.mark.timeout(240)
@@ -142,7 +143,8 @@ def test_a_background_failure_is_reported_in_its_cell_and_said_once_in_the_next(
 
 def test_a_cell_reading_a_name_a_failed_background_cell_never_brought_fails_once(pool):
     pool.ok("losses = 'stale'")
-    sent_id = pool.execute("%%ddp --bg --gather losses\nif rank == 1:\n    raise ValueError('bad batch')\nlosses = [1.0]")
+    sent_id = pool.execute("%%ddp --bg --gather losses\nif rank == 1:\n    raise ValueError('bad batch')\nlosses = "
+                           "[1.0]")
     if pool.collect(sent_id, timeout=30).error is None:
         pool.follow(sent_id, lambda r: r.error is not None, timeout=30)
     pool.ok("pass")  # its failure is said here
@@ -163,7 +165,8 @@ def test_ddp_wait_raises_a_failure_not_said_yet(pool):
 
 def test_attach_from_a_second_client_replays_then_goes_on_live_to_the_end(pool):
     msg_id = send(pool, "%%ddp --bg\nimport time\nfrom tqdm.auto import tqdm\n"
-                        "for i in tqdm(range(30), mininterval=0):\n    print('tick', i, flush=True)\n    time.sleep(0.1)\n"
+                        "for i in tqdm(range(30), mininterval=0):\n    print('tick', i, flush=True)\n    "
+                  "time.sleep(0.1)\n"
                         "time.sleep(1.5)\nprint('the end', flush=True)")
     pool.follow(msg_id, lambda r: said(r.stdout, 1, "tick 3"), timeout=30)  # then the page is reloaded:
     other = pool.another_client()
@@ -219,7 +222,8 @@ def test_a_queued_cell_starts_its_ranks_only_between_notebook_cells(clean_kernel
     queued = k.execute("%%ddp --bg --devices 2 --out began\nimport time\nbegan = time.time()\n")
     assert k.collect(queued, timeout=30).error is None
     # the notebook, busy in torch ops while the first cell ends and 2 s past it: the queued one must not fork meanwhile
-    k.ok("import time, torch\nopen(os.path.join(flags, 'go'), 'w').close()\na = torch.randn(256, 256)\nend = time.time() + 60\n"
+    k.ok("import time, torch\nopen(os.path.join(flags, 'go'), 'w').close()\na = torch.randn(256, 256)\nend = "
+         "time.time() + 60\n"
          "while not all(os.path.exists(os.path.join(flags, f'done{r}')) for r in (0, 1)) and time.time() < end:\n"
          "    a = (a @ a).tanh()\nquiet_from = time.time()\n"
          "while time.time() - quiet_from < 2.0:\n    a = (a @ a).tanh()\nbusy_to = time.time()\n", timeout=90)
@@ -232,7 +236,8 @@ def test_a_queued_cell_starts_its_ranks_only_between_notebook_cells(clean_kernel
 
 def test_ranks_get_the_kernels_interpreter_settings_whichever_thread_forks_them(clean_kernel):
     k = clean_kernel
-    k.ok("import signal, sys\nsys.setswitchinterval(0.007)\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGWINCH})\n")
+    k.ok("import signal, sys\nsys.setswitchinterval(0.007)\nsignal.pthread_sigmask(signal.SIG_BLOCK, "
+         "{signal.SIGWINCH})\n")
     probe = ("import signal, sys\nsettings = (sys.getswitchinterval(), "
              "signal.SIGWINCH in signal.pthread_sigmask(signal.SIG_BLOCK, []), "
              "signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n")

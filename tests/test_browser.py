@@ -45,7 +45,8 @@ INTERRUPT_CELL = ("%%ddp --devices 2\nimport time\nfrom tqdm.auto import tqdm\n"
 STATE_CELLS = [SETUP_CELL, DDP_CELL, TQDM_CELL, FAIL_CELL, "%ddp start --devices 2", POOL_CELL, "%ddp who",
                "%ddp stop", INTERRUPT_CELL]
 THEMES = {"light": "JupyterLab Light", "dark": "JupyterLab Dark"}
-VIEWS = ".nbddp-run, .nbddp-bars, .nbddp-pool, .nbddp-line, .nbddp-table, .nbddp-charts, .nbddp-profile"  # every HTML view of nbddp's
+# every HTML view of nbddp's
+VIEWS = ".nbddp-run, .nbddp-bars, .nbddp-pool, .nbddp-line, .nbddp-table, .nbddp-charts, .nbddp-profile"
 MIN_CONTRAST = 3.0  # text against what is behind it (WCAG's ratio; JupyterLab's own warning colour is ~3.8)
 LIGHT_BOX_MAX = 0.001  # of a view's pixels, its text hidden, in the dark theme: light boxes, tracks, borders
 
@@ -199,7 +200,8 @@ def _shot(c, name: str, theme: str) -> None:
         try:
             for i in range(views.count()):
                 light = _light(_still(views.nth(i)))
-                assert light <= LIGHT_BOX_MAX, (f"{name}: {light:.2%} of a view ({views.nth(i).get_attribute('class')}) "
+                assert light <= LIGHT_BOX_MAX, (f"{name}: {light:.2%} of a view "
+                                                f"({views.nth(i).get_attribute('class')}) "
                                                 "is painted light in the dark theme")
         finally:
             c.evaluate("c => c.classList.remove('nbddp-test-no-text')")
@@ -222,7 +224,8 @@ CONTRAST = r"""view => {
     if (!el.isConnected) return 'redrawn';  // a live view drawn anew meanwhile: this copy left the page
     const [a, b] = [lum(fore), lum(back)].sort((x, y) => y - x);
     const ratio = (a + 0.05) / (b + 0.05);
-    if (!worst || ratio < worst[0]) worst = [ratio, el.textContent.trim().slice(0, 40), getComputedStyle(el).color, back];
+    if (!worst || ratio < worst[0])
+      worst = [ratio, el.textContent.trim().slice(0, 40), getComputedStyle(el).color, back];
   }
   return worst;
 }"""
@@ -288,7 +291,8 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             # -- a one-shot cell, running then done ----------------------------------------------------------
             run_cell(page, 1)
             one = cell(page, 1)
-            live_text = wait_for_text(page, ["· running ·", "rank 0 step 1", "rank 1 step 1", "private memory"], index=1)
+            live_text = wait_for_text(page, ["· running ·", "rank 0 step 1", "rank 1 step 1", "private memory"],
+                                      index=1)
             assert re.search(r"0\s+running", live_text) and re.search(r"1\s+running", live_text), live_text
             live = _layout(one)
             assert live["top"] < _stream_top(one), "the dashboard sits above the stream"
@@ -321,8 +325,8 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             labels = [re.match(r"\[rank\d\]:", t).group(0) for t in bars.all_inner_texts()]
             assert labels == ["[rank0]:", "[rank1]:"], f"bars in rank order, whichever started first: {labels}"
             # a rank's bar and its lines start in the same column (JupyterLab pads text 1ch, HTML otherwise)
-            text_x = cell(page, 2).locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout'] pre")\
-                .first.bounding_box()["x"]
+            stdout = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout'] pre"
+            text_x = cell(page, 2).locator(stdout).first.bounding_box()["x"]
             bar_x = bars.first.bounding_box()["x"]
             assert abs(text_x - bar_x) < 1.5, f"text at x={text_x}, its bar at x={bar_x}"
             assert max(bars.evaluate_all("bs => bs.map(b => b.getBoundingClientRect().height)")) < 24, "a bar wraps"
@@ -362,7 +366,8 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             pool_out = cell(page, 4).locator(".jp-OutputArea-output").first
             inner = cell(page, 4).locator(".nbddp-pool").evaluate("v => v.scrollWidth")
             assert inner <= pool_out.evaluate("o => o.clientWidth"), "the pool's view overflows its cell"
-            lives = cell(page, 4).locator(".nbddp-life").evaluate_all("ls => ls.map(l => l.getBoundingClientRect().width)")
+            lives = cell(page, 4).locator(".nbddp-life").evaluate_all(
+                "ls => ls.map(l => l.getBoundingClientRect().width)")
             assert lives and set(lives) == {160}, lives
             done = wait_for_text(page, ["1 cell run", "Cell In[6] ·", "· ok"], index=4)
             assert "busy" not in done and re.search(r"1\s+\d+\s+cpu\s+idle", done), done

@@ -15,6 +15,7 @@ import struct
 import time
 
 import pytest
+
 from test_browser import STATES, _dismiss_toasts, _lab, _open, _run_first_cell, cell, run_cell, wait_for_text
 
 pytestmark = pytest.mark.timeout(180)  # it takes ~50 s

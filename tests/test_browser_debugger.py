@@ -18,8 +18,19 @@ import struct
 import time
 
 import pytest
-from test_browser import (CHROMIUM, IMAGES, THEMES, WIDTH, _dismiss_toasts, _lab, _run_first_cell, cell, run_cell,
-                          wait_for_text)
+
+from test_browser import (
+    CHROMIUM,
+    IMAGES,
+    THEMES,
+    WIDTH,
+    _dismiss_toasts,
+    _lab,
+    _run_first_cell,
+    cell,
+    run_cell,
+    wait_for_text,
+)
 
 pytestmark = pytest.mark.timeout(180)  # it takes ~30 s
 
@@ -200,7 +211,8 @@ def test_a_breakpoint_in_a_ddp_cell_stops_both_ranks_in_jupyterlabs_debugger_pan
             for r in (0, 1):  # rank 1 last: the screenshot's
                 names.filter(has_text=f"rank {r} · MainThread").click()
                 seen[r] = wait_until(page, f"the Variables panel shows rank {r}'s variables",
-                                     lambda: (v := body.evaluate(VARIABLES)).get("rank") == str(r) and "x" in v and v,
+                                     lambda r=r: (v := body.evaluate(VARIABLES)).get("rank") == str(r) and "x" in v
+                                     and v,
                                      log)
                 assert seen[r]["local_rank"] == str(r) and seen[r]["world_size"] == "2", seen[r]
                 assert "total" not in seen[r], f"stopped before line {BREAK_LINE} ran: {seen[r]}"
@@ -242,7 +254,7 @@ def test_a_breakpoint_in_a_ddp_cell_stops_both_ranks_in_jupyterlabs_debugger_pan
                   f"finished {finished_s:.1f} s after Continue; {len(log.got)} debug messages; replies that failed "
                   f"after Continue: {[(m['command'], m.get('message')) for m in after_continue]}; "
                   f"whole test {time.monotonic() - started:.1f} s")
-        except BaseException:
+        except BaseException:  # any failure: its evidence kept, re-raised
             page.screenshot(path="/tmp/test_browser_debugger-failure.png")
             print(f"debug protocol, last messages:\n{log.tail(60)}\npage errors: {errors}")
             raise

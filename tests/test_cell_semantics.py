@@ -3,8 +3,8 @@ randomness as under torchrun, top-level await, help, magics, tracebacks a user c
 import re
 
 import pytest
-from kernel import said
 
+from kernel import said
 from nbddp.views.relay import latest_redraw
 
 pytestmark = pytest.mark.timeout(120)
@@ -156,7 +156,8 @@ def test_a_ranks_own_keyboard_interrupt_shows_only_the_users_frames(clean_kernel
         text = res.error_text
         assert "rank 1 failed: KeyboardInterrupt" in text, text
         # (Python >= 3.13 also marks the whole line with carets)
-        assert re.search(r"Cell In\[\d+\], line 4, in <module>\n    os.kill\(.*\)\n(?: +[~^]+\n)?KeyboardInterrupt", text), text
+        assert re.search(r"Cell In\[\d+\], line 4, in <module>\n    os.kill\(.*\)\n(?: +[~^]+\n)?KeyboardInterrupt",
+                         text), text
         assert "nbddp/" not in text, text
     finally:
         k.ok("%ddp stop")
@@ -186,7 +187,8 @@ def test_a_timeout_while_a_cell_awaits_says_so(clean_kernel):
 @pytest.mark.parametrize("code", ["%%ddp --devices 2\n", "%%ddp --devices 2", "%%ddp\n\n   \n"])
 def test_an_empty_cell_fails_as_the_other_usage_errors_do(clean_kernel, code):
     res = clean_kernel.run(code, timeout=30)
-    assert res.status == "error" and res.error is not None and res.error["ename"] == "UsageError", (res.status, res.stderr)
+    assert res.status == "error" and res.error is not None and res.error["ename"] == "UsageError", \
+        (res.status, res.stderr)
     assert "%%ddp: the cell is empty" in res.error_text and "nothing ran" in res.error_text, res.error_text
     assert "%ddp start" in res.error_text and res.stderr == "", res.stderr  # not IPython's printed UsageError
 
@@ -196,7 +198,8 @@ def test_a_name_the_cell_never_bound_is_said_with_the_close_names_not_unsendable
                            "if rank == 0:\n    part = 1\n", timeout=60)
     text = res.error_text
     assert res.error["ename"] == "ResultError", text
-    assert "--out losss: rank 0 never defined `losss`: the cell never assigns it (it assigns loss, losses, part)" in text
+    assert ("--out losss: rank 0 never defined `losss`: the cell never assigns it (it assigns loss, losses, part)"
+            in text)
     assert "Did you mean `losses` or `loss`?" in text, text  # closest first
     assert "--gather part: rank 1 never defined `part`: the cell assigns it, but not on rank 1" in text, text
     assert "Assign `part` on every rank" in text, text

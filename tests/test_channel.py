@@ -4,9 +4,8 @@ import pickle
 
 import pytest
 
-from nbddp.wire import framing
-from nbddp.wire import messages
 from nbddp.kernel.names.sending import ship_globals
+from nbddp.wire import framing, messages
 
 
 def test_frames_survive_any_split_and_lengths_whose_bytes_look_like_markers():

@@ -9,7 +9,7 @@ import pytest
 
 from nbddp.cluster import remote
 from nbddp.kernel.ranks import groupstore
-from nbddp.kernel.ranks.supervisor import Bus, Output, Supervisor
+from nbddp.kernel.ranks.supervisor import Output, Supervisor
 from nbddp.wire import framing
 
 pytestmark = pytest.mark.timeout(60)

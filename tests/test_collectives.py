@@ -3,6 +3,7 @@ process group, and a collective no peer will join fails in seconds (one-shot and
 import time
 
 import pytest
+
 from kernel import said
 
 pytestmark = pytest.mark.timeout(240)

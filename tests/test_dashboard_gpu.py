@@ -2,13 +2,12 @@
 import os
 from types import SimpleNamespace
 
+from helpers import FakeNvml
 from nbddp.hw import nvml
 from nbddp.kernel import devices
 from nbddp.kernel.ranks.failure import RankExit
 from nbddp.kernel.ranks.supervisor import Output, Started
 from nbddp.views import dashboard
-
-from helpers import FakeNvml
 
 
 def test_gpu_utilisation_and_memory_per_rank_live_and_peak_at_the_end(monkeypatch, tmp_path):

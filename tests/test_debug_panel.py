@@ -11,6 +11,7 @@ from collections import Counter
 
 import psutil
 import pytest
+
 from debugclient import DebugClient
 from kernel import Kernel, said
 
@@ -98,7 +99,8 @@ def both_ranks_stopped(panel, since: int) -> list[int]:
 
     def done(events):
         live[:] = [tid for name, tid in panel.threads().items() if name.startswith("rank ")]
-        return len(live) == 2 and set(live) <= {e["body"]["threadId"] for e in events[since:] if e["event"] == "stopped"}
+        return len(live) == 2 and set(live) <= {e["body"]["threadId"] for e in events[since:]
+                                                if e["event"] == "stopped"}
 
     panel.pump(done, 60, "both ranks stopped")
     return live
@@ -314,9 +316,9 @@ def test_the_kernels_debugger_neither_traces_nor_lists_the_thread_warming_import
 
     monkeypatch.delenv("NBDDP_WARM", raising=False)
     monkeypatch.setattr(warm, "WARM_IMPORTS", ("nbddp_test_no_such_module",))  # (its failure is swallowed)
-    monkeypatch.setattr(warm, "_thread", None)
+    monkeypatch.setattr(warm.WARMING, "thread", None)
     warm.start()
-    thread = warm._thread
+    thread = warm.WARMING.thread
     assert thread is not None and thread.pydev_do_not_trace and thread.is_pydev_daemon_thread
     warm.wait()
 
@@ -369,7 +371,8 @@ def continue_every_stop(kernel, panel, msg_id: str, pace: float, timeout: float 
 
     while not ended():
         try:
-            panel.pump(lambda events, seen=seen: len(events) > seen or ended(), max(0.1, deadline - time.monotonic()), "a debug event")
+            panel.pump(lambda events, seen=seen: len(events) > seen or ended(), max(0.1, deadline - time.monotonic()),
+                       "a debug event")
         except TimeoutError as e:
             raise AssertionError(f"the cell never ended: stops {dict(stops)}, continues {dict(continues)}, "
                                  f"failed {failed}, waiting {waiting}: {e}") from None

@@ -4,6 +4,7 @@ pool, %ddp who and %ddp diff. Real kernel, real forks, real gloo."""
 import time
 
 import pytest
+
 from kernel import said
 
 pytestmark = pytest.mark.timeout(300)
@@ -79,7 +80,8 @@ def test_pdb_on_opens_post_mortem_in_the_failed_rank_before_it_is_torn_down(clea
 def test_a_pool_keeps_the_failed_ranks_frames_for_ddp_debug_and_cells_can_run_on_some_ranks(clean_kernel):
     clean_kernel.ok("%ddp start --devices 2", timeout=60)
     try:
-        failed = clean_kernel.run("%%ddp\ndef g(k):\n    secret = k + 40\n    raise ValueError(k)\ng(rank) if rank == 1 "
+        failed = clean_kernel.run("%%ddp\ndef g(k):\n    secret = k + 40\n    raise ValueError(k)\ng(rank) if rank == "
+                                  "1 "
                                   "else None\n", timeout=60)
         assert "ValueError: 1" in failed.error_text, failed.error_text
         res = clean_kernel.converse("%ddp debug", answers("p secret", "c"), timeout=60)
@@ -95,7 +97,8 @@ def test_a_pool_keeps_the_failed_ranks_frames_for_ddp_debug_and_cells_can_run_on
         text = lone.error_text
         assert "rank 0 waits in torch.distributed.all_reduce" in text and "rank 1 does not run this cell" in text, text
         assert lone.seconds < 20, lone.seconds
-        both = clean_kernel.ok("%%ddp\nimport torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())\n", timeout=60)
+        both = clean_kernel.ok("%%ddp\nimport torch.distributed as dist\nt = "
+                               "torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())\n", timeout=60)
         assert said(both.stdout, 0, "sum 2.0") and said(both.stdout, 1, "sum 2.0"), both.stdout  # the pool lives on
         bad = clean_kernel.run("%%ddp --ranks 5\nprint(1)\n", timeout=30)
         assert "the pool has rank(s) 0-1" in bad.error_text, bad.error_text
@@ -108,8 +111,10 @@ def test_a_pool_keeps_the_failed_ranks_frames_for_ddp_debug_and_cells_can_run_on
 def test_who_and_diff_show_where_ranks_disagree(clean_kernel):
     clean_kernel.ok("%ddp start --devices 2", timeout=60)
     try:
-        clean_kernel.ok("%%ddp\nimport torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
-                        "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 2))\nw = torch.zeros(3 + rank)\nsteps = 5\n"
+        clean_kernel.ok("%%ddp\nimport torch.distributed as dist\nfrom torch.nn.parallel import "
+                        "DistributedDataParallel as DDP\n"
+                        "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 2))\nw = torch.zeros(3 + rank)\nsteps = "
+                        "5\n"
                         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
                         "model(torch.randn(8, 4)).sum().backward(); opt.step()\n"
                         "from collections import OrderedDict\nfrom math import sqrt\nclass Mine:\n    pass\n"
@@ -221,7 +226,8 @@ NBDDP_FRAMES = ("server.py", "jobs.py", "worker.py", "nbddp")
 def test_ddp_debug_starts_at_the_cells_frame_and_up_stops_there(clean_kernel):
     clean_kernel.ok("%ddp start --devices 2", timeout=60)
     try:
-        clean_kernel.run("%%ddp\ndef g(k):\n    secret = k + 40\n    raise ValueError(k)\ng(rank) if rank == 1 else None\n",
+        clean_kernel.run("%%ddp\ndef g(k):\n    secret = k + 40\n    raise ValueError(k)\ng(rank) if rank == 1 else "
+                         "None\n",
                          timeout=60)
         res = clean_kernel.converse("%ddp debug", answers("where", "up", "up", "c"), timeout=60)
     finally:
@@ -244,7 +250,8 @@ def test_pdb_on_post_mortem_starts_at_the_cells_frame(clean_kernel):
 
 
 def test_breakpoint_and_torch_breakpoint_start_at_the_users_frames(clean_kernel):
-    res = clean_kernel.converse("%%ddp --devices 2\ndef h():\n    if rank == 1:\n        breakpoint()\n    return 1\nh()\n",
+    res = clean_kernel.converse("%%ddp --devices 2\ndef h():\n    if rank == 1:\n        breakpoint()\n    return "
+                                "1\nh()\n",
                                 answers("where", "up", "up", "c"), timeout=90)
     assert res.error is None, res.error_text
     assert frames_listed(res.stdout, 1) == ["h", "<module>", "h", "<module>"], res.stdout
@@ -262,7 +269,10 @@ def test_a_diff_row_fits_the_notebook_and_keeps_the_whole_in_its_title():
     from nbddp.kernel.names import survey_tables
 
     key = "module.model.layers.12.self_attention.query_key_value.weight"
-    fp = lambda h, n: {"what": "(4096, 4096) float32", "hash": h, "norm": n, "sum": 1.0}  # noqa: E731
+
+    def fp(h, n):
+        return {"what": "(4096, 4096) float32", "hash": h, "norm": n, "sum": 1.0}
+
     per_rank = [{key: fp(str(r), 12.3456 + r / 1e4), "bias": fp("same", 1.0)} for r in range(4)]
     text = survey_tables.diff_table("model.state_dict()", per_rank)
     rows = text.splitlines()[1:]

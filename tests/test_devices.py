@@ -1,12 +1,10 @@
 """Device strings (Lightning's table) and plans, with NVML and CUDA replaced at their seams."""
 import pytest
 
-from nbddp.hw import cuda
-from nbddp.kernel import devices
-from nbddp.hw import nvml
-from nbddp.errors import UsageError
-
 from helpers import FakeNvml
+from nbddp.errors import UsageError
+from nbddp.hw import cuda, nvml
+from nbddp.kernel import devices
 
 
 class CudaBuilt(cuda.Cuda):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nbddp.export.script import export_cells
 from nbddp.export.pysyntax import to_python
+from nbddp.export.script import export_cells
 from torchrun import torchrun
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,7 +103,6 @@ def test_an_exported_session_prints_under_torchrun_what_the_notebook_printed(ker
     kernel.ok(f"%ddp_export {script}")
     text = script.read_text()
     assert "get_ipython" not in text and "%%ddp?" not in text and "pinfo" not in text
-    bindir = Path(sys.executable).parent
     logs = tmp_path / "logs"  # one file per rank: torchrun's shared stdout interleaves ranks mid-line
     run = torchrun(script, timeout=240, cwd=tmp_path, log_dir=logs)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -116,7 +115,8 @@ def test_ipython_syntax_becomes_plain_python():
                             "y = %time f(x)\nfor i in range(2):\n    %timeit g(i)\n")
     compile(code, "cell", "exec")
     assert "get_ipython" not in code and needs == {"subprocess"}
-    assert "files = subprocess.run(f'ls {path}', shell=True, capture_output=True, text=True).stdout.splitlines()" in code
+    assert ("files = subprocess.run(f'ls {path}', shell=True, capture_output=True, text=True).stdout.splitlines()"
+            in code)
     assert "subprocess.run(f'echo {x}', shell=True)  # !echo $x" in code
     assert "os.environ['A'] = '1'" in code and "os.chdir(os.path.expanduser('/tmp'))" in code
     assert "pass  # (notebook only) %matplotlib inline" in code and "y = f(x)" in code
@@ -142,10 +142,12 @@ def test_the_last_expression_is_wrapped_alone_comments_and_lines_kept():
     from nbddp.export.script import _with_result
 
     cases = {
-        "loss.item()   # rank 0's last expression (a comment)": "_nbddp_show(loss.item())   # rank 0's last expression (a comment)",
+        "loss.item()   # rank 0's last expression (a comment)": "_nbddp_show(loss.item())   # rank 0's last expression "
+             "(a comment)",
         "x = 1; (x,\n  x + 1)  # two lines\n": "x = 1; _nbddp_show((x,\n  x + 1))  # two lines",
         "f(1,\n  2)\n# a comment after it\n": "_nbddp_show(f(1,\n  2))\n# a comment after it",
-        "s = 'é'; len(s + 'é')  # UTF-8 before the expression": "s = 'é'; _nbddp_show(len(s + 'é'))  # UTF-8 before the expression",
+        "s = 'é'; len(s + 'é')  # UTF-8 before the expression": "s = 'é'; _nbddp_show(len(s + 'é'))  # UTF-8 before "
+             "the expression",
         "x;  # quiet, as IPython is": "x;  # quiet, as IPython is",
         "x = 1\ny = 2": "x = 1\ny = 2",
     }
@@ -203,7 +205,6 @@ def test_the_readmes_example_exported_from_a_session_runs_under_torchrun(runs_di
     assert "# --- cell 2 left out: it failed in the session (AttributeError: 'Tensor' object has no attribute " \
            "'summ') ---" in text
     assert re.search(r"\n_nbddp_show\(loss\.item\(\)\) +# rank 0's last expression", text)
-    bindir = Path(sys.executable).parent
     logs = tmp_path / "logs"
     run = torchrun(script, timeout=280, cwd=tmp_path, log_dir=logs)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -218,7 +219,8 @@ def test_a_notebook_that_made_accelerates_state_in_the_kernel_exports_a_script_t
     second init ("trying to initialize the default process group twice!")."""
     pytest.importorskip("accelerate")
     cells = ["%load_ext nbddp",
-             "from accelerate import PartialState\nstate = PartialState(cpu=True)  # CPU ranks: its MULTI_CPU path\nprint('processes', state.num_processes)",
+             "from accelerate import PartialState\nstate = PartialState(cpu=True)  # CPU ranks: its MULTI_CPU "
+             "path\nprint('processes', state.num_processes)",
              "%%ddp --devices 2\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
              "t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\n"
              "print(f'rank {rank} of {world_size}: index {state.process_index}, sum {t.item()}')"]

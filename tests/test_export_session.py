@@ -2,8 +2,6 @@
 without an error, known by the front end's cell id or by its text; and a script that runs to its end under
 real torchrun whatever the cells did with process groups."""
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -78,7 +76,8 @@ def test_each_cell_once_as_last_run_in_the_order_cells_first_ran():
     notes = dict((what.split(":")[0], (i, what)) for i, what in out.left_out)
     assert notes["In [2]-[12]"] == (1, "In [2]-[12]: superseded by In [13] of the same cell (cell 2 below)")
     assert notes["In [15]"] == (2, "In [15]: failed (NameError: name 'y' is not defined); cell 3 below is its In [14]")
-    assert notes["In [16], [17]"][0] == 3 and notes["In [18]"] == (None, "In [18]: the cell was deleted in the notebook")
+    assert notes["In [16], [17]"][0] == 3 and notes["In [18]"] == (None,
+                                                                   "In [18]: the cell was deleted in the notebook")
     assert notes["In [1]"][1].startswith("In [1]: superseded by In [20]")
     ran(h, "%%ddp\nprint('gone')", 22, cell_id="c")  # run again (undo, then run): back in its place
     assert h.export().cells[4] == "%%ddp\nprint('gone')"
@@ -170,8 +169,10 @@ def test_an_iterated_session_exports_each_cell_once_and_runs_under_torchrun(clea
                   "print(f'PartialState {state.process_index} of {state.num_processes}')", "partialstate")
     assert "PartialState 1 of 2" in state.stdout, state.stdout
     trainer = ("%%ddp --devices 2\n"
-               "trainer = pl.Trainer(accelerator='cpu', devices=world_size, strategy='ddp', max_epochs=1, logger=False,\n"
-               "                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)\n"
+               "trainer = pl.Trainer(accelerator='cpu', devices=world_size, strategy='ddp', max_epochs=1, "
+               "logger=False,\n"
+               "                     enable_checkpointing=False, enable_progress_bar=False, "
+               "enable_model_summary=False)\n"
                "trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=16))\n"
                "print(f'Trainer rank {trainer.global_rank} of {trainer.world_size}')")
     assert "Trainer rank 1 of 2" in ok(k, trainer, "trainer").stdout

@@ -12,7 +12,7 @@ import pytest
 from nbddp.kernel.ranks import forkserver
 from nbddp.rank import forkloop
 from nbddp.wire import fdframing
-from nbddp.wire.forkmessages import Exited, Fork, Forked, JobSet, Refused, SetJob
+from nbddp.wire.forkmessages import Fork, Forked, JobSet, Reaped, Refused, SetJob
 
 WAIT_S = 10.0
 
@@ -185,9 +185,9 @@ def test_the_kernel_keeps_the_exits_it_meets_on_the_way_to_its_reply(pair, stand
         got["message"], got["inodes"] = message, [os.fstat(fd).st_ino for fd in fds]
         for fd in fds:
             os.close(fd)
-        fdframing.send(theirs, Exited(pid=123, status=9, peak_rss=4096))
+        fdframing.send(theirs, Reaped(pid=123, status=9, peak_rss=4096))
         fdframing.send(theirs, Forked(456))
-        fdframing.send(theirs, Exited(pid=456, status=0, peak_rss=8192))
+        fdframing.send(theirs, Reaped(pid=456, status=0, peak_rss=8192))
 
     t = _later(server)
     r, w = os.pipe()

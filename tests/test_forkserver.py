@@ -3,11 +3,10 @@ reaching ranks through shared memory, in real kernels: one-shot and pool cells, 
 %load_ext and the fresh interpreter, the stand-in CUDA driver (its cuInit fails in a fork of the process that
 initialised it), memory per rank, the in-place rules, a 64 MB /dev/shm, a 1,024 open-file limit, SIGKILL."""
 import json
-import re
 import os
+import re
 import signal
 import sys
-import time
 
 import psutil
 import pytest
@@ -205,7 +204,8 @@ def test_a_kernel_with_dockers_64_mb_dev_shm_shares_a_256_mib_tensor(runs_dir, t
     monkeypatch.setenv("JUPYTER_PATH", _small_shm_kernelspec(tmp_path))
     k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)}, kernel_name="nbddp-small-shm")
     try:
-        k.ok("import os, shutil\nassert shutil.disk_usage('/dev/shm').total <= 64 * 2**20\n%load_ext nbddp\nimport torch\n")
+        k.ok("import os, shutil\nassert shutil.disk_usage('/dev/shm').total <= 64 * 2**20\n%load_ext nbddp\nimport "
+             "torch\n")
         k.ok("%ddp start --devices 2")
         k.ok("X = torch.ones(64 * 2**20)  # 256 MiB: four times /dev/shm\n")
         res = k.ok("%%ddp\nprint('sum', float(X.sum()))\n", timeout=120)

@@ -2,8 +2,8 @@
 shared object named libcuda.so.1, built here with gcc) loaded by stand-in libraries in notebook cells."""
 import pytest
 
-from kernel import Kernel, said
 from helpers import fake_nvml_in_kernel
+from kernel import Kernel, said
 from standin_driver import build
 
 pytestmark = pytest.mark.timeout(180)
@@ -96,7 +96,8 @@ def test_device_files_nvml_opened_are_no_cuda_context(fresh, standin, runs_dir):
     k = fresh()
     k.ok("import gpulib_lazy  # the driver mapped, as `import torch` does with torch 2.11's CUDA wheels\n")
     ctl = standin.devdir / "nvidiactl"
-    k.ok(f"with nbddp.hw.driverwatch.not_cuda():  # as the NVML seam opens them\n    nvml_fd = open({str(ctl)!r}, 'w')\n")
+    k.ok(f"with nbddp.hw.driverwatch.not_cuda():  # as the NVML seam opens them\n    "
+         f"nvml_fd = open({str(ctl)!r}, 'w')\n")
     assert k.value("guard.watch.devices") == [] and k.value("guard.watch.initialised is None")
     assert k.value("guard.refusal() is None")
     k.ok(f"other_fd = open({str(ctl)!r}, 'a')  # NVML opened by someone else (torch's own check, pynvml)\n")

@@ -109,7 +109,8 @@ def test_two_ranks_lost_leave_one_survivor_who_cannot_vouch_for_the_names(pool3)
     pids = start(k)
     os.kill(pids[1], signal.SIGKILL)
     os.kill(pids[2], signal.SIGKILL)
-    assert wait_for(k, f"len({POOL}.losses.history) == 2 and not {POOL}.losses.pending"), k.value(f"({POOL}.ended, [l.line() for l in {POOL}.losses.history])")
+    assert wait_for(k, f"len({POOL}.losses.history) == 2 and not {POOL}.losses.pending"), \
+        k.value(f"({POOL}.ended, [l.line() for l in {POOL}.losses.history])")
     res = k.ok("%%ddp --gather has\nhas = sorted(n for n in ('data', 'model', 'mine') if n in globals())\n")
     assert k.value("has") == [["data", "mine", "model"], [], []], "nothing a single survivor holds is copied"
     assert "only one survivor holds it" in res.stderr, res.stderr

@@ -9,9 +9,9 @@ import traceback
 import types
 
 import pytest
-from kernel import said
 
 import nbddp
+from kernel import said
 from nbddp.hw import cuda, nccl
 from nbddp.ipy import cells, session, tracebacks
 from nbddp.kernel import devices

@@ -24,7 +24,7 @@ MAY_IMPORT = {
     "kernel": {"rank", "views", "wire", "ipy", "hw", "errors", "units"},
     "export": {"kernel.options", "kernel.devices", "ipy", "errors", "units"},
     "cluster": {"kernel", "rank", "views", "wire", "ipy", "hw", "errors", "units"},
-    "integrations": {"rank"},  # the trainers' hooks, in a rank: nbddp.log (rank/scalars.py) only
+    "integrations": {"rank"},  # the trainers' hooks, in a rank: nbddp.log (rank/metrics_log.py) only
     # the public API, the command line and the demo sit on top
     "__init__": {"*"}, "cli": {"*"}, "demo": {"*"},
 }

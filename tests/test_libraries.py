@@ -1,6 +1,7 @@
 """Code users already run works inside %%ddp unchanged: TorchMetrics, Lightning, Accelerate."""
 
 import pytest
+
 from kernel import said
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,7 +36,8 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 model = Regression()
 trainer.fit(model, loader)
-print(f"lightning world {trainer.world_size} rank {trainer.global_rank} processes {len(psutil.Process(os.getppid()).children())}")
+print(f"lightning world {trainer.world_size} rank {trainer.global_rank} "
+      f"processes {len(psutil.Process(os.getppid()).children())}")
 w = model.layer.weight.detach().clone()
 others = [torch.zeros_like(w) for _ in range(world_size)]
 dist.all_gather(others, w)

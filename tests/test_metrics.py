@@ -9,8 +9,8 @@ import time
 import pytest
 
 from kernel import Kernel
-from nbddp.rank import scalars
-from nbddp.views import charts
+from nbddp.rank import metrics_log
+from nbddp.views import metrics_chart
 from nbddp.wire import messages
 
 pytestmark = pytest.mark.timeout(300)
@@ -83,7 +83,8 @@ for i in bar:
     assert "loss: rank 0 0.0333 (step 30) · rank 1 0.0333 (step 30)" in final["text/plain"], final["text/plain"]
     out = kernel.ok("df = nbddp.metrics(); cell = df[df.cell == df.cell.iloc[-1]]\n"
                     "print(sorted(cell.columns[4:]), cell.groupby('rank').step.nunique().tolist(), "
-                    "round(cell[(cell['rank'] == 0)].dropna(subset=['loss']).sort_values('step').loss.iloc[-1], 4))").stdout
+                    "round(cell[(cell['rank'] == 0)].dropna(subset=['loss']).sort_values('step').loss.iloc[-1], 4))"
+                    ).stdout
     assert "'loss'" in out, out
     counts = [int(n) for n in re.search(r"\[(\d+), (\d+)\]", out).groups()]
     assert min(counts) >= 20, out  # a row per step the bar drew (tqdm's own rate limits stay)
@@ -115,7 +116,8 @@ for step in range({first}, {first + 50}):
 """, timeout=120)
             assert res.error is None, res
             assert chart_displays(res) and "(step %d)" % (first + 49) in chart_displays(res)[-1]["text/plain"]
-        out = k.ok("import nbddp; df = nbddp.metrics(); print(df.groupby('cell').step.agg(['min', 'max']).values.tolist(), len(df))").stdout
+        out = k.ok("import nbddp; df = nbddp.metrics(); print(df.groupby('cell').step.agg(['min', "
+                   "'max']).values.tolist(), len(df))").stdout
         assert "[[0, 49], [50, 99]] 200" in out, out
 
         k.ok("""%%ddp --bg
@@ -135,13 +137,14 @@ for step in range(200):
         k.ok("%ddp wait")
         attached = k.run("%ddp attach", timeout=120)  # the background cell's output again: its line and charts
         line = next(d["data"] for d in attached.displays if "nbddp-line" in d.get("data", {}).get("text/html", ""))
-        assert "nbddp-charts" in line["text/html"] and "loss: rank 0 1 (step 199) · rank 1 1 (step 199)" in line["text/plain"], line
+        assert "nbddp-charts" in line["text/html"], line
+        assert "loss: rank 0 1 (step 199) · rank 1 1 (step 199)" in line["text/plain"], line
         k.ok("%ddp stop")
 
 
 # -- the parts, directly ------------------------------------------------------------------------------
 def test_a_batch_is_one_column_per_name_with_nan_where_a_call_did_not_log_it():
-    rec = scalars._columns([(0, 1.0, {"loss": 2.0}), (1, 2.0, {"lr": 0.1}), (2, 3.0, {"loss": 1.0, "lr": 0.2}),
+    rec = metrics_log._columns([(0, 1.0, {"loss": 2.0}), (1, 2.0, {"lr": 0.1}), (2, 3.0, {"loss": 1.0, "lr": 0.2}),
                             (3, 4.0, {"note": "text"})])
     assert rec.steps == (0, 1, 2) and rec.times == (1.0, 2.0, 3.0)
     assert rec.values["loss"][0] == 2.0 and math.isnan(rec.values["loss"][1]) and rec.values["loss"][2] == 1.0
@@ -149,28 +152,28 @@ def test_a_batch_is_one_column_per_name_with_nan_where_a_call_did_not_log_it():
 
 
 def test_outside_a_rank_log_does_nothing_and_costs_next_to_nothing():
-    assert scalars._state["chan"] is None
+    assert metrics_log._state["chan"] is None
     start = time.perf_counter()
     for _ in range(10_000):
-        scalars.log(loss=1.0)
-    assert not scalars._queue
+        metrics_log.log(loss=1.0)
+    assert not metrics_log._queue
     assert (time.perf_counter() - start) / 10_000 < 10e-6
 
 
 def test_a_series_keeps_at_most_max_points_and_always_its_last():
-    s = charts.Series()
+    s = metrics_chart.Series()
     for start in range(0, 100_000, 2500):  # batches, as the ranks send them
         s.extend(list(range(start, start + 2500)), [float(i) for i in range(start, start + 2500)])
     s.extend([100_000, 100_001], [math.nan, 5.0])  # (NaN: not logged at that step)
     pts = s.points()
-    assert len(pts) <= charts.MAX_POINTS + 1 and pts[0] == (0, 0.0) and pts[-1] == (100_001, 5.0)
+    assert len(pts) <= metrics_chart.MAX_POINTS + 1 and pts[0] == (0, 0.0) and pts[-1] == (100_001, 5.0)
     steps = [p[0] for p in pts[:-1]]
     gaps = {b - a for a, b in zip(steps, steps[1:])}
     assert len(gaps) <= 2 and max(gaps) <= 2 * min(gaps), gaps  # evenly spread over the run
 
 
 def test_past_eight_ranks_a_panel_draws_median_band_and_outliers():
-    chart = charts.Chart()
+    chart = metrics_chart.Chart()
     for rank in range(12):
         chart.add(rank, messages.Scalars((0, 1, 2), (0.0, 1.0, 2.0), {"loss": (1.0, 0.5, 9.0 if rank == 7 else 0.2)}))
     html = chart.html()
@@ -179,18 +182,18 @@ def test_past_eight_ranks_a_panel_draws_median_band_and_outliers():
 
 
 def test_the_slow_rank_is_named_at_125_percent_of_the_median_not_below():
-    assert charts.slow_rank({0: 0.10, 1: 0.10, 2: 0.124}) is None
-    said = charts.slow_rank({0: 0.10, 1: 0.10, 2: 0.16})
+    assert metrics_chart.slow_rank({0: 0.10, 1: 0.10, 2: 0.124}) is None
+    said = metrics_chart.slow_rank({0: 0.10, 1: 0.10, 2: 0.16})
     assert said.startswith("rank 2: 1.6× the median step time"), said
-    assert charts.slow_rank({0: 0.1}) is None
+    assert metrics_chart.slow_rank({0: 0.1}) is None
 
 
 def test_a_bars_postfix_numbers_are_its_scalars():
     bar = messages.Progress(0, {"n": 5, "postfix": "loss=0.310, lr=1e-3, tag=x"}, "")
     assert bar.scalars == {"loss": 0.31, "lr": 0.001}
     seen = {}
-    assert charts.logged(0, bar, seen).values == {"loss": (0.31,), "lr": (0.001,)}
-    assert charts.logged(0, bar, seen) is None  # a redraw at the same step adds nothing
+    assert metrics_chart.logged(0, bar, seen).values == {"loss": (0.31,), "lr": (0.001,)}
+    assert metrics_chart.logged(0, bar, seen) is None  # a redraw at the same step adds nothing
 
 
 # -- where users already log: Hugging Face Trainer, Lightning ---------------------------------------
@@ -198,8 +201,8 @@ HF_CELL = """%%ddp --devices 2
 import torch, nbddp.integrations
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 torch.manual_seed(0)
-model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-    intermediate_size=32, max_position_embeddings=16, num_labels=2))
+model = BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+    num_attention_heads=2, intermediate_size=32, max_position_embeddings=16, num_labels=2))
 class Toy(torch.utils.data.Dataset):
     def __len__(self):
         return 32
@@ -237,7 +240,8 @@ print('steps', trainer.global_step)
 
 def logged_by_rank(k, column: str) -> str:
     return k.ok(f"import nbddp; df = nbddp.metrics(); df = df[df.cell == df.cell.iloc[-1]]\n"
-                f"print(df.dropna(subset=[{column!r}]).groupby('rank').step.agg(['count', 'max']).values.tolist())").stdout
+                f"print(df.dropna(subset=[{column!r}]).groupby('rank').step.agg(['count', 'max']).values.tolist())"
+                ).stdout
 
 
 def test_a_hugging_face_trainers_logs_reach_the_charts_through_nbddps_callback(tmp_path):
@@ -263,9 +267,9 @@ def test_lightnings_self_log_reaches_the_charts_through_nbddps_logger():
 
 
 def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first_appears(tmp_path):
-    from nbddp.kernel.metrics import Store
+    from nbddp.kernel.metrics import Logbook
 
-    store, run = Store(), str(tmp_path)
+    store, run = Logbook(), str(tmp_path)
     store.add("In [1]", run, 0, messages.Scalars((0, 1), (1.0, 2.0), {"loss": (2.0, 1.0)}))
     store.add("In [1]", "elsewhere", 0, messages.Scalars((0,), (1.0,), {"other": (9.0,)}))
     store.write_csv(run)
@@ -276,24 +280,25 @@ def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first
     store.add("In [3]", run, 0, messages.Scalars((3,), (4.0,), {"loss": (0.25,), "lr": (0.1,)}))
     store.write_csv(run)  # a new name: the file anew, with its column
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
-    assert lines[0] == "cell,rank,step,time,loss,lr" and lines[1] == "In [1],0,0,1.0,2.0," and lines[-1] == "In [3],0,3,4.0,0.25,0.1"
+    assert lines[0] == "cell,rank,step,time,loss,lr" and lines[1] == "In [1],0,0,1.0,2.0,"
+    assert lines[-1] == "In [3],0,3,4.0,0.25,0.1"
     assert len(lines) == 5
 
 
 def test_an_infinite_or_missing_value_is_left_out_of_the_drawing_and_never_breaks_it():
-    chart = charts.Chart()
+    chart = metrics_chart.Chart()
     chart.add(0, messages.Scalars((0, 1, 2), (0.0, 1.0, 2.0), {"loss": (1.0, math.inf, 0.5), "gn": (math.nan,) * 3}))
     assert "<svg" in chart.html() and "loss: rank 0 0.5 (step 2)" in chart.text()
-    many = charts.Chart()
+    many = metrics_chart.Chart()
     for rank in range(10):  # past MAX_LINES ranks, every value of a name missing: nothing to draw, no exception
         many.add(rank, messages.Scalars((0,), (0.0,), {"gn": (math.nan,)}))
     assert many.html() == "" or "<svg" not in many.html()
 
 
 def test_a_scalar_named_as_a_column_is_kept_beside_it(tmp_path):
-    from nbddp.kernel.metrics import Store
+    from nbddp.kernel.metrics import Logbook
 
-    store = Store()
+    store = Logbook()
     store.add("In [1]", str(tmp_path), 0, messages.Scalars((7,), (1.0,), {"step": (3.0,), "loss": (0.5,)}))
     cols = store.columns()
     assert cols["step"] == [7] and cols["step_"] == [3.0] and cols["loss"] == [0.5]
@@ -304,8 +309,8 @@ def test_a_batch_that_cannot_be_sent_never_reaches_the_cell(monkeypatch):
         def send(self, record):
             raise BrokenPipeError("the kernel is gone")
 
-    monkeypatch.setitem(scalars._state, "chan", Gone())
-    scalars.log(loss=10 ** 400)  # (no float can hold it: left out, said once)
-    scalars.log(loss=1.0)
-    scalars.flush()  # neither the value nor the pipe raises
-    assert not scalars._queue
+    monkeypatch.setitem(metrics_log._state, "chan", Gone())
+    metrics_log.log(loss=10 ** 400)  # (no float can hold it: left out, said once)
+    metrics_log.log(loss=1.0)
+    metrics_log.flush()  # neither the value nor the pipe raises
+    assert not metrics_log._queue

@@ -37,7 +37,8 @@ def test_the_build_refuses_such_an_output():
         "[rank1]:/work/main/.venv/lib/python3.11/site-packages/lib/x.py:21: DeprecationWarning: old\n"))]
     assert len(build.machine_bound(nb)) >= 2  # the path and the warning
     home = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x")])
-    home.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"logs: {Path.home()}/.cache/nbddp/runs/1\n")]
+    home.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout",
+                                                    text=f"logs: {Path.home()}/.cache/nbddp/runs/1\n")]
     build.without_home(home)
     assert home.cells[0].outputs[0]["text"] == "logs: ~/.cache/nbddp/runs/1\n" and not build.machine_bound(home)
 

@@ -6,9 +6,8 @@ import re
 import pytest
 
 import nbddp
-from nbddp.kernel import options
-
 from helpers import pool_pids
+from nbddp.kernel import options
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -195,7 +194,8 @@ def test_export_keeps_going_past_a_line_the_magic_refused():
 def test_help_opens_with_usage_and_an_example_and_shows_no_rest_markup():
     from nbddp.kernel.magic import DDPMagics
 
-    for doc, usage in ((DDPMagics.ddp.__doc__, "%%ddp [options]"), (DDPMagics.ddp_pool.__doc__, "%ddp start [options]")):
+    for doc, usage in ((DDPMagics.ddp.__doc__, "%%ddp [options]"),
+                       (DDPMagics.ddp_pool.__doc__, "%ddp start [options]")):
         lines = doc.splitlines()
         assert lines[0].startswith(usage) and lines[2].lstrip().startswith(usage.split()[0]), lines[:4]
         assert "``" not in doc and "::" not in [ln.strip() for ln in lines], doc[:300]

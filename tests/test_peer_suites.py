@@ -7,6 +7,7 @@ from pathlib import Path
 
 import accelerate
 import pytest
+
 from kernel import said
 
 pytestmark = pytest.mark.timeout(600)
@@ -57,7 +58,8 @@ def test_fsdp2_and_distributed_checkpoint_in_a_cell(clean_kernel, tmp_path):
         "opt = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
         "x = torch.randn(64, 16); y = x.sum(1, keepdim=True)\n"
         "for _ in range(20):\n"
-        "    opt.zero_grad(); loss = torch.nn.functional.mse_loss(model(x[rank::2]), y[rank::2]); loss.backward(); opt.step()\n"
+        "    opt.zero_grad(); loss = torch.nn.functional.mse_loss(model(x[rank::2]), y[rank::2]); loss.backward(); "
+                          "opt.step()\n"
         "shard_rows = model[0].weight.to_local().shape[0]\n"
         f"dcp.save({{'model': model.state_dict()}}, checkpoint_id={str(ckpt)!r})\n"
         "restored = {'model': model.state_dict()}\n"

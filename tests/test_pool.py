@@ -6,9 +6,9 @@ import time
 import psutil
 import pytest
 
-from torchrun import torchrun
 from helpers import pool_in, pool_pids
 from kernel import Kernel, said
+from torchrun import torchrun
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,14 +30,16 @@ def test_state_lives_across_cells_and_the_same_ranks_answer(pool):
     assert sorted(k.value("pid")) == sorted(pids), "the pool's own ranks ran the cell"
     status = k.ok("%ddp status").displays[-1]["data"]["text/plain"]  # the pool's dashboard, once more
     assert re.search(r"nbddp pool · 2 ranks · cpu/gloo · idle · up .* · 2 cells run", status), status
-    assert re.search(r"^0\s+\d+\s+cpu\s+idle\s+[\d.]+ [KMG]iB\s+[\d.]+ [KMG]iB\s+\S+ [\d.]+ [KMG]iB–[\d.]+ [KMG]iB$", status, re.M), status
+    assert re.search(r"^0\s+\d+\s+cpu\s+idle\s+[\d.]+ [KMG]iB\s+[\d.]+ [KMG]iB\s+\S+ [\d.]+ [KMG]iB–[\d.]+ [KMG]iB$",
+                     status, re.M), status
 
 
 def test_a_name_rebound_in_the_notebook_is_sent_once_and_ranks_keep_their_own(pool):
     k = pool
     k.ok("big = torch.arange(1_000_000)\nlr = 0.1")
     first = k.ok("%%ddp --gather seen\nseen = (big.sum().item(), lr)\n")
-    assert re.search(r"nbddp: sent big \(torch.Tensor, [\d.]+ MiB in shared memory\), lr \(float, \d+ B\) to every rank", first.stderr), first.stderr
+    assert re.search(r"nbddp: sent big \(torch.Tensor, [\d.]+ MiB in shared memory\), "
+                     r"lr \(float, \d+ B\) to every rank", first.stderr), first.stderr
     assert k.value("seen") == [(499999500000, 0.1)] * 2
     again = k.ok("%%ddp --gather seen\nseen = (big.sum().item(), lr)\n")
     assert "sent" not in again.stderr, "a value the ranks already have is not sent again"
@@ -182,8 +184,10 @@ def test_rich_outputs_and_out_work_in_the_pool(pool):
 def test_python_api():
     with Kernel(env={}) as k:
         res = k.ok("import nbddp, torch, torch.distributed as dist\n"
-                   "def total(x):\n    t = torch.tensor([float(x + dist.get_rank())])\n    dist.all_reduce(t)\n    return t.item()\n"
-                   "with nbddp.Pool(devices=2) as pool:\n    print(pool.run(total, 1), pool.run(total, 10))\n", timeout=120)
+                   "def total(x):\n    t = torch.tensor([float(x + dist.get_rank())])\n    dist.all_reduce(t)\n    "
+                   "return t.item()\n"
+                   "with nbddp.Pool(devices=2) as pool:\n    print(pool.run(total, 1), pool.run(total, 10))\n",
+                   timeout=120)
         assert "[3.0, 3.0] [21.0, 21.0]" in res.stdout
         assert not k.process().children(recursive=True)
 
@@ -271,7 +275,8 @@ def test_one_namespace_rule_notebook_helpers_see_what_the_ranks_built_and_the_la
     k.ok("lr = 0.02")
     k.ok("%%ddp --gather v2\nv2 = show()\n")  # the cell never names lr: the rank's function reads it
     assert k.value("v2") == [0.02, 0.02], "before: the old value"
-    k.ok("class Scaler:\n    factor = 3\n    def apply(self):\n        return model.weight.sum().item() * self.factor\n")
+    k.ok("class Scaler:\n    factor = 3\n    def apply(self):\n"
+         "        return model.weight.sum().item() * self.factor\n")
     k.ok("%%ddp --gather v3\nv3 = Scaler().apply()\n")
     assert k.value("v3") == [0.0, 6.0]
 

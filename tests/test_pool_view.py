@@ -36,7 +36,8 @@ def wait_update(k, display_id: str, predicate, timeout: float = 20, on_text=None
 
 def own_line(res) -> str:
     """A pool cell's own line, as it was drawn last."""
-    return [d for d in res.displays if d.get("transient", {}).get("display_id", "").startswith("nbddp-line-")][-1]["data"]["text/plain"]
+    return [d for d in res.displays
+            if d.get("transient", {}).get("display_id", "").startswith("nbddp-line-")][-1]["data"]["text/plain"]
 
 
 def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(clean_kernel):
@@ -69,7 +70,8 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         assert "Cell In[" in after and " · ok" in after
         life = [line for line in after.splitlines() if line.startswith(("0 ", "1 "))]
         assert len(life) == 2 and all(re.search(r"iB–[\d.]+ [MG]iB$", line) for line in life), after
-        top = [float(n) * (1024 if unit == "GiB" else 1) for n, unit in (line.rsplit("–", 1)[1].split() for line in life)]
+        top = [float(n) * (1024 if unit == "GiB" else 1)
+               for n, unit in (line.rsplit("–", 1)[1].split() for line in life)]
         assert all(t >= 64 for t in top), f"the 64 MiB each rank allocated shows in its history: {after}"
         # a quick cell adds a line too; a failed one says so
         kinds = []
@@ -92,7 +94,8 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         stop = k.ok("%ddp stop")
     final = [d["data"]["text/plain"] for d in stop.displays if d.get("transient", {}).get("display_id") == did]
     assert final and re.search(r"· stopped · was up \d+ s · 3 cells run", final[-1]), stop.displays
-    assert re.search(r"^0\s+\d+\s+cpu\s+stopped\s+\S+ [\d.]+ [KMG]iB–[\d.]+ [KMG]iB$", final[-1], re.MULTILINE), final[-1]  # no memory now
+    assert re.search(r"^0\s+\d+\s+cpu\s+stopped\s+\S+ [\d.]+ [KMG]iB–[\d.]+ [KMG]iB$", final[-1],
+                     re.MULTILINE), final[-1]  # no memory now
     assert "idle" not in final[-1] and "RSS  " not in final[-1]
 
 
@@ -109,7 +112,8 @@ def test_pool_cells_looped_in_one_notebook_cell_show_their_lines_while_it_runs(c
                              f"    get_ipython().run_cell_magic('ddp', '', 'x = rank + ' + str(i) + ';')\n"
                              f"time.sleep(2)")
 
-            def watch(kind, content):  # each line's final state (its place, reserved as its cell began, filled)
+            # each line's final state (its place, reserved as its cell began, filled)
+            def watch(kind, content, got=got):
                 if kind == "update_display_data" and content["data"]["text/plain"].startswith("nbddp pool · "):
                     got.append(time.monotonic())
 
@@ -117,10 +121,12 @@ def test_pool_cells_looped_in_one_notebook_cell_show_their_lines_while_it_runs(c
             done = time.monotonic()
             assert res.status == "ok" and len(got) == rounds, res
             lines = [d["data"]["text/plain"] for d in res.displays
-                     if d["transient"].get("display_id", "").startswith("nbddp-line-") and "· running" not in d["data"]["text/plain"]]
+                     if d["transient"].get("display_id", "").startswith("nbddp-line-")
+                     and "· running" not in d["data"]["text/plain"]]
             assert len(lines) == rounds and all(re.fullmatch(r"nbddp pool · cell on ranks 0-1 · [\d.]+ ms · ok", t)
                                                 for t in lines), res.displays
-            assert done - got[-1] > 1.0, f"the lines came with the cell's end, not while it ran ({done - got[-1]:.2f} s)"
+            assert done - got[-1] > 1.0, \
+                f"the lines came with the cell's end, not while it ran ({done - got[-1]:.2f} s)"
         # idle past IDLE_S: the tick stops, every line sent (waited for, with a deadline)
         deadline, state = time.monotonic() + 20, None
         while time.monotonic() < deadline:
@@ -143,7 +149,8 @@ def test_a_pool_cells_line_is_queued_on_this_ipykernels_io_thread_or_sent_the_or
     try:
         k.ok("sent, ev = [], threading.Event()\n"
              "queued = iopub.queue_without_wake(get_ipython().display_pub.pub_socket,\n"
-             "                                  lambda sock: (sent.append(threading.current_thread().name), ev.set()))\n"
+             "                                  lambda sock: (sent.append(threading.current_thread().name), "
+             "ev.set()))\n"
              "ev.wait(5)")
         assert k.value("queued") is True, "the line cannot be queued on this ipykernel's IO thread"
         assert k.value("sent") and k.value("sent[0] != threading.main_thread().name"), k.value("sent")
@@ -154,7 +161,8 @@ def test_a_pool_cells_line_is_queued_on_this_ipykernels_io_thread_or_sent_the_or
             res = k.ok("%%ddp\nx = rank")
             lines = [re.sub(r"[\d.]+ ms", "T ms", d["data"]["text/plain"]) for d in res.displays
                      if d.get("transient", {}).get("display_id", "").startswith("nbddp-line-")]
-            assert lines == ["nbddp pool · cell on ranks 0-1 · running", "nbddp pool · cell on ranks 0-1 · T ms · ok"], \
+            assert lines == ["nbddp pool · cell on ranks 0-1 · running",
+                             "nbddp pool · cell on ranks 0-1 · T ms · ok"], \
                 (queued, res.displays)
             shown.setdefault(queued, lines)
         assert shown[True] == shown[False]

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from nbddp.kernel import profiles
-from nbddp.rank import profiling
+from nbddp.kernel import profile
+from nbddp.rank import profile_session
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -53,7 +53,7 @@ def check_straggler(k, res):
         assert (info["backend"], info["rank"], info["world_size"]) == ("gloo", rank, 2), info
     rows = json.loads(ast.literal_eval(k.ok("import nbddp\nnbddp.profile().to_json(orient='records')").result))
     assert [r["rank"] for r in rows] == [0, 1] and all(r["steps"] == STEPS for r in rows), rows
-    assert list(rows[0]) == list(profiles.COLUMNS)
+    assert list(rows[0]) == list(profile.COLUMNS)
     r0, r1 = rows
     assert r0["wait_s"] - r1["wait_s"] >= 0.3, rows  # rank 0 waits ~50 ms a step for rank 1
     for r in rows:
@@ -73,9 +73,10 @@ def test_pool_cell_profiles_too_and_a_cell_without_the_flag_profiles_nothing(poo
     k = pool
     check_straggler(k, k.ok(f"%%ddp --profile {STEPS}\n" + TRAIN))
     before = set(glob.glob(f"{runs_dir}/**/*.trace.json", recursive=True))
-    res = k.ok("%%ddp --gather hooks on\n" + TRAIN + "from torch.optim import optimizer\nimport torch.autograd.profiler as ap\n"
-               "from nbddp.rank import profiling\nhooks = len(optimizer._global_optimizer_post_hooks)\n"
-               "on = ap._is_profiler_enabled or profiling._session is not None\n")
+    res = k.ok("%%ddp --gather hooks on\n" + TRAIN + "from torch.optim import optimizer\nimport "
+               "torch.autograd.profiler as ap\n"
+               "from nbddp.rank import profile_session\nhooks = len(optimizer._global_optimizer_post_hooks)\n"
+               "on = ap._is_profiler_enabled or profile_session._session is not None\n")
     assert k.value("hooks") == [0, 0] and k.value("on") == [False, False], "no hook, no profiler without --profile"
     assert not [d for d in res.displays if d.get("data", {}).get("text/plain", "").startswith("nbddp profile")]
     assert set(glob.glob(f"{runs_dir}/**/*.trace.json", recursive=True)) == before, "no trace written"
@@ -83,12 +84,12 @@ def test_pool_cell_profiles_too_and_a_cell_without_the_flag_profiles_nothing(poo
 
 def test_steps_without_an_optimizer_and_no_steps_at_all(clean_kernel):
     k = clean_kernel
-    shown = profile_shown(k.ok("%%ddp --devices 2 --profile 2\nimport time\nfrom nbddp.rank import profiling\n"
-                               "for _ in range(5):\n    time.sleep(0.01)\n    profiling.step()\n"))
+    shown = profile_shown(k.ok("%%ddp --devices 2 --profile 2\nimport time\nfrom nbddp.rank import profile_session\n"
+                               "for _ in range(5):\n    time.sleep(0.01)\n    profile_session.step()\n"))
     assert re.search(r"nbddp profile · 2 rank\(s\) · 2 step\(s\)", shown), shown
     assert re.search(r"^rank \d's step is|^no straggler|is the straggler", shown, re.M), shown
-    short = profile_shown(k.ok("%%ddp --devices 2 --profile 10\nfrom nbddp.rank import profiling\n"
-                               "for _ in range(4):\n    profiling.step()\n"))
+    short = profile_shown(k.ok("%%ddp --devices 2 --profile 10\nfrom nbddp.rank import profile_session\n"
+                               "for _ in range(4):\n    profile_session.step()\n"))
     assert "nbddp profile · 2 rank(s) · 3 step(s) (of 10 asked: the cell ended first)" in short, short
     none = k.ok("%%ddp --devices 2 --profile\nx = 1\n")
     assert "nbddp: --profile: no optimizer step or logged step happened: nothing was profiled\n" in none.stderr, none
@@ -120,23 +121,25 @@ def test_waiting_is_the_time_past_the_latest_arrival():
     summary = {"steps": 2, "step_s": 1.0, "compute_s": 0.3, "comm_s": 0.4, "data_s": 0.1, "other_s": 0.2}
     r0 = {**summary, "rank": 0, "trace": "a", "collectives": [("all_reduce", 10.0, 0.25), ("broadcast", 11.0, 0.05)]}
     r1 = {**summary, "rank": 1, "trace": "b", "collectives": [("all_reduce", 10.2, 0.05), ("broadcast", 10.9, 0.3)]}
-    p = profiles.combine([r1, r0])
+    p = profile.combine([r1, r0])
     assert [row["rank"] for row in p.rows] == [0, 1]
     assert p.rows[0]["wait_s"] == pytest.approx(0.2) and p.rows[1]["wait_s"] == pytest.approx(0.1)
-    assert p.verdict.startswith("rank 1 is the straggler: rank 0 spends 20 % of its step waiting in all_reduce for rank 1")
+    assert p.verdict.startswith("rank 1 is the straggler: rank 0 spends 20 % of its step waiting in all_reduce for "
+                                "rank 1")
 
 
 @pytest.mark.timeout(10)
 def test_summary_splits_the_window_by_the_rules():
     """comm first, then data loading, then the step thread's ops; other is the rest of the window."""
     X = "X"
-    ev = [{"ph": X, "name": profiling.MARK_START, "ts": 0, "dur": 1, "tid": 7, "cat": "user_annotation"},
+    ev = [{"ph": X, "name": profile_session.MARK_START, "ts": 0, "dur": 1, "tid": 7, "cat": "user_annotation"},
           {"ph": X, "name": "aten::mm", "ts": 10, "dur": 40, "tid": 7, "cat": "cpu_op"},
           {"ph": X, "name": "gloo:all_reduce", "ts": 40, "dur": 30, "tid": 9, "cat": "user_annotation"},
-          {"ph": X, "name": "enumerate(DataLoader)#_X.__next__", "ts": 80, "dur": 10, "tid": 7, "cat": "user_annotation"},
+          {"ph": X, "name": "enumerate(DataLoader)#_X.__next__", "ts": 80, "dur": 10, "tid": 7,
+           "cat": "user_annotation"},
           {"ph": X, "name": "aten::add", "ts": 85, "dur": 2, "tid": 8, "cat": "cpu_op"},  # another thread: not compute
-          {"ph": X, "name": profiling.MARK_STOP, "ts": 99, "dur": 1, "tid": 7, "cat": "user_annotation"}]
-    s = profiling.summarise({"traceEvents": ev}, t0=100.0)
+          {"ph": X, "name": profile_session.MARK_STOP, "ts": 99, "dur": 1, "tid": 7, "cat": "user_annotation"}]
+    s = profile_session.summarise({"traceEvents": ev}, t0=100.0)
     assert s["step_s"] == pytest.approx(100e-6)
     assert (s["comm_s"], s["data_s"], s["compute_s"]) == pytest.approx((30e-6, 10e-6, 30e-6))
     assert s["other_s"] == pytest.approx(30e-6)
@@ -149,15 +152,15 @@ def test_on_a_gpu_nccls_kernels_are_communication_todays_names_included():
     ``ncclDevKernel_*`` (which Holistic Trace Analysis takes for compute), are communication; the other kernels
     are compute; the CPU's own ops are not counted twice."""
     X = "X"
-    ev = [{"ph": X, "name": profiling.MARK_START, "ts": 0, "dur": 1, "tid": 7, "cat": "user_annotation"},
+    ev = [{"ph": X, "name": profile_session.MARK_START, "ts": 0, "dur": 1, "tid": 7, "cat": "user_annotation"},
           {"ph": X, "name": "aten::mm", "ts": 2, "dur": 5, "tid": 7, "cat": "cpu_op"},
           {"ph": X, "name": "ampere_sgemm_128x64_tn", "ts": 10, "dur": 30, "tid": 20, "cat": "kernel"},
           {"ph": X, "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "ts": 40,
            "dur": 25, "tid": 21, "cat": "kernel"},
           {"ph": X, "name": "ncclKernel_AllGather_RING_LL_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)",
            "ts": 70, "dur": 10, "tid": 21, "cat": "kernel"},
-          {"ph": X, "name": profiling.MARK_STOP, "ts": 99, "dur": 1, "tid": 7, "cat": "user_annotation"}]
-    s = profiling.summarise({"traceEvents": ev}, t0=0.0)
+          {"ph": X, "name": profile_session.MARK_STOP, "ts": 99, "dur": 1, "tid": 7, "cat": "user_annotation"}]
+    s = profile_session.summarise({"traceEvents": ev}, t0=0.0)
     assert (s["comm_s"], s["compute_s"]) == pytest.approx((35e-6, 30e-6))
     assert [name for name, _, _ in s["collectives"]] == ["AllReduce", "AllGather"]
 
@@ -167,7 +170,8 @@ def test_waits_of_collectives_that_overlap_count_once_and_unmatched_ranks_are_sa
     summary = {"steps": 1, "step_s": 1.0, "compute_s": 0.1, "comm_s": 0.6, "data_s": 0.0, "other_s": 0.3}
     r0 = {**summary, "rank": 0, "trace": "a", "collectives": [("all_reduce", 10.0, 0.5), ("all_reduce", 10.0, 0.5)]}
     r1 = {**summary, "rank": 1, "trace": "b", "collectives": [("all_reduce", 10.4, 0.1), ("all_reduce", 10.4, 0.1)]}
-    assert profiles.combine([r0, r1]).rows[0]["wait_s"] == pytest.approx(0.4)
+    assert profile.combine([r0, r1]).rows[0]["wait_s"] == pytest.approx(0.4)
     r1_short = {**r1, "collectives": r1["collectives"][:1]}
-    p = profiles.combine([r0, r1_short])
-    assert all(row["wait_s"] == 0 for row in p.rows) and any("different numbers of collectives" in x for x in p.problems)
+    p = profile.combine([r0, r1_short])
+    assert all(row["wait_s"] == 0 for row in p.rows) and any("different numbers of collectives" in x
+                                                             for x in p.problems)

@@ -86,7 +86,8 @@ def stop(ranks, link, local=7, reason="breakpoint"):
 
 def went_on(ranks, link, local=7):
     """pydevd's `continued` (it says it after a continue the panel asked for too, every thread of the rank)."""
-    ranks._rank_event(link, {"type": "event", "event": "continued", "body": {"threadId": local, "allThreadsContinued": True}})
+    ranks._rank_event(link,
+                      {"type": "event", "event": "continued", "body": {"threadId": local, "allThreadsContinued": True}})
 
 
 def request(router, command, **arguments):
@@ -250,8 +251,10 @@ def test_a_pause_where_no_cell_is_runs_on_unseen_and_one_in_a_cell_is_said(monke
     for local in (7, 8):
         ranks._paused(r0, {"type": "event", "event": "stopped", "body": {"threadId": local, "reason": "pause"}})
     assert ("continue", {"threadId": 7}) in r0.session.sent and r0.quiet == {7}
-    assert ranks.stopped() == [(r0, 8)] and [b["threadId"] for b in events(kernel, "stopped")] == [ranks.threads.out(r0, 8)]
-    ranks._rank_event(r0, {"type": "event", "event": "continued", "body": {"threadId": 7, "allThreadsContinued": False}})
+    assert ranks.stopped() == [(r0, 8)] and [b["threadId"]
+                                             for b in events(kernel, "stopped")] == [ranks.threads.out(r0, 8)]
+    ranks._rank_event(r0,
+                      {"type": "event", "event": "continued", "body": {"threadId": 7, "allThreadsContinued": False}})
     assert events(kernel, "continued") == [] and r0.quiet == set()  # its continued unsaid too
 
 
@@ -292,7 +295,8 @@ def test_without_pydevds_private_parts_ranks_start_as_without_the_panel(monkeypa
 
 def test_the_gate_names_what_this_debugpy_lacks(monkeypatch):
     pytest.importorskip("debugpy")
-    monkeypatch.setattr(debugpanel, "REQUIRED", (*debugpanel.REQUIRED, ("pydevd_tracing", ("renamed_in_2030",), "the future")))
+    monkeypatch.setattr(debugpanel, "REQUIRED",
+                        (*debugpanel.REQUIRED, ("pydevd_tracing", ("renamed_in_2030",), "the future")))
     parts, why = debugpanel._check()
     assert parts is None and "its pydevd has no pydevd_tracing.renamed_in_2030 (the future)" in why, why
     monkeypatch.setattr(debugpanel, "REQUIRED", debugpanel.REQUIRED[:-1])

@@ -7,10 +7,11 @@ import time
 
 import psutil
 import pytest
+
 from kernel import Kernel, said
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'nbddp[ray]'")
-from ray.cluster_utils import Cluster
+from ray.cluster_utils import Cluster  # noqa: E402 - only where Ray is installed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -198,10 +199,12 @@ def test_an_interrupt_frees_a_rank_stuck_in_a_collective_across_nodes_and_the_po
     k, _ = pool
     k.ok("%%ddp\nkept = rank + 100\n")
     res = k.interrupt_when(f"%%ddp\nimport time, torch.distributed as dist\nprint('up', flush=True)\n"
-                           f"if rank == {stuck}:\n    dist.barrier()\nelse:\n    while True:\n        time.sleep(0.01)\n",
+                           f"if rank == {stuck}:\n    dist.barrier()\nelse:\n    while True:\n        "
+                           "time.sleep(0.01)\n",
                            "up", 2, timeout=60)
     assert res.error and res.error["ename"] == "KeyboardInterrupt", res
-    assert f"its process group was made anew to free rank(s) {stuck} from a collective" in res.error_text, res.error_text
+    assert f"its process group was made anew to free rank(s) {stuck} from a collective" in res.error_text, \
+        res.error_text
     k.ok("%%ddp --gather kept\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2\n")
     assert k.value("kept") == [100, 101]
 
@@ -308,7 +311,8 @@ def test_a_killed_rank_ends_the_pool_naming_rank_and_node(pool, victim):
     res = k.run(f"%%ddp\nimport signal\nimport torch.distributed as dist\nif rank == {victim}:\n"
                 "    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(torch.ones(1))\n", timeout=60)
     text = res.error_text
-    assert re.search(rf"rank {victim} on node {victim} \(\S+, ray [0-9a-f]{{8}}\) failed: killed by SIGKILL", text), text
+    assert re.search(rf"rank {victim} on node {victim} \(\S+, ray [0-9a-f]{{8}}\) failed: killed by SIGKILL",
+                     text), text
     assert "The pool has ended" in text, text
     assert not wait_gone(pids), "every rank is gone"
     status = k.ok("%ddp status").stdout
@@ -316,7 +320,8 @@ def test_a_killed_rank_ends_the_pool_naming_rank_and_node(pool, victim):
 
 
 def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_rank_nor_group(rk):
-    rk.ok("import signal\nfrom nbddp.kernel.ranks import groupstore\n_wait, _close = ray.wait, groupstore.LocalStores.close\n"
+    rk.ok("import signal\nfrom nbddp.kernel.ranks import groupstore\n_wait, _close = ray.wait, "
+          "groupstore.LocalStores.close\n"
           "def interrupted(f):\n    def call(*a, **k):\n        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, now\n"
           "        return f(*a, **k)\n    return call\n")
     rk.ok("ray.wait = interrupted(_wait)")  # while Ray places the pool's group
@@ -402,13 +407,15 @@ def test_no_interface_for_the_nodes_ray_address_is_refused_naming_nbddp_ifname(r
     finally:
         rk.ok("netif.ifname_for = _ifname_for")
     text = res.error_text
-    assert re.search(r"the kernel's node \(node 0\): its Ray address \S+ is on none of its network interfaces", text), text
+    assert re.search(r"the kernel's node \(node 0\): its Ray address \S+ is on none of its network interfaces",
+                     text), text
     assert "NBDDP_IFNAME" in text and "Nothing ran" in text, text
     assert rk.value(PLACEMENT_GROUPS) == ["REMOVED"], "the refused start left its placement group"
 
 
 def test_the_python_api_runs_a_function_on_every_node(rk):
-    res = rk.ok("import nbddp, torch.distributed as dist\ndef total(x):\n    t = torch.ones(1) * x * (dist.get_rank() + 1)\n"
+    res = rk.ok("import nbddp, torch.distributed as dist\ndef total(x):\n    t = torch.ones(1) * x * (dist.get_rank() "
+                "+ 1)\n"
                 "    dist.all_reduce(t)\n    return t.item(), os.environ['NODE_RANK']\n"
                 "with nbddp.Pool(cluster='ray', nodes=2, devices=1) as p:\n    print(p.run(total, 2))\n", timeout=120)
     assert "[(6.0, '0'), (6.0, '1')]" in res.stdout, res.stdout + res.stderr

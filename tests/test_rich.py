@@ -29,7 +29,8 @@ def test_a_figure_and_an_html_table_from_rank_0_arrive_as_png_and_html(clean_ker
     ))
     assert res.error is None, res.error_text
     displays = [c for kind, c in seen if kind == "display_data" and "image/png" in c["data"] or
-                kind == "display_data" and "<table" in c["data"].get("text/html", "") and "nbddp-run" not in c["data"]["text/html"]]
+                kind == "display_data" and "<table" in c["data"].get("text/html", "")
+                and "nbddp-run" not in c["data"]["text/html"]]
     png = [c for c in displays if "image/png" in c["data"]]
     html = [c for c in displays if "text/html" in c["data"]]
     assert len(png) == 1 and len(html) == 1, seen
@@ -49,7 +50,8 @@ def test_a_figure_and_an_html_table_from_rank_0_arrive_as_png_and_html(clean_ker
 
 def test_a_figure_drawn_but_never_shown_appears_as_the_cell_ends(clean_kernel):
     k = clean_kernel
-    k.ok("import matplotlib\nmatplotlib.use('module://matplotlib_inline.backend_inline')\nimport matplotlib.pyplot as plt")
+    k.ok("import matplotlib\nmatplotlib.use('module://matplotlib_inline.backend_inline')\n"
+         "import matplotlib.pyplot as plt")
     res = k.ok("%%ddp --devices 2 --ranks-output 0\nplt.plot([rank, 1])\n;")
     assert sum("image/png" in d["data"] for d in res.displays) == 1, res.displays
 
@@ -62,7 +64,8 @@ def test_other_ranks_displays_are_labelled_and_ranks_output_governs_them(clean_k
     assert "[rank1]: display" in res.stdout and "[rank0]: display" in res.stdout  # every rank's, labelled alike
     only0 = k.ok("%%ddp --devices 2 --ranks-output 0\nfrom IPython.display import HTML, display\n"
                  "display(HTML(f'<i>from {rank}</i>'))\n")
-    assert [d["data"]["text/html"] for d in only0.displays if "<i>" in d["data"].get("text/html", "")] == ["<i>from 0</i>"]
+    assert [d["data"]["text/html"] for d in only0.displays
+            if "<i>" in d["data"].get("text/html", "")] == ["<i>from 0</i>"]
 
 
 @pytest.mark.timeout(180)
@@ -76,7 +79,8 @@ def test_a_spawned_ranks_displays_are_rich_too(clean_kernel):
     assert html == ["<i>from 0</i>", "<i>from 1</i>"], res.displays
     assert "HTML object" not in res.stdout, res.stdout
     for r in (0, 1):
-        mine = [line for line in res.stdout.splitlines() if line.startswith(f"[rank{r}]:") or line.startswith("[rank0-1]:")]
+        mine = [line for line in res.stdout.splitlines()
+                if line.startswith(f"[rank{r}]:") or line.startswith("[rank0-1]:")]
         # (a line both ranks printed alike at once may show once, as [rank0-1]:after)
         assert mine[-2][-len(" display"):] == " display" and mine[-1] in (f"[rank{r}]:after", "[rank0-1]:after"), \
             res.stdout
@@ -194,7 +198,8 @@ def test_a_failure_in_a_ranks_set_up_is_reported_with_its_phase_and_message(clea
     finally:
         k.ok(f"{target} = _orig")
     assert res.error and res.error["ename"] == "RankFailure", res
-    assert re.search(rf"rank [01] failed while {phase}: RuntimeError: injected into {name}", res.error_text), res.error_text
+    assert re.search(rf"rank [01] failed while {phase}: RuntimeError: injected into {name}",
+                     res.error_text), res.error_text
     assert "code 70" not in res.error_text and "never runs" not in res.stdout
 
 

@@ -76,4 +76,5 @@ def test_a_refused_prompt_is_answered_with_the_error_never_dropped():
     assert prompts.due() is None
     answered = {(cmd.id, ranks[0]) for cmd, ranks in gang.sent}
     assert answered == {(7, 0), (8, 1)}
-    assert all(cmd.error == "StdinNotImplementedError" and cmd.message == "the cell was stopped" for cmd, _ in gang.sent)
+    assert all(cmd.error == "StdinNotImplementedError" and cmd.message == "the cell was stopped"
+               for cmd, _ in gang.sent)

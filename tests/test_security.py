@@ -58,8 +58,10 @@ def test_forked_ranks_meet_on_the_kernels_store_over_pipes(clean_kernel, runs_di
 
 
 def test_what_ranks_log_and_their_profiles_stay_private(clean_kernel, runs_dir):
-    clean_kernel.ok("%%ddp --devices 2 --profile 2\nimport nbddp\nfor step in range(4):\n    nbddp.log(step=step, loss=1.0)\n")
-    written = [f for run in runs_dir.iterdir() for f in run.iterdir() if f.name == "metrics.csv" or f.name.endswith(".trace.json")]
+    clean_kernel.ok("%%ddp --devices 2 --profile 2\nimport nbddp\nfor step in range(4):\n    nbddp.log(step=step, "
+                    "loss=1.0)\n")
+    written = [f for run in runs_dir.iterdir() for f in run.iterdir()
+               if f.name == "metrics.csv" or f.name.endswith(".trace.json")]
     assert len(written) >= 3, written  # metrics.csv, rank0.trace.json, rank1.trace.json
     for f in written:
         assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f

@@ -54,8 +54,9 @@ def test_what_it_cannot_share_is_refused_with_the_fix():
     with pytest.raises(UsageError, match=r"list\(d.items\(\)\)"):
         nbddp.shared({"a": 1})
     df = pd.DataFrame({"n": [1, 2], "meta": [{"a": 1}, {"b": 2}]})
-    with pytest.raises(UsageError, match=r"(?s)column 'meta': it holds Python objects \(dict\).*nbddp.shared\(df\['meta'\]"):
-        nbddp.shared(df)  # noqa
+    with pytest.raises(UsageError,
+                       match=r"(?s)column 'meta': it holds Python objects \(dict\).*nbddp.shared\(df\['meta'\]"):
+        nbddp.shared(df)
 
 
 def test_a_shared_dataframe_has_equal_values_and_strings_in_arrow_buffers():
@@ -250,9 +251,11 @@ def test_a_cell_that_copied_a_large_notebook_list_names_it_with_the_fix(clean_ke
         cell = "%%ddp --devices 2 --gather total\ntotal = sum(r['label'] for r in {name})\n"
         res = k.ok(cell.format(name="big"), timeout=120)
         note = re.search(r"nbddp: this cell copied notebook data into its ranks as it read `big` \(a list of "
-                         r"2,000,000 items\): private memory rank 0 \+([\d.]+ [MG]iB), rank 1 \+([\d.]+ [MG]iB)\..*Share them "
+                         r"2,000,000 items\): private memory rank 0 \+([\d.]+ [MG]iB), rank 1 \+([\d.]+ "
+                         r"[MG]iB)\..*Share them "
                          r"instead, in the notebook: big = nbddp.shared\(big\)", res.stderr)
-        assert note and all(float(m.split()[0]) * (1024 if m.endswith('GiB') else 1) >= 100 for m in note.groups()), res.stderr
+        assert note and all(float(m.split()[0]) * (1024 if m.endswith('GiB') else 1) >= 100
+                            for m in note.groups()), res.stderr
         board = res.displays[-1]["data"]["text/plain"]  # the dashboard's final state says it too
         assert re.search(r"\+[\d.]+ [MG]iB copied from big", board), board
         k.ok("shared_big = nbddp.shared(big)", timeout=120)

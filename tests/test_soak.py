@@ -1,5 +1,6 @@
 """100 %%ddp cells in one kernel (successes, failures, interrupts): the kernel's footprint stays flat."""
 import os
+
 import pytest
 
 pytestmark = pytest.mark.timeout(600)

@@ -3,6 +3,7 @@ import re
 from collections import defaultdict
 
 import pytest
+
 from kernel import Kernel
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,7 +31,8 @@ def by_rank(text: str) -> dict[int, list[str]]:
 
 def test_two_ranks_times_100k_lines_arrive_whole_and_in_order(clean_kernel):
     res = clean_kernel.ok(
-        "%%ddp --devices 2\nimport sys\nfor i in range(100_000):\n    print(f'line {i} of rank {rank} ' + 'x' * (i % 50))\n",
+        "%%ddp --devices 2\nimport sys\nfor i in range(100_000):\n"
+        "    print(f'line {i} of rank {rank} ' + 'x' * (i % 50))\n",
         timeout=150,
     )
     lines = by_rank(res.stdout)
@@ -175,7 +177,8 @@ def test_the_last_line_keeps_its_start_and_skips_stack_dumps(clean_kernel):
 
 def test_logging_handler_made_in_the_notebook_writes_to_the_ranks_stderr(clean_kernel):
     k = clean_kernel
-    k.ok("import logging\nlog = logging.getLogger('train')\nlog.addHandler(logging.StreamHandler())  # the kernel's stderr\n"
+    k.ok("import logging\nlog = logging.getLogger('train')\nlog.addHandler(logging.StreamHandler())  # the kernel's "
+         "stderr\n"
          "log.setLevel(logging.INFO)\nlog.propagate = False")
     res = k.ok("%%ddp --devices 2\nlog.info(f'epoch 1 done on rank {rank}')\n")
     err = by_rank(res.stderr)
@@ -205,7 +208,8 @@ def check_output_cap(res):
     lines = by_rank(res.stdout)
     for r in (0, 1):  # 0.01 MiB = 10485 characters: 103 whole lines fit
         assert lines[r][:103] == [f"{i:04d} " + "z" * 95 for i in range(103)]
-        note = f"... more output than --max-output-mb 0.01: the rest is only in the log (rank{r}.log in the run directory)"
+        note = (f"... more output than --max-output-mb 0.01: the rest is only in the log (rank{r}.log in the run "
+                "directory)")
         assert lines[r][103:] == [note]
 
 
@@ -300,7 +304,8 @@ def test_the_dashboard_shows_each_ranks_progress_and_bar(clean_kernel):
     _, states = dashboard_states(seq)
     live = [s["text/plain"] for s in states if "· running ·" in s["text/plain"]]
     assert live, "the dashboard was never updated while the ranks ran"
-    assert any(re.search(r"^0\s+running\s+\d+%\s", t, re.MULTILINE) and re.search(r"^1\s+running\s+\d+%\s", t, re.MULTILINE)
+    assert any(re.search(r"^0\s+running\s+\d+%\s", t, re.MULTILINE)
+               and re.search(r"^1\s+running\s+\d+%\s", t, re.MULTILINE)
                for t in live), live
     assert re.search(r"^1\s+finished\s+100%\s", states[-1]["text/plain"], re.MULTILINE), states[-1]["text/plain"]
     # the ranks' bars (one output) are redrawn in place while they run (3 s), at most every 0.2 s
@@ -529,8 +534,10 @@ def test_the_nbval_sanitizer_makes_a_runs_first_and_last_views_alike():
         clean("nbddp pool · cell on ranks 0-1 · 1.2 s · running · rank 0 40%, rank 1 38%") == \
         clean("nbddp pool · cell on ranks 0-1 · 2.3 s · failed: rank 1 ValueError") == \
         "nbddp pool · cell on ranks 0-1 · TIME · OUTCOME"
-    bars = ["[rank1]:epoch 1:   0%|          | 0/20 [00:00<?, ?it/s]", "[rank0]:epoch 1: 100%|##########| 20/20 [00:01]"]
+    bars = ["[rank1]:epoch 1:   0%|          | 0/20 [00:00<?, ?it/s]",
+            "[rank0]:epoch 1: 100%|##########| 20/20 [00:01]"]
     assert clean(bars[0]) == clean(bars[1]) == "[rankN]:epoch 1: PROGRESS-BAR"
     assert clean("ready in 0.07 s, 12 MB, Cell In[12], pid 4242") == "ready in TIME s, N MB, Cell In[N], pid PID"
     assert clean("12.3 KiB") == clean("123 MiB") == clean("1.2 GiB") == "N MB", "every size units.size writes"
-    assert clean("[rank0-1]:epoch 0 mean loss 0.4686") == "[rank0-1]:epoch 0 mean loss 0.4686", "the user's own output stays"
+    assert clean("[rank0-1]:epoch 0 mean loss 0.4686") == "[rank0-1]:epoch 0 mean loss 0.4686", \
+        "the user's own output stays"

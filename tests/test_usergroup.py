@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kernel import said
 from torchrun import torchrun
 

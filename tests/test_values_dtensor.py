@@ -8,7 +8,8 @@ pytestmark = pytest.mark.timeout(180)
 MAKE = ("from torch.distributed.device_mesh import init_device_mesh\n"
         "from torch.distributed.tensor import DTensor, Shard, distribute_tensor\n"
         "mesh = init_device_mesh('cpu', (2,))\n"
-        "sd = {'bias': torch.zeros(2), 'layer.weight': distribute_tensor(torch.arange(8.).reshape(4, 2), mesh, [Shard(0)])}\n")
+        "sd = {'bias': torch.zeros(2), 'layer.weight': distribute_tensor(torch.arange(8.).reshape(4, 2), mesh, "
+        "[Shard(0)])}\n")
 
 
 def test_out_of_a_state_dict_holding_dtensors_is_refused_with_the_fix(clean_kernel):

@@ -5,6 +5,7 @@ import re
 import time
 
 import pytest
+
 from kernel import Kernel
 
 pytestmark = pytest.mark.timeout(240)
@@ -70,10 +71,10 @@ def test_bars_are_in_rank_order_in_one_output_per_epoch_whichever_rank_draws_fir
         for r in arrival:
             draw(relay, r, f"epoch {epoch}", 20, 20, bar=epoch, closed=True)
     assert list(sink.states) == ["bars0", "bars1", "bars2"], "one output per epoch"
-    for epoch, states in enumerate(sink.states.values()):
+    for states in sink.states.values():
         first, last = states[0]["text/plain"].splitlines(), states[-1]["text/plain"].splitlines()
         assert [ln[:7] for ln in last] == ["[rank0]", "[rank1]", "[rank2]", "[rank3]"], last
-        assert all(f"20/20" in ln for ln in last)
+        assert all("20/20" in ln for ln in last)
         assert len(first) == 4, f"shown once every rank's bar is in (within {BAR_GATHER_S} s): {first}"
         assert states[-1]["text/html"].count("class='nbddp-bar'") == 4
 
@@ -164,7 +165,8 @@ def test_a_bar_is_saved_at_the_ranks_last_state_however_the_cell_ends(clean_kern
     rows = bar_rows(res)
     assert sorted(rows) == [0, 1], rows
     for r in (0, 1):
-        assert rows[r] == logged_bar(runs_dir, r), f"rank {r}: saved {rows[r]!r}, the rank drew last {logged_bar(runs_dir, r)!r}"
+        assert rows[r] == logged_bar(runs_dir, r), \
+            f"rank {r}: saved {rows[r]!r}, the rank drew last {logged_bar(runs_dir, r)!r}"
         assert not rows[r].startswith(f"rank {r}: 100%"), rows[r]
 
 
@@ -289,7 +291,7 @@ def test_sampling_walks_a_ranks_pages_only_when_its_faults_say_its_memory_moved(
     if pid == 0:
         os.write(ready_w, b"r")  # (a fresh fork's first moments fault in many pages: it waits after them)
         os.read(go, 1)
-        grown = bytearray(50 * 2**20)  # noqa: F841 (50 MiB of its own)
+        grown = bytearray(50 * 2**20)  # noqa: F841 - held, not read: 50 MiB of its own
         time.sleep(30)
         os._exit(0)
     walks = []

@@ -64,6 +64,8 @@ def test_the_notebooks_own_fork_right_after_load_ext_waits_for_the_warming_impor
         k.ok("%load_ext nbddp\nimport os, tempfile, torch, torch.distributed as dist, torch.multiprocessing as mp\n"
              "def job(rank, path):\n    torch.set_num_threads(1)\n"
              "    dist.init_process_group('gloo', init_method=f'file://{path}', rank=rank, world_size=2)\n"
-             "    t = torch.ones(1)\n    dist.all_reduce(t)\n    assert t.item() == 2\n    dist.destroy_process_group()\n"
-             "mp.start_processes(job, args=(os.path.join(tempfile.mkdtemp(), 'store'),), nprocs=2, start_method='fork')\n"
+             "    t = torch.ones(1)\n    dist.all_reduce(t)\n    assert t.item() == 2\n    "
+             "dist.destroy_process_group()\n"
+             "mp.start_processes(job, args=(os.path.join(tempfile.mkdtemp(), 'store'),), nprocs=2, "
+             "start_method='fork')\n"
              "print('both ranks done')", timeout=90)

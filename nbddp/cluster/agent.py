@@ -4,9 +4,9 @@ One ``Agent`` per node (placement.py puts it in the node's bundle of the pool's 
 never initialises CUDA: ``events``, a streaming actor method, forks its ranks with nbddp's own starter
 (pipes, typed channel, parent-death signal, 0700 run directory, 0600 logs on this node; from a thread of
 its own that lives as long as they do, since a parent-death signal follows the thread that forked) and
-supervises them with nbddp's own supervisor on the stream's thread. Whatever the supervisor publishes (output, records, exits) and every
-store request of its ranks is yielded to the kernel in order, in batches (as many as accumulated while
-the last batch travelled).
+supervises them with nbddp's own supervisor on the stream's thread. Whatever the supervisor publishes (output,
+records, exits) and every store request of its ranks is yielded to the kernel in order, in batches (as many as
+accumulated while the last batch travelled).
 
 The kernel's calls (``control``: a command for the ranks' command pipes, a store reply, a signal) carry a
 sequence number and are applied in that order, whatever order Ray's threads deliver them in: a pipe write
@@ -193,7 +193,7 @@ class Agent:
                         if sig in (signal.SIGTERM, signal.SIGKILL):
                             p.stop_sent = True  # its exit record says nbddp stopped it
                         p.signal(sig, group)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - said to the kernel, the agent lives on
                 self._failed("signal", e)
 
     def _command(self, frame: bytes, ranks) -> None:

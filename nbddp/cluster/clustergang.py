@@ -99,7 +99,7 @@ class ClusterGang(Gang):
                 if not ready:
                     raise TimeoutError(f"no answer within {START_S:g} s")
                 pids_per_node.append(pickle.loads(ray.get(next(gen))))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - Ray's errors are many: said
             raise UsageError(f"the agents on the other nodes did not start their ranks: {type(e).__name__}: "
                              f"{str(e).splitlines()[0] if str(e) else ''}\nIs nbddp installed on every node, with "
                              "the same Python, torch and Ray? Nothing is left running.") from None
@@ -208,11 +208,13 @@ class ClusterGang(Gang):
             end = time.monotonic() + GRACE_S + STOP_S
             self.sup.stop_all()
             try:
-                self.sup.wait(None, until=lambda: all(p.exit is not None for p in remote_procs) or time.monotonic() >= end,
+                self.sup.wait(None,
+                              until=lambda: all(p.exit is not None for p in remote_procs) or time.monotonic() >= end,
                               wake_at=end)
             except KeyboardInterrupt:
                 pass
-        self.reported = {p.rank for p in remote_procs if p.exit is not None and p.exit.code is not None}  # (a lost one's: None)
+        # (a lost one's: None)
+        self.reported = {p.rank for p in remote_procs if p.exit is not None and p.exit.code is not None}
         for link in self.links:
             link.lost = link.lost or "closed"
         for p in remote_procs:

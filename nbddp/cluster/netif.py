@@ -17,6 +17,6 @@ def ifname_for(ip: str) -> str | None:
         for name, addrs in psutil.net_if_addrs().items():
             if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
                 return name
-    except Exception:  # noqa: BLE001, S110 - no psutil, or no interfaces to read
+    except Exception:  # noqa: BLE001 - no psutil, or no interfaces to read
         pass
     return None

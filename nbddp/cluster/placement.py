@@ -82,7 +82,7 @@ def client_refusal(address: str) -> str:
 def _client_mode(ray) -> bool:
     try:
         return ray.util.client.ray.is_connected()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - not a Ray client, or a Ray without one: a direct driver
         return False
 
 
@@ -111,7 +111,7 @@ def reserve(ray, nodes: int, per_node: int, accelerator: str):
 
     try:
         where = placement_group_table(pg)["bundles_to_node_id"]
-    except BaseException:
+    except BaseException:  # the group released, re-raised
         release(pg)
         raise
     by_id = {n["NodeID"]: n for n in alive}
@@ -142,7 +142,7 @@ def release(pg) -> None:
 
     try:
         remove_placement_group(pg)
-    except Exception:  # noqa: BLE001, S110 - Ray is gone, and the group with it
+    except Exception:  # noqa: BLE001 - Ray is gone, and the group with it
         pass
 
 
@@ -201,7 +201,8 @@ def prestart(cluster: str = "ray") -> int:
     ray = connect(cluster)
     me, job = ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_job_id()
     actor = ray.remote(Agent)
-    fresh = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != me and (job, n["NodeID"]) not in KEPT]
+    fresh = [n["NodeID"] for n in ray.nodes()
+             if n.get("Alive") and n["NodeID"] != me and (job, n["NodeID"]) not in KEPT]
     for node_id in fresh:
         _keep(ray, actor, job, node_id)
     return len(fresh)
@@ -230,7 +231,7 @@ def forget(actor, ray=None) -> None:
     if ray is not None:
         try:
             ray.kill(actor)
-        except Exception:  # noqa: BLE001, S110 - already gone
+        except Exception:  # noqa: BLE001 - already gone
             pass
 
 

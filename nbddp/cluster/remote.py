@@ -58,7 +58,7 @@ class Link:
             call = pickle.dumps((self.pool, self.seq, op, args), protocol=pickle.HIGHEST_PROTOCOL)
             try:
                 self.actor.control.remote(call)  # one argument: Ray serialises each one separately
-            except Exception:  # noqa: BLE001, S110 - the agent is gone: its stream's end says so
+            except Exception:  # noqa: BLE001 - the agent is gone: its stream's end says so
                 pass
 
 

@@ -21,8 +21,8 @@ import sys
 import traceback
 from dataclasses import dataclass
 
-from . import driverwatch
 from ..errors import CudaInitialisedError
+from . import driverwatch
 
 
 @dataclass(frozen=True)
@@ -144,10 +144,6 @@ class Cuda:
                 found |= {s.module, *s.suspects}
         return {m.partition(".")[0] for m in found if m}
 
-    def initialised_in_kernel(self) -> bool:
-        """True when the kernel holds a CUDA context (torch's or anyone's). Never creates one."""
-        return self.refusal() is not None
-
     @staticmethod
     def _forked_child_can_init() -> bool:
         """Fork a throwaway child and call ``cuInit`` there: a context in the parent makes it fail.
@@ -159,7 +155,7 @@ class Cuda:
                 rc = ctypes.CDLL(driverwatch.DRIVER_SONAME).cuInit(0)
             except OSError:
                 os._exit(0)  # no driver after all: nothing to poison
-            except BaseException:
+            except BaseException:  # noqa: BLE001 - the throwaway child never returns: any failure is its exit code
                 os._exit(2)
             os._exit(0 if rc == 0 else 1)
         _, status = os.waitpid(pid, 0)

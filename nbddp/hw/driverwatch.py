@@ -243,7 +243,7 @@ def _audit(event: str, args) -> None:
         return
     try:
         _watchers[-1].audit(event, args)
-    except Exception:  # an audit hook that raises aborts the audited operation (an import, an open...)
+    except Exception:  # noqa: BLE001 - an audit hook that raises aborts the audited operation (an import, an open...)
         pass
 
 

@@ -65,7 +65,7 @@ def _own_pids() -> set[int]:
         import psutil
 
         pids.update(p.pid for p in psutil.Process().children(recursive=True))
-    except Exception:  # psutil missing or a child gone: the kernel's own pid is what matters
+    except Exception:  # noqa: BLE001 - psutil missing or a child gone: the kernel's own pid is what matters
         pass
     return pids
 
@@ -81,6 +81,6 @@ def _user(pid: int) -> str | None:
         import psutil
 
         return psutil.Process(pid).username()
-    except Exception:  # another container's pid, or no permission
+    except Exception:  # noqa: BLE001 - another container's pid, or no permission
         return None
 

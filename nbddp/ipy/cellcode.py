@@ -9,8 +9,8 @@ import re
 import tokenize
 import types
 
-from . import cells, tracebacks
 from ..errors import UsageError
+from . import cells, tracebacks
 
 # IPython's own names in the user namespace: never shipped, never needed by a rank
 _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_oh", "_ih", "_dh"}

@@ -41,7 +41,8 @@ class KernelSide:
         self.debugger.event_callback(event)
 
     def breakpoints(self) -> dict:
-        return {path: [{"line": b["line"]} for b in found] for path, found in list(self.debugger.breakpoint_list.items())}
+        return {path: [{"line": b["line"]} for b in found]
+                for path, found in list(self.debugger.breakpoint_list.items())}
 
     def accept_variable(self, name: str) -> bool:
         return self.debugger.accept_variable(name)
@@ -144,7 +145,8 @@ def rank_setup() -> dict | None:
     setup = getattr(getattr(pydevd, "SetupHolder", None), "setup", None) or {}
     if not setup.get("port"):
         return None
-    return {"host": setup.get("client") or "127.0.0.1", "port": setup["port"], "access_token": setup.get("access-token"),
+    return {"host": setup.get("client") or "127.0.0.1", "port": setup["port"],
+            "access_token": setup.get("access-token"),
             "client_access_token": setup.get("client-access-token"), "kernel_pid": os.getpid()}
 
 

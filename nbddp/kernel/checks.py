@@ -75,9 +75,9 @@ def refusals(config, *, pool: bool = False, queued: bool = False) -> None:
         raise UsageError("another nbddp launch is still running in this process; wait for it to finish.")
     if pool and config.start_method == "spawn":
         raise UsageError("--start-method spawn: a pool forks its ranks (from the kernel, or from nbddp's "
-                         "forkserver) and never spawns them; spawn works for one-shot %%ddp cells only.\nNothing ran: drop "
-                         "--start-method from %ddp start (or use forkserver), or %ddp stop and run the cell one-shot "
-                         "with it.")
+                         "forkserver) and never spawns them; spawn works for one-shot %%ddp cells only.\nNothing ran: "
+                         "drop --start-method from %ddp start (or use forkserver), or %ddp stop and run the cell "
+                         "one-shot with it.")
     options.check(config)
     if config.cluster and not pool or config.nodes > 1 and not config.cluster:
         raise UsageError("--cluster and --nodes start a pool across the nodes of a Ray cluster: %ddp start "

@@ -13,10 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..hw import cuda
-from ..hw import gpufree
-from ..hw import nvml
 from ..errors import UsageError
+from ..hw import cuda, gpufree, nvml
 
 ACCELERATORS = ("auto", "cuda", "cpu")
 BACKENDS = ("auto", "nccl", "gloo")

@@ -303,8 +303,8 @@ class Mended:
         ranks = ", ".join(str(loss.rank) for loss in self.lost)
         if self.how == "resized":
             old, new = self.sizes
-            took = (f"; rank(s) {old}-{new - 1} took {len(self.copied)} name(s) from rank 0" if new > old and self.copied
-                    else "")
+            took = (f"; rank(s) {old}-{new - 1} took {len(self.copied)} name(s) from rank 0"
+                    if new > old and self.copied else "")
             lines = [f"resized the pool from {old} to {new} ranks in {self.seconds:.1f} s{took}."]
             ranks = f"{old}-{new - 1}" if new > old else ""
         elif self.how == "shrunk":

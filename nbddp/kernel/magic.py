@@ -11,17 +11,16 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from ..errors import UsageError
 from ..ipy import cellcode, cells, debugger, tracebacks
+from ..views import output
 from ..views.display import line_for_pool_cell, view_for_session
 from ..wire import messages
-from ..views import output
-from .cells import engine
 from . import checks, options
-from .ranks import starters
-from .names import delivery, sending
+from .cells import engine
 from .cells.background import Background, Job, WaitForNames
+from .names import delivery, sending
 from .names.history import History, request_metadata
+from .ranks import starters
 from .verbs import Verbs
-
 
 
 def option_groups(func):
@@ -60,7 +59,8 @@ def readable(doc: str, usage: str, example: str) -> str:
         lines = lines[end + 1:]
     body = re.sub(r"``(.+?)``", r"\1", textwrap.dedent("\n".join(lines)).strip("\n"))
     # prose paragraphs flow again (dropping the backticks left ragged lines); argparse's groups keep their layout
-    body = "\n\n".join(p if any(ln.startswith(" ") for ln in p.splitlines()) else textwrap.fill(" ".join(p.split()), 100, break_on_hyphens=False)
+    body = "\n\n".join(p if any(ln.startswith(" ") for ln in p.splitlines())
+                       else textwrap.fill(" ".join(p.split()), 100, break_on_hyphens=False)
                        for p in body.split("\n\n"))
     return f"{usage}\n\n{textwrap.indent(example, '    ')}\n\n{body}\n"
 
@@ -144,7 +144,7 @@ class DDPMagics(Magics):
         would open in nbddp's kernel-side frames, so it is off for this cell's traceback (on again after)."""
         try:
             yield
-        except BaseException:
+        except BaseException:  # any way out, an interrupt too: re-raised
             if getattr(self.shell, "call_pdb", False):
                 self.shell.call_pdb = False
                 self._pdb_back = True
@@ -254,7 +254,8 @@ class DDPMagics(Magics):
             return delivery.shown_in_place(work(on_start), shell)
 
         number = cells.running(shell)
-        label = next((ln.strip() for ln in cell.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")[:60]
+        code_lines = (ln.strip() for ln in cell.splitlines() if ln.strip() and not ln.lstrip().startswith("#"))
+        label = next(code_lines, "")[:60]
         job = Job(number, label, work_and_show, deliver, tuple(names),
                   output.Detached(output.kernel_sockets(), output.request_header()),
                   observer=getattr(work, "observer", None))

@@ -3,7 +3,7 @@ postfix), for ``nbddp.metrics()`` and each run's ``metrics.csv``.
 
 A ``Recorder`` is one of a cell's listeners on the supervisor's bus (kernel/cells/engine.py); it files
 each ``messages.Scalars`` (and each ``Progress`` whose postfix has numbers, at the bar's step ``n``) in
-the kernel's one ``STORE``, under the cell's label, and at the cell's end rewrites the run directory's
+the kernel's one ``LOGBOOK``, under the cell's label, and at the cell's end rewrites the run directory's
 ``metrics.csv`` (a pool's directory: every cell of the pool, so a curve goes on across cells).
 """
 from __future__ import annotations
@@ -14,14 +14,14 @@ import os
 import threading
 from array import array
 
-from ..views import charts
+from ..views import metrics_chart
 from ..wire.messages import Scalars
 
 CSV_NAME = "metrics.csv"
 COLUMNS = ("cell", "rank", "step", "time")  # then one per scalar name, in the order first logged
 
 
-class Store:
+class Logbook:
     """Rows of every cell, as column chunks: (cell, run dir, rank, a ``Scalars``)."""
 
     def __init__(self):
@@ -103,19 +103,19 @@ class Store:
         return path
 
 
-STORE = Store()
+LOGBOOK = Logbook()
 
 
 class Recorder:
-    """A cell's listener: what its ranks log, filed in ``STORE`` under the cell's label."""
+    """A cell's listener: what its ranks log, filed in ``LOGBOOK`` under the cell's label."""
 
-    def __init__(self, cell: str, run_dir, store: Store = STORE):
+    def __init__(self, cell: str, run_dir, store: Logbook = LOGBOOK):
         self.cell, self.run_dir, self.store = cell, str(run_dir), store
         self.logged = False
-        self.bars: dict = {}  # (rank, bar) -> the step its postfix was last taken at (charts.logged)
+        self.bars: dict = {}  # (rank, bar) -> the step its postfix was last taken at (metrics_chart.logged)
 
     def on_Message(self, event) -> None:
-        rec = charts.logged(event.rank, event.record, self.bars)
+        rec = metrics_chart.logged(event.rank, event.record, self.bars)
         if rec is not None:
             self.store.add(self.cell, self.run_dir, event.rank, rec)
             self.logged = True

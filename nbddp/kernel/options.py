@@ -174,7 +174,7 @@ OPTIONS = (
            "first step on every rank. The cell shows each rank's step as compute, communication, waiting for "
            "other ranks, data loading and other, and names the straggler; nbddp.profile() returns the figures "
            "as a DataFrame; each rank's trace (Chrome/Perfetto JSON) is written beside its log. A cell without "
-           "an optimizer counts steps with nbddp.rank.profiling.step()."),
+           "an optimizer counts steps with nbddp.rank.profile_session.step()."),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 POOL_FIXED = tuple(o.name for o in OPTIONS if o.scope == LAUNCH)  # what a running pool cannot change

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 
-
 from ..errors import RankFailure, UsageError
 from ..rank.jobs import CallJob
 from ..rank.server import Server
@@ -22,9 +21,9 @@ from ..views.display import view_for_pool
 from ..wire import messages, values
 from . import checks, healing, options
 from .cells import engine
+from .names.sending import RankNames
 from .ranks import failure, starters
 from .ranks.gang import Gang
-from .names.sending import RankNames
 
 START_S = 600.0  # the ranks of a new pool must all be in the process group by then
 NO_POOL = "no pool is running (%ddp start [options] starts one)"
@@ -72,8 +71,8 @@ class Pool:
         with checks.one_at_a_time():
             if self.config.cluster:  # ranks on several nodes (imports Ray only then)
                 if _make_cluster_gang is None:
-                    raise UsageError("--cluster: nbddp's cluster pools are handed out by `import nbddp` (nbddp.Pool, or "
-                                     "%load_ext nbddp); this pool was made from nbddp.kernel.pool directly.")
+                    raise UsageError("--cluster: nbddp's cluster pools are handed out by `import nbddp` (nbddp.Pool, "
+                                     "or %load_ext nbddp); this pool was made from nbddp.kernel.pool directly.")
                 gang = self.gang = _make_cluster_gang(self.config, plan, view_for=view_for_pool)
             else:
                 gang = self.gang = Gang(self.config, plan, persistent=True, view_for=view_for_pool)
@@ -82,7 +81,7 @@ class Pool:
                 gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
                 self.started_at = time.time()
                 self.starter = starters.starter_for(plan)
-                self.held = RankNames(self.namespace, other_nodes=bool(self.config.cluster),
+                self.held = RankNames(self.namespace, across_nodes=bool(self.config.cluster),
                                       inherited=self.starter.inherits_notebook, gpu_ipc=self.starter.gpu_ipc(plan))
                 gang.sup.announce()
                 self.losses = healing.Losses(self.view)
@@ -149,7 +148,7 @@ class Pool:
         self.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost")
         try:
             mended = healing.mend(self, policy)
-        except BaseException as e:  # noqa: BLE001 - whatever stopped the mending (an interrupt too) ends the pool
+        except BaseException as e:  # whatever stopped the mending (an interrupt too) ends the pool
             why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}".rstrip(": ")
             gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {why}", as_said=True)
             if not isinstance(e, (healing.HealFailed, Exception)):
@@ -185,7 +184,7 @@ class Pool:
             self.view.said(f"resizing: {self.gang.world_size} → {world_size} ranks")
             try:
                 mended = healing.resize(self, world_size, devices)
-            except BaseException as e:  # noqa: BLE001 - half resized, the pool cannot be vouched for
+            except BaseException as e:  # half resized, the pool cannot be vouched for
                 why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}"
                 self.gang.close(f"torn down: resizing it failed ({why})", as_said=True)
                 if not isinstance(e, Exception):
@@ -271,12 +270,12 @@ class Pool:
         if ranks and max(ranks) >= world:
             raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
         # the other nodes lack what the notebook had at the start (RankNames pickles for other machines)
-        sync = self.held.before_cell(code or set(), other_nodes=bool(self.config.cluster) and self.alive)
-        if sync.other_nodes:
-            self.gang.owe(sync.other_nodes)  # with the next command to each other node's rank
+        sync = self.held.before_cell(code or set(), nodes_running=bool(self.config.cluster) and self.alive)
+        if sync.for_other_nodes:
+            self.gang.owe(sync.for_other_nodes)  # with the next command to each other node's rank
         notes, updates = sync.notes, sync.updates
         label = (relabel or {}).get(filename) or (source.strip().splitlines() or [""])[0]
-        run = self._engine(config, label, relabel, observer, ranks, on_start)  # (a pool that ended refuses the cell here)
+        run = self._engine(config, label, relabel, observer, ranks, on_start)  # (an ended pool refuses the cell)
         self.held.sent(sync)
         place = output.current()  # this cell, or a background cell's own output
         for line in notes:

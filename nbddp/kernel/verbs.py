@@ -52,8 +52,8 @@ class Verbs:
             return self._start(verb, rest)
         if verb == "resize":
             return self._resize(rest.strip())
-        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options], resize N, status, debug [RANK], who, "
-                         "diff EXPR, wait [--timeout S], interrupt or attach.")
+        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options], resize N, status, debug [RANK], "
+                         "who, diff EXPR, wait [--timeout S], interrupt or attach.")
 
     def _resize(self, rest: str) -> None:
         """``%ddp resize N``: the running pool grown or shrunk to N ranks, its state kept (kernel/healing.py)."""
@@ -108,7 +108,8 @@ class Verbs:
             if job is None:
                 print("nbddp: no background cell to attach to (%%ddp --bg sends one)")
             elif job.done.is_set():
-                print(f"nbddp: background cell {job.name} ended ({job.state}); above is what it showed", file=sys.stderr)
+                print(f"nbddp: background cell {job.name} ended ({job.state}); above is what it showed",
+                      file=sys.stderr)
             return None
         running = work.interrupt()
         if running is None:
@@ -130,7 +131,8 @@ class Verbs:
         """``%ddp debug [RANK]``, ``%ddp who``, ``%ddp diff EXPR``: into the pool's ranks."""
         if self.m.pool is None or not self.m.pool.alive:
             raise UsageError(f"%ddp {verb} looks into a running pool's ranks, and " +
-                             (f"the pool has ended ({self.m.pool.ended})." if self.m.pool is not None and self.m.pool.ended
+                             (f"the pool has ended ({self.m.pool.ended})."
+                              if self.m.pool is not None and self.m.pool.ended
                               else "no pool is running.") + " %ddp start [options] starts one.")
         if verb == "debug":
             if rest and not rest.isdigit():

@@ -42,7 +42,7 @@ def _objects(value) -> bool:
     kind = type(value).__module__.partition(".")[0]
     if kind == "pandas" and type(value).__name__ in ("DataFrame", "Series") and len(value) >= LARGE_ITEMS:
         dtypes = value.dtypes if type(value).__name__ == "DataFrame" else [value.dtype]
-        return any(d == object or getattr(d, "storage", None) == "python" for d in dtypes)
+        return any(d == object or getattr(d, "storage", None) == "python" for d in dtypes)  # noqa: E721 - numpy dtypes
     return False
 
 

@@ -15,7 +15,8 @@ import threading
 from types import SimpleNamespace
 
 # what nbddp uses of pydevd's private modules (debugpy's vendored pydevd): (module, names, what for). Checked
-# once per process (``parts``): where one is missing, the debugger panel sees the kernel only (kernel/debugger/rankdebug.py
+# once per process (``parts``): where one is missing, the debugger panel sees the kernel only
+# (kernel/debugger/rankdebug.py
 # says why at %load_ext) and every rank starts and runs as without the panel.
 REQUIRED = (
     ("pydevd", ("settrace", "settrace_forked", "stoptrace", "install_breakpointhook"), "a rank's debugger"),
@@ -23,7 +24,8 @@ REQUIRED = (
     ("pydevd_tracing", ("restore_sys_set_trace_func",), "a forked rank's tracing undone"),
     ("_pydev_bundle.pydev_monkey", ("undo_patch_thread_modules",), "a forked rank's threading undone"),
 )
-MONITORING = ("_pydevd_sys_monitoring.pydevd_sys_monitoring", ("stop_monitoring",), "a forked rank's sys.monitoring undone")
+MONITORING = ("_pydevd_sys_monitoring.pydevd_sys_monitoring", ("stop_monitoring",),
+              "a forked rank's sys.monitoring undone")
 
 _gate: list = []  # [(parts or None, why or None)], once checked in this process (a fork inherits the kernel's)
 
@@ -44,7 +46,7 @@ def unsupported() -> str | None:
 def _check() -> tuple:
     try:
         import debugpy
-        import debugpy.server.api  # noqa: F401 - puts debugpy's own pydevd on the path
+        import debugpy.server.api  # puts debugpy's own pydevd on the path
     except Exception as e:  # noqa: BLE001 - no debugpy, or one that does not import
         return None, f"nbddp: the debugger panel cannot reach the ranks: debugpy does not import ({e!r})."
     found = {}
@@ -65,7 +67,7 @@ def _check() -> tuple:
         module, (name,), what = MONITORING
         try:
             found[name] = getattr(importlib.import_module(module), name)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - renamed or gone in this debugpy
             return None, _why(debugpy, f"no {module}.{name}", what)
     return SimpleNamespace(**found), None
 

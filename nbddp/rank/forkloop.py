@@ -16,7 +16,7 @@ their descriptors by wire/fdframing.py):
   channel; store pipes, command pipe), passed with SCM_RIGHTS; answered with the rank's pid;
 - anything else: ``Refused`` (the kernel raises it at once).
 
-It reaps its ranks itself and tells the kernel each one's wait status and peak memory (``Exited``), kills
+It reaps its ranks itself and tells the kernel each one's wait status and peak memory (``Reaped``), kills
 a rank's process group before reaping it (the kernel's supervisor does the same for its own children), dies
 with the kernel (PR_SET_PDEATHSIG) and ignores Jupyter's SIGINT; its ranks die with it.
 """
@@ -35,7 +35,7 @@ import sys
 import warnings
 
 from ..wire import fdframing
-from ..wire.forkmessages import Exited, Fork, Forked, JobSet, Prepare, Prepared, Refused, SetJob
+from ..wire.forkmessages import Fork, Forked, JobSet, Prepare, Prepared, Reaped, Refused, SetJob
 from . import worker
 from .stdio import LIBC, POSIX
 
@@ -137,7 +137,7 @@ class ForkLoop:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)  # its own children (DataLoader workers) go with it; pid still reserved
         _, status, usage = os.wait4(pid, 0)
-        fdframing.send(self.sock, Exited(pid, status, usage.ru_maxrss * 1024))
+        fdframing.send(self.sock, Reaped(pid, status, usage.ru_maxrss * 1024))
 
 
 NAME = b"nbddp-forksrv"  # the server's process name (ps, psutil's name(): at most 15 bytes)

@@ -14,7 +14,6 @@ from ..wire import values
 from ..wire.messages import Item, Result
 from . import copywatch, debug
 
-
 _LINES: dict[str, tuple] = {}  # a cell's file name -> the linecache entry this rank made for its text
 
 
@@ -70,7 +69,7 @@ class CellJob:
                 else:
                     exec(body, ns)
                     value = eval(last, ns) if last is not None else None
-        except BaseException as e:
+        except BaseException as e:  # the cell's own failure, SystemExit too: noted, re-raised
             debug.failed(e, ctx.rank, self.post_mortem)
             raise
         _show_figures()

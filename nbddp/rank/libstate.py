@@ -169,7 +169,7 @@ def _attempt(value, fix):
     """A library's internals may change: a fix that fails is said, and never fails the cell."""
     try:
         return fix(value)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - a library's internals: any failure is said
         print(f"nbddp: could not make a {type(value).__name__} made in the notebook this rank's own: "
               f"{type(e).__name__}: {e}", file=sys.stderr)
         return None

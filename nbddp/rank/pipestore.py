@@ -60,7 +60,8 @@ def store_class():
                                                   f"{timeout_s or self.timeout_s:g} s (nbddp's store in the kernel)")
                     data = os.read(self.reply_fd, 1 << 16)
                     if not data:
-                        raise dist.DistStoreError("nbddp's store is gone (the kernel, or a cluster pool's agent, ended)")
+                        raise dist.DistStoreError(
+                            "nbddp's store is gone (the kernel, or a cluster pool's agent, ended)")
                     replies = self.reader.feed(data)
 
         def set(self, key, value):

@@ -24,7 +24,7 @@ import time
 import cloudpickle
 
 from ..wire import messages, values
-from . import debug, debugpanel, jobs, libstate, profiling, stdin, usergroup
+from . import debug, debugpanel, jobs, libstate, profile_session, stdin, usergroup
 from .commands import CommandPipe
 from .jobs import CellJob, fresh_namespace
 from .stdio import flush_streams
@@ -193,7 +193,7 @@ def _run_cell(cmd: messages.RunCell, ns: dict, ctx, notebook, track: bool, bound
     debugpanel.before_cell(cmd.debug)
     profiler, summary = None, None
     try:
-        profiler = profiling.begin(cmd.profile, ctx.rank, getattr(ctx.device, "type", "cpu"))  # --profile only
+        profiler = profile_session.begin(cmd.profile, ctx.rank, getattr(ctx.device, "type", "cpu"))  # --profile only
         result = _run_job(cmd, ns, ctx, notebook, track, bound)
     finally:
         if profiler is not None:

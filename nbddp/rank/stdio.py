@@ -13,18 +13,18 @@ import time
 
 from ..wire import framing
 from ..wire.budget import Budget
-from . import scalars
+from . import metrics_log
 
 
 def flush_streams() -> None:
     """Before a record that ends something: the text written before it reaches the pipes first, and what
-    ``nbddp.log`` queued before it, the channel (rank/scalars.py)."""
+    ``nbddp.log`` queued before it, the channel (rank/metrics_log.py)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # a closed or replaced stream
+        except Exception:  # noqa: BLE001 - a closed or replaced stream
             pass
-    scalars.flush()
+    metrics_log.flush()
 
 
 class CountingFileIO(io.FileIO):
@@ -65,7 +65,7 @@ class StreamOrder:
         if raw is RAW[2]:
             try:
                 self.stdout.flush()  # print("a"); print("b", file=sys.stderr): "a" first
-            except Exception:  # a write from inside a stdout write (a signal handler, a finaliser)
+            except Exception:  # noqa: BLE001 - a write from inside a stdout write (a signal handler, a finaliser)
                 pass
         if self.last is not raw:
             if self.last is not None and self.budget.take():
@@ -103,20 +103,20 @@ FLUSH_S = 0.05
 def _start_flusher() -> None:
     """stdout is block-buffered (one write per 64 KiB, not per line: a chatty rank costs its parent
     and its own loop far less); this thread pushes what is pending every 50 ms, so output stays live,
-    and what ``nbddp.log`` queued every ``scalars.SEND_S`` (one batch: rank/scalars.py). stderr stays
+    and what ``nbddp.log`` queued every ``metrics_log.SEND_S`` (one batch: rank/metrics_log.py). stderr stays
     line-buffered: warnings and errors go out at once."""
     import threading
 
     def flush_forever():
-        batch_every = max(1, round(scalars.SEND_S / FLUSH_S))
+        batch_every = max(1, round(metrics_log.SEND_S / FLUSH_S))
         for tick in itertools.count(1):
             time.sleep(FLUSH_S)
             try:
                 sys.stdout.flush()
-            except Exception:  # a closed or replaced stream: nothing to push
+            except Exception:  # noqa: BLE001 - a closed or replaced stream: nothing to push
                 pass
             if tick % batch_every == 0:
-                scalars.flush()  # (never raises; nothing to send outside a rank: a DataLoader worker)
+                metrics_log.flush()  # (never raises; nothing to send outside a rank: a DataLoader worker)
 
     threading.Thread(target=flush_forever, name="nbddp-flush", daemon=True).start()
 
@@ -136,8 +136,8 @@ def install(chan: framing.Writer) -> tuple:
     sys.stdout = sys.__stdout__ = _stream(1, line_buffering=False)
     sys.stderr = sys.__stderr__ = _stream(2, line_buffering=True)
     StreamOrder(chan, sys.stdout).install()
-    scalars.install(chan)  # nbddp.log's calls go out on the channel
-    sys.stdin = sys.__stdin__ = open(os.devnull)  # noqa: SIM115
+    metrics_log.install(chan)  # nbddp.log's calls go out on the channel
+    sys.stdin = sys.__stdin__ = open(os.devnull)  # (open for the rank's whole life)
     _start_flusher()
     os.register_at_fork(after_in_child=_start_flusher)  # DataLoader workers forked by the rank
     _line_buffer_c_stdout()

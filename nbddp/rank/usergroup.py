@@ -91,7 +91,7 @@ def regroup(generation: int, rank: int | None = None, world_size: int | None = N
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # a group already broken by a peer's leaving: what is left of it goes with it
+        except Exception:  # noqa: BLE001 - a group already broken by a peer's leaving: what is left of it goes with it
             pass
     before = sockets()
     s["original"](backend=s["backend"], store=generation_store(s["store"], generation),
@@ -211,5 +211,5 @@ def _set_timeout(timeout) -> None:
         from torch.distributed import distributed_c10d as c10d
 
         c10d._set_pg_timeout(timeout)
-    except Exception:  # an older torch, or a backend without per-group timeouts: keep nbddp's
+    except Exception:  # noqa: BLE001 - an older torch, or a backend without per-group timeouts: keep nbddp's
         pass

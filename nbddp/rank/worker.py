@@ -16,12 +16,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..wire import framing
-from ..wire import messages
+from ..ipy import tracebacks
+from ..wire import framing, messages
 from . import debugpanel, inherit, stdio
 from .stdio import LIBC, flush_streams
-from ..ipy import tracebacks
-
 
 PR_SET_PDEATHSIG = 1
 
@@ -308,11 +306,11 @@ def leave(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the rank exits next whatever a stream says
             pass
     try:
         LIBC.fflush(None)
-    except Exception:
+    except Exception:  # noqa: BLE001 - the rank exits next whatever libc says
         pass
     os._exit(code)
 

@@ -5,8 +5,8 @@ stream always runs below it; it is then updated in place by display id (ipyparal
 in JupyterLab, VS Code and Colab alike, and the saved notebook keeps the last state). Live and final
 states are one table in one style, so nothing jumps when the run ends: state, progress (from a rank's
 last tqdm record, ``messages.Progress``), time, private memory (USS; RSS and shared on hover), GPU
-utilisation and memory on GPUs, and the start of each rank's last line (or its exception). A column no rank has a figure for is left
-out. All updates happen on the kernel's main thread, at the supervisor's 1 Hz tick.
+utilisation and memory on GPUs, and the start of each rank's last line (or its exception). A column no rank has a
+figure for is left out. All updates happen on the kernel's main thread, at the supervisor's 1 Hz tick.
 
 A pool cell gets no dashboard of its own (the ``%ddp start`` cell's view follows every rank): one line
 (``CellLine``) says what runs, on which ranks, how long and how it ended, always the first of the cell's
@@ -19,15 +19,15 @@ import html
 import time
 
 from ..ipy import tracebacks
-from ..wire.messages import Error, Exit, Progress, Ready, Result, Scalars
-from .iopub import line_bundle, publish_line, unsent
 from ..units import ranks_text, size
-from .monitor import Monitor, duration
+from ..wire.messages import Error, Exit, Progress, Ready, Result, Scalars
 from . import output
-from .charts import Chart
+from .iopub import line_bundle, publish_line, unsent
+from .metrics_chart import Chart
+from .monitor import Monitor, duration
 from .output import Slot, text_table
-from .theme import FAILED, MUTED, STATES
 from .relay import latest_redraw
+from .theme import FAILED, MUTED, STATES
 
 LAST_CHARS = 160  # of a rank's last line kept (its start: a log dict keeps its first keys)
 LINE_BYTES = 4 * LAST_CHARS  # of an unfinished line kept (UTF-8: at most 4 bytes a character)
@@ -171,7 +171,8 @@ class RunView:
     def _bundle(self) -> dict:
         if not self.chart:
             return {"text/html": self.render_html(), "text/plain": self.render_text()}
-        return {"text/html": self.render_html() + self.chart.html(), "text/plain": self.render_text() + "\n" + self.chart.text()}
+        return {"text/html": self.render_html() + self.chart.html(),
+                "text/plain": self.render_text() + "\n" + self.chart.text()}
 
     # -- rendering: one table, live and final ---------------------------------------------------------
     done = False
@@ -226,7 +227,8 @@ class RunView:
             if r in self.copied:  # the rank's own figure for the cell: sampling may not have seen it
                 grew, names = self.copied[r]
                 row["private memory"] = f"{row.get('private memory', '')} +{size(grew)} copied from {names}".strip()
-                row["private memory:hover"] = f"copied reading {names} (Python objects): nbddp.shared({names}) shares it"
+                row["private memory:hover"] = (f"copied reading {names} (Python objects): nbddp.shared({names}) "
+                                               "shares it")
             if dev is not None:
                 row["GPU"] = self._gpu(dev, final)
             if r in self.raised and state != "finished":

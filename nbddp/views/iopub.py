@@ -32,8 +32,8 @@ import sys
 import threading
 import time
 
-from .theme import MUTED
 from . import output
+from .theme import MUTED
 
 LATE_S = 0.1  # at most this late: a line no message of the kernel's sent
 IDLE_S = 30.0  # the tick stops after this long without a line
@@ -42,7 +42,7 @@ QUEUED = True  # False: every line sent the ordinary way (benchmarks/bench_iopub
 
 def publish_line(line: str, flush: bool, display_id: str | None = None, update: bool = False, chart=None) -> None:
     """A one-line static summary (``text/plain``, grey ``text/html``) as display data, with ``chart`` (what
-    the ranks logged, charts.py) below it. ``flush``: the cell wrote text to the kernel's streams, which goes
+    the ranks logged, metrics_chart.py) below it. ``flush``: the cell wrote text to the kernel's streams, which goes
     first. ``display_id``: its output's id, for later updates (``update``: this one redraws that output in
     place, wherever it is)."""
     data = line_bundle(line, chart)
@@ -61,7 +61,8 @@ def publish_line(line: str, flush: bool, display_id: str | None = None, update: 
     if flush:
         sys.stdout.flush()
         sys.stderr.flush()
-    content, parent, ident = {"data": data, "metadata": {}, "transient": transient}, output.request_header(), b"display_data"
+    content = {"data": data, "metadata": {}, "transient": transient}
+    parent, ident = output.request_header(), b"display_data"
     kind = "update_display_data" if update else "display_data"
 
     def send(sock):
@@ -73,9 +74,11 @@ def publish_line(line: str, flush: bool, display_id: str | None = None, update: 
 
 def line_bundle(line: str, chart=None) -> dict:
     """A pool cell's line as display data: its text, and the same in small grey HTML; ``chart``'s below."""
-    bundle = {"text/plain": line, "text/html": f"<div class='nbddp-line' style='color:{MUTED};font-size:smaller'>{html.escape(line)}</div>"}
+    bundle = {"text/plain": line,
+              "text/html": f"<div class='nbddp-line' style='color:{MUTED};font-size:smaller'>{html.escape(line)}</div>"}
     if chart:
-        bundle = {"text/plain": bundle["text/plain"] + "\n" + chart.text(), "text/html": bundle["text/html"] + chart.html()}
+        bundle = {"text/plain": bundle["text/plain"] + "\n" + chart.text(),
+                  "text/html": bundle["text/html"] + chart.html()}
     return bundle
 
 
@@ -108,7 +111,8 @@ def queue_without_wake(socket, send) -> bool:
 def _queueable(io_thread) -> bool:
     """ipykernel's IOPubThread (6.x and 7.x alike): a queue of calls its thread makes in order on a wake."""
     return (callable(getattr(io_thread, "schedule", None)) and hasattr(io_thread, "socket")
-            and hasattr(getattr(io_thread, "_events", None), "append") and callable(getattr(io_thread, "_handle_event", None))
+            and hasattr(getattr(io_thread, "_events", None), "append")
+            and callable(getattr(io_thread, "_handle_event", None))
             and callable(getattr(getattr(io_thread, "thread", None), "is_alive", None))
             and callable(getattr(getattr(io_thread, "io_loop", None), "call_later", None)))
 

@@ -112,9 +112,11 @@ class Detached:
     def __init__(self, kernel, parent: dict):
         self.session, self.socket = kernel if kernel else (None, None)
         self.targets: list[dict] = [parent]  # parent headers; 0: the background cell itself
-        self.kept: list[list] = []  # [kind, key, payload] in order: ("stream", name, text), ("display", id, (data, md)), ("error", None, content)
+        # [kind, key, payload] in order: ("stream", name, text), ("display", id, (data, md)), ("error", None, content)
+        self.kept: list[list] = []
         self._displays: dict[str, list] = {}  # display id -> its entry in kept
-        self._foreign: set[str] = set()  # display ids another cell showed (first seen here as an update: the pool's view)
+        # display ids another cell showed (first seen here as an update: the pool's view)
+        self._foreign: set[str] = set()
         self._shown: list[set] = [set()]  # per target: display ids it has been shown
         self._pending: list[list] = []  # [name, text] not sent yet, in order
         self._lines = 0

@@ -15,10 +15,10 @@ import collections
 import html
 import time
 
-from ..wire.messages import Error, Exit, Progress, Result, Scalars
-from .charts import Chart
-from .dashboard import CELL
 from ..units import size
+from ..wire.messages import Error, Exit, Progress, Result, Scalars
+from .dashboard import CELL
+from .metrics_chart import Chart
 from .monitor import Monitor, duration, uptime
 from .output import Slot, text_table
 from .theme import BOX, MUTED, RUNNING, TEXT, WARN
@@ -80,9 +80,10 @@ class LifeSeries:
             return ""
         low, high = scale or self.scale()
         span = (high - low) or 1.0
+        heights = [2 + round(max(0.0, min(1.0, (v - low) / span)) * (LINE_HEIGHT_PX - 2)) for v in self.points()]
         cells = "".join(
-            f"<span style='display:inline-block;width:{LINE_STEP_PX}px;height:{2 + round(max(0.0, min(1.0, (v - low) / span)) * (LINE_HEIGHT_PX - 2))}px;"
-            f"border-top:2px solid {colour};box-sizing:border-box'></span>" for v in self.points())
+            f"<span style='display:inline-block;width:{LINE_STEP_PX}px;height:{h}px;"
+            f"border-top:2px solid {colour};box-sizing:border-box'></span>" for h in heights)
         return (f"<span class='nbddp-life' style='display:inline-flex;align-items:flex-end;vertical-align:middle;"
                 f"width:{SPARK_WIDTH * LINE_STEP_PX}px;height:{LINE_HEIGHT_PX}px;background:{BOX}'>{cells}</span>")
 
@@ -251,9 +252,11 @@ class PoolView:
     # -- rendering ----------------------------------------------------------------------------------
     def title(self) -> str:
         p = self.plan
-        up = f"was up {uptime(self.ended_at - self.started)}" if self.ended else f"up {uptime(time.time() - self.started)}"
+        up = (f"was up {uptime(self.ended_at - self.started)}" if self.ended
+              else f"up {uptime(time.time() - self.started)}")
         state = self.ended or (f"running {self.running}" if self.running else "idle")
-        return (f"nbddp pool · {p.world_size} rank{'' if p.world_size == 1 else 's'} · {p.accelerator}/{p.backend} · {state} · {up} · "
+        return (f"nbddp pool · {p.world_size} rank{'' if p.world_size == 1 else 's'} · {p.accelerator}/{p.backend} · "
+                f"{state} · {up} · "
                 f"{self.cells_run} cell{'' if self.cells_run == 1 else 's'} run")
 
     def rows(self) -> list[list[str]]:
@@ -321,7 +324,8 @@ class PoolView:
         """The dashboard's style (dashboard.py): small, one line a row at any width."""
         def table(rows):
             head = "".join(f"<th style='{CELL};font-weight:600;color:{MUTED}'>{html.escape(c)}</th>" for c in rows[0])
-            body = "".join("<tr>" + "".join(f"<td style='{CELL}'>{c.html if isinstance(c, LifeCell) else html.escape(c)}</td>"
+            body = "".join("<tr>" + "".join(f"<td style='{CELL}'>"
+                                            f"{c.html if isinstance(c, LifeCell) else html.escape(c)}</td>"
                                             for c in r) + "</tr>" for r in rows[1:])
             return f"<table style='{SMALL_TABLE}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -330,7 +334,8 @@ class PoolView:
         if self.gpu_util:
             parts.append(table(self.gpu_rows()))
         if self.cells:
-            parts.append(f"<div style='color:{TEXT}'>" + "<br>".join(html.escape(c) for c in self.cell_rows()) + "</div>")
+            cell_lines = "<br>".join(html.escape(c) for c in self.cell_rows())
+            parts.append(f"<div style='color:{TEXT}'>{cell_lines}</div>")
         if slow := self.steps.slow():
             parts.append(f"<div style='color:{WARN}'>slow: {html.escape(slow)}</div>")
         parts += [f"<div style='color:{WARN}'>{html.escape(line)}</div>" for line in self.event_lines()]

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 from ..units import rank_span
 from ..wire import messages
-from .theme import DONE, RUNNING, TRACK, WARN
 from ..wire.budget import Budget
 from . import output
+from .theme import DONE, RUNNING, TRACK, WARN
 
 MAX_PARTIAL = 1 << 20  # bytes of an unfinished line kept per rank and stream
 MERGE_S = 0.3  # how long a rank's line waits for the same line from the other ranks

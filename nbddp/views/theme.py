@@ -21,5 +21,5 @@ TRACK = "var(--jp-border-color2, rgba(128, 128, 128, 0.3))"  # a bar's empty par
 
 STATES = {"starting": MUTED, "running": RUNNING, "finished": DONE, "failed": FAILED, "stopped": WARN,
           "interrupted": WARN, "in debugger": WARN}
-# a chart's lines, one per rank (views/charts.py): mid-tones that read on a white page and on a dark one
+# a chart's lines, one per rank (views/metrics_chart.py): mid-tones that read on a white page and on a dark one
 SERIES = ("#1e88e5", "#f4511e", "#43a047", "#d81b60", "#8e24aa", "#00897b", "#fb8c00", "#6d4c41")

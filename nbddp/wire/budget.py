@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-
 # Keeping a rank's stdout and stderr in order costs, at each switch of stream, a messages.Mark in the rank
 # and a flush of the kernel's other stream (which waits for ipykernel's IO thread). Both are budgeted:
 # ORDER_BURST switches in exact order, then ORDER_RATE a second; past that, the two streams interleave

@@ -59,8 +59,8 @@ def receive(sock: socket.socket):
 def _load(body: bytearray):
     try:
         return pickle.loads(body)
-    except Exception as e:  # unpickling raises anything (a module or class this side lacks...): the frame was
-        raise Unreadable(f"{type(e).__name__}: {e}") from None  # read whole, so the stream goes on
+    except Exception as e:  # noqa: BLE001 - unpickling raises anything (a module or class this side lacks...)
+        raise Unreadable(f"{type(e).__name__}: {e}") from None  # the frame was read whole: the stream goes on
 
 
 def _exactly(sock: socket.socket, n: int) -> bytearray:

@@ -1,6 +1,6 @@
 """The forkserver's exchange (kernel/ranks/forkserver.py asks, rank/forkloop.py answers), one dataclass per
 message, framed by fdframing.py. The kernel sends one request at a time and reads until its reply; the
-server answers every request, one it does not know with ``Refused``, and sends ``Exited`` whenever a rank
+server answers every request, one it does not know with ``Refused``, and sends ``Reaped`` whenever a rank
 of its ends, between replies.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Refused:
 
 # -- the server tells, unasked -----------------------------------------------------------------------------------
 @dataclass
-class Exited:
+class Reaped:
     """A rank the server forked has ended and was reaped: its wait status and peak RSS."""
 
     pid: int

@@ -12,7 +12,6 @@ import threading
 
 from .messages import Error, Mark
 
-
 # length, then the marks: bytes the rank had written to stdout and stderr when it sent the record
 HEADER = struct.Struct("<QQQ")
 

@@ -9,6 +9,7 @@ set-up reads "rank 1 failed while joining the process group: ...".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 # phase -> what the rank was doing, as a message says it ("rank 1 failed while ...")
 PHASES = {
@@ -74,10 +75,11 @@ class Progress:
         total = self.state.get("total")
         return min(1.0, max(0.0, (self.state.get("n") or 0) / total)) if total else None
 
-    @property
+    @cached_property
     def scalars(self) -> dict:
         """The numbers of its postfix (``set_postfix(loss=0.31)``: ``{"loss": 0.31}``), charted as
-        ``nbddp.log``'s are, at step ``n``."""
+        ``nbddp.log``'s are, at step ``n``: read once per record, however many listeners chart it (the
+        cell's view, the pool's, ``nbddp.metrics``' recorder)."""
         found = {}
         for part in str(self.state.get("postfix") or "").split(","):
             name, eq, value = part.partition("=")
@@ -93,7 +95,7 @@ class Progress:
 class Scalars:
     """What the rank logged (``nbddp.log``) since its last ``Scalars``, one column per name: row ``i`` is
     logged at ``steps[i]`` (``time.time()``: ``times[i]``) with ``values[name][i]`` (NaN: not logged
-    in that call). Sent at most four times a second, and before the rank's ``Result`` (rank/scalars.py)."""
+    in that call). Sent at most four times a second, and before the rank's ``Result`` (rank/metrics_log.py)."""
 
     steps: tuple
     times: tuple
@@ -116,9 +118,11 @@ class Result:
     outs: dict = field(default_factory=dict)  # name -> Item
     gathers: dict = field(default_factory=dict)  # name -> Item
     assigned: tuple = ()  # names the cell (re)bound on this rank (a pool keeps them the rank's own)
-    imported: tuple = ()  # modules the rank imported since its last answer (the kernel warms them: kernel/ranks/warm.py)
-    copied: tuple = ()  # (bytes, ((name, what), ...)): private memory grew reading notebook Python objects (copywatch.py)
-    profile: dict | None = None  # --profile: this rank's summary of its profiled steps (rank/profiling.py)
+    # modules the rank imported since its last answer (the kernel warms them: kernel/ranks/warm.py)
+    imported: tuple = ()
+    # (bytes, ((name, what), ...)): private memory grew reading notebook Python objects (copywatch.py)
+    copied: tuple = ()
+    profile: dict | None = None  # --profile: this rank's summary of its profiled steps (rank/profile_session.py)
 
 
 @dataclass(frozen=True)
@@ -177,8 +181,10 @@ class RunCell:
     updates: dict  # notebook name -> its current value, pickled once in the kernel
     post_mortem: bool = False  # IPython's %pdb is on: an exception opens pdb in the rank first
     lead: int = 0  # the rank whose last expression and --out names come back (a pool's --ranks: the first)
-    dropped: tuple = ()  # notebook names the ranks forget: rebound to a value that cannot be sent (kernel/names/sending.py)
-    debug: dict | None = None  # JupyterLab's debugger panel is on: where the rank's debugger connects (rank/debugpanel.py)
+    # notebook names the ranks forget: rebound to a value that cannot be sent (kernel/names/sending.py)
+    dropped: tuple = ()
+    # JupyterLab's debugger panel is on: where the rank's debugger connects (rank/debugpanel.py)
+    debug: dict | None = None
     profile: tuple | None = None  # --profile: (steps, the run's folder, where each rank writes its trace)
 
 

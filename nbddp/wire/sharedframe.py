@@ -59,9 +59,9 @@ def _column(name, col, out: BufferWriter):
         codes = np.ascontiguousarray(col.cat.codes.to_numpy())
         return ("category", codes.dtype.str, len(codes), out.append(codes.view(np.uint8)),
                 dtype.categories, dtype.ordered)
-    if isinstance(dtype, pd.StringDtype) or (dtype == object and _all_strings(col)):
+    if isinstance(dtype, pd.StringDtype) or (dtype == object and _all_strings(col)):  # noqa: E721 - a numpy dtype
         return _strings(name, col, out)
-    what = _what_objects(col) if dtype == object else f"dtype {dtype}"
+    what = _what_objects(col) if dtype == object else f"dtype {dtype}"  # noqa: E721 - a numpy dtype
     raise UsageError(f"nbddp.shared cannot share column {name!r}: it holds {what}, and a shared DataFrame keeps "
                      "numbers, booleans, dates, strings and categoricals.\nShare that column as a sequence "
                      f"instead (nbddp.shared(df[{name!r}].tolist())), or convert it (.astype(...)), then share "

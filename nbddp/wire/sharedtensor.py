@@ -182,7 +182,7 @@ class Sharer:
                 self.copied += nbytes
             self._forget(id(obj))
             entry = _Entry()
-            entry.ref = weakref.ref(obj, lambda _, key=id(obj): self._forget(key))
+            entry.ref = weakref.ref(obj, lambda _, key=id(obj): self._forget(key))  # noqa: B008 - the id now
             entry.ptr, entry.nbytes, entry.version, entry.arena, entry.offset = ptr, nbytes, version, arena, offset
             arena.users += 1
             self._cache[id(obj)] = entry

@@ -207,7 +207,7 @@ def pack(obj, *, max_bytes: int, notebook: dict | None = None) -> Item:
         return Item(problem=_dtensor_problem(obj))
     except Unsendable as e:
         return Item(problem=f"{describe(obj)}: {e}")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - pickling raises anything: said
         return Item(problem=f"{describe(obj)} cannot be pickled: {type(e).__name__}: {e}")
     if len(blob) > max_bytes:
         return Item(problem=f"{describe(obj)} is {size(len(blob))} pickled, over the limit of {size(max_bytes)} "

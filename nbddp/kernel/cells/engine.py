@@ -22,15 +22,15 @@ from ...rank import copywatch
 from ...rank.server import Server
 from ...views.relay import CellSink, Relay
 from ...wire import messages, values
-from .. import checks, metrics, profiles
-from ..ranks import failure, starters, warm
+from .. import checks, metrics, profile
 from ..debugger import rankdebug
-from . import rules
+from ..ranks import failure, starters, warm
 from ..ranks.gang import Gang
-from .probe import CollectiveProbe
-from .prompts import Prompts
 from ..ranks.stacks import StackCapture
 from ..ranks.supervisor import Started
+from . import rules
+from .probe import CollectiveProbe
+from .prompts import Prompts
 
 
 @dataclass
@@ -52,7 +52,7 @@ def one_shot(command, config, *, plan=None, namespace=None, observer=None, relab
     with checks.one_at_a_time():
         gang = Gang(config, plan, persistent=False)
         fork = starters.starter_for(plan).inherits_notebook
-        command = profiles.asked(command, config, gang.run_dir.path)  # --profile: the traces beside the logs
+        command = profile.asked(command, config, gang.run_dir.path)  # --profile: the traces beside the logs
         return CellRun(gang, config, relabel=relabel, observer=observer, on_start=on_start).run(
             lambda pipes: Server(first=command, cmd_pipes=pipes, namespace=namespace if fork else None))
 
@@ -154,7 +154,7 @@ class CellRun:
             # kernel wires the cell's listeners (nothing is read before the wait)
             with starters.sigint_deferred():
                 if gang.started:
-                    command = profiles.asked(command, self.config, gang.run_dir.path)
+                    command = profile.asked(command, self.config, gang.run_dir.path)
                     gang.command(command, ranks=self.ranks if self.on_some_ranks else None)
                 self._begin(sup)
             # the cell's dashboard is shown before the forks: ipykernel's display waits on its IO thread,
@@ -179,7 +179,7 @@ class CellRun:
         except KeyboardInterrupt as e:
             error = e
             running = self.rules.interrupt(self, announced)
-        except BaseException as e:
+        except BaseException as e:  # nbddp's own failure: the gang closed, re-raised
             error = e
             gang.close(f"torn down: nbddp failed in the kernel ({type(e).__name__}: {e})")
             raise
@@ -189,7 +189,7 @@ class CellRun:
             raise self.rules.interrupted(self, running, announced) from None
         try:
             outcome = self._conclude(start)
-        except BaseException:
+        except BaseException:  # the view says failed, re-raised
             if gang.view is not None:
                 gang.view.cell_ended("failed")
             raise
@@ -209,7 +209,8 @@ class CellRun:
         listeners = [self, self.prompts, *self.rules.listeners(self), self.stacks, RelayClock(relay, sup), self.metrics,
                      *([self.observer] if self.observer else [])]
         redraws = gang.view or self.observer  # a pool's view, or the cell's dashboard
-        sup.begin_cell(listeners, tick=getattr(redraws, "interval", None), on_timeout=lambda: self.rules.timed_out(self))
+        sup.begin_cell(listeners, tick=getattr(redraws, "interval", None),
+                       on_timeout=lambda: self.rules.timed_out(self))
         if gang.view is not None:
             gang.view.cell_began(self.label)
 
@@ -281,7 +282,7 @@ class CellRun:
             raise rules_.with_fate(self, err, recover=rules_.told_to_stop() or len(self.replies) < len(exits))
         copied = copywatch.note({e.rank: e.result.copied for e in exits if e.result is not None and e.result.copied})
         notes = failure.notes(exits, self.relabel) + ([copied] if copied else [])
-        profiles.conclude([e.result for e in exits])  # --profile: every rank's summary, shown and kept
+        profile.conclude([e.result for e in exits])  # --profile: every rank's summary, shown and kept
         return Outcome(exits, log_dir, time.monotonic() - start, notes)
 
     def cell_exit(self, rank: int) -> failure.RankExit:

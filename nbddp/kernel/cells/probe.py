@@ -60,7 +60,8 @@ class CollectiveProbe:
         if None not in calls.values():  # (a rank still computing may yet join the others' collective)
             for rank, name in calls.items():  # ranks in the same collective may be waiting for each other
                 if list(calls.values()).count(name) == 1:
-                    self.stranded[rank] = (name, failure.was_at(waiting[rank], self.relabel, "was in nbddp's own frames"))
+                    self.stranded[rank] = (name,
+                                           failure.was_at(waiting[rank], self.relabel, "was in nbddp's own frames"))
         if self.stranded:
             if self.on_stranded is not None:
                 self.on_stranded()

@@ -52,10 +52,10 @@ class CellRules(abc.ABC):
     def listeners(self, run) -> list:
         """Bus subscribers of the cell's own (a pool's Recovery)."""
 
-    def started(self, run) -> None:
+    def started(self, run) -> None:  # noqa: B027 - a hook: nothing, unless a kind of cell says
         """The ranks have the cell."""
 
-    def rank_lost(self, run) -> None:
+    def rank_lost(self, run) -> None:  # noqa: B027 - a hook: nothing, unless a kind of cell says
         """A rank died during the cell (its exit known: a pool that mends itself keeps its peers up)."""
 
     @abc.abstractmethod

@@ -104,7 +104,7 @@ class DapSession:
         elif msg.get("type") == "event":
             try:
                 self.on_event(msg)
-            except Exception:
+            except Exception:  # a listener's failure must not end the reader thread: logged
                 logging.getLogger(__name__).exception("nbddp: a rank's debugger event %r", msg.get("event"))
 
     def _closed(self) -> None:

@@ -4,9 +4,9 @@ kernel's and each rank's (``rank 1 · MainThread``).
 
 How the ranks' debuggers are reached: the kernel's debugger is debugpy, whose adapter listens on loopback.
 While the panel is on, a rank connects to it at the start of a cell (rank/debugpanel.py); it is the
-kernel's child, so the adapter tells the kernel's debugger of it (a ``debugpyAttach`` event); ``RankDebugger`` then opens a session
-of its own to the adapter for that process (kernel/debugger/dap.py), gives it the breakpoints the panel set, and
-lets it run. Requests are routed by the ids in them: each rank's thread, frame and variable ids are
+kernel's child, so the adapter tells the kernel's debugger of it (a ``debugpyAttach`` event); ``RankDebugger``
+then opens a session of its own to the adapter for that process (kernel/debugger/dap.py), gives it the breakpoints
+the panel set, and lets it run. Requests are routed by the ids in them: each rank's thread, frame and variable ids are
 renumbered into one space of their own (``Ids``), far from the kernel's.
 
 What JupyterLab does, which shapes the rules here: it has no thread list, asks ``stackTrace`` for the last
@@ -34,7 +34,8 @@ from ...ipy import debugger
 from ...rank import debugpanel
 from .dap import DapError, DapSession, untraced
 
-FIRST_ID = 1 << 50  # rank ids: above any id the kernel's own debugger gives (object addresses < 2**47), exact in JavaScript
+# rank ids: above any id the kernel's own debugger gives (object addresses < 2**47), exact in JavaScript
+FIRST_ID = 1 << 50
 CALL_TIMEOUT_S = 10.0
 NBDDP_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nbddp/
 KEPT_EVENTS = ("stopped", "continued", "thread")  # a rank's events the panel sees; its output comes through nbddp
@@ -83,15 +84,16 @@ class RankLink:
 
     def own(self, frames: list) -> list:
         """A stack trace's frames down to the notebook's the fork left under the rank's (the kernel's)."""
-        return list(itertools.takewhile(lambda f: ((f.get("source") or {}).get("path"), f.get("line")) not in self.inherited,
-                                        frames))
+        return list(itertools.takewhile(
+            lambda f: ((f.get("source") or {}).get("path"), f.get("line")) not in self.inherited, frames))
 
     @property
     def label(self) -> str:
         return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
 
     async def call(self, command: str, arguments: dict | None = None, timeout: float | None = None) -> dict:
-        return await asyncio.wait_for(asyncio.wrap_future(self.session.send(command, arguments)), timeout or CALL_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(self.session.send(command, arguments)),
+                                      timeout or CALL_TIMEOUT_S)
 
     async def threads(self) -> list[dict]:
         """The rank's threads the user has: nbddp's own and the debugger's are left out."""
@@ -224,7 +226,8 @@ class RankDebugger:
             self.note_stops()
             if told:
                 for local in stopped:
-                    self.kernel.publish(_event("continued", threadId=self.threads.out(link, local), allThreadsContinued=False))
+                    self.kernel.publish(_event("continued", threadId=self.threads.out(link, local),
+                                               allThreadsContinued=False))
             for ids in (self.threads, self.frames, self.refs):
                 ids.forget(link)
             if told:
@@ -334,7 +337,8 @@ class RankDebugger:
     def breakpoints(self) -> dict[str, dict]:
         """setBreakpoints' arguments for each file: the panel's own, over those the kernel's debugger kept
         from before nbddp was loaded (lines only)."""
-        kept = {path: {"source": {"path": path}, "breakpoints": lines} for path, lines in self.kernel.breakpoints().items()}
+        kept = {path: {"source": {"path": path}, "breakpoints": lines}
+                for path, lines in self.kernel.breakpoints().items()}
         return {**kept, **self.set_breakpoints}
 
     def stopped(self) -> list[tuple]:
@@ -373,7 +377,8 @@ class Router:
 
     def _owner(self, args: dict):
         """The rank a request is about (link, {argument: local id}), from the ids it carries."""
-        for key, ids in (("threadId", self.ranks.threads), ("frameId", self.ranks.frames), ("variablesReference", self.ranks.refs),
+        for key, ids in (("threadId", self.ranks.threads), ("frameId", self.ranks.frames),
+                         ("variablesReference", self.ranks.refs),
                          ("srcFrameId", self.ranks.frames)):
             found = ids.back(args.get(key))
             if found is not None:
@@ -403,7 +408,8 @@ class Router:
         except (DapError, asyncio.TimeoutError) as e:
             if isinstance(e, asyncio.TimeoutError):
                 self.ranks.still_stopped(taken)
-            return _reply(msg, success=False, message=f"{link.label}: {str(e) or f'no answer within {CALL_TIMEOUT_S:g} s'}")
+            return _reply(msg, success=False,
+                          message=f"{link.label}: {str(e) or f'no answer within {CALL_TIMEOUT_S:g} s'}")
         body = reply.get("body") or {}
         if command == "stackTrace":
             body = await self._stack(link, args, body)
@@ -433,7 +439,8 @@ class Router:
             await link.threads()
             name = link.name(local) or "thread"
         own = link.own(frames)
-        return [{**f, "id": self.ranks.frames.out(link, f["id"]), "name": f"{link.label} · {name} · {f.get('name', '')}"}
+        return [{**f, "id": self.ranks.frames.out(link, f["id"]),
+                 "name": f"{link.label} · {name} · {f.get('name', '')}"}
                 for f in own]
 
     def _renumbered(self, link: RankLink, value):
@@ -459,7 +466,8 @@ class Router:
             return _reply(msg, body={"data": {}, "metadata": {}})
         expression = f"__import__('nbddp.rank.debugpanel', fromlist=['rich']).rich({args['variableName']})"
         try:
-            reply = await link.call("evaluate", {"expression": expression, "frameId": args["frameId"], "context": "clipboard"})
+            reply = await link.call("evaluate",
+                                    {"expression": expression, "frameId": args["frameId"], "context": "clipboard"})
         except (DapError, asyncio.TimeoutError) as e:
             return _reply(msg, success=False, message=f"{link.label}: {e}")
         data, metadata = ({}, {})
@@ -479,7 +487,8 @@ class Router:
                 found = await link.threads()
             except (DapError, asyncio.TimeoutError):
                 continue
-            threads += [{"id": self.ranks.threads.out(link, t["id"]), "name": f"{link.label} · {t['name']}"} for t in found]
+            threads += [{"id": self.ranks.threads.out(link, t["id"]), "name": f"{link.label} · {t['name']}"}
+                        for t in found]
         return {**reply, "body": {**(reply.get("body") or {}), "threads": threads}}
 
     async def _continue(self, msg: dict) -> dict:
@@ -513,7 +522,8 @@ class Router:
         """A page that comes back finds a stopped rank first (JupyterLab shows the first stopped thread)."""
         reply = await self.kernel.forward(msg)
         body = reply.get("body") or {}
-        return {**reply, "body": {**body, "stoppedThreads": self.ranks.stopped_ids() + list(body.get("stoppedThreads", []))}}
+        return {**reply,
+                "body": {**body, "stoppedThreads": self.ranks.stopped_ids() + list(body.get("stoppedThreads", []))}}
 
     async def _disconnect(self, msg: dict) -> dict:
         """The debugger turned off: every rank let go (a stopped one runs on), then the kernel's. A rank's

@@ -35,7 +35,8 @@ def deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict, 
     def load(rank: int, name: str, item):
         flag = "--out" if name in outs else "--gather"
         if item is None or item.problem == values.NEVER_DEFINED:
-            problems.append(f"{flag} {name}: rank {rank} never defined `{name}`: {_unbound(name, rank, flag, source, user_ns)}")
+            problems.append(f"{flag} {name}: rank {rank} never defined `{name}`: "
+                            f"{_unbound(name, rank, flag, source, user_ns)}")
             return None, False
         if item.problem:
             problems.append(f"{flag} {name}: rank {rank}'s `{name}`: {item.problem}.")
@@ -61,7 +62,8 @@ def deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict, 
             arrived.append(name)
     if problems:
         problems.append(
-            "The cell ran on every rank; " + (f"these arrived: {', '.join(arrived)}." if arrived else "nothing arrived.")
+            "The cell ran on every rank; " + (f"these arrived: {', '.join(arrived)}."
+                                              if arrived else "nothing arrived.")
             + ("\nSend plain data instead (tensors, numbers, dicts, a state_dict), or leave the name out."
                if unsendable else "")
         )

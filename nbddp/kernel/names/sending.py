@@ -12,8 +12,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from ...errors import UsageError
-from ...units import size
 from ...ipy.cellcode import names_used, notebook_name, split_last_expression
+from ...units import size
 from ...wire import memfd, sharedtensor, values
 
 
@@ -32,10 +32,10 @@ class Blobs(dict):
         self.on_gpu.update(getattr(other, "on_gpu", {}))
 
 
-def pickled_for_ranks(names, namespace: dict, *, wanted=None, unpicklable) -> Blobs:
+def pickled_for_ranks(names, namespace: dict, *, wanted=None, unsendable) -> Blobs:
     """The one worklist that sends notebook values by value: each of ``names`` the namespace holds (a
     notebook name, and ``wanted(name, value)``), pickled once, then the notebook names a function or class
-    among them reads (what it reads, in turn), as they are found. ``unpicklable(name, value, error)``
+    among them reads (what it reads, in turn), as they are found. ``unsendable(name, value, error)``
     raises the UsageError for a value that cannot be pickled, or returns to let that name go. Big tensors
     and arrays among them go through shared memory, all of this send's in one memfd."""
     out = Blobs()
@@ -58,8 +58,8 @@ def pickled_for_ranks(names, namespace: dict, *, wanted=None, unpicklable) -> Bl
                                  f"and there is no room for its {e} more: the machine's memory is full. Nothing ran. "
                                  "Free memory in the notebook (del what you no longer need, then gc.collect()), or "
                                  "create it inside a %%ddp cell.") from None
-            except Exception as e:  # noqa: BLE001 - named by ``unpicklable``
-                unpicklable(name, value, e)
+            except Exception as e:  # noqa: BLE001 - named by ``unsendable``
+                unsendable(name, value, e)
                 continue
             if sharer.shared > before:
                 out.shared[name] = sharer.shared - before
@@ -103,29 +103,29 @@ def reached(names, namespace: dict) -> set[str]:
     return found
 
 
-def pickled_for_cell(cell_reads, reads, namespace: dict, *, wanted, refuse, unsendable: dict):
+def pickled_for_cell(cell_reads, reads, namespace: dict, *, wanted, refuse, let_go_before: dict):
     """A pool cell's worklist: what it reaches (``cell_reads`` and what the notebook functions among them
     read) is pickled or the cell refused (``refuse(name, value, error)`` raises); what the pool's earlier
     cells read (``reads``) is pickled where it can be, and let go where not, but for a value already let go
-    (``unsendable``: name -> its token). Returns (name -> pickled value, name -> (token, why) let go now)."""
+    (``let_go_before``: name -> its token). Returns (name -> pickled value, name -> (token, why) let go now)."""
     near = reached(cell_reads, namespace)
     with sharedtensor.sharer().send():  # one memfd for the whole send
-        blobs = pickled_for_ranks(near, namespace, wanted=wanted, unpicklable=refuse)
+        blobs = pickled_for_ranks(near, namespace, wanted=wanted, unsendable=refuse)
         let_go: dict[str, tuple] = {}
 
         def note(name, value, e):
             let_go[name] = (_token(value), f"{type(e).__name__}: {e}")
 
-        blobs.update(pickled_for_ranks(set(reads) - near - set(blobs), namespace, unpicklable=note,
+        blobs.update(pickled_for_ranks(set(reads) - near - set(blobs), namespace, unsendable=note,
                                        wanted=lambda name, value: name not in blobs and wanted(name, value)
-                                       and not _same(unsendable.get(name), value)))
+                                       and not _same(let_go_before.get(name), value)))
     return blobs, let_go
 
 
 def ship_globals(source: str, filename: str, user_ns: dict, *, method: str = "spawn", advice: str = ".",
                  gpu_ipc: bool = False) -> Blobs:
     """The globals a spawned (or forkserver) rank needs, each pickled by value (a module by name), with the
-    names a notebook function or class among them reads; an unpicklable one is named, with the start
+    names a notebook function or class among them reads; an unsendable one is named, with the start
     method's ``advice`` (its starter's, kernel/ranks/starters.py). ``gpu_ipc``: GPU ranks of the forkserver,
     which get the kernel's GPU tensors by CUDA IPC."""
     body, last = split_last_expression(source, filename)
@@ -139,8 +139,9 @@ def ship_globals(source: str, filename: str, user_ns: dict, *, method: str = "sp
 
     with sharedtensor.handing_gpu(gpu_ipc):
         return pickled_for_ranks(names_used(body) | (names_used(last) if last else set()), user_ns,
-                                 wanted=lambda name, value: not (hasattr(builtins, name) and value is getattr(builtins, name)),
-                                 unpicklable=refuse)
+                                 wanted=lambda name, value: not (hasattr(builtins, name)
+                                                                 and value is getattr(builtins, name)),
+                                 unsendable=refuse)
 
 
 def shipped_notes(blobs: Blobs, namespace: dict) -> list[str]:
@@ -159,19 +160,19 @@ BIG_UPDATE = 16 * 2**20  # a sent value this large earns the hint that %ddp rest
 class Changes:
     """What a pool cell sends: ``updates`` (name -> pickled value), ``dropped`` (names the ranks must
     forget: rebound in the notebook to a value that cannot be sent, and not read by this cell), and what
-    to say about them; a cluster pool's ``other_nodes``: the values only the other nodes' ranks lack."""
+    to say about them; a cluster pool's ``for_other_nodes``: the values only the other nodes' ranks lack."""
 
     updates: dict = field(default_factory=dict)
     dropped: tuple = ()
     notes: list = field(default_factory=list)
     let_go: dict = field(default_factory=dict)  # name -> the token of the value that could not be sent
-    other_nodes: dict = field(default_factory=dict)  # name -> pickled value, for the other nodes' ranks once
+    for_other_nodes: dict = field(default_factory=dict)  # name -> pickled value, for the other nodes' ranks once
 
 
 class RankNames:
     """What a pool's ranks hold of the notebook's names, in one place: the values they were sent (or
     shared at the start), the names they bound themselves, what the pool's cells read, what the notebook
-    rebound since; for a pool across nodes (``other_nodes``), what the other nodes' ranks still lack (the
+    rebound since; for a pool across nodes (``across_nodes``), what the other nodes' ranks still lack (the
     kernel's node shares the notebook copy-on-write, the others start with nothing of it). One method per
     event: a notebook cell bound names (``notebook_bound``), a pool cell is about to run (``before_cell``,
     then ``sent`` once it goes), a pool cell answered (``answered``), values came back into the notebook
@@ -183,21 +184,23 @@ class RankNames:
     its code reads that the ranks lack. Only a cell that reads a name is refused when its new value cannot
     be pickled: for the others the ranks' old copy is dropped (the notebook has moved on from it), said once."""
 
-    def __init__(self, namespace: dict | None, *, other_nodes: bool = False, inherited: bool = True,
+    def __init__(self, namespace: dict | None, *, across_nodes: bool = False, inherited: bool = True,
                  gpu_ipc: bool = False):
         """``inherited``: the ranks were forked from the kernel and hold its names as they were (a
         forkserver's ranks hold none: every name a cell reads is sent at its first use); ``gpu_ipc``: the
         forkserver's GPU ranks, which get the kernel's GPU tensors by CUDA IPC."""
         self.gpu_ipc = gpu_ipc
-        self.across_nodes = other_nodes
+        self.across_nodes = across_nodes
         self.namespace = namespace if namespace is not None else {}
-        self.known = {k: _token(v) for k, v in self.namespace.items()} if inherited else {}  # name -> the value the ranks have
+        # name -> the value the ranks have
+        self.known = {k: _token(v) for k, v in self.namespace.items()} if inherited else {}
         self.unsendable: dict[str, tuple] = {}  # name -> the value dropped from the ranks (it cannot be sent)
         self.assigned: set[str] = set()  # names the ranks bound themselves: theirs until the notebook rebinds them
         self.reads: set[str] = set()  # every name the pool's cells' code reads, functions' bodies too
         # a pool across nodes: the notebook names the other nodes' ranks lack, and those that could not be sent
-        self.lacking = {k for k in self.namespace if notebook_name(k)} if other_nodes else set()
-        self.unpicklable: dict[str, tuple] = {}  # name -> the value of it that could not be sent (not tried again)
+        self.lacking = {k for k in self.namespace if notebook_name(k)} if across_nodes else set()
+        # name -> the value not sent to the other nodes (not tried again)
+        self.unsendable_elsewhere: dict[str, tuple] = {}
 
     # -- events ------------------------------------------------------------------------------------------
     def notebook_bound(self, names) -> None:
@@ -212,21 +215,21 @@ class RankNames:
             if name in self.namespace:
                 self.known[name] = _token(self.namespace[name])
 
-    def before_cell(self, cell_reads, *, other_nodes: bool = False) -> Changes:
+    def before_cell(self, cell_reads, *, nodes_running: bool = False) -> Changes:
         """What must go with a cell that reads ``cell_reads`` (a function an earlier cell defined reads
         its globals when a later cell calls it, so the pool's earlier cells' reads count too). Nothing is
-        marked sent until ``sent``: the cell may yet be refused. ``other_nodes``: a running pool across
-        nodes, whose other nodes get what they lack once (``Changes.other_nodes``)."""
+        marked sent until ``sent``: the cell may yet be refused. ``nodes_running``: a running pool across
+        nodes, whose other nodes get what they lack once (``Changes.for_other_nodes``)."""
         self.reads |= cell_reads
         # a pool across nodes: its ranks elsewhere cannot open this machine's memfds, so tensors are pickled
         # by value and shared buffers carry their bytes (once per node)
         with memfd.elsewhere(self.across_nodes):
             with sharedtensor.handing_gpu(self.gpu_ipc):
                 changes = self._changes(cell_reads)
-            if other_nodes:
+            if nodes_running:
                 with memfd.elsewhere():  # (their ranks cannot open this machine's memfds)
-                    changes.other_nodes = self._for_other_nodes(cell_reads)
-            sizes = sent_text(changes.other_nodes, self.namespace)
+                    changes.for_other_nodes = self._lacked_by_other_nodes(cell_reads)
+            sizes = sent_text(changes.for_other_nodes, self.namespace)
             if sizes:
                 changes.notes.append(f"sent {', '.join(sizes)} to the other nodes' ranks, once (they do not share "
                                      "the notebook's memory)")
@@ -262,7 +265,8 @@ class RankNames:
                              "Nothing ran. Create it inside a %%ddp cell, or %ddp restart (the ranks then share "
                              "it).") from None
 
-        updates, let_go = pickled_for_cell(cell_reads, self.reads, namespace, refuse=refuse, unsendable=self.unsendable,
+        updates, let_go = pickled_for_cell(cell_reads, self.reads, namespace, refuse=refuse,
+                                           let_go_before=self.unsendable,
                                            wanted=lambda name, value: not _same(self.known.get(name), value))
         notes = [f"`{name}` was rebound in the notebook to {values.describe(namespace[name])}, which cannot be sent "
                  f"to the ranks ({why}); the ranks' old `{name}` is dropped, and a cell that reads `{name}` (or calls "
@@ -282,7 +286,7 @@ class RankNames:
                          "the notebook's value")
         return Changes(updates, tuple(let_go), notes, {name: token for name, (token, _) in let_go.items()})
 
-    def _for_other_nodes(self, cell_reads) -> dict[str, bytes]:
+    def _lacked_by_other_nodes(self, cell_reads) -> dict[str, bytes]:
         """The notebook values the other nodes' ranks lack that the pool's cells read (with what a notebook
         function among them reads), pickled once. Only a cell that reads one that cannot be pickled is
         refused (the other nodes' ranks never had it); the others are tried again if they change."""
@@ -292,9 +296,9 @@ class RankNames:
                              "Nothing ran. Create it inside a %%ddp cell.") from None
 
         sent, let_go = pickled_for_cell(cell_reads, self.reads, self.namespace, refuse=refuse,
-                                        unsendable=self.unpicklable,
+                                        let_go_before=self.unsendable_elsewhere,
                                         wanted=lambda name, value: name in self.lacking and name not in self.assigned)
-        self.unpicklable.update({name: token for name, (token, _) in let_go.items()})
+        self.unsendable_elsewhere.update({name: token for name, (token, _) in let_go.items()})
         self.lacking -= set(sent)
         return sent
 

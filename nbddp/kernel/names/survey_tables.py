@@ -13,7 +13,6 @@ from ...rank.survey import NamespaceSurvey
 from ...units import ranks_text, size
 from ...views.output import text_table
 
-
 WIDTH = 110  # characters of a row: JupyterLab's output at 1200 px, sidebar open, in its monospace font
 WHO_CAPS = (18, 24, 52, 10)  # name, type, what, size
 DIFF_CAPS = (32, 20, 54)  # entry, what, how the ranks differ
@@ -24,13 +23,8 @@ def who(pool) -> None:
     _show(*who_parts(per_rank))
 
 
-def who_table(per_rank: list[dict]) -> str:
-    """One row per name: type, shape/dtype/device, size; ``≠`` and each rank's where they disagree."""
-    head, columns, rows = who_parts(per_rank)
-    return head + "\n" + _table(columns, rows, WHO_CAPS)
-
-
 def who_parts(per_rank: list[dict]) -> tuple:
+    """One row per name: type, shape/dtype/device, size; ``≠`` and each rank's where they disagree."""
     ranks = len(per_rank)
     names = sorted(set().union(*per_rank), key=str.lower)
     rows = []

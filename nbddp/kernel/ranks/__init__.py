@@ -1,1 +1,2 @@
-"""The ranks' life in the kernel: gangs, start methods, the forkserver's end, the supervisor, rendezvous, stores, logs."""
+"""The ranks' life in the kernel: gangs, start methods, the forkserver's end, the supervisor, rendezvous, stores,
+logs."""

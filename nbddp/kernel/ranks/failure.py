@@ -7,10 +7,10 @@ import signal
 from dataclasses import dataclass
 
 from ... import errors
-from ...ipy import tracebacks
-from ...wire.messages import PHASES, Done, Error, Exit, Result
 from ...errors import RankFailure
+from ...ipy import tracebacks
 from ...units import ranks_text
+from ...wire.messages import PHASES, Done, Error, Exit, Result
 
 # what gloo and NCCL raise in a collective when another rank died or left
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -156,7 +156,8 @@ def rank_failed(exits: list[RankExit], relabel, log_dir: str) -> RankFailure:
 def notes(exits: list[RankExit], relabel) -> list[str]:
     """For a run that succeeded: what still deserves a word (a rank that left early)."""
     out = []
-    went_on = any(e.done or e.only_leaving for e in exits)  # exit() on every rank is how a script may end: nothing to say
+    # exit() on every rank is how a script may end: nothing to say
+    went_on = any(e.done or e.only_leaving for e in exits)
     for e in exits:
         if e.left_early and went_on:
             out.append(tracebacks.relabel(e.headline(), relabel))
@@ -227,7 +228,8 @@ def alone(stuck: dict[int, tuple[str, str]], finished: list[int], log_dir: str, 
     lines = []
     for rank, (name, where) in sorted(stuck.items()):
         others = [f"{ranks_text(finished)} finished the cell without joining it"] if finished else []
-        others += [f"{ranks_text(idle)} {'does' if len(idle) == 1 else 'do'} not run this cell (--ranks)"] if idle else []
+        does = "does" if len(idle) == 1 else "do"
+        others += [f"{ranks_text(idle)} {does} not run this cell (--ranks)"] if idle else []
         lines.append(f"rank {rank} waits in torch.distributed.{name}, but {' and '.join(others)}: a collective that "
                      "only some ranks call never completes.")
         lines.append(f"  rank {rank} {where}")

@@ -24,7 +24,7 @@ from ...errors import UsageError
 from ...rank import forkloop
 from ...rank.stdio import POSIX
 from ...wire import fdframing
-from ...wire.forkmessages import Exited, Fork, Forked, Prepare, Prepared, Refused, SetJob
+from ...wire.forkmessages import Fork, Forked, Prepare, Prepared, Reaped, Refused, SetJob
 from . import rendezvous
 
 
@@ -75,7 +75,7 @@ class ForkServer:
             except (OSError, EOFError):
                 self._lost()
                 raise ForkServerGone(self.kind) from None
-            except BaseException:
+            except BaseException:  # an interrupt mid-exchange leaves the stream out of step: re-raised
                 self._lost()
                 raise
         if isinstance(reply, Refused):
@@ -84,7 +84,7 @@ class ForkServer:
 
     def _reply(self, timeout):
         """The answer to the request just sent (the ranks' exits met on the way are kept)."""
-        while isinstance(message := self._next(timeout), Exited):
+        while isinstance(message := self._next(timeout), Reaped):
             pass
         return message
 
@@ -94,7 +94,7 @@ class ForkServer:
             message, _ = fdframing.receive(self.sock)
         finally:
             self.sock.settimeout(None)
-        if isinstance(message, Exited):
+        if isinstance(message, Reaped):
             self.exits[message.pid] = (message.status, message.peak_rss)
         return message
 
@@ -158,8 +158,15 @@ class ForkServerRefused(RuntimeError):
     """The server answered a request with an error (it goes on serving)."""
 
 
-_server: ForkServer | None = None
-_never: set[str] = set()  # packages that initialised CUDA in a server: never imported ahead again
+class Current:
+    """The kernel's forkserver, one at a time, and what the servers learned never to import ahead."""
+
+    def __init__(self):
+        self.server: ForkServer | None = None
+        self.never: set[str] = set()  # packages that initialised CUDA in a server: never imported ahead again
+
+
+CURRENT = Current()
 
 
 def policy() -> str:
@@ -177,8 +184,7 @@ def policy() -> str:
 
 def at_load() -> None:
     """``%load_ext``: the template, while the kernel holds no CUDA context, where GPU ranks may be wanted."""
-    global _server
-    if _server is not None and _server.alive or policy() != "template":
+    if CURRENT.server is not None and CURRENT.server.alive or policy() != "template":
         return
     from ...hw import cuda, openmp
     from ...rank import inherit
@@ -190,15 +196,14 @@ def at_load() -> None:
     except UsageError:
         return
     inherit.before_fork()
-    _server = ForkServer.template()
+    CURRENT.server = ForkServer.template()
 
 
 def get() -> ForkServer:
     """The running server, or a fresh one."""
-    global _server
-    if _server is None or not _server.alive:
-        _server = ForkServer.fresh()
-    return _server
+    if CURRENT.server is None or not CURRENT.server.alive:
+        CURRENT.server = ForkServer.fresh()
+    return CURRENT.server
 
 
 def ready(never: set[str]) -> ForkServer:
@@ -206,9 +211,9 @@ def ready(never: set[str]) -> ForkServer:
     that initialised CUDA in it ends it, and a fresh one is made without it."""
     for _ in range(3):
         server = get()
-        poisoned = server.prepare(never | _never).poisoned
+        poisoned = server.prepare(never | CURRENT.never).poisoned
         if not poisoned:
             return server
-        _never.add(poisoned)
+        CURRENT.never.add(poisoned)
     raise RuntimeError("nbddp's forkserver keeps initialising CUDA as it imports the kernel's modules "
-                       f"({', '.join(sorted(_never))}); use --start-method spawn")
+                       f"({', '.join(sorted(CURRENT.never))}); use --start-method spawn")

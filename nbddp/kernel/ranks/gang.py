@@ -58,7 +58,9 @@ class Gang:
         self.specs: dict = {}  # rank -> the RankSpec it was forked with
         self.local = None
         self._job_for = None  # a rank's job, given its command pipes (a replacement's too)
-        self._prepare = None  # what each fork is given besides (its store pipes)  # forked ranks: the kernel's store and the thread serving their store pipes
+        # what each fork is given besides (its store pipes)  # forked ranks: the kernel's store and the thread serving
+        # their store pipes
+        self._prepare = None
 
     def lifelong(self) -> list:
         """The subscribers every cell's bus starts with."""
@@ -139,7 +141,7 @@ class Gang:
         try:
             starters.fork_specs(self.sup, self._starter, self._job_for({spec.rank: (read, write)}), [spec], None,
                                 prepare)
-        except BaseException:
+        except BaseException:  # whatever stopped the fork, an interrupt too: re-raised
             os.close(write)
             raise
         finally:
@@ -174,7 +176,8 @@ class Gang:
             os.close(self._cmd.pop(rank))
         self._cmd = {moves[r]: fd for r, fd in self._cmd.items()}
         self.ready = {moves[r] for r in self.ready if r in moves}
-        self.specs = {moves[r]: starters.moved(spec, moves[r], len(moves)) for r, spec in self.specs.items() if r in moves}
+        self.specs = {moves[r]: starters.moved(spec, moves[r], len(moves)) for r, spec in self.specs.items()
+                      if r in moves}
         self.plan = dataclasses.replace(self.plan, device_ids=tuple(self.plan.device_ids[r] for r in sorted(moves)))
         self.world_size = len(moves)
         self.logs.renumber({r: str(self.run_dir.log(r)) for r in moves.values()})

@@ -148,7 +148,7 @@ def loopback_ifname() -> str:
         for name, addrs in psutil.net_if_addrs().items():
             if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
                 return name
-    except Exception:
+    except Exception:  # noqa: BLE001 - psutil missing or failing: the usual name
         pass
     return "lo"
 

@@ -1,10 +1,13 @@
-"""Starting ranks: one small class per start method (fork, spawn, forkserver), each giving a rank three
-pipes (stdout, stderr, its typed channel) and registering it with the supervisor, and each answering what
-its start method means to the rest of the kernel (``Starter``: does a rank inherit the notebook, has it a
-command pipe, can the kernel's GPU tensors reach it by CUDA IPC), so no caller compares start-method
-names; ``rank_spec`` makes every rank's RankSpec (``rank_specs``: one per planned device; ``moved`` and
-``again``: a pool's rank at a new place, or forked again); ``fork_specs`` starts one rank per spec, an
-interrupt held back until every rank started is tracked.
+"""Starting ranks. One small class per start method (``ForkStarter``, ``SpawnStarter``,
+``ForkserverStarter``; ``starter_for(plan)`` picks it), each starting a rank with three pipes (stdout,
+stderr, its typed channel) and answering, before any rank exists, what its start method means to the rest
+of the kernel (``Starter``: does a rank inherit the notebook, has it a command pipe, can the kernel's GPU
+tensors reach it by CUDA IPC, what to advise when a global cannot be sent), so no caller compares
+start-method names. ``rank_spec`` makes every rank's RankSpec (``rank_specs``: one per planned device;
+``moved`` and ``again``: a pool's rank at a new place, or forked again); ``fork_specs`` starts one rank per
+spec and registers each with the supervisor as soon as it exists, an interrupt held back meanwhile
+(``sigint_deferred``); ``store_pipes`` ties forked ranks to the kernel's store; ``SWITCH_INTERVAL`` keeps the
+kernel's own thread switch interval, which a rank starts with.
 """
 from __future__ import annotations
 
@@ -18,16 +21,15 @@ import threading
 import time
 import warnings
 
+from ...hw import openmp
 from ...rank import inherit
 from ...rank.stdio import LIBC, POSIX
 from ...rank.worker import RankSpec, fork_main, place_env
 from ...wire import values
-from ...hw import openmp
 from .. import devices
 from ..debugger import rankdebug
 from . import rendezvous, warm
 from .supervisor import RankProc, Supervisor
-
 
 # Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
 # ranks only run the cell and exit through os._exit, and worker.py makes torch safe first.
@@ -356,7 +358,7 @@ class ForkserverStarter(Starter):
             fds.append(pipes[spec.rank][0])
         try:
             pid = self.server.fork(spec, tuple(roles), fds)
-        except BaseException:
+        except BaseException:  # whatever stopped the fork, an interrupt too: re-raised
             for fd in (out_r, out_w, err_r, err_w, chan_r, chan_w):
                 os.close(fd)
             raise

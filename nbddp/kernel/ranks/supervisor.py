@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 from ...wire import framing, messages
-from . import failure
 from ..debugger import rankdebug
+from . import failure
 from .stacks import StackRequest
 
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
@@ -98,14 +98,15 @@ class Bus:
 @functools.cache
 def _handled(kind: type) -> tuple:
     """The events a subscriber class may handle, each with its method's name: those it defines, or every
-    event for a class that answers some by ``__getattr__`` (failure.StackCapture, in front of a relay)."""
+    event for a class that answers some by ``__getattr__`` (stacks.StackCapture, in front of a relay)."""
     dynamic = hasattr(kind, "__getattr__")
     return tuple((cls, f"on_{cls.__name__}") for cls in EVENTS if dynamic or hasattr(kind, f"on_{cls.__name__}"))
 
 
 # records a rank sends after flushing its streams: its text written before them is shown before them
 # (a Mark is sent when the rank's writes switch between stdout and stderr, and does nothing else)
-ORDERED = (messages.Mark, messages.Display, messages.ClearOutput, messages.Progress, messages.Result, messages.Error, messages.Exit)
+ORDERED = (messages.Mark, messages.Display, messages.ClearOutput, messages.Progress, messages.Result, messages.Error,
+           messages.Exit)
 
 
 # -- ranks as the kernel sees them -----------------------------------------------------------------
@@ -117,7 +118,8 @@ class RankProc:
     fds: dict = field(default_factory=dict)  # fd -> "stdout" | "stderr" | "channel"
     reader: framing.Reader = field(default_factory=framing.Reader)
     records: dict = field(default_factory=dict)  # record class -> the last one of that kind
-    held: dict = field(default_factory=lambda: {"stdout": bytearray(), "stderr": bytearray()})  # read, not yet published
+    # read, not yet published
+    held: dict = field(default_factory=lambda: {"stdout": bytearray(), "stderr": bytearray()})
     published: dict = field(default_factory=lambda: {"stdout": 0, "stderr": 0})  # bytes published per stream
     exit: failure.RankExit | None = None
     stop_sent: bool = False

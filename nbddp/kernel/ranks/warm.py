@@ -42,70 +42,81 @@ WARM_IMPORTS = (
 # Never learned: what may start compile workers or touch a device when imported.
 NEVER = ("__main__", "torch.cuda", "torch._inductor", "triton", "torch.compiler", "nbddp")
 
-_thread: threading.Thread | None = None
-_hooked = False  # os.register_at_fork(before=_join) done (once a process: it cannot be undone)
-_learned: list[str] = []  # modules ranks imported, for the next fork
-_tried: set[str] = set()  # each name imported (or failed) once: a failure is not retried at every cell
-
-
 def enabled() -> bool:
     return os.environ.get("NBDDP_WARM", "1") not in ("0", "off", "false", "no")
 
 
+class Warming:
+    """The kernel's warming, in one object: its thread, the fork hook, what ranks imported since."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.hooked = False  # os.register_at_fork(before=self.join) done (once a process: it cannot be undone)
+        self.learned: list[str] = []  # modules ranks imported, for the next fork
+        self.tried: set[str] = set()  # each name imported (or failed) once: a failure is not retried at every cell
+
+    def start(self) -> None:
+        names = [n for n in WARM_IMPORTS if n not in sys.modules]
+        if enabled() and names and self.thread is None:
+            # untraced by the kernel's debugger (JupyterLab's panel, often turned on right after %load_ext): under
+            # pydevd's tracer these ~800 imports took 7.5 s instead of 1.3 on 2 cores, and the first %%ddp cell
+            # waits for them before it forks (``wait``), on --timeout's clock: a 6 s one passed with rank 0 forked
+            # and rank 1 not, rank 0 waited at the rendezvous, no rank reached the cell's breakpoint
+            self.thread = untraced(threading.Thread(target=_import_all, args=(names,), name=driverwatch.WARM_THREAD,
+                                                    daemon=True))
+            self.thread.start()
+            self.hook_forks()
+
+    def hook_forks(self) -> None:
+        """Any fork in the kernel waits for the warming thread, not only nbddp's: the notebook's own
+        ``torch.multiprocessing`` start with fork, Lightning's ``ddp_notebook``, Accelerate's
+        ``notebook_launcher`` would otherwise copy a module lock the thread holds, and their child hang on its
+        first import of that module (measured: a raw fork's first all_reduce right after %load_ext)."""
+        if not self.hooked:
+            self.hooked = True
+            os.register_at_fork(before=self.join)
+
+    def join(self) -> None:
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.learned and enabled():
+            names = list(dict.fromkeys(self.learned))
+            self.learned.clear()
+            self.tried.update(names)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _import_all(names)
+
+    def learn(self, imported) -> None:
+        self.learned.extend(n for n in imported if n not in sys.modules and n.partition(".")[0] in sys.modules
+                            and not n.startswith(NEVER) and n not in self.tried)
+
+
+WARMING = Warming()  # the kernel's
+
+
 def start() -> None:
     """Import ``WARM_IMPORTS`` in the kernel, on a thread of its own (returns at once)."""
-    global _thread
-    names = [n for n in WARM_IMPORTS if n not in sys.modules]
-    if enabled() and names and _thread is None:
-        # untraced by the kernel's debugger (JupyterLab's panel, often turned on right after %load_ext): under
-        # pydevd's tracer these ~800 imports took 7.5 s instead of 1.3 on 2 cores, and the first %%ddp cell
-        # waits for them before it forks (``wait``), on --timeout's clock: a 6 s one passed with rank 0 forked
-        # and rank 1 not, rank 0 waited at the rendezvous, no rank reached the cell's breakpoint
-        _thread = untraced(threading.Thread(target=_import_all, args=(names,), name=driverwatch.WARM_THREAD,
-                                            daemon=True))
-        _thread.start()
-        _hook_forks()
-
-
-def _hook_forks() -> None:
-    """Any fork in the kernel waits for the warming thread, not only nbddp's: the notebook's own
-    ``torch.multiprocessing`` start with fork, Lightning's ``ddp_notebook``, Accelerate's
-    ``notebook_launcher`` would otherwise copy a module lock the thread holds, and their child hang on its
-    first import of that module (measured: a raw fork's first all_reduce right after %load_ext)."""
-    global _hooked
-    if not _hooked:
-        _hooked = True
-        os.register_at_fork(before=_join)
-
-
-def _join() -> None:
-    thread = _thread
-    if thread is not None and thread is not threading.current_thread():
-        thread.join()
+    WARMING.start()
 
 
 def wait() -> None:
     """Before a fork: the warming thread has finished (a fork while it imports would copy a held import
     lock into the rank); what ranks imported since the last fork is imported here, on this thread."""
-    global _thread
-    if _thread is not None:
-        _thread.join()
-        _thread = None
-    if _learned and enabled():
-        names = list(dict.fromkeys(_learned))
-        _learned.clear()
-        _tried.update(names)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _import_all(names)
+    WARMING.wait()
 
 
 def learn(imported) -> None:
     """Modules a rank imported that the kernel lacks, imported before the next fork (``wait``, on the
     main thread, their warnings silenced: no output reaches a cell from here): submodules of packages
     the kernel has already imported, never a new library, never one that may touch a device."""
-    _learned.extend(n for n in imported if n not in sys.modules and n.partition(".")[0] in sys.modules
-                    and not n.startswith(NEVER) and n not in _tried)
+    WARMING.learn(imported)
 
 
 def _import_all(names) -> None:

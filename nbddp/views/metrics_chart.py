@@ -137,7 +137,7 @@ class Chart:
         """One line per scalar: each rank's latest value, at its step."""
         try:
             return self._text()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a drawing never fails the cell: no line
             return ""
 
     def _html(self) -> str:
@@ -174,7 +174,8 @@ def slow_rank(step_times: dict[int, float]) -> str | None:
     rank, slowest = max(step_times.items(), key=lambda item: item[1])
     if median <= 0 or slowest < SLOW_RATIO * median or slowest - median < SLOW_GAP_S:
         return None
-    return f"rank {rank}: {slowest / median:.1f}× the median step time ({_seconds(slowest)} a step, median {_seconds(median)})"
+    return (f"rank {rank}: {slowest / median:.1f}× the median step time ({_seconds(slowest)} a step, "
+            f"median {_seconds(median)})")
 
 
 def _panel(name: str, ranks: dict[int, Series]) -> str:

@@ -2,7 +2,8 @@
 waiting for other ranks, data loading, other; one length per second, so a longer bar is a slower rank), the
 line that names the straggler, and where each rank's trace is. Inline SVG in HTML: text and axes in
 ``currentColor``, the segments in mid-saturation colours that read on a light page and a dark one, the empty
-track in the theme's border grey (a CSS variable: in ``style``, never in a presentation attribute); a ``text/plain`` table for the rest."""
+track in the theme's border grey (a CSS variable: in ``style``, never in a presentation attribute); a ``text/plain``
+table for the rest."""
 from __future__ import annotations
 
 import html
@@ -87,7 +88,8 @@ def page(profile) -> str:
     legend = " ".join(f"<span style='white-space:nowrap'><span style='display:inline-block;width:10px;height:10px;"
                       f"background:{colour};margin:0 4px 0 10px'></span>{html.escape(label)}</span>"
                       for _, label, colour in SEGMENTS)
-    out = [f"<div class='nbddp-profile' style='color:inherit;font-size:12px'><div style='color:{MUTED}'>{html.escape(_title(profile))}</div>"]
+    out = ["<div class='nbddp-profile' style='color:inherit;font-size:12px'><div "
+           f"style='color:{MUTED}'>{html.escape(_title(profile))}</div>"]
     if profile.rows:
         out += ["".join(svg), f"<div>{legend}</div>"]
     if profile.verdict:

@@ -17,11 +17,11 @@ the sum of the profiled steps' wall time, ``step_s``):
   end, whichever thread has them; on a GPU, NCCL's kernels (``ncclKernel_*``, ``ncclDevKernel_*``). Only if
   neither appears (another backend), the issuing ops ``record_param_comms`` and ``c10d::*`` (on CPU with gloo
   those are the short enqueue, not the collective: ``c10d::allreduce_`` returns at once).
-* waiting (``wait_s``, part of ``comm_s``): worked out in the kernel (kernel/profiles.py), which has every
+* waiting (``wait_s``, part of ``comm_s``): worked out in the kernel (kernel/profile.py), which has every
   rank's collectives: matched across ranks by their order of issue (the order they start in on the rank: gloo
-  runs a rank's collectives in the order they were issued; so do NCCL's kernels on one stream), a rank that entered collective i
-  before the last rank did waited ``latest start - its start``, at most the collective's duration. The
-  starts are put on one clock: ``time.time()`` read at the start mark, minus the mark's profiler time.
+  runs a rank's collectives in the order they were issued; so do NCCL's kernels on one stream), a rank that
+  entered collective i before the last rank did waited ``latest start - its start``, at most the collective's
+  duration. The starts are put on one clock: ``time.time()`` read at the start mark, minus the mark's profiler time.
 * data loading (``data_s``): DataLoader iteration events (``enumerate(DataLoader)#...__next__``) on the
   thread that ran the step, less what is already communication.
 * compute (``compute_s``): the rest of the busy time: the step thread's ops (CPU), or on a GPU the kernels
@@ -125,7 +125,7 @@ class Session:
         try:
             if self.prof is not None and self.profiled == 0 and self.problem is None and self.n > 1:
                 self._stop()  # the cell ended before STEPS steps: the steps it made
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - torch's profiler: any failure is said
             self.problem = f"the profiler failed: {type(e).__name__}: {e}"
             try:  # never left recording in a pool's rank: the next --profile could not start
                 self.prof.stop()
@@ -151,7 +151,7 @@ class Session:
                     json.dump(trace, f)
             return {**summary, **summarise(trace, self.t0), "steps": self.profiled, "asked": self.steps,
                     "trace": path}
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a trace: any failure is said
             return {**summary, "problem": f"the trace could not be written or read: {type(e).__name__}: {e}"}
 
 

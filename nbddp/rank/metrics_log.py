@@ -2,12 +2,12 @@
 
 A call only appends to a queue (a fraction of a microsecond: no lock, no conversion, no I/O), so a
 training loop can log every step. The rank's flusher thread (rank/stdio.py) takes what is queued every
-``SEND_S`` and sends it as one record, one column per name; what is still queued goes before the rank's answer to its cell
-(``flush``), so the kernel has all a cell logged when the cell ends. Values are made floats there, not in
+``SEND_S`` and sends it as one record, one column per name; what is still queued goes before the rank's answer to
+its cell (``flush``), so the kernel has all a cell logged when the cell ends. Values are made floats there, not in
 the call: a tensor's ``.item()`` costs the caller nothing (a value that is no number is left out, said
 once). A tensor is read when it is sent, up to ``SEND_S`` later: log ``loss.item()``, not a tensor a later
-step changes in place. Outside a rank (the notebook itself, the same code under torchrun from ``%ddp_export``) a call does
-nothing.
+step changes in place. Outside a rank (the notebook itself, the same code under torchrun from ``%ddp_export``) a
+call does nothing.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import threading
 import time
 
 from ..wire.messages import Scalars
-from . import profiling
+from . import profile_session
 
 SEND_S = 0.25  # the kernel redraws at most twice a second: four batches a second keep it live
 _queue: collections.deque = collections.deque()  # (step, time, scalars) of each call, in order
@@ -37,7 +37,7 @@ def log(step=None, **scalars) -> None:
         step = _state["step"] + 1
     if step != _state["step"]:
         _state["step"] = step
-        profiling.step()  # a logged step counts as one for --profile in a loop without an optimizer
+        profile_session.step()  # a logged step counts as one for --profile in a loop without an optimizer
     _queue.append((step, time.time(), scalars))
 
 

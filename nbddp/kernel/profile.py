@@ -1,5 +1,5 @@
-"""``--profile``, kernel side: the ranks' summaries (rank/profiling.py, each with its ``Result``) combined into
-one profile once every rank has answered, shown in the cell (views/profileview.py), and kept for
+"""``--profile``, kernel side: the ranks' summaries (rank/profile_session.py, each with its ``Result``) combined into
+one profile once every rank has answered, shown in the cell (views/profile_chart.py), and kept for
 ``nbddp.profile()``.
 
 Waiting is worked out here, the only place that has every rank's collectives: collective i of each rank
@@ -13,7 +13,7 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..rank.profiling import covered
+from ..rank.profile_session import covered
 from ..wire import messages
 
 COLUMNS = ("rank", "steps", "step_s", "compute_s", "comm_s", "wait_s", "data_s", "other_s")
@@ -110,10 +110,10 @@ def conclude(results: list) -> Profile | None:
     summaries = [r.profile for r in results if r is not None and r.profile is not None]
     if not summaries:
         return None
-    from ..views import profileview
+    from ..views import profile_chart
 
     profile = combine(summaries)
-    profileview.show(profile)
+    profile_chart.show(profile)
     if profile.rows:
         _last = profile
     return profile
