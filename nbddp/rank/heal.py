@@ -2,11 +2,11 @@
 
 When a pool loses a rank (kernel/healing.py), a replacement is forked from the kernel: it has the notebook's
 names, not what the pool's cells built. The survivors hold that state. Each is asked for a fingerprint of every
-name its cells bound (``survey``): tensors and arrays by their layout, two 64-bit sums of their words and a hash
+name its cells bound (``survey``): tensors and arrays by their layout, their words summed by position and a hash
 of a sample spread over them (0.3 s a GiB, where hashing every byte would take seconds), everything else by its
-pickle. A name whose fingerprint two or more survivors agree on is the pool's, not one rank's (a DDP model, its optimizer, a tokenised
-dataset); a name they disagree on was made from ``rank`` (a shard, ``mine = rank * 10``), and one only a single
-survivor holds cannot be vouched for: neither is ever given to the replacement.
+pickle. A name whose fingerprint two or more survivors agree on is the pool's, not one rank's (a DDP model, its
+optimizer, a tokenised dataset); a name they disagree on was made from ``rank`` (a shard, ``mine = rank * 10``),
+and one only a single survivor holds cannot be vouched for: neither is ever given to the replacement.
 
 One survivor then pickles the agreed names in one pickle (``export``: shared references survive, an optimizer
 still points at its model's parameters), tensors and arrays through its own memfd arena
@@ -55,9 +55,10 @@ class Step:
 def survey(ctx, notebook_too: bool = False) -> dict:
     """name -> (kind, what, tensors, owned) for each name this rank's cells bound (``ctx.owned``) that it holds, and
     with ``notebook_too`` the notebook's tensors, arrays, modules and optimizers it holds (a pool's cell may
-    have changed them in place: ``model.to(...)``, a training loop): kind "value" (its fingerprint), "ddp"
-    (the fingerprint of its module and options), or "lost" (why no peer can be given it); ``tensors``: the
-    tensors it holds (ids in this rank), so a name holding one that a lacking name holds lacks too. Run on every survivor (and, ``notebook_too``, on a replacement: what the kernel's fork gave it)."""
+    have changed them in place: ``model.to(...)``, a training loop): kind "value" (its fingerprint), "ddp" (the
+    fingerprint of its module and options), or "lost" (why no peer can be given it); ``tensors``: the tensors it
+    holds (ids in this rank), so a name holding one that a lacking name holds lacks too. Run on every survivor
+    (and, ``notebook_too``, on a replacement: what the kernel's fork gave it)."""
     ns = ctx.namespace
     owned = set(ctx.owned or ())
     names = sorted(owned | ({n for n, v in ns.items() if _inherited_state(n, v)} if notebook_too else set()))
