@@ -22,7 +22,7 @@ import threading
 import time
 
 from ..kernel.ranks import failure
-from ..kernel.ranks.supervisor import RankProc
+from ..kernel.ranks.supervisor import Exited, Message, Output, RankProc
 from ..units import ranks_text
 from ..wire import messages
 
@@ -145,7 +145,7 @@ class Streams:
             return
         proc = self.procs.get(event.rank)
         if proc is not None:
-            sup.feed(proc, event)
+            feed(sup, proc, event)
 
     def join(self, within: float) -> bool:
         """Whether every reader has ended (waiting ``within`` seconds at most)."""
@@ -166,6 +166,21 @@ class Streams:
             except OSError:
                 pass
         self.wake_r = self.wake_w = -1
+
+
+def feed(sup, proc, event) -> None:
+    """An event of a rank the supervisor's loop does not read itself (from its agent), handled as its own would
+    be: a record kept, an exit recorded, stderr extending a stack collection."""
+    if proc.exit is not None:
+        return
+    if isinstance(event, Exited):
+        sup.ended(proc, event.exit)
+        return
+    if isinstance(event, Output) and event.stream == "stderr":
+        sup.stacks_arriving()
+    elif isinstance(event, Message):
+        proc.records[type(event.record)] = event.record
+    sup.bus.publish(event)
 
 
 def lost_exit(rank: int, why: str, stopped: bool = False) -> failure.RankExit:

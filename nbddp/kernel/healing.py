@@ -21,10 +21,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
+import threading
 import time
 
+from ..errors import RankFailure, UsageError
 from ..rank import heal
+from ..views import output
 from ..wire import messages, values
+from . import devices
 from .ranks import starters
 
 POLICIES = ("heal", "shrink", "end")
@@ -72,7 +76,7 @@ class Losses:
 
 class LossWatch:
     """Between cells, the pool's live ranks' pidfds on the kernel's event loop (its main thread, between cells):
-    a rank that dies is reaped, said and mended at once (``Pool.mend_between_cells``). Armed only while no
+    a rank that dies is reaped, said and mended at once (``Mending.between_cells``). Armed only while no
     cell holds the ranks (``Pool.one_cell`` disarms it): a cell's own loop sees its losses. Where no event
     loop runs (a script), nothing is armed: the next cell finds the loss."""
 
@@ -135,13 +139,146 @@ class LossWatch:
             # the kernel ignores Jupyter's interrupt while idle; while it heals, the interrupt ends the healing
             previous = signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
-                pool.mend_between_cells()
+                pool.mending.between_cells()
             except KeyboardInterrupt:  # the pool has ended with the reason; the kernel's loop must go on
                 pass
             finally:
                 signal.signal(signal.SIGINT, previous)
         if pool.alive:
             self._arm()
+
+
+class Mending:
+    """A pool's side of it: what ``--on-loss`` does with the ranks it lost (``mend``: from a cell's end, the
+    watch, or the next cell's start, ``before_cell``), ``%ddp resize``, and what is said of it, in the pool's
+    view and in the next cell's output."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.watch = LossWatch(pool)
+        self.unsaid: list[str] = []  # what mending said, not yet said in a cell's output
+
+    @property
+    def waiting(self) -> bool:
+        """Ranks were lost and the pool will mend itself before its next cell."""
+        pool = self.pool
+        gang = pool.gang
+        return (pool.config.on_loss != "end" and gang is not None and gang.sup is not None
+                and bool(pool.losses.pending) and bool(gang.sup.live()))
+
+    def refuse_while_waiting(self) -> None:
+        """A cell off the notebook's thread cannot mend the pool (a background one): it runs nothing."""
+        if self.waiting:
+            lost = ", ".join(str(loss.rank) for loss in self.pool.losses.pending)
+            raise UsageError(f"rank(s) {lost} of the pool were lost; the pool heals itself between cells (its view "
+                             "says when). Nothing ran: run the cell again.")
+
+    def mend(self) -> str:
+        """The ranks lost so far mended as ``--on-loss`` says (the ranks held: a cell's turn, or the watch's);
+        what to say. A pool that cannot be mended ends, and that is said."""
+        pool = self.pool
+        gang, policy = pool.gang, pool.config.on_loss
+        if not pool.losses.pending or gang.sup is None:
+            return ""
+        lost = ", ".join(str(loss.rank) for loss in pool.losses.pending)
+        if policy != "end" and gang.sup.live() and threading.current_thread() is not threading.main_thread():
+            # a background cell's end: no fork beside the notebook's code (background.Turns); the watch, or the
+            # next cell, mends it on the notebook's thread
+            return f"The pool heals itself ({policy}) before its next cell."
+        if policy == "end" or not gang.sup.live():
+            gang.close("a rank exited")
+            why = "--on-loss end" if policy == "end" else "no rank survived"
+            return f"The pool has ended and its ranks' state is gone ({why}): %ddp start to begin again."
+        pool.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost")
+        try:
+            mended = mend(pool, policy)
+        except BaseException as e:  # whatever stopped the mending (an interrupt too) ends the pool
+            why = str(e) if isinstance(e, HealFailed) else f"{type(e).__name__}: {e}".rstrip(": ")
+            gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {why}", as_said=True)
+            if not isinstance(e, Exception):
+                raise
+            return (f"nbddp could not mend the pool: {why}.\nThe pool has ended and its ranks' state is gone: "
+                    "%ddp start to begin again.")
+        return self.said(mended)
+
+    def said(self, mended: "Mended") -> str:
+        """What mending (or resizing) the pool did, in its view; the text the cell says."""
+        pool = self.pool
+        if not pool.starter.inherits_notebook:
+            pool.held.joined_empty()
+        text = mended.say(pool.bound_by)
+        pool.view.said(text.splitlines()[0])
+        if mended.lacking:
+            pool.view.said("lacking: " + ", ".join(f"{name} ({pool.bound_by.get(name, 'the notebook')})"
+                                                   for name in sorted(mended.lacking)))
+        return text
+
+    def between_cells(self) -> None:
+        """A loss seen while no cell runs (the watch): mended now, said in the view, and in the next cell."""
+        gang = self.pool.gang
+        if gang is None or gang.sup is None:
+            return
+        gang.sup.poll()  # the exit itself: reaped, recorded (Losses), shown
+        if self.pool.losses.pending:
+            text = self.mend()
+            if text and self.pool.alive:
+                self.unsaid.append(text)
+
+    def before_cell(self) -> None:
+        """A rank lost since the last cell: known now if not yet (no event loop watched it), mended first, and
+        what mending said, said here, before the cell's own output."""
+        gang = self.pool.gang
+        if gang is None or gang.sup is None:
+            return
+        gang.sup.poll()
+        if self.pool.losses.pending:
+            text = self.mend()
+            if text:
+                self.unsaid.append(text)
+        place = output.current()
+        for text in self.unsaid:
+            place.write("stderr", "".join(f"nbddp: {line}\n" if not line.startswith(" ") else f"{line}\n"
+                                          for line in text.splitlines()))
+        if self.unsaid:
+            place.flush("stderr")
+        self.unsaid = []
+
+    def resize(self, world_size: int) -> str:
+        """``%ddp resize N``: the pool grown or shrunk to ``world_size`` ranks, its state kept."""
+        pool = self.pool
+        gang = pool.gang
+        if pool.config.cluster:
+            raise UsageError("%ddp resize: a --cluster pool cannot be resized yet; %ddp restart --devices N. "
+                             "Nothing changed.")
+        if gang.plan.backend != "gloo":
+            raise UsageError(f"%ddp resize: a pool on {gang.plan.backend} cannot be resized yet (its "
+                             "communicators cannot be made anew here); %ddp restart --devices N. Nothing changed.")
+        if world_size == gang.world_size:
+            return f"the pool has {world_size} rank(s) already; nothing changed."
+        devices = self.more_devices(world_size - gang.world_size) if world_size > gang.world_size else ()
+        with pool.one_cell():
+            self.before_cell()
+            pool.view.said(f"resizing: {pool.gang.world_size} → {world_size} ranks")
+            try:
+                mended = resize(pool, world_size, devices)
+            except BaseException as e:  # half resized, the pool cannot be vouched for
+                why = str(e) if isinstance(e, HealFailed) else f"{type(e).__name__}: {e}"
+                pool.gang.close(f"torn down: resizing it failed ({why})", as_said=True)
+                if not isinstance(e, Exception):
+                    raise
+                raise RankFailure(f"resizing the pool failed: {why}.\nThe pool has ended and its ranks' state is "
+                                  "gone: %ddp start to begin again.", rank=None, cause="resize") from None
+            return self.said(mended)
+
+    def more_devices(self, n: int) -> tuple:
+        """Devices for ``n`` more ranks: CPU ranks need none; GPUs not used by the pool yet."""
+        plan = self.pool.gang.plan
+        if plan.accelerator != "cuda":
+            return (None,) * n
+        free = [d for d in devices.plan(-1, "cuda", plan.backend).device_ids if d not in plan.device_ids]
+        if len(free) < n:
+            raise UsageError(f"%ddp resize: {n} more GPU(s) wanted, {len(free)} not used by the pool. Nothing changed.")
+        return tuple(free[:n])
 
 
 # -- asking some ranks, with a deadline ------------------------------------------------------------------------

@@ -56,8 +56,7 @@ class Pool:
         self._turn = threading.Lock()  # one cell in the ranks at a time (a background cell's thread, the notebook's)
         self.losses = healing.Losses()  # its ranks lost (made anew at start())
         self.bound_by: dict[str, str] = {}  # a name its cells bound -> the cell that bound it last
-        self.mended: list[str] = []  # what mending the pool said, not yet said in a cell's output
-        self.watch: healing.LossWatch | None = None
+        self.mending = healing.Mending(self)  # what it does when it loses a rank (--on-loss), %ddp resize
         self.starter = None  # what its start method means (starters.Starter), from start() on
 
     # -- life --------------------------------------------------------------------------------------
@@ -88,7 +87,7 @@ class Pool:
                 gang.sup.listen(self.losses)
                 # a lost rank's peers stay up to be mended (a pool across Ray nodes is not mended yet)
                 gang.sup.keep_peers = self.config.on_loss != "end" and not self.config.cluster
-                gang.mend = self.mend
+                gang.mend = self.mending.mend
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
                               wake_at=end)
@@ -101,8 +100,7 @@ class Pool:
             raise failure.rank_failed(exits, {}, str(gang.run_dir.path)) if failure.root_cause(exits) else \
                 RankFailure(f"the pool's ranks did not come up within {START_S:g} s; nothing is left running.",
                             rank=None, cause="start")
-        self.watch = healing.LossWatch(self)
-        self.watch.arm()
+        self.mending.watch.arm()
         return self
 
     @property
@@ -120,100 +118,7 @@ class Pool:
     @property
     def alive(self) -> bool:
         """Its ranks are all up, or it lost some and will mend itself before its next cell."""
-        return self.gang is not None and (self.gang.alive or self.mendable)
-
-    @property
-    def mendable(self) -> bool:
-        gang = self.gang
-        return (self.config.on_loss != "end" and gang.sup is not None and bool(self.losses.pending)
-                and bool(gang.sup.live()))
-
-    # -- a lost rank ----------------------------------------------------------------------------------
-    def mend(self) -> str:
-        """The ranks lost so far mended as ``--on-loss`` says (the ranks held: a cell's turn, or the watch's);
-        what to say. A pool that cannot be mended ends, and that is said."""
-        gang = self.gang
-        policy = self.config.on_loss
-        if not self.losses.pending or gang.sup is None:
-            return ""
-        lost = ", ".join(str(loss.rank) for loss in self.losses.pending)
-        if policy != "end" and gang.sup.live() and threading.current_thread() is not threading.main_thread():
-            # a background cell's end: no fork beside the notebook's code (background.Turns); the watch, or the
-            # next cell, mends it on the notebook's thread
-            return f"The pool heals itself ({policy}) before its next cell."
-        if policy == "end" or not gang.sup.live():
-            gang.close("a rank exited")
-            why = "--on-loss end" if policy == "end" else "no rank survived"
-            return f"The pool has ended and its ranks' state is gone ({why}): %ddp start to begin again."
-        self.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost")
-        try:
-            mended = healing.mend(self, policy)
-        except BaseException as e:  # whatever stopped the mending (an interrupt too) ends the pool
-            why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}".rstrip(": ")
-            gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {why}", as_said=True)
-            if not isinstance(e, (healing.HealFailed, Exception)):
-                raise
-            return (f"nbddp could not mend the pool: {why}.\nThe pool has ended and its ranks' state is gone: "
-                    "%ddp start to begin again.")
-        return self._said(mended)
-
-    def _said(self, mended) -> str:
-        """What mending (or resizing) the pool did, in its view; the text the cell says."""
-        if not self.starter.inherits_notebook:
-            self.held.joined_empty()
-        text = mended.say(self.bound_by)
-        self.view.said(text.splitlines()[0])
-        if mended.lacking:
-            self.view.said("lacking: " + ", ".join(f"{name} ({self.bound_by.get(name, 'the notebook')})"
-                                                   for name in sorted(mended.lacking)))
-        return text
-
-    def resize(self, world_size: int) -> str:
-        """``%ddp resize N``: the pool grown or shrunk to ``world_size`` ranks, its state kept."""
-        if self.config.cluster:
-            raise UsageError("%ddp resize: a --cluster pool cannot be resized yet; %ddp restart --devices N. "
-                             "Nothing changed.")
-        if self.gang.plan.backend != "gloo":
-            raise UsageError(f"%ddp resize: a pool on {self.gang.plan.backend} cannot be resized yet (its "
-                             "communicators cannot be made anew here); %ddp restart --devices N. Nothing changed.")
-        if world_size == self.gang.world_size:
-            return f"the pool has {world_size} rank(s) already; nothing changed."
-        devices = self.more_devices(world_size - self.gang.world_size) if world_size > self.gang.world_size else ()
-        with self.one_cell():
-            self.before_cell()
-            self.view.said(f"resizing: {self.gang.world_size} → {world_size} ranks")
-            try:
-                mended = healing.resize(self, world_size, devices)
-            except BaseException as e:  # half resized, the pool cannot be vouched for
-                why = str(e) if isinstance(e, healing.HealFailed) else f"{type(e).__name__}: {e}"
-                self.gang.close(f"torn down: resizing it failed ({why})", as_said=True)
-                if not isinstance(e, Exception):
-                    raise
-                raise RankFailure(f"resizing the pool failed: {why}.\nThe pool has ended and its ranks' state is "
-                                  "gone: %ddp start to begin again.", rank=None, cause="resize") from None
-            return self._said(mended)
-
-    def more_devices(self, n: int) -> tuple:
-        """Devices for ``n`` more ranks: CPU ranks need none; GPUs not used by the pool yet."""
-        plan = self.gang.plan
-        if plan.accelerator != "cuda":
-            return (None,) * n
-        from .devices import plan as plan_devices
-
-        free = [d for d in plan_devices(-1, "cuda", plan.backend).device_ids if d not in plan.device_ids]
-        if len(free) < n:
-            raise UsageError(f"%ddp resize: {n} more GPU(s) wanted, {len(free)} not used by the pool. Nothing changed.")
-        return tuple(free[:n])
-
-    def mend_between_cells(self) -> None:
-        """A loss seen while no cell runs (the watch): mended now, said in the view, and in the next cell."""
-        if self.gang is None or self.gang.sup is None:
-            return
-        self.gang.sup.poll()  # the exit itself: reaped, recorded (Losses), shown
-        if self.losses.pending:
-            text = self.mend()
-            if text and self.alive:
-                self.mended.append(text)
+        return self.gang is not None and (self.gang.alive or self.mending.waiting)
 
     @property
     def ended(self) -> str | None:
@@ -229,8 +134,7 @@ class Pool:
 
     def stop(self) -> None:
         """Ask every rank to leave the group and exit; SIGTERM/SIGKILL whoever does not within 5 s."""
-        if self.watch is not None:
-            self.watch.disarm()
+        self.mending.watch.disarm()
         if self.gang is not None:
             self.gang.stop()
 
@@ -250,7 +154,7 @@ class Pool:
         """``job(ctx)`` on every rank (a job that needs the rank's context, such as its namespace: %ddp who);
         each rank's value, as ``run``."""
         with self.one_cell():
-            self.before_cell()
+            self.mending.before_cell()
             outcome = self._engine(self.config, label).run(command=messages.Call(values.to_ranks(job)))
         return engine.returned(outcome.results())
 
@@ -265,7 +169,7 @@ class Pool:
         the cell reads. ``post_mortem``: IPython's %pdb. ``on_start``: engine.CellRun's. ``per_cell``: the
         cell's own options (checked by the caller), over the pool's."""
         config = options.config(per_cell, base=self.config)
-        self.before_cell()
+        self.mending.before_cell()
         world = self.gang.world_size if self.gang else 0
         if ranks and max(ranks) >= world:
             raise UsageError(f"--ranks {','.join(map(str, ranks))}: the pool has rank(s) 0-{world - 1}; nothing ran.")
@@ -300,24 +204,6 @@ class Pool:
             self.bound_by.update(dict.fromkeys(res.assigned, label))
         return per_rank
 
-    def before_cell(self) -> None:
-        """A rank lost since the last cell: known now if not yet (no event loop watched it), mended first, and
-        what mending said, said here, before the cell's own output."""
-        if self.gang is None or self.gang.sup is None:
-            return
-        self.gang.sup.poll()
-        if self.losses.pending:
-            text = self.mend()
-            if text:
-                self.mended.append(text)
-        place = output.current()
-        for text in self.mended:
-            place.write("stderr", "".join(f"nbddp: {line}\n" if not line.startswith(" ") else f"{line}\n"
-                                          for line in text.splitlines()))
-        if self.mended:
-            place.flush("stderr")
-        self.mended = []
-
     def notebook_bound(self, names) -> None:
         """A notebook cell bound ``names``: the notebook's latest word, sent to the ranks at the next cell
         that reads them, even if equal to an older value."""
@@ -336,7 +222,7 @@ class Pool:
         if not 0 <= rank < self.gang.world_size:
             raise UsageError(f"%ddp debug {rank}: the pool has rank(s) 0-{self.gang.world_size - 1}.")
         with self.one_cell():
-            self.before_cell()
+            self.mending.before_cell()
             self._engine(self.config, f"debug rank {rank}", ranks=[rank]).run(command=messages.PostMortem())
 
     @property
@@ -361,20 +247,15 @@ class Pool:
         if not self._turn.acquire(blocking=False):
             print("nbddp: waiting for the pool's cell running in the background to end", file=sys.stderr, flush=True)
             self._turn.acquire()
-        if self.watch is not None:
-            self.watch.disarm()
+        self.mending.watch.disarm()
         try:
             yield
         finally:
             self._turn.release()
-            if self.watch is not None:
-                self.watch.arm()
+            self.mending.watch.arm()
 
     def _engine(self, config, label, relabel=None, observer=None, ranks=None, on_start=None) -> engine.CellRun:
-        if self.gang is not None and self.gang.sup is not None and self.mendable:  # (not mended off the main thread)
-            lost = ", ".join(str(loss.rank) for loss in self.losses.pending)
-            raise UsageError(f"rank(s) {lost} of the pool were lost; the pool heals itself between cells (its view "
-                             "says when). Nothing ran: run the cell again.")
+        self.mending.refuse_while_waiting()
         if self.ended:
             raise UsageError(self.lost().replace("%ddp restart", "Pool.start()").replace(
                 "; %ddp stop goes back to one-shot cells", ""))

@@ -64,7 +64,7 @@ class Verbs:
                              "Nothing changed.")
         if self.m.pool is None or not self.m.pool.alive:
             raise UsageError(f"%ddp resize: {NO_POOL}. Nothing changed.")
-        print(f"nbddp: {self.m.pool.resize(int(rest))}")
+        print(f"nbddp: {self.m.pool.mending.resize(int(rest))}")
 
     def _start(self, verb: str, rest: str) -> None:
         """``%ddp start [options]``, ``%ddp restart [options]``: a new pool, the running one stopped only once

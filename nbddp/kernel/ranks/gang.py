@@ -103,8 +103,8 @@ class Gang:
         """A new rank ``rank`` in place of the one that ended: forked as it was (same device, environment and
         start method, from the kernel as it is now), its own command pipe, joining the process group's
         ``generation`` (the survivors make it with ``Regroup``)."""
-        for proc in [p for p in self.sup.procs if p.rank == rank]:
-            self.sup.forget(proc)  # (it ended: its descriptors are closed)
+        # the rank that ended (its descriptors closed as it was reaped) is no longer the loop's
+        self.sup.procs = [p for p in self.sup.procs if p.rank != rank or p.exit is None]
         old = self._cmd.pop(rank, None)
         if old is not None:
             os.close(old)
@@ -168,8 +168,7 @@ class Gang:
     def renumber(self, moves: dict) -> None:
         """The pool shrunk to the ranks of ``moves`` (old rank -> new, in order): every table of the gang
         follows (its supervisor's ranks, command pipes, specs, logs and view), the ranks that ended forgotten."""
-        for proc in [p for p in self.sup.procs if p.rank not in moves]:
-            self.sup.forget(proc)
+        self.sup.procs = [p for p in self.sup.procs if p.rank in moves and p.exit is None]
         for proc in self.sup.procs:
             proc.rank = moves[proc.rank]
         for rank in [r for r in self._cmd if r not in moves]:

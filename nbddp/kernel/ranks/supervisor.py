@@ -283,12 +283,6 @@ class Supervisor:
         for key, _ in self.sel.select(0):
             self._event(*key.data, key.fd)
 
-    def forget(self, proc: RankProc) -> None:
-        """A rank that ended and was replaced (a pool that healed, or shrank): no longer one of the loop's."""
-        if proc.exit_fd >= 0 or proc.fds:
-            raise ValueError(f"rank {proc.rank} (pid {proc.pid}) has not ended")
-        self.procs.remove(proc)
-
     def _event(self, proc: RankProc, kind: str, fd: int) -> None:
         if kind == "wake":
             self._waker.woken()
@@ -314,7 +308,7 @@ class Supervisor:
             records = proc.reader.feed(data)
         else:
             if kind == "stderr":
-                self._stacks_arriving()
+                self.stacks_arriving()
             proc.held[kind] += data
             records = proc.drain_channel()  # whatever the rank sent before this text is there now
         while records:
@@ -373,21 +367,8 @@ class Supervisor:
         if failure.failed(proc.exit) and not proc.stop_sent and not self.keep_peers:
             self.stop_all()
 
-    def feed(self, proc: RankProc, event) -> None:
-        """An event of a rank this loop does not read itself (a cluster pool's, from its agent), handled as
-        its own would be: a record kept, an exit recorded, stderr extending a stack collection."""
-        if proc.exit is not None:
-            return
-        if isinstance(event, Exited):
-            self.ended(proc, event.exit)
-            return
-        if isinstance(event, Output) and event.stream == "stderr":
-            self._stacks_arriving()
-        elif isinstance(event, Message):
-            proc.records[type(event.record)] = event.record
-        self.bus.publish(event)
-
-    def _stacks_arriving(self) -> None:
+    def stacks_arriving(self) -> None:
+        """A rank's stderr moved: a stack collection under way waits for it to go quiet."""
         if self.collecting is not None:
             self.collecting.arriving()
 
