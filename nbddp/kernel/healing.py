@@ -293,8 +293,10 @@ class _Answers:
         self.lost: list = []
 
     def on_Message(self, event) -> None:
-        if event.rank in self.ranks and isinstance(event.record, self.expect):
-            self.got.setdefault(event.rank, event.record)
+        rec = event.record
+        if event.rank in self.ranks and (isinstance(rec, self.expect) or isinstance(rec, messages.Error)
+                                         and rec.phase == "group"):  # (a Regroup that failed)
+            self.got.setdefault(event.rank, rec)
 
     def on_Exited(self, event) -> None:
         if not event.exit.stopped:  # any rank: the step cannot go on without it
@@ -455,9 +457,11 @@ class Mended:
                      if self.copied else f"healed the pool in {self.seconds:.1f} s: a new rank {ranks}, {what}."]
         if self.rebuilt:
             lines.append(f"made anew on the new process group: {', '.join(self.rebuilt)} (DistributedDataParallel)")
+        if self.how != "healed":
+            lines.append("what a cell made from world_size (a per-rank batch, a scaled learning rate) is as it was on "
+                         "every rank: make it again where it matters")
         if self.lacking and self.how == "shrunk" or self.lacking and self.how == "resized" and not ranks:
-            lines.append("these names were made from each rank's old number (or world size); run the cells that "
-                         "bound them again:")
+            lines.append("these names were made from each rank's old number; run the cells that bound them again:")
         elif self.lacking:
             lines.append(f"rank(s) {ranks} lack these names; run the cells that bound them again:")
         if self.lacking:

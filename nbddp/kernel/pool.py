@@ -91,7 +91,7 @@ class Pool:
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
                               wake_at=end)
-            except BaseException:
+            except BaseException:  # (nothing may be left running: closed, then raised)
                 gang.close()
                 raise
         if len(gang.ready) < gang.world_size:

@@ -264,8 +264,31 @@ def _ddp_placeholder(ddp):
 
 # -- export and adopt -----------------------------------------------------------------------------------------
 class _Exporter(values.RankPickler):
+    """The agreed names for a new rank. Tensors it will write at every step (parameters, what optimizers keep)
+    travel by value, into its own memory; the rest through this rank's arena, mapped privately there: a written
+    page of the arena would be copied, and the arena's own page kept beside it for the new rank's life."""
+
+    def __init__(self, file, written: set, **kw):
+        super().__init__(file, **kw)
+        self.written = written
+
     def reducer_override(self, obj):
-        return _special(obj) or _cell_function(obj) or super().reducer_override(obj)
+        special = _special(obj) or _cell_function(obj)
+        if special is not None:
+            return special
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and (obj.requires_grad or id(obj) in self.written):
+            return cloudpickle.CloudPickler.reducer_override(self, obj)  # (torch's own pickle: by value)
+        return super().reducer_override(obj)
+
+
+def _optimizer_state(values_) -> set:
+    """The ids of the tensors the optimizers among ``values_`` keep (their moments, step counts)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return set()
+    return {id(t) for opt in values_ if isinstance(opt, torch.optim.Optimizer)
+            for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)}
 
 
 def _cell_function(obj):
@@ -294,12 +317,14 @@ def _main_function(code, name, qualname, defaults, kwdefaults, doc, attrs):
 
 def export(ctx, names) -> bytes:
     """``names`` of this rank's namespace in one pickle, tensors and arrays through this rank's memfd arenas
-    (kept open until ``rebuild``, by which time the replacement has mapped them)."""
+    (kept open until ``rebuild``, by which time the replacement has mapped them), those written at every step
+    by value (``_Exporter``)."""
     ns = ctx.namespace
     buf = io.BytesIO()
     sharer = sharedtensor.sharer()
+    chosen = {n: ns[n] for n in names}
     with sharer.send():
-        _Exporter(buf, protocol=pickle.HIGHEST_PROTOCOL).dump({n: ns[n] for n in names})
+        _Exporter(buf, _optimizer_state(chosen.values()), protocol=pickle.HIGHEST_PROTOCOL).dump(chosen)
     _exported.append(sharer)
     return buf.getvalue()
 

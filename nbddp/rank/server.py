@@ -124,7 +124,11 @@ def _answer(cmd, ns: dict, ctx, notebook, bound=None):
             debug.post_mortem_last(ctx.rank)
             return messages.Result()
         if isinstance(cmd, messages.Regroup):
-            old = usergroup.regroup(cmd.generation, cmd.rank, cmd.world_size)
+            try:
+                old = usergroup.regroup(cmd.generation, cmd.rank, cmd.world_size)
+            except Exception as e:  # noqa: BLE001 - said as the group's failure (a cell's own would be "cell")
+                report(ctx.channel, "group", e)
+                return None
             return messages.Healthy(bound=_bound_to(old, ns))
         return _run(cmd, ns, ctx, notebook, bound=bound)
     except SystemExit as e:
