@@ -76,21 +76,22 @@ class Losses:
 
 class LossWatch:
     """Between cells, the pool's live ranks' pidfds on the kernel's event loop (its main thread, between cells):
-    a rank that dies is reaped, said and mended at once (``Mending.between_cells``). Armed only while no
-    cell holds the ranks (``Pool.one_cell`` disarms it): a cell's own loop sees its losses. Where no event
-    loop runs (a script), nothing is armed: the next cell finds the loss."""
+    a rank that dies is reaped, said and mended at once (``Mending.between_cells``). A cell on the notebook's
+    thread blocks that loop while it runs (its own loop sees its losses), so the watch stays set across it and
+    is set anew only where its ranks changed (a pool cell pays no system call for it); a cell on another thread
+    (a background one) takes it off first. Where no event loop runs (a script), nothing is set: the next cell
+    finds the loss."""
 
     RETRY_S = 0.5  # a background cell holds the ranks: look again then (its own loop sees a loss meanwhile)
 
     def __init__(self, pool):
         self.pool = pool
         self.loop = None
-        self.fds: list[int] = []
+        self.armed: set[tuple[int, int]] = set()  # (pidfd, pid) on the loop: a number reused by another rank differs
 
     def arm(self) -> None:
         """From any thread: the watch is set on the event loop's thread."""
         import asyncio
-        import threading
 
         if self.loop is None:
             try:
@@ -103,31 +104,38 @@ class LossWatch:
             self.loop.call_soon_threadsafe(self._arm)
 
     def _arm(self) -> None:
-        self.disarm()
         pool = self.pool
         if pool.gang is None or pool.gang.sup is None or self.loop.is_closed():
+            self.disarm()
             return
         if pool.busy:  # a cell holds the ranks (a background one): it sees a loss itself
+            self.disarm()
             self.loop.call_later(self.RETRY_S, self._arm)
             return
-        for proc in pool.gang.sup.live():
-            if proc.here and proc.exit_fd >= 0:
-                self.loop.add_reader(proc.exit_fd, self._fired)
-                self.fds.append(proc.exit_fd)
+        wanted = {(p.exit_fd, p.pid) for p in pool.gang.sup.live() if p.here and p.exit_fd >= 0}
+        if wanted != self.armed:
+            self.disarm()
+            for fd, _ in wanted:
+                self.loop.add_reader(fd, self._fired)
+            self.armed = wanted
         if pool.losses.pending:  # lost while a background cell held the ranks: mended now, between cells
             self.loop.call_soon(self._fired)
 
-    def disarm(self) -> None:
-        import threading
+    def aside(self) -> None:
+        """A cell begins: on another thread than the loop's, the watch is taken off (that thread's supervisor
+        closes a dead rank's pidfd while the loop runs); on the loop's own thread the loop waits for the cell."""
+        if threading.current_thread() is not threading.main_thread():
+            self.disarm()
 
+    def disarm(self) -> None:
         if self.loop is None:
             return
         if threading.current_thread() is not threading.main_thread():
             self.loop.call_soon_threadsafe(self.disarm)
             return
-        for fd in self.fds:
-            self.loop.remove_reader(fd)
-        self.fds = []
+        for fd, _ in self.armed:
+            self.loop.remove_reader(fd)  # (one closed since is forgotten all the same)
+        self.armed = set()
 
     def _fired(self) -> None:
         self.disarm()

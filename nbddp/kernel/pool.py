@@ -243,11 +243,11 @@ class Pool:
     @contextlib.contextmanager
     def one_cell(self):
         """The ranks for one cell: another thread's cell (a background one) ends first, said once. The watch
-        for lost ranks stands aside meanwhile (the cell's own loop sees them)."""
+        for lost ranks stands aside meanwhile (the cell's own loop sees them: ``LossWatch.aside``)."""
         if not self._turn.acquire(blocking=False):
             print("nbddp: waiting for the pool's cell running in the background to end", file=sys.stderr, flush=True)
             self._turn.acquire()
-        self.mending.watch.disarm()
+        self.mending.watch.aside()
         try:
             yield
         finally:
