@@ -171,7 +171,7 @@ class Mending:
         """Ranks were lost and the pool will mend itself before its next cell."""
         pool = self.pool
         gang = pool.gang
-        return (pool.config.on_loss != "end" and gang is not None and gang.sup is not None
+        return (pool.config.on_loss != "end" and gang is not None and gang.sup is not None and gang.sup.keep_peers
                 and bool(pool.losses.pending) and bool(gang.sup.live()))
 
     def refuse_while_waiting(self) -> None:
@@ -193,9 +193,10 @@ class Mending:
             # a background cell's end: no fork beside the notebook's code (background.Turns); the watch, or the
             # next cell, mends it on the notebook's thread
             return f"The pool heals itself ({policy}) before its next cell."
-        if policy == "end" or not gang.sup.live():
-            gang.close("a rank exited")
-            why = "--on-loss end" if policy == "end" else "no rank survived"
+        if policy == "end" or not gang.sup.live() or not gang.sup.keep_peers:
+            gang.close("a rank exited")  # (its why: the lost rank's own end, as the pool's view says it)
+            why = ("--on-loss end" if policy == "end" else "a pool across Ray nodes is not mended yet"
+                   if pool.config.cluster else "no rank survived")
             return f"The pool has ended and its ranks' state is gone ({why}): %ddp start to begin again."
         pool.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost")
         try:
