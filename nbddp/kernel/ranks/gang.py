@@ -14,28 +14,13 @@ import os
 import signal
 import time
 
+from ...hw import driverwatch
 from ...wire import framing, messages
 from . import failure, groupstore, rendezvous, starters
 from .logs import RankLogs
 from .supervisor import Started, Supervisor
 
 STOP_S = 5.0  # a pool's ranks leave the group and exit within this after Stop, or are killed
-
-
-def _memfds() -> list[int]:
-    """This process's memfd descriptors (Linux; elsewhere none are known)."""
-    found = []
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
-                found.append(int(fd))
-        except OSError:
-            pass  # (the listing's own descriptor, gone by now)
-    return found
 
 
 class Gang:
@@ -136,7 +121,7 @@ class Gang:
             spec, not_inherited, forked = self._prepare(spec) if self._prepare else (spec, (), None)
             # nor the kernel's shared-memory arenas made since the start: a rank maps what it is sent by
             # /proc, and an inherited descriptor would keep memory the kernel lets go for the rank's life
-            return spec, [*not_inherited, *others, *_memfds()], forked
+            return spec, [*not_inherited, *others, *driverwatch.device_fds(("/memfd:",))], forked
 
         try:
             starters.fork_specs(self.sup, self._starter, self._job_for({spec.rank: (read, write)}), [spec], None,
