@@ -198,7 +198,7 @@ class Mending:
             why = ("--on-loss end" if policy == "end" else "a pool across Ray nodes is not mended yet"
                    if pool.config.cluster else "no rank survived")
             return f"The pool has ended and its ranks' state is gone ({why}): %ddp start to begin again."
-        pool.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost")
+        pool.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost", mending=True)
         try:
             mended = mend(pool, policy)
         except BaseException as e:  # whatever stopped the mending (an interrupt too) ends the pool

@@ -137,10 +137,11 @@ class PoolView:
             if self._timer is None:
                 self._schedule()
 
-    def said(self, text: str, at: float | None = None) -> None:
-        """A moment of the pool's life (a rank lost, the pool healing, healed), with its time: shown at once."""
+    def said(self, text: str, at: float | None = None, mending: bool = False) -> None:
+        """A moment of the pool's life (a rank lost, the pool healing, healed), with its time: shown at once.
+        ``mending``: the pool begins to mend its lost ranks (their rows say so)."""
         self.events.append((at or time.time(), text))
-        if text.startswith("healing") or text.startswith("shrinking"):
+        if mending:
             for r, s in self.state.items():
                 self.state[r] = "healing" if s == "dead" else s
         self.redraw()
