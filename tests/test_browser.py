@@ -169,17 +169,27 @@ def _run_first_cell(page, expect) -> None:
     expect(page.locator(".jp-InputPrompt", has_text="[1]:")).to_have_count(1, timeout=60_000)
 
 
+def _box(locator) -> dict:
+    """The element's box; a live view drawn anew while it was measured (its copy left the page, so Playwright
+    answers None) is measured again, for at most 10 s."""
+    deadline = time.monotonic() + 10
+    while (box := locator.bounding_box(timeout=5_000)) is None:
+        assert time.monotonic() < deadline, f"{locator} stayed off the page for 10 s"
+        locator.page.wait_for_timeout(20)
+    return box
+
+
 def _layout(c) -> dict:
     """What a user sees of a cell's dashboard: its top, its size, its headers, each row's height."""
     dash = c.locator(".nbddp-run")
-    box = dash.bounding_box()
+    box = _box(dash)
     return {"top": box["y"], "height": box["height"], "width": box["width"],
             "headers": dash.locator("th").all_inner_texts(),
             "rows": dash.locator("tr").evaluate_all("rows => rows.map(r => r.getBoundingClientRect().height)")}
 
 
 def _stream_top(c) -> float:
-    return c.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']").first.bounding_box()["y"]
+    return _box(c.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']").first)["y"]
 
 
 def _shot(c, name: str, theme: str) -> None:
@@ -232,16 +242,21 @@ CONTRAST = r"""view => {
 
 
 def _still(view) -> bytes:
-    """The view's screenshot; a live view drawn anew meanwhile (a bar, each 0.2 s) is taken again."""
+    """The view's screenshot, taken again where the view was drawn anew meanwhile (a bar, each 0.2 s) or moved
+    on the page (the notebook scrolled as the cell below it grew: the clip would show that cell instead)."""
     from playwright.sync_api import Error
 
-    for _ in range(10):
+    for _ in range(20):
+        before = _box(view)
         try:
-            return view.screenshot(timeout=5_000)
+            png = view.screenshot(timeout=5_000)
         except Error as e:
             if "not attached" not in str(e):
                 raise
-    return view.screenshot(timeout=5_000)
+            continue
+        if _box(view) == before:
+            return png
+    raise AssertionError("the view never stood still for its screenshot (20 tries)")
 
 
 HIDE_TEXT = """cell => {
@@ -326,8 +341,8 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             assert labels == ["[rank0]:", "[rank1]:"], f"bars in rank order, whichever started first: {labels}"
             # a rank's bar and its lines start in the same column (JupyterLab pads text 1ch, HTML otherwise)
             stdout = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout'] pre"
-            text_x = cell(page, 2).locator(stdout).first.bounding_box()["x"]
-            bar_x = bars.first.bounding_box()["x"]
+            text_x = _box(cell(page, 2).locator(stdout).first)["x"]
+            bar_x = _box(bars.first)["x"]
             assert abs(text_x - bar_x) < 1.5, f"text at x={text_x}, its bar at x={bar_x}"
             assert max(bars.evaluate_all("bs => bs.map(b => b.getBoundingClientRect().height)")) < 24, "a bar wraps"
             assert mid.count("Epoch 1 starting") == 1 and "[rank0-1]:Epoch 1 starting" in mid, mid
@@ -355,7 +370,7 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             live_line = wait_for_text(page, ["nbddp pool · cell on ranks 0-1 ·", "· running"], index=5)
             _shot(cell(page, 5), "pool-cell-own-line", theme)
             wait_for_text(page, ["rank 1 step 1"], index=5)
-            own_top = cell(page, 5).locator(".nbddp-line").bounding_box()["y"]
+            own_top = _box(cell(page, 5).locator(".nbddp-line"))["y"]
             assert own_top < _stream_top(cell(page, 5)), "the pool cell's line sits above its output, not among it"
             assert cell(page, 5).locator(".nbddp-run").count() == 0, "a pool cell has no dashboard of its own"
             _shot(cell(page, 4), "pool-view-running", theme)
@@ -371,7 +386,7 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             assert lives and set(lives) == {160}, lives
             done = wait_for_text(page, ["1 cell run", "Cell In[6] ·", "· ok"], index=4)
             assert "busy" not in done and re.search(r"1\s+\d+\s+cpu\s+idle", done), done
-            assert cell(page, 5).locator(".nbddp-line").bounding_box()["y"] < _stream_top(cell(page, 5)), "in place"
+            assert _box(cell(page, 5).locator(".nbddp-line"))["y"] < _stream_top(cell(page, 5)), "in place"
             # -- %ddp who: the ranks' names side by side ---------------------------------------------------------
             run_cell(page, 6)
             wait_for_text(page, ["nbddp who", "weights"], index=6)
