@@ -6,7 +6,8 @@ never initialises CUDA: ``events``, a streaming actor method, forks its ranks wi
 its own that lives as long as they do, since a parent-death signal follows the thread that forked) and
 supervises them with nbddp's own supervisor on the stream's thread. Whatever the supervisor publishes (output,
 records, exits) and every store request of its ranks is yielded to the kernel in order, in batches (as many as
-accumulated while the last batch travelled).
+accumulated while the last batch travelled); an empty one each ``BEAT_S`` the stream had nothing else to say,
+the beat by which the kernel knows the node is there (remote.Streams).
 
 The kernel's calls (``control``: a command for the ranks' command pipes, a store reply, a signal) carry a
 sequence number and are applied in that order, whatever order Ray's threads deliver them in: a pipe write
@@ -25,6 +26,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 
 from ..kernel.ranks import rendezvous, warm
 from ..kernel.ranks.logs import RankLogs
@@ -33,6 +35,8 @@ from ..kernel.ranks.supervisor import Supervisor
 from ..rank.server import Server
 from ..wire.framing import Reader, write_all
 from .netif import ifname_for
+
+BEAT_S = 1.0  # the longest this node's stream stays silent: an empty batch then (remote.SILENT_S: lost after)
 
 
 class Agent:
@@ -85,10 +89,11 @@ class Agent:
             ifname = ifname or self.where()["ifname"]  # (none: the kernel refuses the pool)
             yield pickle.dumps(self._fork_all(specs, run_dir, ifname, done))
             while sup.live() or self.queue:
-                sup.wait(None, until=lambda: bool(self.queue))
+                beat_at = time.monotonic() + BEAT_S
+                sup.wait(None, until=lambda at=beat_at: bool(self.queue) or time.monotonic() >= at, wake_at=beat_at)
                 batch, self.queue = self.queue, []
-                if batch:
-                    yield pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)  # bytes: Ray's cheapest path
+                # bytes: Ray's cheapest path; an empty batch, the beat the kernel hears this node live by
+                yield pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
         finally:
             sup.stop_all()  # (the kernel let go of the stream: nothing of this pool may stay)
             sup.reap()

@@ -54,6 +54,10 @@ class ClusterGang(Gang):
     def node_of(self, rank: int) -> str:
         return self.node_names.get(rank, "")
 
+    def news_fds(self) -> list[int]:
+        """The nodes' streams' wake pipe: a rank or node lost, a silent node among them (remote.Streams)."""
+        return [self.streams.wake_r] if self.streams is not None and self.streams.wake_r >= 0 else []
+
     def _view_here(self, view_for):
         """The pool's dashboard, its GPU monitor on this machine's GPUs only: another node's ranks' device
         ids name that node's GPUs, and sampled here they would show the kernel's GPUs 0..D-1 as theirs."""

@@ -6,7 +6,8 @@ other event is queued and a byte written to a wake pipe the supervisor watches (
 the main thread's one loop publishes them on the same bus as local ranks' events, in each rank's order:
 the relay, the logs, the dashboard and the failure rules cannot tell the two apart. A stream that ends
 before its ranks have (the agent's actor died, its node was lost) ends those ranks with a record naming
-the node.
+the node; so does a stream silent for ``SILENT_S`` (an agent beats each ``agent.BEAT_S``), which is how a node
+whose machine stopped answering is known in seconds, not at Ray's own node timeout (``Streams.listen``).
 
 Signals (an interrupt, ``--timeout``'s stacks, a teardown) go to a remote rank through its agent
 (``RemoteProc.signal``), never ``ray.cancel`` (which cannot interrupt a running actor method).
@@ -27,6 +28,7 @@ from ..units import ranks_text
 from ..wire import messages
 
 LOST = "NodeLost"
+SILENT_S = 5.0  # a node whose stream said nothing (not even its beat) this long is lost
 
 
 @dataclasses.dataclass
@@ -49,6 +51,7 @@ class Link:
         self.lost: str | None = None
         self.broken = False  # the agent could not apply a call of the kernel's
         self.clean = False  # its stream ended on its own, every rank's exit sent: the agent can serve another pool
+        self.heard = time.monotonic()  # its stream's last word (a batch, or its beat)
 
     def control(self, op: str, *args) -> None:
         if self.lost:
@@ -73,13 +76,37 @@ class Streams:
         os.set_blocking(self.wake_w, False)  # a full pipe is a wake already due: a reader never blocks on it
         self.threads: list[threading.Thread] = []
         self.procs: dict[int, RemoteProc] = {}
+        self.links: list[Link] = []
+        self.closing = threading.Event()
         sup.watch(self.wake_r, self.deliver)
 
     def follow(self, link: Link, gen) -> None:
-        """Read ``gen``, the agent's ``events`` stream (past its first item), on a thread of its own."""
+        """Read ``gen``, the agent's ``events`` stream (past its first item), on a thread of its own; the
+        first link followed starts the thread that listens for silence."""
+        link.heard = time.monotonic()
+        self.links.append(link)
         t = threading.Thread(target=self._read, args=(link, gen), name=f"nbddp-node-{link.node}", daemon=True)
-        self.threads.append(t)
         t.start()
+        if not self.threads:
+            threading.Thread(target=self.listen, name="nbddp-node-beats", daemon=True).start()
+        self.threads.append(t)
+
+    def listen(self, every: float = 0.5) -> None:
+        """Each ``every`` s: a node silent for ``SILENT_S`` is lost, its ranks with it (its reader may wait on
+        Ray for much longer). A kernel too busy to run this thread on time heard nobody meanwhile: the silence
+        counts from when it could listen again."""
+        last = time.monotonic()
+        while not self.closing.wait(every):
+            now = time.monotonic()
+            if now - last > 4 * every:  # this thread was not run: neither were the readers
+                for link in self.links:
+                    link.heard = max(link.heard, now - every)
+            last = now
+            for link in self.links:
+                if link.lost is None and now - link.heard > SILENT_S:
+                    link.lost = f"no word from its agent for {now - link.heard:.0f} s"
+                    self.events.put([("ended", link, link.lost)])
+                    self._wake()
 
     def _read(self, link: Link, gen) -> None:
         import ray
@@ -87,7 +114,9 @@ class Streams:
         why = None
         try:
             for ref in gen:
+                link.heard = time.monotonic()
                 batch = pickle.loads(ray.get(ref))
+                link.heard = time.monotonic()
                 rest = []
                 for item in batch:
                     if type(item) is tuple and item[0] == "store":
@@ -158,6 +187,7 @@ class Streams:
         """The wake pipe is closed once every reader has ended: a reader still running could otherwise
         write into whatever reused the descriptor (left open if one is still there after ``within``). Once:
         a second call closes nothing."""
+        self.closing.set()
         if self.wake_w < 0 or not self.join(within):
             return
         for fd in (self.wake_r, self.wake_w):

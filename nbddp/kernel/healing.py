@@ -75,12 +75,13 @@ class Losses:
 
 
 class LossWatch:
-    """Between cells, the pool's live ranks' pidfds on the kernel's event loop (its main thread, between cells):
-    a rank that dies is reaped, said and mended at once (``Mending.between_cells``). A cell on the notebook's
-    thread blocks that loop while it runs (its own loop sees its losses), so the watch stays set across it and
-    is set anew only where its ranks changed (a pool cell pays no system call for it); a cell on another thread
-    (a background one) takes it off first. Where no event loop runs (a script), nothing is set: the next cell
-    finds the loss."""
+    """Between cells, the pool's live ranks' pidfds on the kernel's event loop (its main thread, between cells),
+    and a cluster pool's nodes' streams (``Gang.news_fds``; a node silent for 5 s is lost): a rank that dies is
+    reaped, said and mended at once (``Mending.between_cells``). A cell on the notebook's thread blocks that
+    loop while it runs (its own loop sees its losses), so the watch stays set across it and is set anew only
+    where its ranks changed (a pool cell pays no system call for it); a cell on another thread (a background
+    one) takes it off first. Where no event loop runs (a script), nothing is set: the next cell finds the
+    loss."""
 
     RETRY_S = 0.5  # a background cell holds the ranks: look again then (its own loop sees a loss meanwhile)
 
@@ -113,6 +114,7 @@ class LossWatch:
             self.loop.call_later(self.RETRY_S, self._arm)
             return
         wanted = {(p.exit_fd, p.pid) for p in pool.gang.sup.live() if p.here and p.exit_fd >= 0}
+        wanted |= {(fd, 0) for fd in pool.gang.news_fds()}  # (another node's ranks: their agent's stream)
         if wanted != self.armed:
             self.disarm()
             for fd, _ in wanted:

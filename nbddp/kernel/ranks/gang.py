@@ -172,6 +172,11 @@ class Gang:
         """The node a rank runs on, as failures name it: none on one machine (a cluster pool's gang says)."""
         return ""
 
+    def news_fds(self) -> list[int]:
+        """Descriptors besides the ranks' pidfds that turn readable when a rank may have ended (a cluster
+        pool's: its nodes' streams); between cells, the pool watches them all (healing.LossWatch)."""
+        return []
+
     @property
     def alive(self) -> bool:
         return self.sup is not None and len(self.sup.live()) == self.world_size
