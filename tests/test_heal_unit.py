@@ -63,11 +63,11 @@ def test_export_and_adopt_keep_an_optimizer_on_its_models_parameters():
 
 
 def test_verdict_copies_only_what_two_survivors_agree_on():
-    own = {"model": ("ddp", "m", (1,), True), "data": ("value", "d", (2,), True), "shard": ("value", "s0", (3,), True),
-           "pg": ("lost", "why", (), True), "opt": ("value", "o", (1,), True)}
+    own = {"model": ("remade", "m", (1,), True), "data": ("value", "d", (2,), True),
+           "shard": ("value", "s0", (3,), True), "pg": ("lost", "why", (), True), "opt": ("value", "o", (1,), True)}
     views = {0: own, 2: {**own, "shard": ("value", "s2", (3,), True), "extra": ("value", "x", (), True)}}
     v = healing.verdict(views)
-    assert v.agreed == ["data", "model", "opt"] and v.ddps == ["model"]
+    assert v.agreed == ["data", "model", "opt"] and v.remade == ["model"]
     assert set(v.lacking) == {"shard", "pg", "extra"} and "differs" in v.lacking["shard"]
     assert "not every survivor" in v.lacking["extra"]
     alone = healing.verdict({1: own})

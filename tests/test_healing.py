@@ -282,6 +282,33 @@ def test_fsdp2_shards_are_named_lost_with_the_fix_and_never_copied(pool3):
     assert k.value("has") == [True, False, True]
 
 
+MESH = ("%%ddp\nfrom torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.tensor import distribute_tensor, Replicate, Shard\n"
+        "mesh = init_device_mesh('cpu', (world_size,), mesh_dim_names=('dp',))\n"
+        "w = distribute_tensor(torch.arange(12.).reshape(6, 2), mesh, [Replicate()])\n"
+        "s = distribute_tensor(torch.arange(12.).reshape(6, 2), mesh, [Shard(0)])\n")
+ON_THE_MESH = ("%%ddp --gather got\nr = distribute_tensor(torch.full((3,), float(rank + 5)), mesh, [Replicate()])\n"
+               "got = (mesh.size(), w.device_mesh is mesh, w.to_local().sum().item(), r.to_local().tolist(), "
+               "'s' in globals())\n")
+
+
+@pytest.mark.parametrize("on_loss", ["heal", "shrink"])
+def test_a_device_mesh_and_a_replicated_dtensor_are_made_anew_and_a_shard_is_named(pool3, on_loss):
+    """A DeviceMesh and a DTensor every rank holds whole (Replicate) are made anew on the new group, the mesh at the
+    group's new size (shrink); a sharded DTensor is named, on the survivors too (still on the old group)."""
+    k = pool3
+    pids = start(k, on_loss=on_loss)
+    k.ok(MESH)
+    os.kill(pids[1], signal.SIGKILL)
+    assert wait_for(k, f"bool({POOL}.losses.history) and not {POOL}.losses.pending", 30)
+    res = k.ok(ON_THE_MESH, timeout=120)
+    ws = 3 if on_loss == "heal" else 2
+    # a collective on the rebuilt mesh (a broadcast from its rank 0), the replicated values as they were
+    assert k.value("got") == [(ws, True, 66.0, [5.0] * 3, on_loss == "shrink" or r != 1) for r in range(ws)]
+    assert "mesh (DeviceMesh), w (DTensor)" in res.stderr, res.stderr
+    assert "  s (Cell In[" in res.stderr and "sharded (FSDP2 / DTensor)" in res.stderr, res.stderr
+
+
 def test_a_notebook_model_trained_in_place_by_the_pool_reaches_the_replacement(pool3):
     """`net` is the notebook's: the replacement, a fork of the kernel, has the untrained one unless healing
     sees that every survivor changed it alike (and keeps `ddp.module is net`)."""

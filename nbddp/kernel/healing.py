@@ -360,9 +360,9 @@ def value(record):
 @dataclasses.dataclass
 class Verdict:
     agreed: list  # names every survivor holds alike (two or more of them)
-    ddps: list  # of those, the DistributedDataParallel models (made anew on every rank)
+    remade: list  # of those, what is bound to the group: DDP models, DeviceMeshes, replicated DTensors (made anew)
     lacking: dict  # name -> why the replacement lacks it
-    stale: list  # DDP models on the survivors that no replacement has (bound to the old group until run again)
+    stale: list  # such names on the survivors that no replacement has (bound to the old group until run again)
 
 
 def verdict(views: dict, fresh: dict | None = None) -> Verdict:
@@ -370,7 +370,7 @@ def verdict(views: dict, fresh: dict | None = None) -> Verdict:
     bound by the pool's cells)) and ``fresh``, a new rank's own survey of the notebook's names (a fork of the
     kernel now: what it has without a copy), or None (it has none of them: a forkserver's)."""
     names = sorted(set().union(*views.values())) if views else []
-    agreed, ddps, lacking, stale = [], [], {}, []
+    agreed, remade, lacking, stale = [], [], {}, []
     for name in names:
         seen = [v[name] for v in views.values() if name in v]
         kinds, prints = {x[0] for x in seen}, {x[1] for x in seen}
@@ -378,19 +378,19 @@ def verdict(views: dict, fresh: dict | None = None) -> Verdict:
             _pool_name(seen, kinds, prints, views)
         if why == "agreed":
             agreed.append(name)
-            if "ddp" in kinds:
-                ddps.append(name)
+            if "remade" in kinds:
+                remade.append(name)
         elif why:
             lacking[name] = why
     _lacking_with_what_they_share(views, agreed, lacking)
-    ddps = [n for n in ddps if n in agreed]
-    stale = [n for n in lacking if any(v.get(n, ("",))[0] == "ddp" for v in views.values())]
-    return Verdict(agreed, ddps, lacking, stale)
+    remade = [n for n in remade if n in agreed]
+    stale = [n for n in lacking if any(v.get(n, ("",))[0] in ("remade", "bound") for v in views.values())]
+    return Verdict(agreed, remade, lacking, stale)
 
 
 def _pool_name(seen, kinds, prints, views) -> str:
     """A name the pool's cells bound: copied where two survivors or more agree, else why not."""
-    lost = next((x[1] for x in seen if x[0] == "lost"), None)
+    lost = next((x[1] for x in seen if x[0] in ("lost", "bound")), None)
     if lost is not None:
         return lost
     if len(views) < 2:
@@ -405,7 +405,7 @@ def _pool_name(seen, kinds, prints, views) -> str:
 def _notebook_name(name, seen, prints, views, fresh) -> str:
     """A notebook name the survivors hold: nothing to do where the new rank has it alike; copied where a pool's
     cell changed it in place alike on every survivor; lacking where they changed it differently."""
-    if fresh is None or any(x[0] == "lost" for x in seen) or len(seen) < len(views):
+    if fresh is None or any(x[0] in ("lost", "bound") for x in seen) or len(seen) < len(views):
         return ""
     mine = fresh.get(name)
     if len(prints) == 1 and mine is not None and mine[1] in prints:
@@ -467,7 +467,8 @@ class Mended:
                      f"({', '.join(self.copied[:12])}{', ...' if len(self.copied) > 12 else ''})"
                      if self.copied else f"healed the pool in {self.seconds:.1f} s: a new rank {ranks}, {what}."]
         if self.rebuilt:
-            lines.append(f"made anew on the new process group: {', '.join(self.rebuilt)} (DistributedDataParallel)")
+            lines.append("made anew on the new process group: " + ", ".join(f"{name} ({kind})"
+                                                                            for name, kind in self.rebuilt))
         if self.how != "healed":
             lines.append("what a cell made from world_size (a per-rank batch, a scaled learning rate) is as it was on "
                          "every rank: make it again where it matters")
@@ -516,7 +517,7 @@ def _heal(gang, survivors: list, losses: list, inherited: bool) -> Mended:
     found = _survey(gang, survivors, lost[0] if inherited else None)
     blob = _export(gang, survivors[0], found)
     _adopt(gang, lost, blob, found)
-    rebuilt = _rebuild(gang, found.ddps)
+    rebuilt = _rebuild(gang, found.remade)
     return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking=found.lacking,
                   rebuilt=rebuilt)
 
@@ -551,11 +552,12 @@ def _adopt(gang, new: list, blob, found: Verdict) -> None:
 
 
 def _rebuild(gang, names: list) -> list:
-    """The DDP models ``names`` made anew on every rank (one collective each, in this order everywhere); with
-    no names, the peer's export is let go all the same."""
+    """What is bound to the group under ``names`` (DDP models, DeviceMeshes, replicated DTensors) made anew on
+    every rank (collectives, in one order everywhere): (name, kind) each; with no names, the peer's export is
+    let go all the same."""
     answers = ask(gang, {r: call(heal.rebuild, names) for r in range(gang.world_size)},
-                  "DistributedDataParallel models were made anew")
-    return value(answers[0]) or []
+                  "DDP models and meshes were made anew")
+    return [tuple(made) for made in value(answers[0]) or []]
 
 
 def _shrink(gang, survivors: list, losses: list) -> Mended:
@@ -564,11 +566,9 @@ def _shrink(gang, survivors: list, losses: list) -> Mended:
     gang.renumber(moves)
     _join(gang, {new: messages.Regroup(gang.generation, new, len(moves)) for new in moves.values()}, [])
     found = _survey(gang, list(moves.values()))
-    ddps = [n for n in found.agreed if n in found.ddps]
-    rebuilt = _rebuild(gang, ddps)
-    lacking = {n: why for n, why in found.lacking.items() if "differs" in why}  # (made from the old rank)
-    lacking.update({n: "a DistributedDataParallel model not alike on every rank: still bound to the old group"
-                    for n in found.stale})
+    rebuilt = _rebuild(gang, [n for n in found.agreed if n in found.remade])
+    # what was made from the old rank, and what still uses the old group (a shard, a 2-D mesh)
+    lacking = {n: why for n, why in found.lacking.items() if "differs" in why or n in found.stale}
     return Mended("shrunk", losses, 0.0, lacking=lacking, rebuilt=rebuilt, renumbered=moves)
 
 
@@ -595,7 +595,7 @@ def resize(pool, world_size: int, devices: tuple = ()) -> Mended:
         found = _survey(gang, ranks, new[0] if pool.starter.inherits_notebook else None)
         _adopt(gang, new, _export(gang, 0, found), found)
         mended = Mended("resized", [], 0.0, copied=found.agreed, peer=0, lacking=found.lacking)
-    mended.rebuilt = _rebuild(gang, found.ddps)
+    mended.rebuilt = _rebuild(gang, found.remade)
     mended.renumbered = {r: r for r in range(world_size)}
     mended.seconds = time.monotonic() - start
     mended.sizes = (old, world_size)
@@ -603,8 +603,8 @@ def resize(pool, world_size: int, devices: tuple = ()) -> Mended:
 
 
 def regrouped(gang) -> list:
-    """After a pool's process group was made anew (a stuck collective freed: recovery.py): the DDP models every
-    rank holds, made anew on it. Returns their names."""
-    stale = [set(value(rec) or ()) for rec in ask(gang, {r: call(heal.ddp_models) for r in range(gang.world_size)},
-                                                    "listing the DDP models").values()]
+    """After a pool's process group was made anew (a stuck collective freed: recovery.py): the DDP models (the
+    meshes, the replicated DTensors) every rank holds, made anew on it. Returns (name, kind) each."""
+    stale = [set(value(rec) or ()) for rec in ask(gang, {r: call(heal.remade_names) for r in range(gang.world_size)},
+                                                    "listing the DDP models and meshes").values()]
     return _rebuild(gang, sorted(set.intersection(*stale))) if stale else []

@@ -41,6 +41,11 @@ class NotTransferable(TypeError):
     """A value no other rank can be given as it is (a process group, a shard); the message says why."""
 
 
+class GroupBound(NotTransferable):
+    """Bound to the process group and not made anew (a group of ``new_group``, a shard, a mesh that does not
+    fit the new group): on a survivor too, it still uses the old group."""
+
+
 # -- survey: a fingerprint per name -------------------------------------------------------------------------
 class Step:
     """``fn(ctx, *args)`` on a rank, its value the answer (the kernel's mending steps, kernel/healing.py)."""
@@ -55,10 +60,12 @@ class Step:
 def survey(ctx, notebook_too: bool = False) -> dict:
     """name -> (kind, what, tensors, owned) for each name this rank's cells bound (``ctx.owned``) that it holds, and
     with ``notebook_too`` the notebook's tensors, arrays, modules and optimizers it holds (a pool's cell may
-    have changed them in place: ``model.to(...)``, a training loop): kind "value" (its fingerprint), "ddp" (the
-    fingerprint of its module and options), or "lost" (why no peer can be given it); ``tensors``: the tensors it
-    holds (ids in this rank), so a name holding one that a lacking name holds lacks too. Run on every survivor
-    (and, ``notebook_too``, on a replacement: what the kernel's fork gave it)."""
+    have changed them in place: ``model.to(...)``, a training loop). Kind "value" (its fingerprint), "remade"
+    (what is made anew on the new group, ``rebuild``: a DDP, a DeviceMesh, a replicated DTensor; the
+    fingerprint of what it is made from), "lost" or "bound" (why no peer can be given it; "bound": it uses the
+    old group, on a survivor too). ``tensors``: the tensors it holds (ids in this rank), so a name holding one
+    that a lacking name holds lacks too. Run on every survivor (and, ``notebook_too``, on a replacement: what
+    the kernel's fork gave it)."""
     ns = ctx.namespace
     owned = set(ctx.owned or ())
     names = sorted(owned | ({n for n, v in ns.items() if _inherited_state(n, v)} if notebook_too else set()))
@@ -66,19 +73,19 @@ def survey(ctx, notebook_too: bool = False) -> dict:
     for name in names:
         if name not in ns:
             continue
-        kind = "ddp" if _is_ddp(ns[name]) else "value"
+        kind = "remade" if _remade(ns[name]) else "value"
         met: list = []
         try:
             fp = fingerprint(ns[name], met)
         except NotTransferable as e:
-            out[name] = ("lost", str(e), (), name in owned)
+            out[name] = ("bound" if isinstance(e, GroupBound) else "lost", str(e), (), name in owned)
             continue
         except Exception as e:  # noqa: BLE001 - any value a pickler refuses: that name is not healed, said why
             out[name] = ("lost", f"cannot be pickled ({type(e).__name__}: {e})", (), name in owned)
             continue
-        if met[0].ddps and kind != "ddp":
-            out[name] = ("lost", "holds a DistributedDataParallel inside it, which is made anew only under a name "
-                         "of its own: make it again", (), name in owned)
+        if met[0].remade and kind != "remade":
+            out[name] = ("lost", f"holds a {met[0].remade[0]} inside it, which is made anew only under a name of "
+                         "its own: make it again", (), name in owned)
             continue
         out[name] = (kind, fp, tuple(met[0].tensors), name in owned)
     return out
@@ -96,13 +103,21 @@ def _inherited_state(name: str, value) -> bool:
             or np is not None and type(value) is np.ndarray)
 
 
-def ddp_models(ctx) -> list:
-    """The names of the DistributedDataParallel models in the rank's namespace."""
-    return sorted(n for n, v in ctx.namespace.items() if not n.startswith("_") and _is_ddp(v))
+def remade_names(ctx) -> list:
+    """The names in the rank's namespace of what ``rebuild`` makes anew (DDP models, DeviceMeshes, replicated
+    DTensors)."""
+    return sorted(n for n, v in ctx.namespace.items() if not n.startswith("_") and _remade(v))
 
 
-def _is_ddp(value) -> bool:
-    return any(c.__name__ == "DistributedDataParallel" for c in type(value).__mro__) or isinstance(value, PendingDDP)
+def _remade(value) -> str | None:
+    """What kind of value bound to the process group ``rebuild`` makes anew, or None."""
+    if isinstance(value, Pending):
+        return value.kind
+    names = {c.__name__ for c in type(value).__mro__}
+    for kind in REMADE:
+        if kind in names and (kind != "DTensor" or _replicated(value)):
+            return kind
+    return None
 
 
 class _Hash(io.RawIOBase):
@@ -122,17 +137,17 @@ class _Fingerprinter(cloudpickle.CloudPickler):
     pool's cells by their code and attributes (cloudpickle tags a class with a per-process id, which would make
     equal values differ). ``tensors``: the tensors met (ids: a name holding one that a name the replacement
     lacks holds must not be copied either: an optimizer and its model's parameters); ``ddps``: the DDP models
-    met."""
+    met; ``remade``: the kinds met of what is made anew on the new group (``REMADE``)."""
 
     def __init__(self, file, **kw):
         super().__init__(file, **kw)
         self.tensors: set[int] = set()
-        self.ddps = 0
+        self.remade: list[str] = []
 
     def reducer_override(self, obj):
         special = _special(obj)
         if special is not None:
-            self.ddps += 1
+            self.remade.append(special[0].kind)
             return special
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
@@ -153,7 +168,7 @@ def fingerprint(value, pickler_out: list | None = None) -> str:
     """Without pickle's memo where it can (its back-references follow object identity: a string interned on one
     rank and unpickled on another, the replacement of an earlier heal, would make equal values differ); a value
     with a cycle needs the memo (a false "differs" only leaves a name to run again, never a wrong copy).
-    ``pickler_out``: given a list, the pickler is appended (what it met: ``tensors``, ``ddps``)."""
+    ``pickler_out``: given a list, the pickler is appended (what it met: ``tensors``, ``remade``)."""
     for fast in (True, False):
         h = _Hash()
         pickler = _Fingerprinter(h, protocol=pickle.HIGHEST_PROTOCOL)
@@ -215,30 +230,79 @@ def _raw_sums(torch, raw) -> tuple:
 
 
 def _special(obj):
-    """What no peer may be given, refused with why; a DDP model as its module (its group is the rank's own)."""
+    """What no peer may be given, refused with why; what is bound to the process group as what makes it anew
+    (a ``Pending``: a DDP model's module and options, a DeviceMesh's shape, a replicated DTensor's local tensor)."""
     kind = type(obj)
     if kind.__module__ == "builtins":  # (asked of every object pickled: a list of a million strings too)
         return None
     names = {c.__name__ for c in kind.__mro__}
     if "DistributedDataParallel" in names:
-        return _ddp_placeholder(obj)
-    if "ProcessGroup" in names or "DeviceMesh" in names:
-        raise NotTransferable(f"a {kind.__name__} belongs to its process group: make it again on the new group")
+        return PendingDDP, (obj.module, ddp_options(obj))
+    if "DeviceMesh" in names:
+        return PendingMesh, _mesh_args(obj)
+    if "DTensor" in names and _replicated(obj):  # every rank holds all of it: the new rank may too
+        local = obj._local_tensor.detach()
+        return PendingDTensor, (local, obj.device_mesh, tuple(obj.placements), obj.requires_grad)
+    if "ProcessGroup" in names:
+        raise GroupBound(f"a {kind.__name__} belongs to its process group: make it again on the new group")
     if "DTensor" in names or "FSDPModule" in names or "FullyShardedDataParallel" in names:
-        raise NotTransferable("sharded (FSDP2 / DTensor): the lost rank's shards went with it; load the last "
+        raise GroupBound("sharded (FSDP2 / DTensor): the lost rank's shards went with it; load the last "
                               "torch.distributed.checkpoint (dcp.load, resharded) on every rank")
     return None
 
 
-# -- DDP: its module and options travel; it is made anew on the new group ----------------------------------------
-class PendingDDP:
-    """A DistributedDataParallel to make once the process group is whole (``rebuild``)."""
+def _replicated(dtensor) -> bool:
+    return all(type(p).__name__ == "Replicate" for p in dtensor.placements)
+
+
+# -- what is bound to the process group travels as what makes it; it is made anew on the new group ----------------
+REMADE = ("DeviceMesh", "DTensor", "DistributedDataParallel")  # in the order ``rebuild`` makes them
+
+
+class Pending:
+    """What ``rebuild`` makes anew once the process group is whole; ``kind``: one of ``REMADE``."""
+
+    kind = ""
+
+    def __repr__(self):
+        return f"Pending{self.kind}(made anew once the pool's group is whole)"
+
+
+class PendingDDP(Pending):
+    kind = "DistributedDataParallel"
 
     def __init__(self, module, options: dict):
         self.module, self.options = module, options
 
-    def __repr__(self):
-        return f"PendingDDP({type(self.module).__name__}, made anew once the pool's group is whole)"
+
+class PendingMesh(Pending):
+    kind = "DeviceMesh"
+
+    def __init__(self, device_type: str, shape: tuple, dim_names):
+        self.device_type, self.shape, self.dim_names = device_type, shape, dim_names
+
+
+class PendingDTensor(Pending):
+    kind = "DTensor"
+
+    def __init__(self, local, mesh, placements: tuple, requires_grad: bool):
+        self.local, self.mesh, self.placements, self.requires_grad = local, mesh, placements, requires_grad
+
+
+def _mesh_args(mesh) -> tuple:
+    """A DeviceMesh as what makes it on the current group: a mesh over every rank (``init_device_mesh``'s); a
+    one-dimensional one follows the group's size (a pool shrunk or resized)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    layout = mesh.mesh.reshape(-1).tolist()
+    shape = tuple(mesh.mesh.shape)
+    if len(shape) == 1 and layout == list(range(len(layout))):
+        return mesh.device_type, (world,), mesh.mesh_dim_names
+    if layout != list(range(world)):
+        raise GroupBound(f"a DeviceMesh of shape {shape} over ranks {layout[:8]} cannot be made on a group of "
+                              f"{world}: make it again")
+    return mesh.device_type, shape, mesh.mesh_dim_names
 
 
 def ddp_options(ddp) -> dict:
@@ -256,10 +320,6 @@ def ddp_options(ddp) -> dict:
     if cap is not None:
         options["bucket_cap_mb"] = cap / (1024 * 1024)
     return options
-
-
-def _ddp_placeholder(ddp):
-    return PendingDDP, (ddp.module, ddp_options(ddp))
 
 
 # -- export and adopt -----------------------------------------------------------------------------------------
@@ -347,25 +407,51 @@ def adopt(ctx, blob: bytes | None, lacking) -> list:
 
 
 def rebuild(ctx, names) -> list:
-    """Each of ``names`` (in this order on every rank: DDP's constructor is a collective) made anew on the
-    current group: a DistributedDataParallel bound to a group that is gone, or one that came from a peer. The
-    old one is kept until the rank is idle (usergroup: freeing it could deadlock). The export's arenas are let
-    go (the replacement mapped them before). Returns the names made anew."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    """Each of ``names`` made anew on the current group, meshes first, then replicated DTensors on them, then
+    DDP models (in this order on every rank: a mesh's groups and DDP's constructor are collectives): what a
+    peer sent (a ``Pending``), or what is bound to a group that is gone. An old DDP is kept until the rank is
+    idle (usergroup: freeing it could deadlock). The export's arenas are let go (the replacement mapped them
+    before). Returns (name, kind) for each made anew."""
     for sharer in _exported:
         sharer.let_go()
     _exported.clear()
     ns = ctx.namespace
+    meshes: dict[int, object] = {}  # id of an old mesh (or its Pending) -> the new one
     made = []
-    for name in names:
-        value = ns.get(name)
-        if isinstance(value, PendingDDP):
-            ns[name] = DDP(value.module, **value.options)
-        elif _is_ddp(value):
-            usergroup.keep(value)
-            ns[name] = DDP(value.module, **ddp_options(value))
-        else:
+    for name in sorted(names, key=lambda n: (REMADE.index(_remade(ns.get(n)) or REMADE[-1]), n)):
+        kind = _remade(ns.get(name))
+        if kind is None:
             continue
-        made.append(name)
+        try:
+            ns[name] = _made_anew(ns[name], kind, meshes)
+        except GroupBound:  # a mesh that does not fit the group (alike on every rank: skipped on every rank)
+            continue
+        made.append((name, kind))
     return made
+
+
+def _made_anew(value, kind: str, meshes: dict):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def mesh_for(old):
+        if id(old) not in meshes:
+            device_type, shape, dim_names = (old.device_type, old.shape, old.dim_names) if isinstance(
+                old, PendingMesh) else _mesh_args(old)
+            meshes[id(old)] = init_device_mesh(device_type, shape, mesh_dim_names=dim_names)
+        return meshes[id(old)]
+
+    if kind == "DeviceMesh":
+        return mesh_for(value)
+    if kind == "DTensor":
+        local, mesh, placements, grad = ((value.local, value.mesh, value.placements, value.requires_grad)
+                                         if isinstance(value, PendingDTensor) else
+                                         (value._local_tensor.detach(), value.device_mesh, tuple(value.placements),
+                                          value.requires_grad))
+        made = DTensor.from_local(local, mesh_for(mesh), placements, run_check=False)
+        return made.requires_grad_() if grad else made
+    if isinstance(value, PendingDDP):
+        return DDP(value.module, **value.options)
+    usergroup.keep(value)
+    return DDP(value.module, **ddp_options(value))

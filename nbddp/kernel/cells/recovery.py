@@ -30,7 +30,7 @@ class Recovery:
         self.healthy: set[int] = set()
         self.regrouped: list[int] = []  # ranks freed from a collective by a fresh process group
         self.old_group_users: set[str] = set()  # what the ranks had bound to the old group (their Healthy answers)
-        self.rebuilt: list[str] = []  # the DDP models made anew on the fresh group
+        self.rebuilt: list = []  # (name, kind): what was made anew on the fresh group (DDP models, meshes)
 
     def on_Message(self, event) -> None:
         if isinstance(event.record, messages.Healthy):
@@ -46,12 +46,12 @@ class Recovery:
             if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
                                  "torn down by an interrupt while its process group was made anew"):
                 self.regrouped = stuck
-                try:  # the DDP models in the ranks' namespaces, made anew on the new group for the user
+                try:  # the DDP models (meshes...) in the ranks' namespaces, made anew on the new group for the user
                     self.rebuilt = healing.regrouped(gang)
                 except healing.HealFailed as e:
                     gang.close(f"torn down: its DDP models could not be made anew on its new process group ({e})")
                     return False
-                made = tuple(f"{name} (DistributedDataParallel" for name in self.rebuilt)
+                made = tuple(f"{name} ({kind}" for name, kind in self.rebuilt)
                 gang.old_group = tuple(sorted(u for u in self.old_group_users if not u.startswith(made)))
                 return True
             gang.close("torn down: its process group could not be made anew")

@@ -255,10 +255,11 @@ REWRAP = "a DistributedDataParallel model would be: model = DDP(model.module)"
 
 def pool_fate(survived: bool, regrouped=(), old_group_users=(), rebuilt=()) -> str:
     """The line a pool's failed cell ends with: whether the pool and its state live on, and (after a
-    fresh process group) what was made anew on it and what must be made again."""
+    fresh process group) what was made anew on it (``rebuilt``: (name, kind) each) and what must be made again."""
     if survived and regrouped:
-        made = (f" Made anew on it: {', '.join(rebuilt)} (DistributedDataParallel, same module and options)."
-                if rebuilt else "")
+        made = (" Made anew on it: " + ", ".join(
+            f"{name} ({kind}{', same module and options' if kind == 'DistributedDataParallel' else ''})"
+            for name, kind in rebuilt) + "." if rebuilt else "")
         bound = (f" Make again what else was bound to the old group before the next step: "
                  f"{'; '.join(sorted(old_group_users))}." if old_group_users else "")
         return ("The pool and its state survived, and its process group was made anew: rank(s) "
@@ -273,7 +274,7 @@ def pool_fate(survived: bool, regrouped=(), old_group_users=(), rebuilt=()) -> s
 def interrupt_fate(survived: bool, regrouped=(), rebuilt=()) -> str:
     """What became of a pool after Jupyter's interrupt, for ``interrupted``."""
     if survived and regrouped:
-        made = f" ({', '.join(rebuilt)}: DistributedDataParallel made anew on it)" if rebuilt else ""
+        made = f" ({', '.join(f'{name}: {kind}' for name, kind in rebuilt)} made anew on it)" if rebuilt else ""
         return ("the pool and its state survived; its process group was made anew to free rank(s) "
                 f"{ranks_text(regrouped, word=False)} from a collective{made}")
     if survived:
