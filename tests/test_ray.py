@@ -308,11 +308,13 @@ def test_a_node_that_stops_answering_is_known_in_seconds_with_no_cell_run_and_it
         assert loss[0] - stopped_at < 8, f"known {loss[0] - stopped_at:.1f} s after the node stopped answering"
         assert re.search(r"rank 1 lost while idle: .*node 1 \(.*\) lost \(rank 1\): no word from its agent for "
                          r"\d+ s", loss[1]), loss
-        assert loss[2] is False, "the pool ended (a pool across nodes is not mended)"
+        assert loss[2] is False, "the pool ended"
         status = k.ok("%ddp status").stdout
         assert "no word from its agent" in status, status
-        res = k.run("%%ddp\nprint('after')\n", timeout=60)
-        assert "the pool has ended: rank 1 on node 1" in res.error_text, res.error_text
+        res = k.run("%%ddp\nprint('after')\n", timeout=60)  # no rank can be started on a node that is lost
+        assert re.search(r"the pool has ended: rank\(s\) 1 lost, and the pool could not be mended: node 1 \(.*\) is "
+                         r"lost \(no word from its agent for \d+ s\): no rank can be started there", res.error_text), \
+            res.error_text
         assert not wait_gone(pids), "the agent was let go, and its rank with it"
     finally:
         if psutil.pid_exists(agent):
@@ -325,8 +327,9 @@ def test_a_call_the_agent_cannot_apply_ends_the_pool_with_its_reason(pool):
          ".pool.gang.links[0].control('no_such_op')")  # as a store reply or command the agent fails to apply
     res = k.run("%%ddp\nprint('after')\n", timeout=60)
     text = res.error_text
-    assert re.search(r"node 1 \(.*\) lost \(rank 1\): its agent could not apply the kernel's 'no_such_op': "
-                     r"AttributeError", text), text
+    # (known between cells, the pool's healing finds the node lost; or during the cell)
+    assert re.search(r"node 1 \(.*\) (lost \(rank 1\): |is lost \()its agent could not apply the kernel's "
+                     r"'no_such_op': AttributeError", text), text
     assert not wait_gone(pids), "every rank is gone"
 
 
@@ -334,17 +337,61 @@ PLACEMENT_GROUPS = "sorted({g['state'] for g in ray.util.placement_group_table()
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["the-other-node", "the-kernels-node"])
-def test_a_killed_rank_ends_the_pool_naming_rank_and_node(pool, victim):
+def test_a_rank_killed_in_a_collective_fails_the_cell_naming_rank_and_node_and_is_replaced(pool, victim):
+    """Issue 55: the cell fails naming the rank and its node; a new rank starts on that node (forked by its
+    agent, or from the kernel on the kernel's node) in the group's next generation, and the pool goes on."""
     k, pids = pool
     res = k.run(f"%%ddp\nimport signal\nimport torch.distributed as dist\nif rank == {victim}:\n"
                 "    os.kill(os.getpid(), signal.SIGKILL)\ndist.all_reduce(torch.ones(1))\n", timeout=60)
     text = res.error_text
     assert re.search(rf"rank {victim} on node {victim} \(\S+, ray [0-9a-f]{{8}}\) failed: killed by SIGKILL",
                      text), text
-    assert "The pool has ended" in text, text
-    assert not wait_gone(pids), "every rank is gone"
-    status = k.ok("%ddp status").stdout
-    assert re.search(rf"ended: rank {victim} on node {victim} .* exited \(killed by SIGKILL", status), status
+    assert "healed the pool in" in text and f"a new rank {victim}" in text, text
+    k.ok("%%ddp --gather pid where\nimport torch.distributed as dist\nt = torch.ones(1) * (rank + 1)\n"
+         "dist.all_reduce(t)\npid = os.getpid()\n"
+         "where = (rank, os.environ['NODE_RANK'], t.item())\n", timeout=120)
+    new = k.value("pid")
+    assert k.value("where") == [(0, "0", 3.0), (1, "1", 3.0)]
+    assert new[1 - victim] == pids[1 - victim] and new[victim] != pids[victim], (pids, new)
+    pids.extend(new)  # (the fixture checks every one gone after %ddp stop)
+
+
+def test_a_pool_across_nodes_heals_a_lost_rank_from_a_peer_over_the_group(rk):
+    """Issue 55 on Ray: a rank of another node killed while idle is said at once and replaced on its node; the
+    state two survivors agree on reaches it from a peer over the new process group (never through the kernel's
+    machine), DDP made anew; rank-specific names are listed; the notebook's names reach it with the next cell."""
+    rk.ok("nb_value = 41")
+    rk.ok("%ddp start --cluster ray --nodes 3 --devices 1", timeout=120)
+    pids = []
+    try:
+        rk.ok("%%ddp --gather pid\nimport torch.distributed as dist\n"
+              "from torch.nn.parallel import DistributedDataParallel as DDP\ntorch.manual_seed(0)\n"
+              "model = DDP(torch.nn.Linear(4, 1))\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+              "data = torch.arange(100_000.)\nmine = rank * 10\nseen = nb_value\npid = os.getpid()\n", timeout=120)
+        pids = rk.value("pid")
+        agent = psutil.Process(pids[2]).ppid()
+        os.kill(pids[2], signal.SIGKILL)
+        end = time.monotonic() + 60
+        while not rk.value(f"bool({POOL}.losses.history) and not {POOL}.losses.pending") and time.monotonic() < end:
+            time.sleep(0.1)
+        status = rk.ok("%ddp status")
+        status = status.displays[-1]["data"]["text/plain"] if status.displays else status.stdout
+        assert "rank 2 lost while idle: killed by SIGKILL" in status and "healed the pool in" in status, status
+        res = rk.ok("%%ddp --gather have pid\nopt.zero_grad()\nmodel(torch.ones(8, 4)).pow(2).mean().backward()\n"
+                    "opt.step()\nhave = (model.module.weight.tolist(), data.sum().item(), 'mine' in globals(), "
+                    "nb_value, os.environ['NODE_RANK'])\npid = os.getpid()\n", timeout=120)
+        assert "took" in res.stderr and "from rank 0" in res.stderr and "mine (Cell In[" in res.stderr, res.stderr
+        assert "made anew on the new process group: model (DistributedDataParallel)" in res.stderr, res.stderr
+        have = rk.value("have")
+        assert all(h[0] == have[0][0] for h in have), f"the replicas trained on together: {have}"
+        assert [h[1:] for h in have] == [(4999949824.0, r != 2, 41, str(r)) for r in range(3)], have
+        new = rk.value("pid")
+        assert new[:2] == pids[:2] and new[2] != pids[2]
+        assert psutil.Process(new[2]).ppid() == agent, "the new rank 2 was forked by node 2's agent"
+        pids = pids + new[2:]
+    finally:
+        rk.run("%ddp stop", timeout=60)
+    assert not wait_gone(pids), "no rank is left on any node"
 
 
 def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_rank_nor_group(rk):

@@ -48,6 +48,7 @@ class Agent:
         warm.start()  # what a real first step imports lazily, on a thread: each fork waits for it (_fork)
         self.order = threading.Lock()  # the kernel's calls, applied one at a time in sequence order
         self.signals: queue.SimpleQueue = queue.SimpleQueue()  # (rank, signal, group) for the supervisor's thread
+        self.forked: queue.SimpleQueue = queue.SimpleQueue()  # a new rank forked meanwhile, for the supervisor's thread
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)  # a full pipe is a wake already due: control() never blocks on it
         self._reset(None)
@@ -62,8 +63,11 @@ class Agent:
         self.cmd: dict[int, int] = {}  # rank -> its command pipe's write end
         self.replies: dict[int, int] = {}  # rank -> its store reply pipe's write end
         self.requests: dict[int, tuple[int, Reader]] = {}  # request fd -> (rank, its frames)
-        while not self.signals.empty():
-            self.signals.get_nowait()
+        self.to_fork: queue.SimpleQueue = queue.SimpleQueue()  # specs of new ranks, for this pool's forker thread
+        self.waiting = False  # a rank was lost: the stream stays open for its replacement until ``finish``
+        for q in (self.signals, self.forked):
+            while not q.empty():
+                q.get_nowait()
 
     def where(self) -> dict:
         """This node as the kernel names it, and the interface that carries its Ray address (None: none does)."""
@@ -80,17 +84,21 @@ class Agent:
         lists of events, each pickled, in order."""
         with self.order:
             self._reset(pool)
+            to_fork = self.to_fork
         run_dir = rendezvous.new_run_dir()
         logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
         self.sup = sup = Supervisor([logs, self])
-        done = threading.Event()
         try:
             sup.watch(self.wake_r, self._wake)
             ifname = ifname or self.where()["ifname"]  # (none: the kernel refuses the pool)
-            yield pickle.dumps(self._fork_all(specs, run_dir, ifname, done))
-            while sup.live() or self.queue:
+            yield pickle.dumps(self._fork_all(specs, run_dir, ifname, to_fork))
+            while sup.live() or self.queue or self.waiting:
                 beat_at = time.monotonic() + BEAT_S
-                sup.wait(None, until=lambda at=beat_at: bool(self.queue) or time.monotonic() >= at, wake_at=beat_at)
+                if sup.live():
+                    sup.wait(None, until=lambda at=beat_at: bool(self.queue) or time.monotonic() >= at,
+                             wake_at=beat_at)
+                else:  # a rank lost, none left here: the kernel may ask for its replacement (or say ``finish``)
+                    sup.poll(BEAT_S)
                 batch, self.queue = self.queue, []
                 # bytes: Ray's cheapest path; an empty batch, the beat the kernel hears this node live by
                 yield pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
@@ -102,21 +110,28 @@ class Agent:
             run_dir.release_store()
             for fd in (*self.cmd.values(), *self.replies.values(), *self.requests):
                 _close(fd)
-            done.set()
+            to_fork.put(None)  # the forker thread ends
 
-    def _fork_all(self, specs, run_dir, ifname, done: threading.Event) -> dict[int, int]:
-        """rank -> pid, forked on a thread of nbddp's own that lives until ``done``: a parent-death signal
-        follows the thread that forked, and a rank's stack then starts at nbddp's frames, not Ray's."""
+    def _fork_all(self, specs, run_dir, ifname, to_fork: queue.SimpleQueue) -> dict[int, int]:
+        """rank -> pid, forked on a thread of nbddp's own that lives as long as the pool: a parent-death signal
+        follows the thread that forked, and a rank's stack then starts at nbddp's frames, not Ray's. That thread
+        forks the ranks the kernel asks for later (``fork_again``: a replacement for a lost one) from ``to_fork``
+        until None, each handed to the supervisor's thread (``forked``)."""
         out: dict = {}
         forked = threading.Event()
 
         def forker():
             try:
-                out["pids"] = {spec.rank: _fork(self, spec, run_dir, ifname) for spec in specs}
+                out["pids"] = {spec.rank: _register(self, _fork(spec, run_dir, ifname)) for spec in specs}
             except BaseException as e:  # noqa: BLE001 - raised on the stream's thread
                 out["error"] = e
             forked.set()
-            done.wait()
+            while (spec := to_fork.get()) is not None:
+                try:
+                    self.forked.put(_fork(spec, run_dir, ifname))
+                except Exception as e:  # noqa: BLE001 - said to the kernel, the pool's other ranks live on
+                    self.forked.put(e)
+                self._poke()
 
         threading.Thread(target=forker, name="nbddp-agent-forker", daemon=True).start()
         forked.wait()
@@ -135,6 +150,9 @@ class Agent:
         self.queue.append(event)
 
     def on_Exited(self, event) -> None:
+        exit = event.exit
+        if not (exit.stopped or exit.only_leaving or exit.ok):
+            self.waiting = True
         self.queue.append(event)
 
     def _store_request(self, fd: int) -> None:
@@ -181,12 +199,19 @@ class Agent:
             pass
 
     def _wake(self) -> None:
-        """On the supervisor's thread: the signals the kernel sent, in order, to the ranks not reaped yet."""
+        """On the supervisor's thread: a rank forked anew, supervised and said to the kernel; the signals the
+        kernel sent, in order, to the ranks not reaped yet."""
         try:
             while os.read(self.wake_r, 4096):
                 pass
         except BlockingIOError:
             pass
+        while not self.forked.empty():
+            new = self.forked.get_nowait()
+            if isinstance(new, BaseException):
+                self._failed("fork_again", new)
+            else:
+                self.queue.append(("forked", new.spec.rank, _register(self, new)))
         while True:  # (no lock shared with control(): it may block on a full command pipe)
             try:
                 rank, sig, group = self.signals.get_nowait()
@@ -224,10 +249,32 @@ class Agent:
         self.signals.put((rank, sig, group))
         self._poke()
 
+    def _fork_again(self, spec) -> None:
+        """A new rank from ``spec`` (a lost one's replacement, joining the group's next generation), forked by
+        the pool's forker thread; its pid streamed to the kernel as ("forked", rank, pid)."""
+        self.to_fork.put(spec)
 
-def _fork(agent: Agent, spec, run_dir, ifname) -> int:
-    """One rank of the node, forked and supervised. A function, not a method: Ray wraps an actor class's
-    methods, and a frame of its wrapper would sit under the rank's every stack."""
+    def _finish(self) -> None:
+        """The kernel's pool is done with this node (it ended after a rank was lost here): once its ranks have
+        exited, the stream ends."""
+        self.waiting = False
+        self._poke()
+
+
+@dataclasses.dataclass
+class Forked:
+    """A rank just forked, and the agent's ends of its pipes."""
+
+    spec: object
+    proc: object
+    cmd_w: int
+    rep_w: int
+    req_r: int
+
+
+def _fork(spec, run_dir, ifname) -> Forked:
+    """One rank of the node, forked (``_register`` supervises it). A function, not a method: Ray wraps an actor
+    class's methods, and a frame of its wrapper would sit under the rank's every stack."""
     warm.wait()  # its imports finished: no import lock held across the fork
     cmd_r, cmd_w = os.pipe()
     req_r, req_w = os.pipe()
@@ -241,15 +288,30 @@ def _fork(agent: Agent, spec, run_dir, ifname) -> int:
     keep = {0, 1, 2, cmd_r, cmd_w, req_w, rep_r}
     # the rank holds none of this process's descriptors (Ray's sockets among them)
     inherited = [fd for fd in _open_fds() if fd not in keep]
-    proc = ForkStarter(run_dir).start(spec, Server(cmd_pipes={spec.rank: (cmd_r, cmd_w)}), inherited)
-    for fd in (cmd_r, req_w, rep_r):
-        os.close(fd)
-    agent.sup.add(proc)
-    agent.cmd[spec.rank] = cmd_w
-    agent.replies[spec.rank] = rep_w
-    agent.requests[req_r] = (spec.rank, Reader())
-    agent.sup.watch(req_r, lambda fd=req_r: agent._store_request(fd))
-    return proc.pid
+    try:
+        proc = ForkStarter(run_dir).start(spec, Server(cmd_pipes={spec.rank: (cmd_r, cmd_w)}), inherited)
+    except BaseException:
+        for fd in (cmd_w, req_r, rep_w):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (cmd_r, req_w, rep_r):
+            os.close(fd)
+    return Forked(spec, proc, cmd_w, rep_w, req_r)
+
+
+def _register(agent: Agent, new: Forked) -> int:
+    """A rank just forked, supervised (on the supervisor's thread, or before its loop runs); its pid."""
+    rank = new.spec.rank
+    for old in (agent.cmd.get(rank), agent.replies.get(rank)):  # (a lost rank's, replaced)
+        if old is not None:
+            _close(old)
+    agent.sup.add(new.proc)
+    agent.cmd[rank] = new.cmd_w
+    agent.replies[rank] = new.rep_w
+    agent.requests[new.req_r] = (rank, Reader())
+    agent.sup.watch(new.req_r, lambda fd=new.req_r: agent._store_request(fd))
+    return new.proc.pid
 
 
 def _open_fds() -> list[int]:

@@ -20,7 +20,7 @@ import time
 
 from ..errors import UsageError
 from ..kernel.ranks import groupstore, rendezvous, starters
-from ..kernel.ranks.gang import STOP_S, Gang
+from ..kernel.ranks.gang import STOP_S, Gang, ReplaceFailed
 from ..kernel.ranks.supervisor import GRACE_S
 from ..rank.worker import RankSpec
 from ..wire import framing, messages
@@ -31,6 +31,8 @@ KEEP_S = 2.0  # how long the close waits for a kept agent's stream to end (its r
 
 
 class ClusterGang(Gang):
+    spans_machines = True
+
     def __init__(self, config, plan, *, view_for=None):
         if plan.accelerator == "cuda":  # another node's ranks see the GPUs Ray gave its agent as 0..D-1
             others = tuple(range(plan.world_size))
@@ -83,6 +85,7 @@ class ClusterGang(Gang):
         self.actors = placement.agents(ray, self.pg, nodes, D, self.plan.accelerator)
         run_id, port = self.run_dir.run_id, rendezvous.free_port()
         specs = [self._spec(r, nodes, run_id, port) for r in range(self.world_size)]
+        self.specs = {spec.rank: spec for spec in specs}
         wheres = [a.where.remote() for a in self.actors]
         streams = [a.events.options(num_returns="streaming").remote(run_id, specs[n.index * D:(n.index + 1) * D],
                                                                    user_if)
@@ -148,6 +151,7 @@ class ClusterGang(Gang):
             proc.node = self.node_names[proc.rank]  # its exit names node 0 as the others' name theirs
 
         prepare = starters.store_pipes(self.local, env, forked)
+        self._job_for, self._prepare = job_for, prepare  # (a replacement for a lost rank here: Gang.replace)
         try:
             self._starter.ready(self.config)
             starters.fork_specs(self.sup, self._starter, job_for(pipes), specs, deadline, prepare)
@@ -155,6 +159,26 @@ class ClusterGang(Gang):
             for read, _ in pipes.values():
                 os.close(read)
             self.local.start()
+
+    def replace(self, rank: int, generation: int) -> None:
+        """As any gang's for the kernel's node's ranks; another node's rank is forked anew by that node's agent
+        (same spec, the group's ``generation``), which must still be there: a lost node is not replaced."""
+        if rank < self.per_node:
+            super().replace(rank, generation)
+            return
+        link = next(link for link in self.links if rank in link.ranks)
+        old = self.streams.procs.get(rank)
+        if link.lost:
+            raise ReplaceFailed(f"node {link.node} is lost ({link.lost}): no rank can be started there")
+        self.sup.procs = [p for p in self.sup.procs if p.rank != rank or p.exit is None]
+        self.ready.discard(rank)
+        link.control("fork_again", starters.again(self.specs[rank], generation))
+        end = time.monotonic() + START_S
+        self.sup.wait(None, until=lambda: self.streams.procs.get(rank) is not old or bool(link.lost)
+                      or time.monotonic() >= end, wake_at=end)
+        if self.streams.procs.get(rank) is old:
+            raise ReplaceFailed(f"node {link.node}'s agent did not start a new rank {rank}: "
+                               + (link.lost or f"no answer within {START_S:g} s"))
 
     # -- commands -------------------------------------------------------------------------------------------
     def owe(self, values: dict[str, bytes]) -> None:
@@ -220,6 +244,7 @@ class ClusterGang(Gang):
         # (a lost one's: None)
         self.reported = {p.rank for p in remote_procs if p.exit is not None and p.exit.code is not None}
         for link in self.links:
+            link.control("finish")  # (a node whose ranks were lost keeps its stream open until told)
             link.lost = link.lost or "closed"
         for p in remote_procs:
             if p.exit is None:

@@ -125,6 +125,8 @@ class Streams:
                     elif type(item) is tuple and item[0] == "error":  # the agent failed a call: the node is lost
                         link.lost, link.broken = item[1], True
                         rest.append(("ended", link, item[1]))
+                    elif type(item) is tuple and item[0] == "forked":  # a replacement the kernel asked for
+                        rest.append(("forked", link, item[1], item[2]))
                     else:
                         rest.append(item)
                 if rest:
@@ -164,6 +166,12 @@ class Streams:
 
     def _apply(self, event) -> None:
         sup = self.sup
+        if type(event) is tuple and event[0] == "forked":  # a new rank on that node (a lost one's replacement)
+            _, link, rank, pid = event
+            proc = RemoteProc(rank, pid, -1, node=link.node, link=link, here=False)
+            sup.add(proc)
+            self.procs[rank] = proc
+            return
         if type(event) is tuple:  # an agent's stream ended: its ranks still alive are lost with it
             _, link, why = event
             for rank in link.ranks:

@@ -30,6 +30,7 @@ from ..views import output
 from ..wire import messages, values
 from . import devices
 from .ranks import starters
+from .ranks.gang import ReplaceFailed
 
 POLICIES = ("heal", "shrink", "end")
 STEP_S = 120.0  # a mending step's answers (a survey of many GiB, an export) within this, or the pool ends
@@ -197,14 +198,13 @@ class Mending:
             return f"The pool heals itself ({policy}) before its next cell."
         if policy == "end" or not gang.sup.live() or not gang.sup.keep_peers:
             gang.close("a rank exited")  # (its why: the lost rank's own end, as the pool's view says it)
-            why = ("--on-loss end" if policy == "end" else "a pool across Ray nodes is not mended yet"
-                   if pool.config.cluster else "no rank survived")
+            why = "--on-loss end" if policy == "end" else "no rank survived"
             return f"The pool has ended and its ranks' state is gone ({why}): %ddp start to begin again."
         pool.view.said(f"{'healing' if policy == 'heal' else 'shrinking'}: rank(s) {lost} lost", mending=True)
         try:
             mended = mend(pool, policy)
         except BaseException as e:  # whatever stopped the mending (an interrupt too) ends the pool
-            why = str(e) if isinstance(e, HealFailed) else f"{type(e).__name__}: {e}".rstrip(": ")
+            why = str(e) if isinstance(e, (HealFailed, ReplaceFailed)) else f"{type(e).__name__}: {e}".rstrip(": ")
             gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {why}", as_said=True)
             if not isinstance(e, Exception):
                 raise
@@ -217,6 +217,8 @@ class Mending:
         pool = self.pool
         if not pool.starter.inherits_notebook:
             pool.held.joined_empty()
+        elif pool.gang.spans_machines and mended.lost:  # a replacement on another node has none of the notebook
+            pool.held.joined_elsewhere()
         text = mended.say(pool.bound_by)
         pool.view.said(text.splitlines()[0])
         if mended.lacking:
@@ -273,7 +275,7 @@ class Mending:
             try:
                 mended = resize(pool, world_size, devices)
             except BaseException as e:  # half resized, the pool cannot be vouched for
-                why = str(e) if isinstance(e, HealFailed) else f"{type(e).__name__}: {e}"
+                why = str(e) if isinstance(e, (HealFailed, ReplaceFailed)) else f"{type(e).__name__}: {e}"
                 pool.gang.close(f"torn down: resizing it failed ({why})", as_said=True)
                 if not isinstance(e, Exception):
                     raise
@@ -492,8 +494,8 @@ def mend(pool, policy: str) -> Mended:
     survivors = sorted(p.rank for p in gang.sup.live())
     if not survivors:
         raise HealFailed("no rank survived")
-    if pool.config.cluster:
-        raise HealFailed("a pool across Ray nodes (--cluster) cannot be mended yet")
+    if pool.config.cluster and policy == "shrink":
+        raise HealFailed("a pool across Ray nodes (--cluster) cannot shrink yet (--on-loss heal replaces the rank)")
     if gang.plan.backend != "gloo":
         raise HealFailed(f"a pool on {gang.plan.backend} cannot be mended yet: its communicators cannot be freed "
                          "from the survivors here")
@@ -514,9 +516,12 @@ def _heal(gang, survivors: list, losses: list, inherited: bool) -> Mended:
     for rank in lost:
         gang.replace(rank, gang.generation)
     _join(gang, {r: messages.Regroup(gang.generation) for r in survivors}, lost)
-    found = _survey(gang, survivors, lost[0] if inherited else None)
-    blob = _export(gang, survivors[0], found)
-    _adopt(gang, lost, blob, found)
+    if gang.spans_machines:  # the peer and the new ranks may be on different machines: over the group
+        found = _survey(gang, survivors)
+        _over_the_group(gang, survivors[0], lost, found)
+    else:
+        found = _survey(gang, survivors, lost[0] if inherited else None)
+        _adopt(gang, lost, _export(gang, survivors[0], found), found)
     rebuilt = _rebuild(gang, found.remade)
     return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking=found.lacking,
                   rebuilt=rebuilt)
@@ -537,6 +542,14 @@ def _export(gang, peer: int, found: Verdict):
     if not found.agreed:
         return None
     return value(ask(gang, {peer: call(heal.export, found.agreed)}, f"rank {peer} sent the pool's names")[peer])
+
+
+def _over_the_group(gang, peer: int, new: list, found: Verdict) -> None:
+    """A pool across machines: the agreed names sent by ``peer`` to the ``new`` ranks over the process group,
+    point to point (heal.give, heal.take), never through this machine."""
+    commands = {peer: call(heal.give, found.agreed, new)}
+    commands.update({r: call(heal.take, peer, sorted(found.lacking)) for r in new})
+    ask(gang, commands, f"rank {peer} sent the pool's names over the process group")
 
 
 def _join(gang, regroups: dict, new: list) -> None:

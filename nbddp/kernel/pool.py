@@ -85,8 +85,7 @@ class Pool:
                 gang.sup.announce()
                 self.losses = healing.Losses(self.view)
                 gang.sup.listen(self.losses)
-                # a lost rank's peers stay up to be mended (a pool across Ray nodes is not mended yet)
-                gang.sup.keep_peers = self.config.on_loss != "end" and not self.config.cluster
+                gang.sup.keep_peers = self.config.on_loss != "end"  # a lost rank's peers stay up to be mended
                 gang.mend = self.mending.mend
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,

@@ -27,7 +27,7 @@ import types
 
 import cloudpickle
 
-from ..wire import sharedtensor, values
+from ..wire import memfd, sharedtensor, values
 from ..wire.messages import Result
 from . import usergroup
 from .jobs import in_namespace
@@ -387,6 +387,37 @@ def export(ctx, names) -> bytes:
         _Exporter(buf, _optimizer_state(chosen.values()), protocol=pickle.HIGHEST_PROTOCOL).dump(chosen)
     _exported.append(sharer)
     return buf.getvalue()
+
+
+def give(ctx, names, to) -> int:
+    """A pool across machines (a survivor's): ``names`` in one pickle, by value (the new ranks cannot open this
+    machine's memfds), sent to each rank of ``to`` over the new process group, point to point, never through
+    the kernel; ``take`` receives it. Returns the bytes sent to each."""
+    import torch
+    import torch.distributed as dist
+
+    ns = ctx.namespace
+    chosen = {n: ns[n] for n in names}
+    buf = io.BytesIO()
+    with memfd.elsewhere():
+        _Exporter(buf, _optimizer_state(chosen.values()), protocol=pickle.HIGHEST_PROTOCOL).dump(chosen)
+    data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8) if buf.tell() else torch.empty(0, dtype=torch.uint8)
+    for rank in to:
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64), rank)
+        dist.send(data, rank)
+    return data.numel()
+
+
+def take(ctx, peer: int, lacking) -> list:
+    """A new rank's, in a pool across machines: what ``give`` sends from ``peer``, adopted."""
+    import torch
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, peer)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, peer)
+    return adopt(ctx, memoryview(data.numpy()), lacking)
 
 
 def adopt(ctx, blob: bytes | None, lacking) -> list:

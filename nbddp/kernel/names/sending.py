@@ -250,6 +250,11 @@ class RankNames:
         rank): every notebook name the pool's cells read goes again with the next cell, except the ranks' own."""
         self.known = {name: _token(self.namespace[name]) for name in self.assigned if name in self.namespace}
 
+    def joined_elsewhere(self) -> None:
+        """A rank on another node joined with none of the notebook's names (a pool across nodes: a replacement
+        for a lost rank): those the pool's cells read go to the other nodes again with the next cell."""
+        self.lacking = {k for k in self.namespace if notebook_name(k)}
+
     def answered(self, per_rank) -> None:
         """The ranks' ``Result``s of a pool cell: the names each bound are the ranks' own now."""
         for res in per_rank:

@@ -23,7 +23,13 @@ from .supervisor import Started, Supervisor
 STOP_S = 5.0  # a pool's ranks leave the group and exit within this after Stop, or are killed
 
 
+class ReplaceFailed(RuntimeError):
+    """No replacement could be started for a lost rank; the message says why (a pool across nodes: its node)."""
+
+
 class Gang:
+    spans_machines = False  # its ranks all on this machine (a cluster pool's gang: across nodes)
+
     def __init__(self, config, plan, *, persistent: bool, view_for=None):
         self.config, self.plan, self.persistent = config, plan, persistent
         self.world_size = plan.world_size

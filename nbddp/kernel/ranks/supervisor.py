@@ -277,10 +277,10 @@ class Supervisor:
                 self.bus.publish(Tick(rankdebug.stopped_pids()))
                 next_tick = now + self.tick
 
-    def poll(self) -> None:
-        """The events there are now, handled without waiting (a pool between cells, when a rank's pidfd says
-        it ended: its exit is known at once, not at the next cell)."""
-        for key, _ in self.sel.select(0):
+    def poll(self, timeout: float = 0.0) -> None:
+        """The events there are now (or within ``timeout`` s), handled (a pool between cells, when a rank's pidfd
+        says it ended: its exit is known at once, not at the next cell; an agent whose node has no rank left)."""
+        for key, _ in self.sel.select(timeout):
             self._event(*key.data, key.fd)
 
     def _event(self, proc: RankProc, kind: str, fd: int) -> None:
