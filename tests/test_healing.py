@@ -282,6 +282,22 @@ def test_fsdp2_shards_are_named_lost_with_the_fix_and_never_copied(pool3):
     assert k.value("has") == [True, False, True]
 
 
+def test_the_ranks_curves_go_on_across_a_heal(pool3):
+    """Item 7 of issue 55: what the ranks log (nbddp.log) goes on in nbddp.metrics() after a heal, the new rank's
+    points in the lost rank's curve, in order, each step once."""
+    k = pool3
+    pids = start(k)
+    log = "%%ddp\nimport nbddp\nfor i in range({a}, {b}):\n    nbddp.log(step=i, loss=float(i * 10 + rank))\n"
+    k.ok(log.format(a=0, b=3))
+    os.kill(pids[2], signal.SIGKILL)
+    assert wait_for(k, f"bool({POOL}.losses.history) and not {POOL}.losses.pending")
+    k.ok(log.format(a=3, b=6))
+    k.ok("import nbddp\nm = nbddp.metrics()\n"
+         "curves = {r: list(zip(g['step'], g['loss'])) for r, g in m.groupby('rank')}")
+    curves = k.value("{int(r): [(int(s), float(v)) for s, v in c] for r, c in curves.items()}")
+    assert curves == {r: [(i, float(i * 10 + r)) for i in range(6)] for r in range(3)}, curves
+
+
 MESH = ("%%ddp\nfrom torch.distributed.device_mesh import init_device_mesh\n"
         "from torch.distributed.tensor import distribute_tensor, Replicate, Shard\n"
         "mesh = init_device_mesh('cpu', (world_size,), mesh_dim_names=('dp',))\n"

@@ -24,9 +24,8 @@ from ..kernel.ranks.gang import STOP_S, Gang, ReplaceFailed
 from ..kernel.ranks.supervisor import GRACE_S
 from ..rank.worker import RankSpec
 from ..wire import framing, messages
-from . import netif, placement, remote
+from . import netif, placement, relocate, remote
 
-START_S = 120.0  # every agent must have forked its ranks by then
 KEEP_S = 2.0  # how long the close waits for a kept agent's stream to end (its ranks have exited)
 
 
@@ -49,6 +48,7 @@ class ClusterGang(Gang):
         self.streams: remote.Streams | None = None
         self.node_names: dict[int, str] = {}
         self.pg = self.ray = None
+        self.extra_pgs: list = []  # a lost node's ranks placed anew outside the pool's group (relocate)
         self.actors: list = []
         self.closed = False
         self.reported: set[int] = set()  # the other nodes' ranks whose end their agent reported (close)
@@ -83,6 +83,7 @@ class ClusterGang(Gang):
             raise UsageError(placement.no_interface(nodes[0].ip, "the kernel's node (node 0)"))
         ifname = ifname or rendezvous.loopback_ifname()
         self.actors = placement.agents(ray, self.pg, nodes, D, self.plan.accelerator)
+        self.placed, self.user_if = nodes, user_if  # (a lost node's ranks started elsewhere: relocate)
         run_id, port = self.run_dir.run_id, rendezvous.free_port()
         specs = [self._spec(r, nodes, run_id, port) for r in range(self.world_size)]
         self.specs = {spec.rank: spec for spec in specs}
@@ -96,15 +97,15 @@ class ClusterGang(Gang):
         self.streams = remote.Streams(self.sup, self.store)
         no_interface = []  # nodes whose Ray address is on none of their interfaces (NBDDP_IFNAME unset)
         try:
-            for n, where in zip(nodes[1:], ray.get(wheres, timeout=START_S)):
+            for n, where in zip(nodes[1:], ray.get(wheres, timeout=placement.START_S)):
                 n.host = where["host"]
                 if not (user_if or where["ifname"]):
                     no_interface.append(n)
             pids_per_node = []
             for gen in streams:
-                ready, _ = ray.wait([gen], timeout=START_S)
+                ready, _ = ray.wait([gen], timeout=placement.START_S)
                 if not ready:
-                    raise TimeoutError(f"no answer within {START_S:g} s")
+                    raise TimeoutError(f"no answer within {placement.START_S:g} s")
                 pids_per_node.append(pickle.loads(ray.get(next(gen))))
         except Exception as e:  # noqa: BLE001 - Ray's errors are many: said
             raise UsageError(f"the agents on the other nodes did not start their ranks: {type(e).__name__}: "
@@ -168,17 +169,20 @@ class ClusterGang(Gang):
             return
         link = next(link for link in self.links if rank in link.ranks)
         old = self.streams.procs.get(rank)
+        if old is not None and old.exit is None:
+            return  # (started anew with its node's other ranks: relocate)
         if link.lost:
-            raise ReplaceFailed(f"node {link.node} is lost ({link.lost}): no rank can be started there")
+            relocate.lost_node(self, link, generation)
+            return
         self.sup.procs = [p for p in self.sup.procs if p.rank != rank or p.exit is None]
         self.ready.discard(rank)
         link.control("fork_again", starters.again(self.specs[rank], generation))
-        end = time.monotonic() + START_S
+        end = time.monotonic() + placement.START_S
         self.sup.wait(None, until=lambda: self.streams.procs.get(rank) is not old or bool(link.lost)
                       or time.monotonic() >= end, wake_at=end)
         if self.streams.procs.get(rank) is old:
             raise ReplaceFailed(f"node {link.node}'s agent did not start a new rank {rank}: "
-                               + (link.lost or f"no answer within {START_S:g} s"))
+                               + (link.lost or f"no answer within {placement.START_S:g} s"))
 
     # -- commands -------------------------------------------------------------------------------------------
     def owe(self, values: dict[str, bytes]) -> None:
@@ -264,9 +268,10 @@ class ClusterGang(Gang):
             for actor in self.actors:
                 if not any(actor is a for a in keep):
                     placement.forget(actor, self.ray)
-        if self.pg is not None:
-            placement.release(self.pg)
-        self.actors, self.pg = [], None
+        for pg in (self.pg, *self.extra_pgs):
+            if pg is not None:
+                placement.release(pg)
+        self.actors, self.pg, self.extra_pgs = [], None, []
         self.local.close()
         if self.streams is not None:
             self.streams.close()  # once its readers ended (a killed agent's stream ends at once)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 from ..errors import UsageError
 
 READY_S = 60.0  # the placement group must be placed by then
+START_S = 120.0  # every agent must have forked its ranks by then
+MOVED_S = 2.0  # a dead node's bundle moved by Ray by then, or placed anew on a node of its own
 PREFER_S = 1.0  # ... on the nodes where agents are kept, if it can be there by then (else anywhere)
 NEED_RAY = ("--cluster ray needs Ray in the kernel and on every node: pip install 'nbddp[ray]' (the same "
             "versions of Python, torch, Ray and nbddp everywhere).")
@@ -95,7 +98,7 @@ def reserve(ray, nodes: int, per_node: int, accelerator: str):
     if len(alive) < nodes:
         raise UsageError(f"--nodes {nodes}: the Ray cluster has {len(alive)} node(s) alive. Add nodes (ray start "
                          f"--address ...), or ask for --nodes {len(alive)}. Nothing ran.")
-    bundle = {"GPU": per_node} if accelerator == "cuda" else {"CPU": per_node}
+    bundle = bundle_for(per_node, accelerator)
     job, up = ray.get_runtime_context().get_job_id(), {n["NodeID"] for n in alive}
     kept = sorted(node for j, node in KEPT if j == job and node in up and node != me)[:nodes - 1]
     pg = None
@@ -118,6 +121,11 @@ def reserve(ray, nodes: int, per_node: int, accelerator: str):
     out = [Node(i, where[i], by_id.get(where[i], {}).get("NodeManagerAddress", "?")) for i in range(nodes)]
     out[0].host = socket.gethostname()
     return pg, out
+
+
+def bundle_for(per_node: int, accelerator: str) -> dict:
+    """What each node's bundle holds: its ranks' GPUs, or CPUs."""
+    return {"GPU": per_node} if accelerator == "cuda" else {"CPU": per_node}
 
 
 def _placed(ray, bundles: list, selectors: list, within: float):
@@ -179,6 +187,32 @@ def agents(ray, pg, nodes: list, per_node: int, accelerator: str) -> list:
         forget(dead)
         del kept[node_id]
     return [kept.get(n.node_id) or _keep(ray, actor, job, n.node_id) for n in nodes[1:]]
+
+
+def moved(ray, pg, lost: Node, used: list, bundle: dict, within: float):
+    """(node, placement group, bundle index) for the ranks of ``lost``, whose agent is gone: its bundle's node if
+    that is alive (the agent alone was lost: killed, hung, its stream broken), or where Ray moved the bundle
+    (it moves a dead node's bundles to a node with the room, unless the bundle is pinned to its node, as one
+    placed where an agent was kept is), else a group of its own (``bundle``) on a node that is none of
+    ``used`` (the pool's node ids), the caller's to release; None if no node has the room within ``within`` s."""
+    from ray.util.placement_group import placement_group_table
+
+    end = time.monotonic() + within
+    moved_by = min(end, time.monotonic() + MOVED_S)
+    while True:
+        node_id = placement_group_table(pg)["bundles_to_node_id"].get(lost.index)
+        alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        if node_id and node_id in alive:
+            return Node(lost.index, node_id, alive[node_id].get("NodeManagerAddress", "?")), pg, lost.index
+        if time.monotonic() >= moved_by:
+            break
+        time.sleep(0.2)
+    own = _placed(ray, [bundle], [{"ray.io/node-id": f"!in({','.join(used)})"}], max(0.0, end - time.monotonic()))
+    if own is None:
+        return None
+    node_id = placement_group_table(own)["bundles_to_node_id"][0]
+    ip = next((n.get("NodeManagerAddress", "?") for n in ray.nodes() if n["NodeID"] == node_id), "?")
+    return Node(lost.index, node_id, ip), own, 0
 
 
 def _keep(ray, actor, job: str, node_id: str):

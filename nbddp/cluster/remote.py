@@ -176,7 +176,7 @@ class Streams:
             _, link, why = event
             for rank in link.ranks:
                 proc = self.procs[rank]
-                if proc.exit is None:
+                if proc.exit is None and proc.link is link:  # (not a rank started anew on another node since)
                     why_lost = f"node {link.node} lost ({ranks_text(link.ranks)})" + (f": {why}" if why else "")
                     sup.ended(proc, lost_exit(rank, why_lost, stopped=proc.stop_sent))
             return

@@ -1,0 +1,63 @@
+"""In the kernel: the ranks of a pool across Ray nodes whose agent was lost, started anew (healing).
+
+The lost agent is ended (hung or cut off, its ranks end with it). Its node, if Ray still has it, else the node
+Ray moved its bundle of the pool's placement group to, else a node with the room the pool does not use
+(``placement.moved``), gets a new agent, which forks those ranks into the process group's next generation,
+as the pool's start did; its stream joins the others (``remote.Streams.follow``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+from ..kernel.ranks import starters
+from ..kernel.ranks.gang import ReplaceFailed
+from . import placement, remote
+
+MOVE_S = 10.0  # a lost node's ranks are started on another node if Ray moves its bundle there by then
+
+
+def lost_node(gang, old, generation: int) -> None:
+    """The ranks of the node whose agent was lost (``old``: its link), started anew by a new agent (on that node,
+    or another: ``placement.moved``), joining the group's ``generation``; ReplaceFailed if Ray has no node with
+    the room within MOVE_S."""
+    index = old.ranks[0] // gang.per_node
+    placement.forget(old.actor, gang.ray)  # (a hung agent, or one whose stream broke: its ranks end with it)
+    found = placement.moved(gang.ray, gang.pg, gang.placed[index], [n.node_id for n in gang.placed],
+                            placement.bundle_for(gang.per_node, gang.plan.accelerator), MOVE_S)
+    if found is None:
+        raise ReplaceFailed(f"node {old.node} is lost ({old.lost}), and Ray found no other node with the room "
+                            f"for its rank(s) within {MOVE_S:g} s")
+    to, pg, bundle = found
+    if pg is not gang.pg:
+        gang.extra_pgs.append(pg)  # (released with the pool's own)
+    in_bundle = dataclasses.replace(to, index=bundle)  # (a GPU pool's agent sits in the bundle)
+    actor = placement.agents(gang.ray, pg, [gang.placed[0], in_bundle], gang.per_node, gang.plan.accelerator)[0]
+    gang.actors.append(actor)
+    specs = [starters.again(gang.specs[r], generation) for r in old.ranks]
+    try:
+        where = gang.ray.get(actor.where.remote(), timeout=placement.START_S)
+        gen = actor.events.options(num_returns="streaming").remote(gang.run_dir.run_id, specs, gang.user_if)
+        if not gang.ray.wait([gen], timeout=placement.START_S)[0]:
+            raise TimeoutError(f"no answer within {placement.START_S:g} s")
+        pids = pickle.loads(gang.ray.get(next(gen)))
+    except Exception as e:  # noqa: BLE001 - Ray's errors are many: said
+        raise ReplaceFailed(f"node {old.node} is lost, and the agent on node {to.label} did not start its "
+                            f"rank(s): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    to.host = where["host"]
+    if not (gang.user_if or where["ifname"]):
+        raise ReplaceFailed(placement.no_interface(to.ip, f"node {to.label}"))
+    gang.placed[index] = to
+    link = remote.Link(actor, to.label, old.ranks, gang.run_dir.run_id)
+    gang.links[gang.links.index(old)] = link
+    gang.sup.procs = [p for p in gang.sup.procs if p.rank not in old.ranks or p.exit is None]
+    for r in old.ranks:
+        gang.ready.discard(r)
+        gang.node_names[r] = to.label
+        proc = remote.RemoteProc(r, pids[r], -1, node=to.label, link=link, here=False)
+        gang.sup.add(proc)
+        gang.streams.procs[r] = proc
+        if gang.view is not None and getattr(gang.view, "nodes", None):
+            gang.view.nodes[r] = f"node {index} ({to.host or to.ip})"
+    gang.streams.follow(link, gen)
+
