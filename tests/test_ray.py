@@ -507,6 +507,9 @@ def test_refusals_say_why(rk):
     assert "ray://" in res.error_text and "Nothing ran" in res.error_text, res.error_text
     res = rk.run("%%ddp --cluster ray --nodes 2\nprint('x')\n")
     assert "%ddp start --cluster ray --nodes N" in res.error_text and "x" not in res.stdout, res.error_text
+    res = rk.run("%ddp start --cluster ray --nodes 2 --devices 1 --on-loss shrink")
+    assert "--on-loss shrink: a pool across Ray nodes cannot shrink yet" in res.stdout + res.error_text, res
+    assert "Nothing ran" in res.stdout + res.error_text and not rk.value(f"bool({POOL} and {POOL}.alive)")
     res = rk.run("%ddp start --cluster ray --nodes 9 --devices 1", timeout=60)
     assert "--nodes 9: the Ray cluster has 3 node(s) alive" in res.error_text, res.error_text
     res = rk.run("%ddp start --cluster ray:10.255.255.1:6379 --nodes 2 --devices 1", timeout=60)  # not ours
