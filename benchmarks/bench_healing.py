@@ -12,6 +12,9 @@ a DDP model and its optimizer. One rank is killed with SIGKILL while the pool is
 4. **The replacement's private memory right after healing** (USS, psutil): goal < 64 MiB.
 5. **Its first DDP step** against the survivors' in the same cell.
 
+The same across 3 Ray nodes (three raylets on this host; the state goes over the new group, by value), with
+``%ddp restart`` and the building cell as its anchor.
+
 Anchors, same run: ``%ddp restart`` and the cell that built the state run again (what users do today), and
 torchrun's restart from a checkpoint (3 fresh processes loading the same state with ``torch.load``, making the
 DDP model and taking one step).
@@ -90,7 +93,7 @@ def _healed(k) -> tuple[float, float, float]:
             at, text = got[1][-1]
             return got[0], at, float(text.split(" in ")[1].split(" s")[0])
         time.sleep(0.05)
-    raise TimeoutError("the pool did not heal")
+    raise TimeoutError(f"the pool did not heal: {k.value(f'[t for _, t in {POOL}.view.events]')}")
 
 
 def measure(quick: bool = False) -> dict:
@@ -149,6 +152,61 @@ def measure(quick: bool = False) -> dict:
                    check=True, capture_output=True, timeout=600, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo",
                                                                       "OMP_NUM_THREADS": "1"})
     out["torchrun_s"] = time.perf_counter() - t0
+    out["ray"] = measure_ray(gib)
+    return out
+
+
+def measure_ray(gib: float) -> dict | None:
+    """The same on a pool across 3 Ray nodes (three raylets on this host, one rank each): rank 2, another node's,
+    killed while idle; its agent forks the replacement, which takes the state from rank 0 over the new group,
+    by value (never through the kernel). Anchor: ``%ddp restart`` and the building cell again. None without Ray."""
+    try:
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        return None
+    numel = int(gib * 2**30) // 4
+    runs = tempfile.mkdtemp()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    k = Kernel(env={"NBDDP_RUNS_DIR": runs})
+    out: dict = {"gib": gib}
+    try:
+        k.ok(f"%load_ext nbddp\nimport torch, os, time\nimport ray\nray.init(address={cluster.address!r}, "
+             "logging_level='ERROR', log_to_driver=False)\nNone", timeout=120)
+        k.ok("%ddp start --cluster ray --nodes 3 --devices 1", timeout=180)
+        k.ok(BUILD.format(numel=numel), timeout=600)
+        k.ok(STEP, timeout=120)
+        pids = [w[1] for w in k.value("where")]
+        killed = time.time()
+        os.kill(pids[2], signal.SIGKILL)
+        said, healed, heal_s = _healed(k)
+        out["said_s"], out["healed_s"], out["heal_s"] = said - killed, healed - killed, heal_s
+        k.ok(STEP, timeout=120)
+        got = [w[2] for w in k.value("where")]
+        assert got == [got[0]] * 3, "the state reached the replacement"
+        pids = [w[1] for w in k.value("where")]
+        pidfd = os.pidfd_open(pids[2])  # (another node's rank, but on this host: its death seen as the agent sees it)
+        killed = time.perf_counter()
+        os.kill(pids[2], signal.SIGKILL)
+        _dead(pidfd)
+        res = k.run(STEP, timeout=180)  # its agent's word may come after the cell began: it fails, healed
+        out["cells"] = 1
+        if res.error is not None:
+            assert "healed the pool in" in res.error_text, res.error_text
+            k.ok(STEP, timeout=180)
+            out["cells"] = 2
+        out["next_cell_s"] = time.perf_counter() - killed
+        t0 = time.perf_counter()
+        k.ok("%ddp restart", timeout=180)
+        k.ok(BUILD.format(numel=numel), timeout=600)
+        k.ok(STEP, timeout=120)
+        out["restart_s"] = time.perf_counter() - t0
+        k.ok("%ddp stop", timeout=120)
+    finally:
+        k.shutdown()
+        cluster.shutdown()
     return out
 
 
@@ -182,7 +240,28 @@ def render(r: dict) -> str:
         "",
         f"Goal: the replacement < 64 MiB: {'met' if r['uss_mib'] < 64 else 'NOT met'}. Its first DDP step "
         f"{first['replacement'] * 1000:.1f} ms, the survivors' {first['survivors'] * 1000:.1f} ms (same cell).",
+        *_render_ray(r.get("ray")),
     ])
+
+
+def _render_ray(ray: dict | None) -> list:
+    if not ray:
+        return ["", "A pool across Ray nodes: not measured (Ray is not installed: pip install 'nbddp[ray]')."]
+    gib = f"{ray['gib']:g} GiB"
+    return [
+        "",
+        f"**Across Ray nodes** (3 raylets on this host, one rank each, {gib} of replicated state per rank; rank 2, "
+        "another node's, killed; its agent forks the replacement, the state goes from rank 0 over the new group, "
+        "point to point, by value):",
+        "",
+        "| | seconds |",
+        "|---|---|",
+        f"| kill → the loss said (idle, no cell run) | {ray['said_s']:.3f} |",
+        f"| kill → healed ({gib} over the group) | {ray['healed_s']:.2f} (the heal itself {ray['heal_s']:.1f}) |",
+        f"| kill → a cell done on 3 ranks{' (the first one failed, naming the loss, and healed)' if ray['cells'] > 1 else ''} "
+        f"| {ray['next_cell_s']:.2f} |",
+        f"| anchor: `%ddp restart` + the cell that built the state again + the step | {ray['restart_s']:.2f} |",
+    ]
 
 
 def write(r: dict) -> None:

@@ -88,6 +88,7 @@ class Agent:
         run_dir = rendezvous.new_run_dir()
         logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
         self.sup = sup = Supervisor([logs, self])
+        sup.keep_peers = True  # a lost rank's fate, and its peers', is the kernel's to decide (it may heal the pool)
         try:
             sup.watch(self.wake_r, self._wake)
             ifname = ifname or self.where()["ifname"]  # (none: the kernel refuses the pool)
