@@ -395,6 +395,14 @@ def test_a_pool_across_nodes_heals_a_lost_rank_from_a_peer_over_the_group(rk):
         assert new[:2] == pids[:2] and new[2] != pids[2]
         assert psutil.Process(new[2]).ppid() == agent, "the new rank 2 was forked by node 2's agent"
         pids = pids + new[2:]
+        os.kill(new[2], signal.SIGKILL)  # again: the agent kept its stream open, and no stale kill of its own
+        end = time.monotonic() + 60
+        while rk.value(f"len({POOL}.losses.history) < 2 or bool({POOL}.losses.pending)") and time.monotonic() < end:
+            time.sleep(0.1)
+        rk.ok("%%ddp --gather pid\npid = os.getpid()\n", timeout=120)
+        again = rk.value("pid")
+        assert again[:2] == pids[:2] and again[2] not in pids and psutil.Process(again[2]).ppid() == agent
+        pids = pids + again[2:]
     finally:
         rk.run("%ddp stop", timeout=60)
     assert not wait_gone(pids), "no rank is left on any node"
