@@ -533,6 +533,15 @@ def test_refusals_say_why(rk):
     assert "ray://10.0.0.1:10001: a Ray Client connection (ray://) cannot host a pool" in res.error_text, res.error_text
 
 
+def stop_and_restore(rk, c, extra, victim) -> None:
+    """Whatever a test that removed a raylet did, the next test finds no pool and three raylets."""
+    rk.run("%ddp stop", timeout=60)
+    if victim is not None:
+        extra.remove(victim)
+        extra.append(c.add_node(num_cpus=1))
+        c.wait_for_nodes()
+
+
 def test_a_node_removed_with_no_other_node_to_take_its_ranks_ends_the_pool_naming_the_node(cluster, rk):
     """Every raylet holds a rank of the pool: Ray has nowhere to move the lost node's bundle, so its rank cannot
     be started anew, and the pool ends, saying why."""
@@ -559,12 +568,8 @@ def test_a_node_removed_with_no_other_node_to_take_its_ranks_ends_the_pool_namin
         assert "The pool has ended" in text, text
         assert not wait_gone(pids), "no rank is left on any node"
         assert took < 25, f"the cell ended {took:.1f} s after the node was removed (10 s of them waiting for room)"
-    finally:  # whatever failed, the next test finds no pool and three raylets
-        rk.run("%ddp stop", timeout=60)
-        if victim is not None:
-            extra.remove(victim)
-            extra.append(c.add_node(num_cpus=1))
-            c.wait_for_nodes()
+    finally:
+        stop_and_restore(rk, c, extra, victim)
 
 
 def test_a_node_removed_while_idle_has_its_rank_started_on_a_node_with_room(cluster, rk):
@@ -593,12 +598,8 @@ def test_a_node_removed_while_idle_has_its_rank_started_on_a_node_with_room(clus
         assert rk.value("where") == [("0", 3.0), ("1", 3.0)]
         moved = rk.value(f"{POOL}.gang.node_of(1)")
         assert f"ray {spare.node_id[:8]})" in moved, (label, moved)
-    finally:  # whatever failed, the next test finds no pool and three raylets
-        rk.run("%ddp stop", timeout=60)
-        if victim is not None:
-            extra.remove(victim)
-            extra.append(c.add_node(num_cpus=1))
-            c.wait_for_nodes()
+    finally:
+        stop_and_restore(rk, c, extra, victim)
     assert not wait_gone(pids), "no rank is left on any node"
 
 
