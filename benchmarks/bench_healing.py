@@ -96,6 +96,24 @@ def _healed(k) -> tuple[float, float, float]:
     raise TimeoutError(f"the pool did not heal: {k.value(f'[t for _, t in {POOL}.view.events]')}")
 
 
+def _killed_while_idle(k, pid: int) -> dict:
+    """``pid`` killed while the pool is idle: from the kill, when the loss was said and when the pool had
+    healed; and the heal's own seconds."""
+    killed = time.time()
+    os.kill(pid, signal.SIGKILL)
+    said, healed, heal_s = _healed(k)
+    return {"said_s": said - killed, "healed_s": healed - killed, "heal_s": heal_s}
+
+
+def _restarted(k, numel: int) -> float:
+    """The anchor: ``%ddp restart``, the cell that built the state again, and the step (seconds)."""
+    t0 = time.perf_counter()
+    k.ok("%ddp restart", timeout=180)
+    k.ok(BUILD.format(numel=numel), timeout=600)
+    k.ok(STEP, timeout=120)
+    return time.perf_counter() - t0
+
+
 def measure(quick: bool = False) -> dict:
     gib = 0.25 if quick else 1.0
     numel = int(gib * 2**30) // 4
@@ -110,11 +128,7 @@ def measure(quick: bool = False) -> dict:
         out["build_s"] = time.perf_counter() - t0
         k.ok(STEP, timeout=120)
         pids = [w[1] for w in k.value("where")]
-        # 1-4: one rank killed while the pool is idle
-        killed = time.time()
-        os.kill(pids[2], signal.SIGKILL)
-        said, healed, heal_s = _healed(k)
-        out["said_s"], out["healed_s"], out["heal_s"] = said - killed, healed - killed, heal_s
+        out.update(_killed_while_idle(k, pids[2]))  # 1-4: one rank killed while the pool is idle
         new = [p.pid for p in psutil.Process(k.pid).children() if p.pid not in pids]
         out["uss_mib"] = psutil.Process(new[0]).memory_full_info().uss / 2**20 if new else None
         out["survivor_uss_mib"] = psutil.Process(pids[0]).memory_full_info().uss / 2**20
@@ -132,12 +146,7 @@ def measure(quick: bool = False) -> dict:
         res = k.ok(STEP, timeout=120)
         out["next_cell_s"] = time.perf_counter() - killed
         out["next_cell_said"] = "healed the pool" in res.stderr
-        # anchor: %ddp restart, and the cell that built the state run again
-        t0 = time.perf_counter()
-        k.ok("%ddp restart", timeout=120)
-        k.ok(BUILD.format(numel=numel), timeout=600)
-        k.ok(STEP, timeout=120)
-        out["restart_s"] = time.perf_counter() - t0
+        out["restart_s"] = _restarted(k, numel)  # anchor: %ddp restart, and the cell that built the state again
         # anchor: torchrun's restart from a checkpoint of the same state
         path = os.path.join(runs, "ckpt.pt")
         k.ok(f"%%ddp\nif rank == 0:\n    torch.save({{'state': state, 'model': model.module.state_dict(), "
@@ -178,11 +187,7 @@ def measure_ray(gib: float) -> dict | None:
         k.ok("%ddp start --cluster ray --nodes 3 --devices 1", timeout=180)
         k.ok(BUILD.format(numel=numel), timeout=600)
         k.ok(STEP, timeout=120)
-        pids = [w[1] for w in k.value("where")]
-        killed = time.time()
-        os.kill(pids[2], signal.SIGKILL)
-        said, healed, heal_s = _healed(k)
-        out["said_s"], out["healed_s"], out["heal_s"] = said - killed, healed - killed, heal_s
+        out.update(_killed_while_idle(k, k.value("where")[2][1]))
         k.ok(STEP, timeout=120)
         got = [w[2] for w in k.value("where")]
         assert got == [got[0]] * 3, "the state reached the replacement"
@@ -198,11 +203,7 @@ def measure_ray(gib: float) -> dict | None:
             k.ok(STEP, timeout=180)
             out["cells"] = 2
         out["next_cell_s"] = time.perf_counter() - killed
-        t0 = time.perf_counter()
-        k.ok("%ddp restart", timeout=180)
-        k.ok(BUILD.format(numel=numel), timeout=600)
-        k.ok(STEP, timeout=120)
-        out["restart_s"] = time.perf_counter() - t0
+        out["restart_s"] = _restarted(k, numel)
         k.ok("%ddp stop", timeout=120)
     finally:
         k.shutdown()
@@ -226,7 +227,8 @@ def render(r: dict) -> str:
         f"{r['heal_s']:.1f}) |",
         f"| kill → the next cell done on 3 ranks (sent as soon as the rank was dead) | {r['next_cell_s']:.2f} |",
         f"| anchor: `%ddp restart` + the cell that built the state again + the step | {r['restart_s']:.2f} |",
-        f"| anchor: torchrun restart from a checkpoint (3 processes, `torch.load`, DDP, one step) | {r['torchrun_s']:.2f} |",
+        "| anchor: torchrun restart from a checkpoint (3 processes, `torch.load`, DDP, one step) | "
+        f"{r['torchrun_s']:.2f} |",
         "",
         f"Goals: said ≤ 1 s: {r['said_s']:.3f} s — {'met' if r['said_s'] <= 1 else 'NOT met'}; the next cell "
         f"≤ 3 s: {r['next_cell_s']:.2f} s — {'met' if r['next_cell_s'] <= 3 else 'NOT met'} "
@@ -244,6 +246,9 @@ def render(r: dict) -> str:
     ])
 
 
+FIRST_FAILED = " (the first one failed, naming the loss, and healed)"
+
+
 def _render_ray(ray: dict | None) -> list:
     if not ray:
         return ["", "A pool across Ray nodes: not measured (Ray is not installed: pip install 'nbddp[ray]')."]
@@ -258,8 +263,7 @@ def _render_ray(ray: dict | None) -> list:
         "|---|---|",
         f"| kill → the loss said (idle, no cell run) | {ray['said_s']:.3f} |",
         f"| kill → healed ({gib} over the group) | {ray['healed_s']:.2f} (the heal itself {ray['heal_s']:.1f}) |",
-        f"| kill → a cell done on 3 ranks{' (the first one failed, naming the loss, and healed)' if ray['cells'] > 1 else ''} "
-        f"| {ray['next_cell_s']:.2f} |",
+        f"| kill → a cell done on 3 ranks{FIRST_FAILED if ray['cells'] > 1 else ''} | {ray['next_cell_s']:.2f} |",
         f"| anchor: `%ddp restart` + the cell that built the state again + the step | {ray['restart_s']:.2f} |",
     ]
 

@@ -533,6 +533,14 @@ def test_refusals_say_why(rk):
     assert "ray://10.0.0.1:10001: a Ray Client connection (ray://) cannot host a pool" in res.error_text, res.error_text
 
 
+def raylet_of(rk, extra, rank: int):
+    """The raylet (of ``extra``) that hosts the pool's ``rank``."""
+    label = rk.value(f"{POOL}.gang.node_of({rank})")
+    host = next((n for n in extra if f"ray {n.node_id[:8]})" in label), None)
+    assert host is not None, (label, [n.node_id for n in extra])
+    return host
+
+
 def stop_and_restore(rk, c, extra, victim) -> None:
     """Whatever a test that removed a raylet did, the next test finds no pool and three raylets."""
     rk.run("%ddp stop", timeout=60)
@@ -551,10 +559,7 @@ def test_a_node_removed_with_no_other_node_to_take_its_ranks_ends_the_pool_namin
     try:
         rk.ok("%%ddp --gather pid node\npid = os.getpid()\nnode = os.environ['NODE_RANK']\n")
         pids = rk.value("pid")
-        label = rk.value("[m for m in get_ipython().magics_manager.registry.values() if hasattr(m, 'pool')][0]"
-                         ".pool.gang.node_of(2)")
-        host = next((n for n in extra if f"ray {n.node_id[:8]})" in label), None)  # the raylet that hosts node 2
-        assert host is not None, (label, [n.node_id for n in extra])
+        host = raylet_of(rk, extra, 2)
         res_id = rk.execute("%%ddp\nimport time\nprint('running', flush=True)\nwhile True:\n    time.sleep(0.05)\n")
         rk.follow(res_id, until=lambda r: "running" in r.stdout)  # the node removed during the cell, not before
         t0 = time.monotonic()
@@ -582,9 +587,7 @@ def test_a_node_removed_while_idle_has_its_rank_started_on_a_node_with_room(clus
     try:
         rk.ok("%%ddp --gather pid\npid = os.getpid()\n")
         pids = rk.value("pid")
-        label = rk.value(f"{POOL}.gang.node_of(1)")
-        host = next((n for n in extra if f"ray {n.node_id[:8]})" in label), None)  # the raylet that hosts node 1
-        assert host is not None, (label, [n.node_id for n in extra])
+        host = raylet_of(rk, extra, 1)
         spare = next(n for n in extra if n is not host)
         c.remove_node(host)
         victim = host
@@ -597,7 +600,7 @@ def test_a_node_removed_while_idle_has_its_rank_started_on_a_node_with_room(clus
         assert "healed the pool in" in res.stderr and "a new rank 1" in res.stderr, res.stderr
         assert rk.value("where") == [("0", 3.0), ("1", 3.0)]
         moved = rk.value(f"{POOL}.gang.node_of(1)")
-        assert f"ray {spare.node_id[:8]})" in moved, (label, moved)
+        assert f"ray {spare.node_id[:8]})" in moved, moved
     finally:
         stop_and_restore(rk, c, extra, victim)
     assert not wait_gone(pids), "no rank is left on any node"

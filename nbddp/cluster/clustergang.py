@@ -120,9 +120,7 @@ class ClusterGang(Gang):
             self.links.append(link)
             for r in ranks:
                 self.node_names[r] = n.label
-                proc = remote.RemoteProc(r, pids[r], -1, node=n.label, link=link, here=False)
-                self.sup.add(proc)
-                self.streams.procs[r] = proc
+                self.streams.add(r, pids[r], link)
             self.streams.follow(link, gen)
         if self.view is not None:  # the dashboard's device column names each rank's node
             self.view.nodes = {r: f"node {n.index} ({n.host or n.ip})" for n in nodes
@@ -163,7 +161,8 @@ class ClusterGang(Gang):
 
     def replace(self, rank: int, generation: int) -> None:
         """As any gang's for the kernel's node's ranks; another node's rank is forked anew by that node's agent
-        (same spec, the group's ``generation``), which must still be there: a lost node is not replaced."""
+        (same spec, the group's ``generation``), or, that agent lost, with the rest of its node's ranks by a new
+        one (relocate.lost_node)."""
         if rank < self.per_node:
             super().replace(rank, generation)
             return
@@ -174,8 +173,7 @@ class ClusterGang(Gang):
         if link.lost:
             relocate.lost_node(self, link, generation)
             return
-        self.sup.procs = [p for p in self.sup.procs if p.rank != rank or p.exit is None]
-        self.ready.discard(rank)
+        self.forget_ended([rank])
         link.control("fork_again", starters.again(self.specs[rank], generation))
         end = time.monotonic() + placement.START_S
         self.sup.wait(None, until=lambda: self.streams.procs.get(rank) is not old or bool(link.lost)

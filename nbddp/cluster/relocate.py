@@ -50,13 +50,10 @@ def lost_node(gang, old, generation: int) -> None:
     gang.placed[index] = to
     link = remote.Link(actor, to.label, old.ranks, gang.run_dir.run_id)
     gang.links[gang.links.index(old)] = link
-    gang.sup.procs = [p for p in gang.sup.procs if p.rank not in old.ranks or p.exit is None]
+    gang.forget_ended(old.ranks)
     for r in old.ranks:
-        gang.ready.discard(r)
         gang.node_names[r] = to.label
-        proc = remote.RemoteProc(r, pids[r], -1, node=to.label, link=link, here=False)
-        gang.sup.add(proc)
-        gang.streams.procs[r] = proc
+        gang.streams.add(r, pids[r], link)
         if gang.view is not None and getattr(gang.view, "nodes", None):
             gang.view.nodes[r] = f"node {index} ({to.host or to.ip})"
     gang.streams.follow(link, gen)

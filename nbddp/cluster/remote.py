@@ -80,6 +80,13 @@ class Streams:
         self.closing = threading.Event()
         sup.watch(self.wake_r, self.deliver)
 
+    def add(self, rank: int, pid: int, link: Link) -> RemoteProc:
+        """A rank of ``link``'s node (at the start, or started anew), supervised here as the loop's own."""
+        proc = RemoteProc(rank, pid, -1, node=link.node, link=link, here=False)
+        self.sup.add(proc)
+        self.procs[rank] = proc
+        return proc
+
     def follow(self, link: Link, gen) -> None:
         """Read ``gen``, the agent's ``events`` stream (past its first item), on a thread of its own; the
         first link followed starts the thread that listens for silence."""
@@ -168,9 +175,7 @@ class Streams:
         sup = self.sup
         if type(event) is tuple and event[0] == "forked":  # a new rank on that node (a lost one's replacement)
             _, link, rank, pid = event
-            proc = RemoteProc(rank, pid, -1, node=link.node, link=link, here=False)
-            sup.add(proc)
-            self.procs[rank] = proc
+            self.add(rank, pid, link)
             return
         if type(event) is tuple:  # an agent's stream ended: its ranks still alive are lost with it
             _, link, why = event

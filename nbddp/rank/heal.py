@@ -379,14 +379,20 @@ def export(ctx, names) -> bytes:
     """``names`` of this rank's namespace in one pickle, tensors and arrays through this rank's memfd arenas
     (kept open until ``rebuild``, by which time the replacement has mapped them), those written at every step
     by value (``_Exporter``)."""
-    ns = ctx.namespace
-    buf = io.BytesIO()
     sharer = sharedtensor.sharer()
-    chosen = {n: ns[n] for n in names}
     with sharer.send():
-        _Exporter(buf, _optimizer_state(chosen.values()), protocol=pickle.HIGHEST_PROTOCOL).dump(chosen)
+        buf = _pickled(ctx.namespace, names)
     _exported.append(sharer)
     return buf.getvalue()
+
+
+def _pickled(ns, names) -> io.BytesIO:
+    """``names`` of ``ns`` in one pickle (``_Exporter``); where its tensors go is the caller's context (an arena
+    of this rank's, or by value for another machine)."""
+    chosen = {n: ns[n] for n in names}
+    buf = io.BytesIO()
+    _Exporter(buf, _optimizer_state(chosen.values()), protocol=pickle.HIGHEST_PROTOCOL).dump(chosen)
+    return buf
 
 
 def give(ctx, names, to) -> int:
@@ -396,12 +402,9 @@ def give(ctx, names, to) -> int:
     import torch
     import torch.distributed as dist
 
-    ns = ctx.namespace
-    chosen = {n: ns[n] for n in names}
-    buf = io.BytesIO()
     with memfd.elsewhere():
-        _Exporter(buf, _optimizer_state(chosen.values()), protocol=pickle.HIGHEST_PROTOCOL).dump(chosen)
-    data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8) if buf.tell() else torch.empty(0, dtype=torch.uint8)
+        buf = _pickled(ctx.namespace, names)
+    data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)  # (a pickle is never empty)
     for rank in to:
         dist.send(torch.tensor([data.numel()], dtype=torch.int64), rank)
         dist.send(data, rank)

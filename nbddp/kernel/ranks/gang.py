@@ -94,12 +94,17 @@ class Gang:
         """A new rank ``rank`` in place of the one that ended: forked as it was (same device, environment and
         start method, from the kernel as it is now), its own command pipe, joining the process group's
         ``generation`` (the survivors make it with ``Regroup``)."""
-        # the rank that ended (its descriptors closed as it was reaped) is no longer the loop's
-        self.sup.procs = [p for p in self.sup.procs if p.rank != rank or p.exit is None]
+        self.forget_ended([rank])
         old = self._cmd.pop(rank, None)
         if old is not None:
             os.close(old)
         self._fork_one(starters.again(self.specs[rank], generation))
+
+    def forget_ended(self, ranks) -> None:
+        """The ranks of ``ranks`` that ended (their descriptors closed as they were reaped) are no longer the
+        loop's, nor ready: their replacements are awaited."""
+        self.sup.procs = [p for p in self.sup.procs if p.rank not in ranks or p.exit is None]
+        self.ready.difference_update(ranks)
 
     def grow(self, world_size: int, device_ids: tuple, generation: int) -> None:
         """Ranks ``self.world_size .. world_size - 1`` added on ``device_ids`` (one each), joining the group's
