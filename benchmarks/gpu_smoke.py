@@ -127,9 +127,9 @@ def check_guard_torch() -> tuple[bool, str]:
     k = fresh_kernel()
     try:
         k.ok("x = torch.zeros(1).cuda()  # initialises CUDA in the kernel")
-        res = k.run("%%ddp\nprint('must not run')")
-        text = res.error_text if res.error else ""
-        ok = bool(res.error) and res.error["ename"] == "CudaInitialisedError" and "torch.zeros(1).cuda()" in text
+        res = k.run("%%ddp --start-method fork\nprint('must not run')")  # (by default: the forkserver)
+        text = res.error_text if res.error else res.stderr  # (a UsageError may be printed, not sent as an error)
+        ok = "must not run" not in res.stdout and "torch.zeros(1).cuda()" in text
         return ok, text.splitlines()[0] if text else "no error raised"
     finally:
         k.shutdown()
@@ -142,9 +142,9 @@ def check_guard_library() -> tuple[bool, str]:
     try:
         clean = k.value("nbddp.hw.cuda.backend().refusal() is None")  # nbddp loads no driver to find out
         k.ok("import smoke_cudalib")
-        res = k.run("%%ddp\nprint('must not run')")
-        text = res.error_text if res.error else ""
-        ok = clean and "import smoke_cudalib (module smoke_cudalib)" in text and "into the %%ddp cell" in text
+        res = k.run("%%ddp --start-method fork\nprint('must not run')")
+        text = res.error_text if res.error else res.stderr
+        ok = clean and "must not run" not in res.stdout and "import smoke_cudalib (module smoke_cudalib)" in text
         return ok, text.splitlines()[0] if text else "no error raised"
     finally:
         k.shutdown()
@@ -198,7 +198,7 @@ def check_dashboard(gpus: int) -> tuple[bool, str]:
         # ranks are gone, keeps only the peak)
         states = [d["data"] for d in res.displays if "nbddp-run" in d["data"].get("text/html", "")]
         TRANSCRIPT.append("[dashboard states]\n" + "\n--\n".join(d.get("text/plain", "") for d in states))
-        live = [d for d in states if all(re.search(rf"^{r} .*\d+% · [\d.]+ [GM]B / [\d.]+ [GM]B", d.get("text/plain", ""),
+        live = [d for d in states if all(re.search(rf"^{r} .*\d+% · [\d.]+ [GMK]i?B / [\d.]+ [GMK]i?B", d.get("text/plain", ""),
                                                    re.MULTILINE) for r in range(n))]
         busy = [d for d in live if re.search(r"^0 .* ([1-9]\d*)% ·", d["text/plain"], re.MULTILINE)]
         if OUT and (busy or live):
@@ -249,6 +249,7 @@ def check_free(gpus: int) -> tuple[bool, str]:
 def check_pool() -> tuple[bool, str]:
     k = fresh_kernel()
     try:
+        template = {p.pid for p in k.process().children(recursive=True)}  # the forkserver's: the kernel's own
         k.ok("%ddp start --devices 1", timeout=180)
         first = k.ok("%%ddp\nimport torch.distributed as dist\nmodel = torch.nn.Linear(64, 64).to(device)\n"
                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nsteps = 0\n"
@@ -267,14 +268,14 @@ def check_pool() -> tuple[bool, str]:
         shown = k.ok("%ddp status")  # the pool's live view, shown again
         text = "\n".join(d["data"].get("text/plain", "") for d in shown.displays) or shown.stdout
         gpu = next((ln for ln in text.splitlines() if ln.startswith("cuda:0")), "")
-        history = bool(re.match(r"cuda:0\s.*[▂▃▄▅▆▇█].* [\d.]+ [GM]B–[\d.]+ [GM]B$", gpu))  # util, then memory
+        history = bool(re.match(r"cuda:0\s.*[▂▃▄▅▆▇█].* [\d.]+ [GMK]i?B–[\d.]+ [GMK]i?B$", gpu))  # util, then memory
         if OUT:
             (OUT / "pool.txt").write_text(text)
             if views:
                 (OUT / "pool.html").write_text(views[-1])
-        ranks = [p.pid for p in k.process().children(recursive=True)]
+        ranks = [p.pid for p in k.process().children(recursive=True) if p.pid not in template]
         k.ok("%ddp stop", timeout=60)
-        left = [p.pid for p in k.process().children(recursive=True)]
+        left = [p.pid for p in k.process().children(recursive=True) if p.pid not in template]
         ok = ("[rank0]:built nccl cuda:0" in first.stdout and bad.error is not None
               and "ValueError: a bad batch" in bad.error_text and "[rank0]:kept 10 cuda:0 1.0" in kept.stdout
               and history and ranks and not left)
@@ -318,6 +319,293 @@ def check_bars() -> tuple[bool, str]:
         k.shutdown()
 
 
+# -- round 5 (issue 57): a kernel that holds CUDA, --profile on NCCL, a lost GPU rank, NCCL's group made anew ----
+DEV = os.environ.get("NBDDP_SMOKE_DEVICE", "cuda:0")  # "cpu": a rehearsal of the checks' logic without a GPU
+FIGURES: dict = {}  # round 5's measured figures, into smoke.json
+
+
+def _gpu_mib(pids) -> dict:
+    """GPU memory NVML shows for each of ``pids`` (MiB), none where it shows none."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        used = pynvml.nvmlDeviceGetMemoryInfo(h).used
+    except Exception:  # noqa: BLE001 - the rehearsal on CPU
+        return {"device": 0}
+    found = {p.pid: (p.usedGpuMemory or 0) / 2**20 for p in procs if p.pid in set(pids)}
+    found["device"] = used / 2**20
+    return found
+
+
+def _uss_mib(pid: int) -> float:
+    import psutil
+
+    return psutil.Process(pid).memory_full_info().uss / 2**20
+
+
+def _first_cell(k, cell: str) -> tuple[float, object]:
+    import time
+
+    t0 = time.perf_counter()
+    res = k.ok(cell, timeout=240)
+    return time.perf_counter() - t0, res
+
+
+def check_forkserver_cuda() -> tuple[bool, str]:
+    """Item 1: a kernel that ran ``.cuda()``, then %%ddp --devices 1 and a pool, against a clean kernel's fork."""
+    from helpers import pool_pids
+
+    mib = 64
+    make = f"w = torch.randn({mib} * 2**18, device='{DEV}')\nwsum = int(w.view(torch.int32).sum())  # exact\n"
+    read = ("%%ddp --devices 1\nimport os, psutil\nv = w if w.device.type == device.type else w.to(device)\n"
+            "print('w', v.device, int(v.view(torch.int32).sum()) == wsum, psutil.Process().memory_full_info().uss >> 20)\n"
+            "m = model.to(device)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\nm(torch.ones(2, 1024, device=device)).sum()"
+            ".backward()\nopt.step()\nprint('trained', type(m.weight).__name__, m.weight.is_leaf, m.weight.device)\n")
+    if DEV != "cpu":  # the machine's first CUDA process pays the driver's start: not the first kernel's cell
+        subprocess.run([sys.executable, "-c", "import torch; torch.zeros(1).cuda()"], check=True, timeout=120)
+    out = {}
+    for held in (True, False):
+        k = fresh_kernel()
+        try:
+            if held:
+                k.ok(f"model = torch.nn.Linear(1024, 1024).to('{DEV}')  # the kernel holds CUDA\n" + make)
+            else:
+                k.ok("model = torch.nn.Linear(1024, 1024)\n" + make.replace(f"device='{DEV}'", "device='cpu'"))
+            seconds, res = _first_cell(k, read)
+            again, _ = _first_cell(k, read)
+            t_start, started = _first_cell(k, "%ddp start --devices 1")
+            pids = pool_pids(k)
+            t_cell, pooled = _first_cell(k, read)
+            out[held] = dict(one_shot_s=seconds, one_shot_again_s=again, start_s=t_start, pool_cell_s=t_cell,
+                             rank_uss_mib=_uss_mib(pids[0]), rank_gpu_mib=_gpu_mib(pids).get(pids[0]),
+                             said=[ln for ln in (res.stderr + res.stdout).splitlines() if "forkserver" in ln][:1],
+                             ok="True" in res.stdout and "True" in pooled.stdout and f"w {DEV}" in res.stdout
+                             and "trained Parameter True" in res.stdout and "trained Parameter True" in pooled.stdout,
+                             nvml_warning="Can't initialize NVML" in res.stdout + res.stderr)
+            k.ok("%ddp stop", timeout=60)
+        finally:
+            k.shutdown()
+    FIGURES["forkserver"] = {"kernel holds CUDA": out[True], "clean kernel (fork)": out[False]}
+    h, c = out[True], out[False]
+    ok = h["ok"] and c["ok"] and bool(h["said"]) and not c["said"] and not h["nvml_warning"]
+    return ok, (f"one-shot {h['one_shot_s']:.2f} s (again {h['one_shot_again_s']:.2f}) vs fork {c['one_shot_s']:.2f} "
+                f"({c['one_shot_again_s']:.2f}); pool start {h['start_s']:.2f} vs {c['start_s']:.2f} s; rank USS "
+                f"{h['rank_uss_mib']:.0f} vs {c['rank_uss_mib']:.0f} MiB; said: {(h['said'] or ['nothing'])[0][:90]}")
+
+
+PROFILED = """import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+dev = torch.device('DEV')
+model = DDP(torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048)).to(dev),
+            device_ids=IDS)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(256, 2048, device=dev)
+for _ in range(13):
+    if rank == world_size - 1 and world_size > 1:
+        time.sleep(0.03)  # the straggler
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+torch.cuda.synchronize() if dev.type == 'cuda' else None
+"""
+
+
+def check_profile_nccl() -> tuple[bool, str]:
+    """Item 2: --profile of DDP on the GPU: 1 NCCL rank (NCCL's kernels as communication), and a straggler
+    among 2 ranks sharing the GPU over gloo (one GPU cannot hold 2 NCCL ranks)."""
+    import ast
+
+    k = fresh_kernel()
+    found = {}
+    try:
+        for label, head, ids in (("nccl", "%%ddp --devices 1 --profile 10", "[device.index]"),
+                                 ("gloo", "%%ddp --devices 2 --accelerator cpu --profile 10", "None")):
+            dev = DEV if label == "gloo" or DEV == "cpu" else "cuda:0"
+            res = k.ok(head + "\nimport time\n" + PROFILED.replace("DEV", dev).replace(
+                "IDS", ids if DEV != "cpu" else "None"), timeout=240)
+            shown = next((d["data"]["text/plain"] for d in res.displays if "data" in d
+                          and d["data"].get("text/plain", "").startswith("nbddp profile")), "")
+            html = next((d["data"]["text/html"] for d in res.displays if "data" in d
+                         and "<svg" in d["data"].get("text/html", "")), "")
+            rows = json.loads(ast.literal_eval(k.ok("nbddp.profile().to_json(orient='records')").result))
+            traces = re.findall(r"^trace: (.+)$", shown, re.M)
+            kernels = set()
+            for path in traces[:1]:
+                with open(path) as f:
+                    events = json.load(f).get("traceEvents", [])
+                kernels = {e["name"] for e in events if e.get("cat") == "kernel" and "nccl" in e.get("name", "").lower()}
+            found[label] = dict(text=shown, rows=rows, nccl_kernels=sorted(kernels)[:6], traces=traces)
+            if OUT:
+                (OUT / f"profile-{label}.txt").write_text(shown)
+                if html:
+                    (OUT / f"profile-{label}.html").write_text(html)
+    finally:
+        k.shutdown()
+    FIGURES["profile"] = found
+    nccl, gloo = found["nccl"], found["gloo"]
+    comm = nccl["rows"][0]["comm_s"] if nccl["rows"] else 0
+    straggler = "rank 1 is the straggler" in gloo["text"]
+    ok = bool(nccl["text"]) and straggler  # (NCCL launches no kernel of its own for one rank: said, not asked)
+    return ok, (f"1 NCCL rank: comm {comm * 1e3:.1f} ms over 10 steps, NCCL kernels in the trace: "
+                f"{', '.join(nccl['nccl_kernels'][:2]) or 'none'}; 2 gloo ranks on the GPU: straggler "
+                f"{'named' if straggler else 'NOT named'}")
+
+
+POOL_EXPR = "get_ipython().magics_manager.registry['DDPMagics'].pool"
+STATE = """import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(1024, 1024).to('DEV')
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+big = torch.randn(MIB * 2**18, device='DEV')
+mine = rank
+"""
+
+
+def _wait(k, expr: str, within: float) -> float | None:
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        if k.value(expr):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return None
+
+
+def _said(k, killed_at: float) -> float | None:
+    """Seconds from the kill to the loss recorded (the pool's own clock: polling waits while the loop heals)."""
+    if _wait(k, f"bool({POOL_EXPR}.losses.history)", 10) is None:
+        return None
+    return k.value(f"{POOL_EXPR}.losses.history[-1].at") - killed_at
+
+
+def check_lost_gpu_rank() -> tuple[bool, str]:
+    """Item 3: a rank on the GPU killed with SIGKILL in a pool: what the pool does, how long, GPU memory freed.
+    (a) 1 NCCL rank (no survivor to heal from); (b) 3 gloo ranks sharing the GPU, 512 MiB of GPU state each
+    (a replacement heals from a peer)."""
+    import signal
+    import time
+
+    from helpers import pool_pids
+
+    figures = {}
+    k = fresh_kernel()
+    try:  # (a) the only rank, on NCCL
+        k.ok(f"%ddp start --devices 1{' --accelerator cpu' if DEV == 'cpu' else ''}", timeout=180)
+        k.ok("%%ddp\n" + STATE.replace("DEV", DEV).replace("MIB", "1024"), timeout=120)
+        pid = pool_pids(k)[0]
+        before = _gpu_mib([pid])
+        killed, killed_at = time.monotonic(), time.time()
+        os.kill(pid, signal.SIGKILL)
+        said = _said(k, killed_at)
+        freed = None
+        while time.monotonic() - killed < 15:
+            if pid not in _gpu_mib([pid]):
+                freed = time.monotonic() - killed
+                break
+            time.sleep(0.05)
+        _wait(k, f"not {POOL_EXPR}.losses.pending or not {POOL_EXPR}.gang.alive", 20)
+        status = k.ok("%ddp status")
+        text = "\n".join(d["data"].get("text/plain", "") for d in status.displays) or status.stdout
+        figures["nccl_one_rank"] = dict(said_s=said, gpu_freed_s=freed, rank_gpu_mib=before.get(pid),
+                                        device_mib_before=before.get("device"),
+                                        device_mib_after=_gpu_mib([]).get("device"), status=text[-600:])
+        k.ok("%ddp stop", timeout=60)
+    finally:
+        k.shutdown()
+    k = fresh_kernel()
+    try:  # (b) 3 gloo ranks sharing the GPU: a peer vouches, the replacement heals
+        k.ok("%ddp start --devices 3 --accelerator cpu", timeout=180)
+        k.ok("%%ddp\n" + STATE.replace("DEV", DEV).replace("MIB", "512"), timeout=120)
+        pids = pool_pids(k)
+        before = _gpu_mib(pids)
+        killed, killed_at = time.monotonic(), time.time()
+        os.kill(pids[2], signal.SIGKILL)
+        said = _said(k, killed_at)
+        healed = _wait(k, f"bool({POOL_EXPR}.losses.history) and not {POOL_EXPR}.losses.pending", 60)
+        healed_s = time.monotonic() - killed if healed is not None else None
+        res = k.ok("%%ddp --gather got\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+                   "ddp = DDP(model)\nopt.zero_grad(); ddp(torch.ones(8, 1024, device=big.device)).sum().backward(); "
+                   "opt.step()\ngot = (str(big.device), float(big.sum()), float(model.weight.sum()), 'mine' in globals())\n",
+                   timeout=120)
+        next_cell_s = time.monotonic() - killed
+        got = k.value("got")
+        new = pool_pids(k)
+        after = _gpu_mib(new)
+        status = k.ok("%ddp status")
+        text = "\n".join(d["data"].get("text/plain", "") for d in status.displays) or status.stdout
+        figures["gloo_three_ranks"] = dict(said_s=said, healed_s=healed_s, next_cell_s=next_cell_s,
+                                           gpu_mib_before={str(p): before.get(p) for p in pids},
+                                           gpu_mib_after={str(p): after.get(p) for p in new},
+                                           replacement_uss_mib=_uss_mib(new[2]), got=got, said=res.stderr[-800:],
+                                           status=text[-800:])
+        k.ok("%ddp stop", timeout=60)
+    finally:
+        k.shutdown()
+    FIGURES["lost"] = figures
+    a, b = figures["nccl_one_rank"], figures["gloo_three_ranks"]
+    same = len({tuple(g[:3]) for g in b["got"]}) == 1 and [g[3] for g in b["got"]] == [True, True, False]
+    ok = (a["said_s"] is not None and b["healed_s"] is not None and same and str(DEV) in b["got"][2][0]
+          and (DEV == "cpu" or a["gpu_freed_s"] is not None))
+    fmt = lambda v: "never" if v is None else f"{v:.2f} s"  # noqa: E731
+    return ok, (f"1 NCCL rank: said {fmt(a['said_s'])}, GPU memory freed {fmt(a['gpu_freed_s'])}; 3 gloo ranks on "
+                f"the GPU: said {fmt(b['said_s'])}, healed {fmt(b['healed_s'])}, next cell {fmt(b['next_cell_s'])}, "
+                f"replica equal: {same}")
+
+
+REGROUP = """import time, torch, torch.distributed as dist, threading
+from torch.nn.parallel import DistributedDataParallel as DDP
+from nbddp.rank import ncclabort, usergroup
+model = DDP(torch.nn.Linear(1024, 1024).to(device), device_ids=IDS)
+model(torch.ones(4, 1024, device=device)).sum().backward()
+torch.cuda.synchronize() if device.type == 'cuda' else None
+free0 = torch.cuda.mem_get_info()[0] if device.type == 'cuda' else 0
+watcher = any(t.name == 'nbddp-nccl-abort' for t in threading.enumerate())
+times, frees = [], []
+for g in range(1, 6):
+    t0 = time.perf_counter()
+    ncclabort.abort_groups()  # what the interrupt's watcher does to a rank stuck in a collective
+    time.sleep(0.3)  # the watchdog's turn: a torn-down process would end here
+    usergroup.regroup(1000 + g)  # what the kernel's Regroup does next
+    t = torch.ones(1, device=device); dist.all_reduce(t)
+    model = DDP(model.module, device_ids=IDS)
+    model(torch.ones(4, 1024, device=device)).sum().backward()
+    torch.cuda.synchronize() if device.type == 'cuda' else None
+    times.append(time.perf_counter() - t0 - 0.3)
+    frees.append(torch.cuda.mem_get_info()[0] if device.type == 'cuda' else 0)
+regrouped = (watcher, dist.get_backend(), t.item(), [round(x, 3) for x in times], [(free0 - f) >> 20 for f in frees])
+"""
+
+
+def check_nccl_regroup() -> tuple[bool, str]:
+    """Issue 55 on NCCL, as far as one GPU goes (two NCCL ranks cannot share it): a pool's rank aborts its
+    communicators (ncclabort, the path that frees a rank stuck in a collective) and joins a new group at the
+    next generation (usergroup.regroup), five times; DDP on each; the process lives, GPU memory does not grow."""
+    k = fresh_kernel()
+    try:
+        k.ok(f"%ddp start --devices 1{' --accelerator cpu' if DEV == 'cpu' else ''}", timeout=180)
+        k.ok("%%ddp --gather regrouped\n" + REGROUP.replace("IDS", "[device.index]" if DEV != "cpu" else "None"),
+             timeout=180)
+        got = k.value("regrouped")[0]
+        alive = k.ok("%%ddp\nt = torch.ones(1, device=device); dist.all_reduce(t); print('alive', t.item())")
+        k.ok("%ddp stop", timeout=60)
+    finally:
+        k.shutdown()
+    watcher, backend, total, times, grown = got
+    FIGURES["nccl_regroup"] = dict(watcher=watcher, backend=backend, seconds=times, gpu_mib_grown=grown)
+    ok = ((watcher or DEV == "cpu") and total == 1.0 and "alive 1.0" in alive.stdout
+          and (DEV == "cpu" or max(grown) - grown[0] < 64))
+    return ok, (f"{backend}: aborted and made anew 5 times, {min(times) * 1e3:.0f}–{max(times) * 1e3:.0f} ms each; "
+                f"GPU memory over the first: {grown} MiB; abort watcher {'on' if watcher else 'OFF'}")
+
+
+ROUND5 = [("kernel holds CUDA: forkserver", check_forkserver_cuda), ("--profile on the GPU", check_profile_nccl),
+          ("a lost GPU rank", check_lost_gpu_rank), ("NCCL group made anew", check_nccl_regroup)]
+
+
 def check_step_time(n: int, rounds: int = 2) -> tuple[bool, str]:
     """The same loop in a %%ddp cell and under torchrun, interleaved, best of ``rounds`` each (a GPU's clocks
     and a shared machine drift: a single short run each once read 0.90 where longer interleaved ones read 1.00)."""
@@ -348,10 +636,13 @@ def main() -> int:
     global OUT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="write transcripts, the dashboard's HTML and smoke.json here")
-    OUT = ap.parse_args().out
+    ap.add_argument("--only", choices=("all", "round5", "smoke"), default="all",
+                    help="round 5's checks (issue 57), the smoke's, or both (round 5 first)")
+    args = ap.parse_args()
+    OUT = args.out
     if OUT:
         OUT.mkdir(parents=True, exist_ok=True)
-    gpus = gpu_count()
+    gpus = gpu_count() if DEV != "cpu" else 1
     if gpus == 0:
         print("gpu_smoke: no GPU here (NVML sees none: no NVIDIA GPU, no driver, or nvidia-ml-py not installed); "
               "nothing checked.", file=sys.stderr)
@@ -368,9 +659,10 @@ def main() -> int:
     from nbddp.hw import nvml
 
     failed, results = 0, []
-    print(f"{gpus} GPU(s): {', '.join(nvml.backend().names())}")
+    print(f"{gpus} GPU(s): {', '.join(nvml.backend().names()) if DEV != 'cpu' else 'none (a rehearsal on CPU)'}")
     print(f"{'check':28} result  detail")
-    for name, fn in plan_checks(gpus):
+    checks = (ROUND5 if args.only != "smoke" else []) + (plan_checks(gpus) if args.only != "round5" else [])
+    for name, fn in checks:
         TRANSCRIPT.clear()
         t0 = time.perf_counter()
         try:
@@ -381,10 +673,10 @@ def main() -> int:
         failed += not ok
         results.append({"check": name, "ok": ok, "detail": detail, "seconds": time.perf_counter() - t0})
         print(f"{name:28} {'PASS' if ok else 'FAIL'}    {detail}", flush=True)
-        if OUT:
+        if OUT:  # after each check: a run cut short keeps what it found
             (OUT / f"smoke-{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.txt").write_text("\n".join(TRANSCRIPT))
-    if OUT:
-        (OUT / "smoke.json").write_text(json.dumps({"gpus": nvml.backend().names(), "checks": results}, indent=1))
+            (OUT / "smoke.json").write_text(json.dumps({"gpus": nvml.backend().names() if DEV != "cpu" else [],
+                                                        "checks": results, "round5": FIGURES}, indent=1, default=str))
     return 1 if failed else 0
 
 

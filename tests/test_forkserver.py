@@ -261,6 +261,14 @@ class _OnGpu:
 
     def __init__(self):
         self.calls = []
+        self.requires_grad = False
+
+    def detach(self):
+        return self
+
+    def requires_grad_(self, flag):
+        self.calls.append(f"requires_grad {flag}")
+        return self
 
     def clone(self):
         self.calls.append("clone")
@@ -298,9 +306,25 @@ def test_a_kernel_gpu_tensor_is_handed_by_cuda_ipc_and_copied_device_to_device_i
         assert sharedtensor.reduce(G) is None  # a fork pool's or CPU ranks': its CPU copy, pickled
     # in the rank: the same GPU copies within it, another GPU reads it from there
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert cuda.opened_on_rank(lambda h: opened, ("handle",), 0).calls == ["clone"]
+    assert cuda.opened_on_rank(lambda h: opened, ("handle",), 0).calls == ["clone", "requires_grad False"]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert cuda.opened_on_rank(lambda h: opened, ("handle",), 0).calls[-1] == "to cuda:1"
+    assert cuda.opened_on_rank(lambda h: opened, ("handle",), 0).calls[-2] == "to cuda:1"
+
+
+def test_a_parameter_handed_by_cuda_ipc_stays_a_leaf_parameter_an_optimizer_can_take(monkeypatch):
+    """A kernel model's parameters reach a forkserver rank as parameters: leaves an optimizer accepts (a bare
+    clone of one is a tensor inside an autograd graph). Caught on an H200: the model trained in the rank."""
+    import torch
+
+    from nbddp.hw import cuda
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    weight = torch.nn.Parameter(torch.ones(4))
+    got = cuda.opened_on_rank(lambda: weight, (), 0)
+    assert type(got) is torch.nn.Parameter and got.is_leaf and got.requires_grad and got is not weight
+    torch.optim.SGD([got], lr=0.1)  # (raises for a non-leaf)
+    frozen = cuda.opened_on_rank(lambda: torch.ones(2, requires_grad=False), (), 0)
+    assert not frozen.requires_grad
 
 
 def test_without_cuda_ipc_a_kernel_gpu_tensor_travels_as_its_cpu_copy(monkeypatch):

@@ -46,11 +46,14 @@ class Cuda:
         self._wrapped = False
         self._probed_at: int | None = None  # execution count of the last clean probe
         self.watch = driverwatch.Watcher()
+        self.nvml_check_ours = False  # nbddp set PYTORCH_NVML_BASED_CUDA_CHECK (a rank drops it: see set_device)
 
     # -- kernel side ------------------------------------------------------------------------------
     def install(self, shell=None, cells=None) -> None:
         """``cells``: how the shell numbers its cells (``nbddp.ipy.cells``: the running one, file names)."""
-        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        if "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+            self.nvml_check_ours = True
         # CUDA numbers GPUs fastest-first unless told otherwise; NVML (and nvidia-smi) by PCI bus.
         # Same order for both, so the dashboard's cuda:N is the rank's cuda:N.
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -163,8 +166,12 @@ class Cuda:
 
     # -- rank side --------------------------------------------------------------------------------
     def set_device(self, index: int):
+        """In a rank: its GPU. The kernel's NVML-based check is dropped first where nbddp set it: a rank may use
+        CUDA, and NVML does not start in a rank of the forkserver (torch warned "Can't initialize NVML")."""
         import torch
 
+        if self.nvml_check_ours:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
 
@@ -205,7 +212,11 @@ def opened_on_rank(rebuild, args, source: int):
 
     shared = rebuild(*args)
     mine = torch.device("cuda", torch.cuda.current_device())
-    return shared.clone() if mine.index == source else shared.to(mine)
+    with torch.no_grad():  # a leaf as it was (a parameter stays one: an optimizer can take it)
+        own = shared.detach().clone() if mine.index == source else shared.detach().to(mine)
+    if isinstance(shared, torch.nn.Parameter):
+        return torch.nn.Parameter(own, requires_grad=shared.requires_grad)
+    return own.requires_grad_(shared.requires_grad)
 
 
 def held_here() -> bool:

@@ -263,9 +263,6 @@ class Mending:
         if pool.config.cluster:
             raise UsageError("%ddp resize: a --cluster pool cannot be resized yet; %ddp restart --devices N. "
                              "Nothing changed.")
-        if gang.plan.backend != "gloo":
-            raise UsageError(f"%ddp resize: a pool on {gang.plan.backend} cannot be resized yet (its "
-                             "communicators cannot be made anew here); %ddp restart --devices N. Nothing changed.")
         if world_size == gang.world_size:
             return f"the pool has {world_size} rank(s) already; nothing changed."
         devices = self.more_devices(world_size - gang.world_size) if world_size > gang.world_size else ()
@@ -496,9 +493,6 @@ def mend(pool, policy: str) -> Mended:
         raise HealFailed("no rank survived")
     if pool.config.cluster and policy == "shrink":
         raise HealFailed("a pool across Ray nodes (--cluster) cannot shrink yet (--on-loss heal replaces the rank)")
-    if gang.plan.backend != "gloo":
-        raise HealFailed(f"a pool on {gang.plan.backend} cannot be mended yet: its communicators cannot be freed "
-                         "from the survivors here")
     if policy == "shrink":
         mended = _shrink(gang, survivors, losses)
     else:

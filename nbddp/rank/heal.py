@@ -326,7 +326,9 @@ def ddp_options(ddp) -> dict:
 class _Exporter(values.RankPickler):
     """The agreed names for a new rank. Tensors it will write at every step (parameters, what optimizers keep)
     travel by value, into its own memory; the rest through this rank's arena, mapped privately there: a written
-    page of the arena would be copied, and the arena's own page kept beside it for the new rank's life."""
+    page of the arena would be copied, and the arena's own page kept beside it for the new rank's life. GPU
+    tensors go by CUDA IPC on this machine (``export``), each copied at once on the new rank's GPU, device to
+    device (hw/cuda.py's ``opened_on_rank``): never through the host."""
 
     def __init__(self, file, written: set, **kw):
         super().__init__(file, **kw)
@@ -337,9 +339,10 @@ class _Exporter(values.RankPickler):
         if special is not None:
             return special
         torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor) and (obj.requires_grad or id(obj) in self.written):
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cuda" and (
+                obj.requires_grad or id(obj) in self.written):
             return cloudpickle.CloudPickler.reducer_override(self, obj)  # (torch's own pickle: by value)
-        return super().reducer_override(obj)
+        return super().reducer_override(obj)  # a GPU tensor: by CUDA IPC, copied on the GPU by the new rank
 
 
 def _optimizer_state(values_) -> set:
@@ -380,7 +383,7 @@ def export(ctx, names) -> bytes:
     (kept open until ``rebuild``, by which time the replacement has mapped them), those written at every step
     by value (``_Exporter``)."""
     sharer = sharedtensor.sharer()
-    with sharer.send():
+    with sharer.send(), sharedtensor.handing_gpu(True):
         buf = _pickled(ctx.namespace, names)
     _exported.append(sharer)
     return buf.getvalue()

@@ -24,7 +24,7 @@ import time
 import cloudpickle
 
 from ..wire import messages, values
-from . import debug, debugpanel, jobs, libstate, profile_session, stdin, usergroup
+from . import debug, debugpanel, jobs, libstate, ncclabort, profile_session, stdin, usergroup
 from .commands import CommandPipe
 from .jobs import CellJob, fresh_namespace
 from .stdio import flush_streams
@@ -67,10 +67,12 @@ class Server:
 
         signal.signal(INTERRUPT, interrupt)
         pipe = CommandPipe(self._own_end(ctx.rank)) if self.cmd_pipes else None
+        if pipe is not None and usergroup.on_nccl():  # a collective no interrupt reaches: its communicators aborted
+            ncclabort.install(busy, INTERRUPT)
         stdin.install(pipe, ctx.channel)  # input() and pdb: the notebook's input box, through the kernel
         debug.install()
         if self.first is not None:
-            busy.append(True)  # an exception or exit() ends the rank, as a script does; what the cell
+            busy.append(object())  # an exception or exit() ends the rank, as a script does; what the cell
             result = imports.said(_run(self.first, ns, ctx, notebook, track=False))  # assigned dies with the rank
             busy.clear()
             if pipe is None:
@@ -89,7 +91,7 @@ class Server:
                 usergroup.release_destroyed()  # idle since the last command: safe to free (usergroup)
                 if isinstance(cmd, messages.Regroup) and cmd.rank is not None:
                     ctx = renumbered(ctx, cmd.rank, cmd.world_size)
-                busy.append(True)
+                busy.append(object())  # this command's token (ncclabort)
                 try:
                     answer = imports.said(_answer(cmd, ns, ctx, notebook, bound))
                 finally:

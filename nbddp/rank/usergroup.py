@@ -86,11 +86,14 @@ def regroup(generation: int, rank: int | None = None, world_size: int | None = N
         s["rank"], s["world_size"] = rank, world_size
     from torch.distributed import distributed_c10d as c10d
 
-    old = c10d._get_default_group() if dist.is_initialized() else None
+    old = c10d._get_default_group() if dist.is_initialized() else s.pop("aborted", None)
     _shut(s["sockets"])  # the peers see this rank leave even if a process it forked holds these descriptors
     if dist.is_initialized():
         try:
-            dist.destroy_process_group()
+            if on_nccl():  # its communicators may wait on a peer that is gone: destroy would too
+                c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a group already broken by a peer's leaving: what is left of it goes with it
             pass
     before = sockets()
@@ -98,6 +101,16 @@ def regroup(generation: int, rank: int | None = None, world_size: int | None = N
                   rank=s["rank"], world_size=s["world_size"])
     s["sockets"] = sockets() - before
     return old
+
+
+def on_nccl() -> bool:
+    """Whether nbddp's group is on NCCL (its communicators are aborted, never destroyed, when it is left)."""
+    return "nccl" in _state.get("backend", "")
+
+
+def aborted(group) -> None:
+    """``group`` (the default one) was aborted by ``ncclabort``: ``regroup`` still says what was bound to it."""
+    _state["aborted"] = group
 
 
 def sockets() -> set[int]:

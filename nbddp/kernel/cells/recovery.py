@@ -1,12 +1,13 @@
 """A pool after an interrupt or a failed cell: does it live on? (the recovery policy)
 
 Every rank must answer the cell and pass a barrier (``HealthCheck``) within ``HEALTH_S``. Where ranks
-still wait in a collective (gloo), nothing can interrupt them: the others leave the process group,
-which frees them ("Connection closed by peer"), and every rank makes a fresh one (``Regroup``) within
+still wait in a collective, the interrupt cannot reach them: on gloo the others leave the process group,
+which frees them ("Connection closed by peer"); on NCCL the stuck rank aborts its own communicators a second
+after the interrupt (rank/ncclabort.py). Every rank then makes a fresh group (``Regroup``) within
 ``REGROUP_S``; the DDP models in the ranks' namespaces are made anew on it (kernel/healing.py), and
-anything else bound to the old group is named so the user can make it again. An
-NCCL communicator cannot be freed from its peers: that pool, like one whose rank never answers, is torn
-down. An interrupt during any of this tears the pool down too: it can no longer be vouched for.
+anything else bound to the old group is named so the user can make it again. A pool whose rank never
+answers is torn down. An interrupt during any of this tears the pool down too: it can no longer be vouched
+for.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class Recovery:
         """True if the pool lives on (its ranks all answered and healthy, in the old group or a fresh one)."""
         gang = self.gang
         stuck = [r for r in self.ranks if r not in self.replies]
-        if gang.alive and stuck and gang.plan.backend == "gloo":
+        if gang.alive and stuck:
             gang.generation += 1
             if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
                                  "torn down by an interrupt while its process group was made anew"):
@@ -60,7 +61,7 @@ class Recovery:
                                                           "torn down by an interrupt during its health check"):
             return True
         gang.close("torn down: a rank did not come back from a collective after the cell failed or was "
-                   "interrupted" + (" (NCCL: a communicator cannot be freed from its peers)" if stuck else ""))
+                   "interrupted")
         return False
 
     def _all_healthy(self, cmd, within: float, interrupted: str) -> bool:
