@@ -466,6 +466,10 @@ def main() -> None:
 
     if bench_gpu.SAVED.exists():  # the GPU figures, measured on a GPU machine (issue 22), kept across CPU runs
         bench_gpu.render()
+    import gpu_smoke
+
+    if gpu_smoke.SAVED_ROUND5.exists():  # round 5's (issue 57), likewise
+        gpu_smoke.render_round5()
     plot(r, ROOT / "docs" / "images" / "benchmarks.png")
     print(text)
 

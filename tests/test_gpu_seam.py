@@ -204,3 +204,16 @@ def test_a_gpu_rank_leaves_after_synchronising_without_nccl_teardown(monkeypatch
     spec = worker.RankSpec(0, 1, "cuda", "nccl", 0, 1, "/nonexistent/store", 1)
     worker._leave_group(spec, told=True)
     assert calls == ["synchronize"]
+
+
+def test_torch_is_never_kept_out_of_the_forkserver():
+    """torch's CUDA wheels map the driver as torch is imported: torch is seen loading it, yet its modules
+    initialise no device. Kept out of the forkserver's imports, every forkserver rank imported
+    torch._dynamo again (4 s a cell on an H200); the packages that did initialise CUDA stay out."""
+    from nbddp.hw import cuda, driverwatch
+
+    c = cuda.Cuda()
+    c.watch.loaded = driverwatch.Sighting("In [1]", "torch.cuda", "import torch")
+    c.watch.initialised = driverwatch.Sighting("In [2]", None, None, suspects=("pycuda", "torch"))
+    c.site = cuda.InitSite("In [3]", 1, "model.cuda()", "transformers.modeling_utils")
+    assert c.culprits() == {"pycuda", "transformers"}

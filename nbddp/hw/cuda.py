@@ -46,14 +46,11 @@ class Cuda:
         self._wrapped = False
         self._probed_at: int | None = None  # execution count of the last clean probe
         self.watch = driverwatch.Watcher()
-        self.nvml_check_ours = False  # nbddp set PYTORCH_NVML_BASED_CUDA_CHECK (a rank drops it: see set_device)
 
     # -- kernel side ------------------------------------------------------------------------------
     def install(self, shell=None, cells=None) -> None:
         """``cells``: how the shell numbers its cells (``nbddp.ipy.cells``: the running one, file names)."""
-        if "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-            self.nvml_check_ours = True
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         # CUDA numbers GPUs fastest-first unless told otherwise; NVML (and nvidia-smi) by PCI bus.
         # Same order for both, so the dashboard's cuda:N is the rank's cuda:N.
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -140,12 +137,15 @@ class Cuda:
         return _refusal_for(sighting, w) if sighting else _refusal(None, None, None)
 
     def culprits(self) -> set[str]:
-        """The packages seen initialising CUDA in the kernel (a forkserver never imports them ahead)."""
+        """The packages seen initialising CUDA in the kernel (a forkserver never imports them ahead). Never torch:
+        its CUDA wheels map the driver as they are imported, the forkserver has torch already, and importing its
+        modules initialises no device (a forkserver without them imported ``torch._dynamo`` again in every rank:
+        4 s a cell on an H200). A module whose import did would end the forkserver, which starts again without it."""
         found = {self.site.module if self.site else None}
         for s in (self.watch.initialised, self.watch.loaded):  # (a library that only loaded it is left too)
             if s is not None:
                 found |= {s.module, *s.suspects}
-        return {m.partition(".")[0] for m in found if m}
+        return {m.partition(".")[0] for m in found if m} - {"torch"}
 
     @staticmethod
     def _forked_child_can_init() -> bool:
@@ -166,12 +166,14 @@ class Cuda:
 
     # -- rank side --------------------------------------------------------------------------------
     def set_device(self, index: int):
-        """In a rank: its GPU. The kernel's NVML-based check is dropped first where nbddp set it: a rank may use
-        CUDA, and NVML does not start in a rank of the forkserver (torch warned "Can't initialize NVML")."""
+        """In a rank: its GPU. In a rank of the forkserver NVML does not start (seen on an H200, cause not known):
+        torch then counts the GPUs with the CUDA runtime, as it would anyway, but warned "Can't initialize NVML"
+        in every such rank's first cell; that warning is silenced here."""
+        import warnings
+
         import torch
 
-        if self.nvml_check_ours:
-            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        warnings.filterwarnings("ignore", message="Can't initialize NVML", category=UserWarning)
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
 
