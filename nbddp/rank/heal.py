@@ -19,11 +19,13 @@ unchanged.
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 import io
 import pickle
 import sys
 import types
+import warnings
 
 import cloudpickle
 
@@ -389,29 +391,105 @@ def export(ctx, names) -> bytes:
     return buf.getvalue()
 
 
-def _pickled(ns, names) -> io.BytesIO:
+def _pickled(ns, names, raw: list | None = None) -> io.BytesIO:
     """``names`` of ``ns`` in one pickle (``_Exporter``); where its tensors go is the caller's context (an arena
-    of this rank's, or by value for another machine)."""
+    of this rank's, or by value for another machine). ``raw``: large CPU tensors and arrays are left out of the
+    pickle, their bytes appended here to be sent as they are (``_Sender``)."""
     chosen = {n: ns[n] for n in names}
     buf = io.BytesIO()
-    _Exporter(buf, _optimizer_state(chosen.values()), protocol=pickle.HIGHEST_PROTOCOL).dump(chosen)
+    kind = _Exporter if raw is None else functools.partial(_Sender, raw=raw)
+    kind(buf, _optimizer_state(chosen.values()), protocol=pickle.HIGHEST_PROTOCOL).dump(chosen)
     return buf
 
 
+class _Sender(_Exporter):
+    """For a new rank on another machine: each large CPU tensor's storage and each large array's bytes go as they
+    are, after the pickle, over the process group (``give``), and the pickle holds only where each lands and its
+    layout. No copy of them is made here (the pickle by value took one, ``pickle.loads`` another, and 1 GiB took
+    15 s across two Ray nodes); views of one storage share it there as here."""
+
+    def __init__(self, file, written: set, raw: list, **kw):
+        super().__init__(file, written, **kw)
+        self.raw, self.storages = raw, {}
+
+    def reducer_override(self, obj):
+        special = _special(obj) or _cell_function(obj)
+        if special is not None:
+            return special
+        sent = self._tensor(obj) or self._array(obj)
+        return sent if sent is not None else super().reducer_override(obj)
+
+    def _slot(self, key, data) -> int:
+        if key not in self.storages:
+            self.storages[key] = len(self.raw)
+            self.raw.append(data)
+        return self.storages[key]
+
+    def _tensor(self, t):
+        torch = sys.modules.get("torch")
+        if torch is None or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return None
+        if (t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
+                or (t.requires_grad and not t.is_leaf) or t.untyped_storage().nbytes() < sharedtensor.MIN_BYTES):
+            return None
+        storage = t.untyped_storage()
+        slot = self._slot(("tensor", storage.data_ptr()), torch.empty(0, dtype=torch.uint8).set_(storage))
+        meta = (str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                t.requires_grad, type(t) is torch.nn.Parameter)
+        return _arrived_tensor, (slot, meta)
+
+    def _array(self, a):
+        np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+        if (np is None or torch is None or type(a) is not np.ndarray or a.dtype.hasobject
+                or a.nbytes < sharedtensor.MIN_BYTES):
+            return None
+        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)  # (a copy only where it is not contiguous)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only array: only read here
+            data = torch.from_numpy(flat)
+        return _arrived_array, (self._slot(("array", id(a)), data), (a.dtype.str, a.shape))
+
+
+_arrivals: contextvars.ContextVar = contextvars.ContextVar("nbddp_heal_arrivals", default=())
+
+
+def _arrived_tensor(slot: int, meta):
+    import torch
+
+    dtype_name, shape, stride, offset, requires_grad, parameter = meta
+    t = torch.empty(0, dtype=getattr(torch, dtype_name)).set_(_arrivals.get()[slot].untyped_storage(), offset, shape,
+                                                               stride)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def _arrived_array(slot: int, meta):
+    import numpy as np
+
+    dtype, shape = meta
+    return _arrivals.get()[slot].numpy().view(np.dtype(dtype)).reshape(shape)
+
+
 def give(ctx, names, to) -> int:
-    """A pool across machines (a survivor's): ``names`` in one pickle, by value (the new ranks cannot open this
-    machine's memfds), sent to each rank of ``to`` over the new process group, point to point, never through
-    the kernel; ``take`` receives it. Returns the bytes sent to each."""
+    """A pool across machines (a survivor's): ``names`` sent to each rank of ``to`` over the new process group,
+    point to point, never through the kernel: one pickle (by value: the new ranks cannot open this machine's
+    memfds) without the large tensors and arrays, whose bytes follow it as they are (``_Sender``); ``take``
+    receives them. Returns the bytes sent to each."""
     import torch
     import torch.distributed as dist
 
+    raw: list = []
     with memfd.elsewhere():
-        buf = _pickled(ctx.namespace, names)
-    data = torch.frombuffer(buf.getbuffer(), dtype=torch.uint8)  # (a pickle is never empty)
+        buf = _pickled(ctx.namespace, names, raw)
+    parts = [torch.frombuffer(buf.getbuffer(), dtype=torch.uint8), *raw]  # (a pickle is never empty)
+    sizes = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
     for rank in to:
-        dist.send(torch.tensor([data.numel()], dtype=torch.int64), rank)
-        dist.send(data, rank)
-    return data.numel()
+        dist.send(torch.tensor([len(parts)], dtype=torch.int64), rank)
+        dist.send(sizes, rank)
+        for part in parts:
+            dist.send(part, rank)
+    return int(sizes.sum())
 
 
 def take(ctx, peer: int, lacking) -> list:
@@ -419,22 +497,27 @@ def take(ctx, peer: int, lacking) -> list:
     import torch
     import torch.distributed as dist
 
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, peer)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, peer)
-    return adopt(ctx, memoryview(data.numpy()), lacking)
+    count = torch.zeros(1, dtype=torch.int64)
+    dist.recv(count, peer)
+    sizes = torch.zeros(int(count.item()), dtype=torch.int64)
+    dist.recv(sizes, peer)
+    parts = [torch.empty(int(n), dtype=torch.uint8) for n in sizes.tolist()]
+    for part in parts:
+        dist.recv(part, peer)
+    return adopt(ctx, memoryview(parts[0].numpy()), lacking, parts[1:])
 
 
-def adopt(ctx, blob: bytes | None, lacking) -> list:
+def adopt(ctx, blob: bytes | None, lacking, arrived=()) -> list:
     """The replacement's: the peer's names into its namespace, and the names it must not have (the pool's cells
-    bound them, no peer could vouch for a value) out of it, so the notebook's value never stands in."""
+    bound them, no peer could vouch for a value) out of it, so the notebook's value never stands in.
+    ``arrived``: the bytes ``give`` sent after the pickle (large tensors and arrays), which it points to."""
     ns = ctx.namespace
-    landing = _landing.set(ns)
+    landing, arrivals = _landing.set(ns), _arrivals.set(tuple(arrived))
     try:
         got = pickle.loads(blob) if blob is not None else {}
     finally:
         _landing.reset(landing)
+        _arrivals.reset(arrivals)
     for name, value in got.items():
         ns[name] = in_namespace(value, ns) if isinstance(value, type) else value
     for name in lacking:
