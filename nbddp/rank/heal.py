@@ -313,7 +313,6 @@ def ddp_options(ddp) -> dict:
         "device_ids": ddp.device_ids,
         "output_device": ddp.output_device,
         "dim": ddp.dim,
-        "broadcast_buffers": ddp.broadcast_buffers,
         "find_unused_parameters": ddp.find_unused_parameters,
         "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
         "static_graph": getattr(ddp, "static_graph", False),
@@ -321,6 +320,8 @@ def ddp_options(ddp) -> dict:
     cap = getattr(ddp, "bucket_bytes_cap", None)
     if cap is not None:
         options["bucket_cap_mb"] = cap / (1024 * 1024)
+    if not ddp.broadcast_buffers:  # (only where it was turned off: torch 2.13 warns whenever it is given)
+        options["broadcast_buffers"] = False
     return options
 
 
