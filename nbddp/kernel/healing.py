@@ -493,6 +493,9 @@ def mend(pool, policy: str) -> Mended:
         raise HealFailed("no rank survived")
     if pool.config.cluster and policy == "shrink":
         raise HealFailed("a pool across Ray nodes (--cluster) cannot shrink yet (--on-loss heal replaces the rank)")
+    if pool.config.cluster and "nccl" in gang.plan.backend:  # (give/take send CPU tensors over the group)
+        raise HealFailed("a pool across Ray nodes on NCCL cannot be mended yet: %ddp restart and re-run the cells "
+                         "that build the state")
     if policy == "shrink":
         mended = _shrink(gang, survivors, losses)
     else:

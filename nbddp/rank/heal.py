@@ -407,16 +407,14 @@ class _Sender(_Exporter):
     """For a new rank on another machine: each large CPU tensor's storage and each large array's bytes go as they
     are, after the pickle, over the process group (``give``), and the pickle holds only where each lands and its
     layout. No copy of them is made here (the pickle by value took one, ``pickle.loads`` another, and 1 GiB took
-    15 s across two Ray nodes); views of one storage share it there as here."""
+    15 s across two Ray nodes); tensors that are views of one storage share it there as here (an array arrives
+    as a contiguous array of its own)."""
 
     def __init__(self, file, written: set, raw: list, **kw):
         super().__init__(file, written, **kw)
         self.raw, self.storages = raw, {}
 
-    def reducer_override(self, obj):
-        special = _special(obj) or _cell_function(obj)
-        if special is not None:
-            return special
+    def reducer_override(self, obj):  # (plain tensors and arrays only: nothing ``_special`` would take)
         sent = self._tensor(obj) or self._array(obj)
         return sent if sent is not None else super().reducer_override(obj)
 
@@ -430,11 +428,13 @@ class _Sender(_Exporter):
         torch = sys.modules.get("torch")
         if torch is None or type(t) not in (torch.Tensor, torch.nn.Parameter):
             return None
-        if (t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
-                or (t.requires_grad and not t.is_leaf) or t.untyped_storage().nbytes() < sharedtensor.MIN_BYTES):
+        if (t.device.type != "cpu" or t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_conj()
+                or t.is_neg() or (t.requires_grad and not t.is_leaf)
+                or t.untyped_storage().nbytes() < sharedtensor.MIN_BYTES):
             return None
         storage = t.untyped_storage()
-        slot = self._slot(("tensor", storage.data_ptr()), torch.empty(0, dtype=torch.uint8).set_(storage))
+        slot = self._slot(("tensor", storage.data_ptr(), storage.nbytes()),
+                          torch.empty(0, dtype=torch.uint8).set_(storage))
         meta = (str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset(),
                 t.requires_grad, type(t) is torch.nn.Parameter)
         return _arrived_tensor, (slot, meta)
@@ -448,7 +448,7 @@ class _Sender(_Exporter):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a read-only array: only read here
             data = torch.from_numpy(flat)
-        return _arrived_array, (self._slot(("array", id(a)), data), (a.dtype.str, a.shape))
+        return _arrived_array, (self._slot(("array", id(a)), data), (a.dtype, a.shape))
 
 
 _arrivals: contextvars.ContextVar = contextvars.ContextVar("nbddp_heal_arrivals", default=())
@@ -469,7 +469,7 @@ def _arrived_array(slot: int, meta):
     import numpy as np
 
     dtype, shape = meta
-    return _arrivals.get()[slot].numpy().view(np.dtype(dtype)).reshape(shape)
+    return _arrivals.get()[slot].numpy().view(np.dtype(dtype)).reshape(shape)  # (contiguous: its own copy)
 
 
 def give(ctx, names, to) -> int:

@@ -14,47 +14,74 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
 ABORT_AFTER_S = 1.0  # the main thread's own KeyboardInterrupt first: a rank running Python ends without an abort
 
 
-def install(busy: list, interrupt: int, abort=None) -> threading.Thread | None:
-    """Watch for ``interrupt`` while ``busy`` holds the running command's token (the server's list: one
-    object per command, empty between commands). ``abort``: what frees the rank (``abort_groups``)."""
-    read, write = os.pipe()
-    os.set_blocking(write, False)
-    try:
-        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    except ValueError:  # not the main thread: no handler runs here, nothing to watch for
-        os.close(read)
-        os.close(write)
-        return None
-    thread = threading.Thread(target=_watch, args=(read, busy, interrupt, abort or abort_groups),
-                              name="nbddp-nccl-abort", daemon=True)
-    thread.start()
-    return thread
+class Watch:
+    """The thread that frees a rank stuck in a collective. ``busy``: the server's list, one token per command
+    (empty between commands); ``heard()`` is called by the server's own handler of ``interrupt`` each time it
+    runs, that is each time the main thread got back to Python: then nothing is aborted (a cell that catches
+    the KeyboardInterrupt and saves a checkpoint with collectives keeps its group). ``abort``: what frees the
+    rank (``abort_groups``)."""
 
+    def __init__(self, busy: list, interrupt: int, abort=None):
+        self.busy, self.interrupt, self.abort = busy, interrupt, abort or abort_groups
+        self.handled = 0  # times the main thread ran the interrupt's handler
+        self.received = 0  # times the interrupt arrived (one byte each on the wakeup descriptor)
+        self.read, self.write = os.pipe()
+        os.set_blocking(self.write, False)
+        self.thread = threading.Thread(target=self._watch, name="nbddp-nccl-abort", daemon=True)
 
-def _watch(read: int, busy: list, interrupt: int, abort) -> None:
-    while True:
+    def start(self) -> Watch | None:
+        """Started, or None where this is not the main thread (no handler runs here: nothing to watch for)."""
+        if not self.rearm():
+            os.close(self.read)
+            os.close(self.write)
+            return None
+        self.thread.start()
+        return self
+
+    def rearm(self) -> bool:
+        """The wakeup descriptor set again (before each command): a cell's asyncio loop with signal handlers
+        takes it over, and sets none once it closes."""
         try:
-            got = os.read(read, 64)
-        except OSError:
-            return
-        if not got:
-            return
-        if interrupt not in got:
-            continue
-        token = _token(busy)
-        if token is None:
-            continue
-        deadline = time.monotonic() + ABORT_AFTER_S
-        while _token(busy) is token and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if _token(busy) is token:
-            abort()
+            signal.set_wakeup_fd(self.write, warn_on_full_buffer=False)
+        except ValueError:
+            return False
+        return True
+
+    def heard(self) -> None:
+        self.handled += 1
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                got = os.read(self.read, 64)
+            except OSError:
+                return
+            if not got:
+                return
+            self.received += got.count(self.interrupt)
+            token = _token(self.busy)
+            if token is None or self.handled >= self.received:
+                continue
+            deadline = time.monotonic() + ABORT_AFTER_S
+            while _token(self.busy) is token and self.handled < self.received and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if _token(self.busy) is token and self.handled < self.received:  # never back in Python since
+                try:
+                    self.abort()
+                except Exception as e:  # noqa: BLE001 - the watch goes on; the kernel's deadline ends the pool
+                    print(f"nbddp: aborting the rank's NCCL communicators failed: {e!r}", file=sys.stderr)
+
+
+def install(busy: list, interrupt: int, abort=None) -> Watch | None:
+    """A started ``Watch`` (None where this is not the main thread)."""
+    return Watch(busy, interrupt, abort).start()
 
 
 def _token(busy: list):
@@ -65,8 +92,9 @@ def _token(busy: list):
 
 
 def abort_groups() -> None:
-    """Every NCCL communicator of this rank aborted, the default group's object kept for ``usergroup.regroup``
-    to say what was bound to it. Nothing where the rank has no group (or not on NCCL)."""
+    """Every NCCL communicator of this rank aborted; the groups' objects kept until the rank is idle (a gloo
+    subgroup freed now can deadlock, usergroup.py), the default one for ``usergroup.regroup`` to say what was
+    bound to it. Nothing where the rank has no group (or not on NCCL)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -74,5 +102,5 @@ def abort_groups() -> None:
 
     if not dist.is_initialized() or not usergroup.on_nccl():
         return
-    usergroup.aborted(c10d._get_default_group())
+    usergroup.aborted(c10d._get_default_group(), list(c10d._world.pg_map))
     c10d._abort_process_group()

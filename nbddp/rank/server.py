@@ -61,14 +61,17 @@ class Server:
         busy = []
         imports = _Imports()
 
+        pipe = CommandPipe(self._own_end(ctx.rank)) if self.cmd_pipes else None
+        # on NCCL, a collective no interrupt reaches: its communicators aborted (the handler below says it ran)
+        watch = ncclabort.install(busy, INTERRUPT) if pipe is not None and usergroup.on_nccl() else None
+
         def interrupt(signum, frame):
+            if watch is not None:
+                watch.heard()
             if busy:
                 raise KeyboardInterrupt
 
         signal.signal(INTERRUPT, interrupt)
-        pipe = CommandPipe(self._own_end(ctx.rank)) if self.cmd_pipes else None
-        if pipe is not None and usergroup.on_nccl():  # a collective no interrupt reaches: its communicators aborted
-            ncclabort.install(busy, INTERRUPT)
         stdin.install(pipe, ctx.channel)  # input() and pdb: the notebook's input box, through the kernel
         debug.install()
         if self.first is not None:
@@ -89,6 +92,8 @@ class Server:
                 if isinstance(cmd, messages.InputReply):
                     continue  # the answer to a prompt its cell no longer waits for (the cell was interrupted)
                 usergroup.release_destroyed()  # idle since the last command: safe to free (usergroup)
+                if watch is not None:
+                    watch.rearm()
                 if isinstance(cmd, messages.Regroup) and cmd.rank is not None:
                     ctx = renumbered(ctx, cmd.rank, cmd.world_size)
                 busy.append(object())  # this command's token (ncclabort)

@@ -86,11 +86,14 @@ def regroup(generation: int, rank: int | None = None, world_size: int | None = N
         s["rank"], s["world_size"] = rank, world_size
     from torch.distributed import distributed_c10d as c10d
 
-    old = c10d._get_default_group() if dist.is_initialized() else s.pop("aborted", None)
-    _shut(s["sockets"])  # the peers see this rank leave even if a process it forked holds these descriptors
+    aborted = s.pop("aborted", None)
+    old = c10d._get_default_group() if dist.is_initialized() else aborted
+    if aborted is None:  # (after an abort those descriptor numbers may be another's by now)
+        _shut(s["sockets"])  # the peers see this rank leave even if a process it forked holds these descriptors
     if dist.is_initialized():
         try:
             if on_nccl():  # its communicators may wait on a peer that is gone: destroy would too
+                s["kept"].extend(list(c10d._world.pg_map))  # (freed once idle, as destroyed ones are)
                 c10d._abort_process_group()
             else:
                 dist.destroy_process_group()
@@ -108,9 +111,11 @@ def on_nccl() -> bool:
     return "nccl" in _state.get("backend", "")
 
 
-def aborted(group) -> None:
-    """``group`` (the default one) was aborted by ``ncclabort``: ``regroup`` still says what was bound to it."""
+def aborted(group, groups=()) -> None:
+    """``group`` (the default one) is aborted by ``ncclabort``, with ``groups`` (every group of the rank):
+    ``regroup`` still says what was bound to it, and their objects are kept until the rank is idle."""
     _state["aborted"] = group
+    _state.setdefault("kept", []).extend(groups)
 
 
 def sockets() -> set[int]:

@@ -32,6 +32,7 @@ class Recovery:
         self.regrouped: list[int] = []  # ranks freed from a collective by a fresh process group
         self.old_group_users: set[str] = set()  # what the ranks had bound to the old group (their Healthy answers)
         self.rebuilt: list = []  # (name, kind): what was made anew on the fresh group (DDP models, meshes)
+        self.interrupted: list[int] = []  # ranks sent the interrupt (on NCCL, one may have aborted its group)
 
     def on_Message(self, event) -> None:
         if isinstance(event.record, messages.Healthy):
@@ -42,11 +43,11 @@ class Recovery:
         """True if the pool lives on (its ranks all answered and healthy, in the old group or a fresh one)."""
         gang = self.gang
         stuck = [r for r in self.ranks if r not in self.replies]
-        if gang.alive and stuck:
+        if gang.alive and (stuck or self.interrupted and "nccl" in gang.plan.backend):  # (rank/ncclabort.py)
             gang.generation += 1
             if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
                                  "torn down by an interrupt while its process group was made anew"):
-                self.regrouped = stuck
+                self.regrouped = stuck or sorted(self.interrupted)
                 try:  # the DDP models (meshes...) in the ranks' namespaces, made anew on the new group for the user
                     self.rebuilt = healing.regrouped(gang)
                 except healing.HealFailed as e:

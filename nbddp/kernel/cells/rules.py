@@ -238,6 +238,8 @@ class PoolRules(CellRules):
         for p in run.sup.live():
             if p.rank in run.ranks and p.rank not in run.replies:
                 p.signal(INTERRUPT, group=False)
+                if self.recovery is not None:
+                    self.recovery.interrupted.append(p.rank)
         run.sup.at(self.interrupted_at + HEALTH_S, self._give_up)
 
     def _give_up(self) -> None:
