@@ -61,17 +61,19 @@ class Server:
         busy = []
         imports = _Imports()
 
-        pipe = CommandPipe(self._own_end(ctx.rank)) if self.cmd_pipes else None
-        # on NCCL, a collective no interrupt reaches: its communicators aborted (the handler below says it ran)
-        watch = ncclabort.install(busy, INTERRUPT) if pipe is not None and usergroup.on_nccl() else None
+        watches = []  # on NCCL: ncclabort's, told each time this handler runs
 
         def interrupt(signum, frame):
-            if watch is not None:
+            for watch in watches:
                 watch.heard()
             if busy:
                 raise KeyboardInterrupt
 
         signal.signal(INTERRUPT, interrupt)
+        pipe = CommandPipe(self._own_end(ctx.rank)) if self.cmd_pipes else None
+        watch = ncclabort.install(busy, INTERRUPT) if pipe is not None and usergroup.on_nccl() else None
+        if watch is not None:  # a collective no interrupt reaches: its communicators aborted
+            watches.append(watch)
         stdin.install(pipe, ctx.channel)  # input() and pdb: the notebook's input box, through the kernel
         debug.install()
         if self.first is not None:
