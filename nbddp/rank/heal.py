@@ -426,18 +426,12 @@ class _Sender(_Exporter):
 
     def _tensor(self, t):
         torch = sys.modules.get("torch")
-        if torch is None or type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return None
-        if (t.device.type != "cpu" or t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_conj()
-                or t.is_neg() or (t.requires_grad and not t.is_leaf)
-                or t.untyped_storage().nbytes() < sharedtensor.MIN_BYTES):
+        if torch is None or not sharedtensor.plain_bytes(torch, t):
             return None
         storage = t.untyped_storage()
         slot = self._slot(("tensor", storage.data_ptr(), storage.nbytes()),
                           torch.empty(0, dtype=torch.uint8).set_(storage))
-        meta = (str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset(),
-                t.requires_grad, type(t) is torch.nn.Parameter)
-        return _arrived_tensor, (slot, meta)
+        return _arrived_tensor, (slot, sharedtensor.tensor_meta(torch, t))
 
     def _array(self, a):
         np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
@@ -455,14 +449,7 @@ _arrivals: contextvars.ContextVar = contextvars.ContextVar("nbddp_heal_arrivals"
 
 
 def _arrived_tensor(slot: int, meta):
-    import torch
-
-    dtype_name, shape, stride, offset, requires_grad, parameter = meta
-    t = torch.empty(0, dtype=getattr(torch, dtype_name)).set_(_arrivals.get()[slot].untyped_storage(), offset, shape,
-                                                               stride)
-    if parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    return t.requires_grad_(requires_grad) if requires_grad else t
+    return sharedtensor.rebuilt(_arrivals.get()[slot], meta)
 
 
 def _arrived_array(slot: int, meta):

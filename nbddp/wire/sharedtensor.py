@@ -270,24 +270,41 @@ def reduce(obj):
 
 
 def _reduce_tensor(torch, t):
-    kind = type(t)
-    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-        return None  # a subclass keeps its own pickling
-    if (t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
-            or (t.requires_grad and not t.is_leaf)):
+    if not plain_bytes(torch, t):
         return None
     storage = t.untyped_storage()
-    nbytes = storage.nbytes()
-    if nbytes < MIN_BYTES:
-        return None
 
     def src():
         return torch.empty(0, dtype=torch.uint8).set_(storage)
 
-    handle, offset = sharer().place(t, storage.data_ptr(), nbytes, t._version, src)
-    meta = (str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset(), nbytes,
-            t.requires_grad, kind is torch.nn.Parameter)
-    return _tensor, (handle, offset, meta)
+    handle, offset = sharer().place(t, storage.data_ptr(), storage.nbytes(), t._version, src)
+    return _tensor, (handle, offset, tensor_meta(torch, t))
+
+
+def plain_bytes(torch, t) -> bool:
+    """``t`` is a plain CPU tensor (or parameter) whose storage's bytes, with ``tensor_meta``, make it again
+    (``rebuilt``), large enough to be worth travelling apart from a pickle. A subclass keeps its own pickling."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return False
+    return not (t.device.type != "cpu" or t.layout != torch.strided or t.is_nested or t.is_quantized or t.is_conj()
+                or t.is_neg() or (t.requires_grad and not t.is_leaf)) and t.untyped_storage().nbytes() >= MIN_BYTES
+
+
+def tensor_meta(torch, t) -> tuple:
+    """What ``rebuilt`` needs besides the storage's bytes."""
+    return (str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+            t.untyped_storage().nbytes(), t.requires_grad, type(t) is torch.nn.Parameter)
+
+
+def rebuilt(raw, meta):
+    """The tensor ``tensor_meta`` described, on ``raw`` (a flat uint8 tensor holding its storage's bytes)."""
+    import torch
+
+    dtype_name, shape, stride, storage_offset, _nbytes, requires_grad, parameter = meta
+    t = torch.empty(0, dtype=getattr(torch, dtype_name)).set_(raw.untyped_storage(), storage_offset, shape, stride)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
 
 
 def _reduce_array(np, a):
@@ -339,14 +356,7 @@ def _open(handle: memfd.Handle) -> mmap.mmap:
 
 
 def _tensor(handle, offset, meta):
-    import torch
-
-    dtype_name, shape, stride, storage_offset, nbytes, requires_grad, parameter = meta
-    raw = _bytes_of(_open(handle), nbytes, offset)
-    t = torch.empty(0, dtype=getattr(torch, dtype_name)).set_(raw.untyped_storage(), storage_offset, shape, stride)
-    if parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    return t.requires_grad_(requires_grad) if requires_grad else t
+    return rebuilt(_bytes_of(_open(handle), meta[4], offset), meta)
 
 
 def _array(handle, offset, meta):
