@@ -408,6 +408,78 @@ def test_a_pool_across_nodes_heals_a_lost_rank_from_a_peer_over_the_group(rk):
     assert not wait_gone(pids), "no rank is left on any node"
 
 
+PLACE = ("%%ddp --gather where pid\nimport torch.distributed as dist\nt = torch.ones(1) * (rank + 1)\n"
+         "dist.all_reduce(t)\nwhere = (rank, world_size, local_rank, *(os.environ[k] for k in ('RANK', 'WORLD_SIZE', "
+         "'LOCAL_RANK', 'NODE_RANK', 'GROUP_WORLD_SIZE')), t.item())\npid = os.getpid()\n")
+
+
+def wait_mended(rk, losses: int) -> None:
+    end = time.monotonic() + 60
+    while (rk.value(f"len({POOL}.losses.history) < {losses} or bool({POOL}.losses.pending)")
+           and time.monotonic() < end):
+        time.sleep(0.1)
+
+
+def test_a_pool_across_nodes_shrinks_renumbering_its_ranks_on_every_node(rk):
+    """Issue 55, --on-loss shrink on Ray: the survivors renumbered in order on every node (rank, world_size,
+    torchrun's variables, each rank's place on its node and its node's among those left), a new group, DDP made
+    anew; the kernel's node may be left with no rank at all, and the pool goes on from the others."""
+    rk.ok("%ddp start --cluster ray --nodes 3 --devices 1 --on-loss shrink", timeout=120)
+    pids = []
+    try:
+        rk.ok("%%ddp --gather pid\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+              "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 1))\nopt = torch.optim.SGD(model.parameters(), "
+              "lr=0.1)\nmine = rank * 10\npid = os.getpid()\n", timeout=120)
+        pids = rk.value("pid")
+        os.kill(pids[1], signal.SIGKILL)  # node 1's only rank: that node is left with none
+        wait_mended(rk, 1)
+        res = rk.ok(PLACE + "opt.zero_grad()\nmodel(torch.ones(8, 4)).pow(2).mean().backward()\nopt.step()\n",
+                    timeout=120)
+        assert rk.value("where") == [(0, 2, 0, "0", "2", "0", "0", "2", 3.0), (1, 2, 0, "1", "2", "0", "1", "2", 3.0)]
+        assert rk.value("pid") == [pids[0], pids[2]], "the survivors themselves go on"
+        assert "shrank the pool in" in res.stderr and "(2→1)" in res.stderr, res.stderr
+        assert "made anew on the new process group: model (DistributedDataParallel)" in res.stderr, res.stderr
+        assert "mine (Cell In[" in res.stderr, "a name made from the old rank is listed: " + res.stderr
+        rk.ok("%%ddp --gather w\nw = model.module.weight.tolist()\n")
+        assert rk.value("w")[0] == rk.value("w")[1], "the replicas trained on together"
+        os.kill(pids[0], signal.SIGKILL)  # the kernel's node's rank: the pool goes on on node 2 alone
+        wait_mended(rk, 2)
+        rk.ok(PLACE, timeout=120)
+        assert rk.value("where") == [(0, 1, 0, "0", "1", "0", "0", "1", 1.0)]
+        assert rk.value("pid") == [pids[2]]
+        status = rk.ok("%ddp status")
+        status = status.displays[-1]["data"]["text/plain"] if status.displays else status.stdout
+        assert "rank 0 lost while idle: killed by SIGKILL" in status and "shrank the pool in" in status, status
+    finally:
+        rk.run("%ddp stop", timeout=60)
+    assert not wait_gone(pids), "no rank is left on any node"
+
+
+def test_a_pool_across_nodes_resizes_down_and_says_it_cannot_grow(rk):
+    rk.ok("%ddp start --cluster ray --nodes 3 --devices 1", timeout=120)
+    pids = []
+    try:
+        rk.ok("%%ddp --gather pid\nimport torch.distributed as dist\ndata = torch.arange(10.)\npid = os.getpid()\n")
+        pids = rk.value("pid")
+        res = rk.run("%ddp resize 4")
+        assert "can shrink but not grow yet" in res.stdout + res.error_text and "Nothing changed" in \
+            res.stdout + res.error_text, res
+        res = rk.ok("%ddp resize 2", timeout=120)
+        assert "resized the pool from 3 to 2 ranks" in res.stdout + res.stderr, res
+        assert not wait_gone(pids[2:]), "the highest rank left"
+        rk.ok(PLACE + "total = data.sum().item()\n", timeout=120)
+        assert rk.value("where") == [(0, 2, 0, "0", "2", "0", "0", "2", 3.0), (1, 2, 0, "1", "2", "0", "1", "2", 3.0)]
+        assert rk.value("pid") == pids[:2]
+        os.kill(pids[1], signal.SIGKILL)  # healed after a resize: node 1's agent forks the replacement
+        wait_mended(rk, 1)
+        rk.ok(PLACE, timeout=120)
+        assert rk.value("where") == [(0, 2, 0, "0", "2", "0", "0", "2", 3.0), (1, 2, 0, "1", "2", "0", "1", "2", 3.0)]
+        pids += rk.value("pid")
+    finally:
+        rk.run("%ddp stop", timeout=60)
+    assert not wait_gone(pids), "no rank is left on any node"
+
+
 def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_rank_nor_group(rk):
     rk.ok("import signal\nfrom nbddp.kernel.ranks import groupstore\n_wait, _close = ray.wait, "
           "groupstore.LocalStores.close\n"
@@ -515,9 +587,6 @@ def test_refusals_say_why(rk):
     assert "ray://" in res.error_text and "Nothing ran" in res.error_text, res.error_text
     res = rk.run("%%ddp --cluster ray --nodes 2\nprint('x')\n")
     assert "%ddp start --cluster ray --nodes N" in res.error_text and "x" not in res.stdout, res.error_text
-    res = rk.run("%ddp start --cluster ray --nodes 2 --devices 1 --on-loss shrink")
-    assert "--on-loss shrink: a pool across Ray nodes cannot shrink yet" in res.stdout + res.error_text, res
-    assert "Nothing ran" in res.stdout + res.error_text and not rk.value(f"bool({POOL} and {POOL}.alive)")
     res = rk.run("%ddp start --cluster ray --nodes 9 --devices 1", timeout=60)
     assert "--nodes 9: the Ray cluster has 3 node(s) alive" in res.error_text, res.error_text
     res = rk.run("%ddp start --cluster ray:10.255.255.1:6379 --nodes 2 --devices 1", timeout=60)  # not ours

@@ -37,6 +37,7 @@ from ..wire.framing import Reader, write_all
 from .netif import ifname_for
 
 BEAT_S = 1.0  # the longest this node's stream stays silent: an empty batch then (remote.SILENT_S: lost after)
+MOVE_S = 10.0  # the supervisor's thread renumbers the node's ranks within this (it is idle: at once)
 
 
 class Agent:
@@ -49,6 +50,7 @@ class Agent:
         self.order = threading.Lock()  # the kernel's calls, applied one at a time in sequence order
         self.signals: queue.SimpleQueue = queue.SimpleQueue()  # (rank, signal, group) for the supervisor's thread
         self.forked: queue.SimpleQueue = queue.SimpleQueue()  # a new rank forked meanwhile, for the supervisor's thread
+        self.moves: queue.SimpleQueue = queue.SimpleQueue()  # (old rank -> new, done), for the supervisor thread
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)  # a full pipe is a wake already due: control() never blocks on it
         self._reset(None)
@@ -65,7 +67,9 @@ class Agent:
         self.requests: dict[int, tuple[int, Reader]] = {}  # request fd -> (rank, its frames)
         self.to_fork: queue.SimpleQueue = queue.SimpleQueue()  # specs of new ranks, for this pool's forker thread
         self.waiting = False  # a rank was lost: the stream stays open for its replacement until ``finish``
-        for q in (self.signals, self.forked):
+        self.logs: RankLogs | None = None
+        self.run_dir = None
+        for q in (self.signals, self.forked, self.moves):
             while not q.empty():
                 q.get_nowait()
 
@@ -85,8 +89,8 @@ class Agent:
         with self.order:
             self._reset(pool)
             to_fork = self.to_fork
-        run_dir = rendezvous.new_run_dir()
-        logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
+        self.run_dir = run_dir = rendezvous.new_run_dir()
+        self.logs = logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
         self.sup = sup = Supervisor([logs, self])
         sup.keep_peers = True  # a lost rank's fate, and its peers', is the kernel's to decide (it may heal the pool)
         try:
@@ -213,6 +217,10 @@ class Agent:
                 self._failed("fork_again", new)
             else:
                 self.queue.append(("forked", new.spec.rank, _register(self, new)))
+        while not self.moves.empty():
+            moves, done = self.moves.get_nowait()
+            _moved(self, moves)
+            done.set()
         while True:  # (no lock shared with control(): it may block on a full command pipe)
             try:
                 rank, sig, group = self.signals.get_nowait()
@@ -249,6 +257,16 @@ class Agent:
         """For the supervisor's thread: this one may not see a rank's reaping."""
         self.signals.put((rank, sig, group))
         self._poke()
+
+    def _renumber(self, moves: dict) -> None:
+        """The kernel renumbered the pool (it shrank; ``moves``: this node's survivors, old rank -> new): done on
+        the supervisor's thread (it reads these tables), and awaited here, so that the kernel's next call (a
+        command for the new numbers) finds them."""
+        done = threading.Event()
+        self.moves.put((moves, done))
+        self._poke()
+        if not done.wait(MOVE_S):
+            raise TimeoutError(f"the node's supervisor did not renumber its ranks within {MOVE_S:g} s")
 
     def _fork_again(self, spec) -> None:
         """A new rank from ``spec`` (a lost one's replacement, joining the group's next generation), forked by
@@ -313,6 +331,23 @@ def _register(agent: Agent, new: Forked) -> int:
     agent.requests[new.req_r] = (rank, Reader())
     agent.sup.watch(new.req_r, lambda fd=new.req_r: agent._store_request(fd))
     return new.proc.pid
+
+
+def _moved(agent: Agent, moves: dict) -> None:
+    """On the supervisor's thread: the node's ranks answer to their new numbers (their command and store pipes,
+    the supervisor's records, their logs); the ranks that ended are forgotten, their pipes closed."""
+    sup = agent.sup
+    sup.procs = [p for p in sup.procs if p.rank in moves and p.exit is None]
+    for p in sup.procs:
+        p.rank = moves[p.rank]
+    for table in (agent.cmd, agent.replies):
+        for rank in [r for r in table if r not in moves]:
+            _close(table.pop(rank))
+        moved = {moves[r]: fd for r, fd in table.items()}
+        table.clear()
+        table.update(moved)
+    agent.requests = {fd: (moves.get(rank, -1), frames) for fd, (rank, frames) in agent.requests.items()}
+    agent.logs.renumber({new: str(agent.run_dir.log(new)) for new in moves.values()})
 
 
 def _open_fds() -> list[int]:

@@ -24,7 +24,7 @@ from ..kernel.ranks.gang import STOP_S, Gang, ReplaceFailed
 from ..kernel.ranks.supervisor import GRACE_S
 from ..rank.worker import RankSpec
 from ..wire import framing, messages
-from . import netif, placement, relocate, remote
+from . import netif, placement, relocate, remote, reshape
 
 KEEP_S = 2.0  # how long the close waits for a kept agent's stream to end (its ranks have exited)
 
@@ -131,9 +131,15 @@ class ClusterGang(Gang):
         env = rendezvous.torchrun_env(rank=rank, world_size=self.world_size, run_id=run_id, master_port=port,
                                       threads=self.config.threads, ifname="")
         env.pop("GLOO_SOCKET_IFNAME")  # the node's own interface (its agent's, or the kernel's)
-        env.update(LOCAL_RANK=str(rank % D), LOCAL_WORLD_SIZE=str(D), GROUP_RANK=str(node), NODE_RANK=str(node),
-                   GROUP_WORLD_SIZE=str(self.nodes), MASTER_ADDR=nodes[0].ip)
+        env.update(reshape.node_place(rank, self.world_size, rank % D, D, node, self.nodes), MASTER_ADDR=nodes[0].ip)
         return starters.rank_spec(self.plan, self.config, rank, env)
+
+    place = reshape.place  # (a rank's place on its node, and its node's)
+    def renumber(self, moves: dict) -> None:
+        """As any gang's (old rank -> new, in order: the pool shrank), across the nodes too (reshape.py)."""
+        reshape.renumber(self, moves)
+        super().renumber(moves)
+        reshape.placed_anew(self)
 
     def _fork_local(self, job_for, specs, ifname: str, deadline) -> None:
         """The kernel's node's ranks, forked from the kernel as in any pool (from its forkserver where the
@@ -163,7 +169,7 @@ class ClusterGang(Gang):
         """As any gang's for the kernel's node's ranks; another node's rank is forked anew by that node's agent
         (same spec, the group's ``generation``), or, that agent lost, with the rest of its node's ranks by a new
         one (relocate.lost_node)."""
-        if rank < self.per_node:
+        if rank in self._cmd:  # (the kernel's node's)
             super().replace(rank, generation)
             return
         link = next(link for link in self.links if rank in link.ranks)

@@ -21,7 +21,7 @@ def lost_node(gang, old, generation: int) -> None:
     """The ranks of the node whose agent was lost (``old``: its link), started anew by a new agent (on that node,
     or another: ``placement.moved``), joining the group's ``generation``; ReplaceFailed if Ray has no node with
     the room within MOVE_S."""
-    index = old.ranks[0] // gang.per_node
+    index = gang.links.index(old) + 1  # (node 0 is the kernel's)
     placement.forget(old.actor, gang.ray)  # (a hung agent, or one whose stream broke: its ranks end with it)
     found = placement.moved(gang.ray, gang.pg, gang.placed[index], [n.node_id for n in gang.placed],
                             placement.bundle_for(gang.per_node, gang.plan.accelerator), MOVE_S)

@@ -82,9 +82,6 @@ def refusals(config, *, pool: bool = False, queued: bool = False) -> None:
     if config.cluster and not pool or config.nodes > 1 and not config.cluster:
         raise UsageError("--cluster and --nodes start a pool across the nodes of a Ray cluster: %ddp start "
                          "--cluster ray --nodes N --devices D (then %%ddp cells run on it). Nothing ran.")
-    if config.cluster and config.on_loss == "shrink":
-        raise UsageError("--on-loss shrink: a pool across Ray nodes cannot shrink yet; --on-loss heal (the default) "
-                         "starts a lost rank anew on its node, or another with the room. Nothing ran.")
     devices.parse_devices(config.devices)
 
 

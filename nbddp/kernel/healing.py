@@ -215,9 +215,9 @@ class Mending:
     def said(self, mended: "Mended") -> str:
         """What mending (or resizing) the pool did, in its view; the text the cell says."""
         pool = self.pool
-        if not pool.starter.inherits_notebook:
+        if mended.joined and not pool.starter.inherits_notebook:
             pool.held.joined_empty()
-        elif pool.gang.spans_machines and mended.lost:  # a replacement on another node has none of the notebook
+        elif mended.joined and pool.gang.spans_machines:  # a replacement on another node has none of the notebook
             pool.held.joined_elsewhere()
         text = mended.say(pool.bound_by)
         pool.view.said(text.splitlines()[0])
@@ -260,9 +260,9 @@ class Mending:
         """``%ddp resize N``: the pool grown or shrunk to ``world_size`` ranks, its state kept."""
         pool = self.pool
         gang = pool.gang
-        if pool.config.cluster:
-            raise UsageError("%ddp resize: a --cluster pool cannot be resized yet; %ddp restart --devices N. "
-                             "Nothing changed.")
+        if pool.config.cluster and world_size > gang.world_size:
+            raise UsageError("%ddp resize: a pool across Ray nodes can shrink but not grow yet; %ddp restart "
+                             "--nodes N --devices D for more ranks. Nothing changed.")
         if world_size == gang.world_size:
             return f"the pool has {world_size} rank(s) already; nothing changed."
         devices = self.more_devices(world_size - gang.world_size) if world_size > gang.world_size else ()
@@ -447,6 +447,11 @@ class Mended:
     renumbered: dict = dataclasses.field(default_factory=dict)  # shrink: old rank -> new
     sizes: tuple = (0, 0)  # resize: the world size before and after
 
+    @property
+    def joined(self) -> bool:
+        """New ranks joined the pool (a replacement, or a pool grown)."""
+        return self.how == "healed" or self.how == "resized" and self.sizes[1] > self.sizes[0]
+
     def say(self, bound_by: dict) -> str:
         """What the cell's output and %ddp status say, with the names to run again and the cells that bound them."""
         ranks = ", ".join(str(loss.rank) for loss in self.lost)
@@ -491,8 +496,6 @@ def mend(pool, policy: str) -> Mended:
     survivors = sorted(p.rank for p in gang.sup.live())
     if not survivors:
         raise HealFailed("no rank survived")
-    if pool.config.cluster and policy == "shrink":
-        raise HealFailed("a pool across Ray nodes (--cluster) cannot shrink yet (--on-loss heal replaces the rank)")
     if pool.config.cluster and "nccl" in gang.plan.backend:  # (give/take send CPU tensors over the group)
         raise HealFailed("a pool across Ray nodes on NCCL cannot be mended yet: %ddp restart and re-run the cells "
                          "that build the state")
@@ -574,7 +577,7 @@ def _shrink(gang, survivors: list, losses: list) -> Mended:
     moves = {old: new for new, old in enumerate(survivors)}
     gang.generation += 1
     gang.renumber(moves)
-    _join(gang, {new: messages.Regroup(gang.generation, new, len(moves)) for new in moves.values()}, [])
+    _join(gang, {new: gang.regroup_at(new) for new in moves.values()}, [])
     found = _survey(gang, list(moves.values()))
     rebuilt = _rebuild(gang, [n for n in found.agreed if n in found.remade])
     # what was made from the old rank, and what still uses the old group (a shard, a 2-D mesh)
@@ -595,13 +598,13 @@ def resize(pool, world_size: int, devices: tuple = ()) -> Mended:
         gang.retire(list(range(world_size, old)))
         gang.generation += 1
         gang.renumber({r: r for r in range(world_size)})
-        _join(gang, {r: messages.Regroup(gang.generation, r, world_size) for r in ranks}, [])
+        _join(gang, {r: gang.regroup_at(r) for r in ranks}, [])
         mended = Mended("resized", [], 0.0, lacking={n: why for n, why in found.lacking.items() if "differs" in why})
     else:
         new = list(range(old, world_size))
         gang.generation += 1
         gang.grow(world_size, devices, gang.generation)
-        _join(gang, {r: messages.Regroup(gang.generation, r, world_size) for r in ranks}, new)
+        _join(gang, {r: gang.regroup_at(r) for r in ranks}, new)
         found = _survey(gang, ranks, new[0] if pool.starter.inherits_notebook else None)
         _adopt(gang, new, _export(gang, 0, found), found)
         mended = Mended("resized", [], 0.0, copied=found.agreed, peer=0, lacking=found.lacking)

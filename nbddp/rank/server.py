@@ -97,7 +97,7 @@ class Server:
                 if watch is not None:
                     watch.rearm()
                 if isinstance(cmd, messages.Regroup) and cmd.rank is not None:
-                    ctx = renumbered(ctx, cmd.rank, cmd.world_size)
+                    ctx = renumbered(ctx, cmd.rank, cmd.world_size, cmd.place)
                 busy.append(object())  # this command's token (ncclabort)
                 try:
                     answer = imports.said(_answer(cmd, ns, ctx, notebook, bound))
@@ -147,15 +147,18 @@ def _answer(cmd, ns: dict, ctx, notebook, bound=None):
         return None
 
 
-def renumbered(ctx, rank: int, world_size: int):
+def renumbered(ctx, rank: int, world_size: int, place: dict | None = None):
     """The rank's context at its new place (a pool shrunk or resized): its names, its environment and the
-    launchers' view of it say the new rank and world size from now on."""
+    launchers' view of it say the new rank and world size from now on; ``place``, where given, the environment
+    that says it (a pool across nodes: LOCAL_RANK is the rank's place on its node)."""
     from . import launchers
 
-    os.environ.update(place_env(rank, world_size))
+    place = place or place_env(rank, world_size)
+    os.environ.update(place)
     launchers.renumber(rank, world_size)
-    ctx = dataclasses.replace(ctx, rank=rank, local_rank=rank, world_size=world_size)
-    ctx.namespace.update(rank=rank, local_rank=rank, world_size=world_size)
+    local_rank = int(place.get("LOCAL_RANK", rank))
+    ctx = dataclasses.replace(ctx, rank=rank, local_rank=local_rank, world_size=world_size)
+    ctx.namespace.update(rank=rank, local_rank=local_rank, world_size=world_size)
     return ctx
 
 

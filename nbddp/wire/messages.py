@@ -228,11 +228,14 @@ class Regroup:
     """Pool: leave the process group and make a fresh one (generation ``generation`` on nbddp's store).
     Leaving closes this rank's connections, which frees a peer stuck in a collective no rank will join
     (its collective fails: "Connection closed by peer"); every rank answers ``Healthy`` once regrouped.
-    ``rank`` and ``world_size``, when given: the rank's new place (a pool shrunk or resized)."""
+    ``rank`` and ``world_size``, when given: the rank's new place (a pool shrunk or resized); ``place``, the
+    environment variables that say it where they are more than those two say (a pool across nodes: its rank's
+    place on its node, and its node's among the nodes)."""
 
     generation: int
     rank: int | None = None
     world_size: int | None = None
+    place: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,16 @@ class Gang:
         if self.view is not None:
             self.view.renumber(moves, self.plan)
 
+    def regroup_at(self, rank: int):
+        """The command that moves ``rank`` (its number now) into the group's generation at the gang's size (a
+        pool shrunk or resized: ``renumber`` or ``grow`` first)."""
+        return messages.Regroup(self.generation, rank, self.world_size, self.place(rank))
+
+    def place(self, rank: int) -> dict | None:
+        """The environment that says ``rank``'s place where its number and the world size do not say it all
+        (a cluster pool's: its place on its node); None on one machine."""
+        return None
+
     def node_of(self, rank: int) -> str:
         """The node a rank runs on, as failures name it: none on one machine (a cluster pool's gang says)."""
         return ""
