@@ -455,29 +455,54 @@ def test_a_pool_across_nodes_shrinks_renumbering_its_ranks_on_every_node(rk):
     assert not wait_gone(pids), "no rank is left on any node"
 
 
-def test_a_pool_across_nodes_resizes_down_and_says_it_cannot_grow(rk):
-    rk.ok("%ddp start --cluster ray --nodes 3 --devices 1", timeout=120)
+def test_a_pool_across_nodes_grows_onto_a_node_it_did_not_use_and_shrinks_back(rk):
+    """Issue 55, %ddp resize on Ray: a new node's agent forks the new rank, which takes the names the ranks agree on
+    from rank 0 over the new group (its node cannot map this machine's memory), DDP made anew, every rank told
+    the new world (WORLD_SIZE, GROUP_WORLD_SIZE); with no node left to grow onto, nothing changes; shrunk
+    back, the highest rank leaves, and the pool still heals a lost rank."""
+    rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
     pids = []
     try:
-        rk.ok("%%ddp --gather pid\nimport torch.distributed as dist\ndata = torch.arange(10.)\npid = os.getpid()\n")
+        rk.ok("%%ddp --gather pid\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+              "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 1))\nopt = torch.optim.SGD(model.parameters(), "
+              "lr=0.1)\ndata = torch.arange(100_000.)\nmine = rank * 10\npid = os.getpid()\n", timeout=120)
         pids = rk.value("pid")
-        res = rk.run("%ddp resize 4")
-        assert "can shrink but not grow yet" in res.stdout + res.error_text and "Nothing changed" in \
+        res = rk.ok("%ddp resize 3", timeout=120)
+        out = res.stdout + res.stderr
+        assert "resized the pool from 2 to 3 ranks" in out and "took" in out and "from rank 0" in out, out
+        assert "made anew on the new process group: model (DistributedDataParallel)" in out, out
+        assert "mine (Cell In[" in out, "a name made from rank is listed, not copied: " + out
+        rk.ok(PLACE + "opt.zero_grad()\nmodel(torch.ones(8, 4)).pow(2).mean().backward()\nopt.step()\n"
+              "have = (model.module.weight.tolist(), data.sum().item(), 'mine' in globals())\n", timeout=120)
+        assert rk.value("where") == [(r, 3, 0, str(r), "3", "0", str(r), "3", 6.0) for r in range(3)]
+        new = rk.value("pid")
+        assert new[:2] == pids[:2] and new[2] not in pids
+        pids.append(new[2])
+        rk.ok("%%ddp --gather have\nhave = (model.module.weight.tolist(), data.sum().item(), 'mine' in globals())\n")
+        have = rk.value("have")
+        assert all(h[0] == have[0][0] for h in have), f"the replicas trained on together: {have}"
+        assert [h[1:] for h in have] == [(4999949824.0, True), (4999949824.0, True), (4999949824.0, False)], have
+        labels = {rk.value(f"{POOL}.gang.node_of({r})") for r in range(3)}
+        assert len(labels) == 3, f"each rank on a node of its own: {labels}"
+        res = rk.run("%ddp resize 4", timeout=60)  # the cluster has 3 raylets, each used
+        assert "Ray found 0 node(s) the pool does not use" in res.stdout + res.error_text and "Nothing changed" in \
             res.stdout + res.error_text, res
+        rk.ok(PLACE, timeout=120)
+        assert rk.value("pid") == pids[:3], "a resize that could not grow changed nothing"
         res = rk.ok("%ddp resize 2", timeout=120)
         assert "resized the pool from 3 to 2 ranks" in res.stdout + res.stderr, res
         assert not wait_gone(pids[2:]), "the highest rank left"
-        rk.ok(PLACE + "total = data.sum().item()\n", timeout=120)
-        assert rk.value("where") == [(0, 2, 0, "0", "2", "0", "0", "2", 3.0), (1, 2, 0, "1", "2", "0", "1", "2", 3.0)]
-        assert rk.value("pid") == pids[:2]
-        os.kill(pids[1], signal.SIGKILL)  # healed after a resize: node 1's agent forks the replacement
+        rk.ok(PLACE, timeout=120)
+        assert rk.value("where") == [(r, 2, 0, str(r), "2", "0", str(r), "2", 3.0) for r in range(2)]
+        os.kill(pids[1], signal.SIGKILL)  # healed after the resizes: node 1's agent forks the replacement
         wait_mended(rk, 1)
         rk.ok(PLACE, timeout=120)
-        assert rk.value("where") == [(0, 2, 0, "0", "2", "0", "0", "2", 3.0), (1, 2, 0, "1", "2", "0", "1", "2", 3.0)]
+        assert rk.value("where") == [(r, 2, 0, str(r), "2", "0", str(r), "2", 3.0) for r in range(2)]
         pids += rk.value("pid")
     finally:
         rk.run("%ddp stop", timeout=60)
     assert not wait_gone(pids), "no rank is left on any node"
+    assert rk.value(PLACEMENT_GROUPS) in (["REMOVED"], []), "no placement group outlived the pool"
 
 
 def test_an_interrupt_while_the_group_is_placed_or_the_pool_torn_down_leaves_no_rank_nor_group(rk):

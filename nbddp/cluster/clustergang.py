@@ -134,12 +134,8 @@ class ClusterGang(Gang):
         env.update(reshape.node_place(rank, self.world_size, rank % D, D, node, self.nodes), MASTER_ADDR=nodes[0].ip)
         return starters.rank_spec(self.plan, self.config, rank, env)
 
-    place = reshape.place  # (a rank's place on its node, and its node's)
-    def renumber(self, moves: dict) -> None:
-        """As any gang's (old rank -> new, in order: the pool shrank), across the nodes too (reshape.py)."""
-        reshape.renumber(self, moves)
-        super().renumber(moves)
-        reshape.placed_anew(self)
+    # a pool across nodes grown (--devices ranks on each node it did not use) or renumbered: reshape.py
+    place, room, grow, renumber = reshape.place, reshape.room, reshape.grow, reshape.renumber
 
     def _fork_local(self, job_for, specs, ifname: str, deadline) -> None:
         """The kernel's node's ranks, forked from the kernel as in any pool (from its forkserver where the

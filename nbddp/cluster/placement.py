@@ -207,12 +207,21 @@ def moved(ray, pg, lost: Node, used: list, bundle: dict, within: float):
         if time.monotonic() >= moved_by:
             break
         time.sleep(0.2)
-    own = _placed(ray, [bundle], [{"ray.io/node-id": f"!in({','.join(used)})"}], max(0.0, end - time.monotonic()))
+    return room(ray, lost.index, used, bundle, max(0.0, end - time.monotonic()))
+
+
+def room(ray, index: int, used: list, bundle: dict, within: float):
+    """(node, placement group, 0): a group of its own (``bundle``, the caller's to release) on a node that is none
+    of ``used`` (the pool's node ids), to be the pool's node ``index``; None if none has the room within
+    ``within`` s."""
+    from ray.util.placement_group import placement_group_table
+
+    own = _placed(ray, [bundle], [{"ray.io/node-id": f"!in({','.join(used)})"}], within)
     if own is None:
         return None
     node_id = placement_group_table(own)["bundles_to_node_id"][0]
     ip = next((n.get("NodeManagerAddress", "?") for n in ray.nodes() if n["NodeID"] == node_id), "?")
-    return Node(lost.index, node_id, ip), own, 0
+    return Node(index, node_id, ip), own, 0
 
 
 def _keep(ray, actor, job: str, node_id: str):

@@ -1,9 +1,13 @@
-"""In the kernel: the ranks of a pool across Ray nodes whose agent was lost, started anew (healing).
+"""In the kernel: ranks of a pool across Ray nodes started by a new agent on a node of their own.
 
-The lost agent is ended (hung or cut off, its ranks end with it). Its node, if Ray still has it, else the node
-Ray moved its bundle of the pool's placement group to, else a node with the room the pool does not use
-(``placement.moved``), gets a new agent, which forks those ranks into the process group's next generation,
-as the pool's start did; its stream joins the others (``remote.Streams.follow``).
+- ``lost_node``: the ranks of a node whose agent was lost (healing). The lost agent is ended (hung or cut off,
+  its ranks end with it). Its node, if Ray still has it, else the node Ray moved its bundle of the pool's
+  placement group to, else a node with the room the pool does not use (``placement.moved``), gets a new agent,
+  which forks those ranks into the process group's next generation, as the pool's start did.
+- ``new_node``: ranks added to the pool (``%ddp resize`` to more), on a node with the room the pool did not
+  use (reserved by ``reshape.room``), its agent's link appended to the gang's.
+
+Either way the new agent's stream joins the others (``remote.Streams.follow``).
 """
 from __future__ import annotations
 
@@ -28,13 +32,28 @@ def lost_node(gang, old, generation: int) -> None:
     if found is None:
         raise ReplaceFailed(f"node {old.node} is lost ({old.lost}), and Ray found no other node with the room "
                             f"for its rank(s) within {MOVE_S:g} s")
+    gang.forget_ended(old.ranks)
+    gang.links[gang.links.index(old)] = _started(gang, found, old.ranks, generation, f"node {old.node} is lost, and ")
+
+
+def new_node(gang, ranks: list, found, generation: int) -> None:
+    """``ranks`` (new numbers, their specs made) started by a new agent on the node ``found`` (node, placement group,
+    bundle: reshape.room's), a node the pool did not use, joining the group's ``generation``."""
+    gang.placed.append(found[0])
+    gang.links.append(_started(gang, found, ranks, generation, ""))
+
+
+def _started(gang, found, ranks: list, generation: int, why: str) -> remote.Link:
+    """``ranks`` forked by a new agent where ``found`` (node, placement group, bundle) says, joining the group's
+    ``generation``; their link, its stream followed."""
     to, pg, bundle = found
+    index = to.index
     if pg is not gang.pg:
         gang.extra_pgs.append(pg)  # (released with the pool's own)
     in_bundle = dataclasses.replace(to, index=bundle)  # (a GPU pool's agent sits in the bundle)
-    actor = placement.agents(gang.ray, pg, [gang.placed[0], in_bundle], gang.per_node, gang.plan.accelerator)[0]
+    actor = placement.agents(gang.ray, pg, [gang.placed[0], in_bundle], len(ranks), gang.plan.accelerator)[0]
     gang.actors.append(actor)
-    specs = [starters.again(gang.specs[r], generation) for r in old.ranks]
+    specs = [starters.again(gang.specs[r], generation) for r in ranks]
     try:
         where = gang.ray.get(actor.where.remote(), timeout=placement.START_S)
         gen = actor.events.options(num_returns="streaming").remote(gang.run_dir.run_id, specs, gang.user_if)
@@ -42,19 +61,17 @@ def lost_node(gang, old, generation: int) -> None:
             raise TimeoutError(f"no answer within {placement.START_S:g} s")
         pids = pickle.loads(gang.ray.get(next(gen)))
     except Exception as e:  # noqa: BLE001 - Ray's errors are many: said
-        raise ReplaceFailed(f"node {old.node} is lost, and the agent on node {to.label} did not start its "
-                            f"rank(s): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ReplaceFailed(f"{why}the agent on node {to.label} did not start its rank(s): {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
     to.host = where["host"]
     if not (gang.user_if or where["ifname"]):
         raise ReplaceFailed(placement.no_interface(to.ip, f"node {to.label}"))
     gang.placed[index] = to
-    link = remote.Link(actor, to.label, old.ranks, gang.run_dir.run_id)
-    gang.links[gang.links.index(old)] = link
-    gang.forget_ended(old.ranks)
-    for r in old.ranks:
+    link = remote.Link(actor, to.label, list(ranks), gang.run_dir.run_id)
+    for r in ranks:
         gang.node_names[r] = to.label
         gang.streams.add(r, pids[r], link)
         if gang.view is not None and getattr(gang.view, "nodes", None):
             gang.view.nodes[r] = f"node {index} ({to.host or to.ip})"
     gang.streams.follow(link, gen)
-
+    return link

@@ -1,4 +1,5 @@
-"""In the kernel: a pool across Ray nodes renumbered (it shrank: ``--on-loss shrink``, ``%ddp resize`` to fewer).
+"""In the kernel: a pool across Ray nodes renumbered (it shrank: ``--on-loss shrink``, ``%ddp resize`` to fewer)
+or grown (``%ddp resize`` to more: new nodes, ``--devices`` ranks on each, ``grow``).
 
 Rank numbers go node by node, the kernel's node first. After a shrink, the survivors keep their order: each
 node's agent renumbers its ranks before any command for their new numbers reaches it (an agent applies the
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..errors import UsageError
+from ..kernel.ranks.gang import Gang
 from ..rank.worker import place_env
+from . import placement, relocate
 
 
 def node_place(rank: int, world_size: int, local: int, on_node: int, node: int, nodes: int) -> dict:
@@ -34,8 +38,10 @@ def place(gang, rank: int) -> dict:
 
 
 def renumber(gang, moves: dict) -> None:
-    """The other nodes' side of ``Gang.renumber`` (old rank -> new), before it: each agent told, its link's
-    ranks, the streams' records, the node names and the values owed renumbered."""
+    """``Gang.renumber`` (old rank -> new, in order: the pool shrank) across the nodes: each agent told first (its
+    calls are applied in order: before any command for the new numbers), a node left with no rank let go (its
+    agent's stream ends), its link's ranks, the streams' records, the node names and the values owed
+    renumbered; then each rank's spec says its new place (a replacement forked later starts there)."""
     for link in gang.links:
         mine = {r: moves[r] for r in link.ranks if r in moves}
         if mine:
@@ -46,9 +52,58 @@ def renumber(gang, moves: dict) -> None:
     gang.streams.procs = {moves[r]: p for r, p in gang.streams.procs.items() if r in moves}
     gang.node_names = {moves[r]: n for r, n in gang.node_names.items() if r in moves}
     gang.given = {moves[r] for r in gang.given if r in moves}
+    Gang.renumber(gang, moves)
+    placed_anew(gang)
 
 
 def placed_anew(gang) -> None:
-    """After ``Gang.renumber``: each rank's spec says its new place (a replacement forked later starts there)."""
+    """Each rank's spec says its place as the gang is now."""
     for rank, spec in gang.specs.items():
         gang.specs[rank] = dataclasses.replace(spec, env={**spec.env, **place(gang, rank)})
+
+
+
+
+def _chunks(gang, ranks: list) -> list[list[int]]:
+    """New ranks by node: ``per_node`` on each, fewer on the last."""
+    return [ranks[i:i + gang.per_node] for i in range(0, len(ranks), gang.per_node)]
+
+
+def room(gang, n: int) -> list:
+    """(node, placement group, bundle) for each node ``n`` more ranks need (``_chunks``), on nodes the pool does
+    not use yet; reserved before anything changes (their groups released with the pool's), else released and
+    UsageError."""
+    found, used = [], [node.node_id for node in gang.placed]
+    chunks = _chunks(gang, list(range(n)))
+    for chunk in chunks:
+        bundle = placement.bundle_for(len(chunk), gang.plan.accelerator)
+        got = placement.room(gang.ray, len(gang.placed) + len(found), used, bundle, relocate.MOVE_S)
+        if got is None:
+            for _, pg, _ in found:
+                placement.release(pg)
+            raise UsageError(f"%ddp resize: {n} more rank(s) want {len(chunks)} more node(s) (--devices "
+                             f"{gang.per_node} on each), and Ray found {len(found)} node(s) the pool does not use with "
+                             f"{bundle} free within {relocate.MOVE_S:g} s. Add nodes (ray start --address ...), or "
+                             "resize to fewer. Nothing changed.")
+        found.append(got)
+        used.append(got[0].node_id)
+    gang.extra_pgs.extend(pg for _, pg, _ in found)  # (released with the pool's own)
+    return found
+
+
+def grow(gang, world_size: int, found: list, generation: int) -> None:
+    """Ranks ``gang.world_size .. world_size - 1`` added on the nodes ``found`` (``room``'s), each node's forked by
+    a new agent (relocate.new_node) into the group's ``generation``; every rank's spec says its place after."""
+    nodes = len(layout(gang))
+    chunks = _chunks(gang, list(range(gang.world_size, world_size)))
+    # a GPU node's ranks see the GPUs Ray gave its agent as 0..n-1
+    devices = [d for chunk in chunks for d in (range(len(chunk)) if gang.plan.accelerator == "cuda"
+                                                   else [None] * len(chunk))]
+    gang.grown(world_size, tuple(devices))
+    for node, (chunk, where) in enumerate(zip(chunks, found), start=nodes):
+        for local, rank in enumerate(chunk):
+            spec = gang.specs[rank]
+            env = node_place(rank, world_size, local, len(chunk), node, nodes + len(chunks))
+            gang.specs[rank] = dataclasses.replace(spec, env={**spec.env, **env})
+        relocate.new_node(gang, chunk, where, generation)
+    placed_anew(gang)

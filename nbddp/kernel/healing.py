@@ -28,7 +28,6 @@ from ..errors import RankFailure, UsageError
 from ..rank import heal
 from ..views import output
 from ..wire import messages, values
-from . import devices
 from .ranks import starters
 from .ranks.gang import ReplaceFailed
 
@@ -260,17 +259,14 @@ class Mending:
         """``%ddp resize N``: the pool grown or shrunk to ``world_size`` ranks, its state kept."""
         pool = self.pool
         gang = pool.gang
-        if pool.config.cluster and world_size > gang.world_size:
-            raise UsageError("%ddp resize: a pool across Ray nodes can shrink but not grow yet; %ddp restart "
-                             "--nodes N --devices D for more ranks. Nothing changed.")
         if world_size == gang.world_size:
             return f"the pool has {world_size} rank(s) already; nothing changed."
-        devices = self.more_devices(world_size - gang.world_size) if world_size > gang.world_size else ()
+        room = gang.room(world_size - gang.world_size) if world_size > gang.world_size else ()
         with pool.one_cell():
             self.before_cell()
             pool.view.said(f"resizing: {pool.gang.world_size} → {world_size} ranks")
             try:
-                mended = resize(pool, world_size, devices)
+                mended = resize(pool, world_size, room)
             except BaseException as e:  # half resized, the pool cannot be vouched for
                 why = str(e) if isinstance(e, (HealFailed, ReplaceFailed)) else f"{type(e).__name__}: {e}"
                 pool.gang.close(f"torn down: resizing it failed ({why})", as_said=True)
@@ -279,16 +275,6 @@ class Mending:
                 raise RankFailure(f"resizing the pool failed: {why}.\nThe pool has ended and its ranks' state is "
                                   "gone: %ddp start to begin again.", rank=None, cause="resize") from None
             return self.said(mended)
-
-    def more_devices(self, n: int) -> tuple:
-        """Devices for ``n`` more ranks: CPU ranks need none; GPUs not used by the pool yet."""
-        plan = self.pool.gang.plan
-        if plan.accelerator != "cuda":
-            return (None,) * n
-        free = [d for d in devices.plan(-1, "cuda", plan.backend).device_ids if d not in plan.device_ids]
-        if len(free) < n:
-            raise UsageError(f"%ddp resize: {n} more GPU(s) wanted, {len(free)} not used by the pool. Nothing changed.")
-        return tuple(free[:n])
 
 
 # -- asking some ranks, with a deadline ------------------------------------------------------------------------
@@ -516,15 +502,23 @@ def _heal(gang, survivors: list, losses: list, inherited: bool) -> Mended:
     for rank in lost:
         gang.replace(rank, gang.generation)
     _join(gang, {r: messages.Regroup(gang.generation) for r in survivors}, lost)
-    if gang.spans_machines:  # the peer and the new ranks may be on different machines: over the group
-        found = _survey(gang, survivors)
-        _over_the_group(gang, survivors[0], lost, found)
-    else:
-        found = _survey(gang, survivors, lost[0] if inherited else None)
-        _adopt(gang, lost, _export(gang, survivors[0], found), found)
+    found = _hand_over(gang, survivors, lost, inherited)
     rebuilt = _rebuild(gang, found.remade)
     return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking=found.lacking,
                   rebuilt=rebuilt)
+
+
+def _hand_over(gang, holders: list, new: list, inherited: bool) -> Verdict:
+    """The names ``holders`` agree on, given to the ``new`` ranks by ``holders[0]``: through shared memory on one
+    machine; over the process group where the peer and the new ranks may be on different machines (never
+    through the kernel's). ``inherited``: the new ranks were forked from the kernel as it is now."""
+    if gang.spans_machines:
+        found = _survey(gang, holders)
+        _over_the_group(gang, holders[0], new, found)
+    else:
+        found = _survey(gang, holders, new[0] if inherited else None)
+        _adopt(gang, new, _export(gang, holders[0], found), found)
+    return found
 
 
 def _survey(gang, holders: list, fresh: int | None = None) -> Verdict:
@@ -585,10 +579,10 @@ def _shrink(gang, survivors: list, losses: list) -> Mended:
     return Mended("shrunk", losses, 0.0, lacking=lacking, rebuilt=rebuilt, renumbered=moves)
 
 
-def resize(pool, world_size: int, devices: tuple = ()) -> Mended:
-    """``%ddp resize N``: the pool grown onto ``devices`` (new ranks take the pool's state from rank 0, as a
-    replacement does) or shrunk (its highest ranks leave), in a new process group at ``world_size``, DDP models
-    made anew."""
+def resize(pool, world_size: int, room: tuple = ()) -> Mended:
+    """``%ddp resize N``: the pool grown into ``room`` (what ``Gang.room`` found for the new ranks: their devices,
+    or a pool across Ray nodes' new nodes; they take the pool's state from rank 0, as a replacement does) or
+    shrunk (its highest ranks leave), in a new process group at ``world_size``, DDP models made anew."""
     gang = pool.gang
     old = gang.world_size
     start = time.monotonic()
@@ -603,10 +597,9 @@ def resize(pool, world_size: int, devices: tuple = ()) -> Mended:
     else:
         new = list(range(old, world_size))
         gang.generation += 1
-        gang.grow(world_size, devices, gang.generation)
+        gang.grow(world_size, room, gang.generation)
         _join(gang, {r: gang.regroup_at(r) for r in ranks}, new)
-        found = _survey(gang, ranks, new[0] if pool.starter.inherits_notebook else None)
-        _adopt(gang, new, _export(gang, 0, found), found)
+        found = _hand_over(gang, ranks, new, pool.starter.inherits_notebook)
         mended = Mended("resized", [], 0.0, copied=found.agreed, peer=0, lacking=found.lacking)
     mended.rebuilt = _rebuild(gang, found.remade)
     mended.renumbered = {r: r for r in range(world_size)}

@@ -14,8 +14,10 @@ import os
 import signal
 import time
 
+from ...errors import UsageError
 from ...hw import driverwatch
 from ...wire import framing, messages
+from .. import devices
 from . import failure, groupstore, rendezvous, starters
 from .logs import RankLogs
 from .supervisor import Started, Supervisor
@@ -106,9 +108,26 @@ class Gang:
         self.sup.procs = [p for p in self.sup.procs if p.rank not in ranks or p.exit is None]
         self.ready.difference_update(ranks)
 
+    def room(self, n: int) -> tuple:
+        """Devices for ``n`` more ranks (``%ddp resize``), found before anything changes: CPU ranks need none;
+        GPUs not used by the pool yet, else UsageError."""
+        plan = self.plan
+        if plan.accelerator != "cuda":
+            return (None,) * n
+        free = [d for d in devices.plan(-1, "cuda", plan.backend).device_ids if d not in plan.device_ids]
+        if len(free) < n:
+            raise UsageError(f"%ddp resize: {n} more GPU(s) wanted, {len(free)} not used by the pool. Nothing changed.")
+        return tuple(free[:n])
+
     def grow(self, world_size: int, device_ids: tuple, generation: int) -> None:
-        """Ranks ``self.world_size .. world_size - 1`` added on ``device_ids`` (one each), joining the group's
-        ``generation`` at ``world_size`` (the ranks there make it with ``Regroup``, at the new world size)."""
+        """Ranks ``self.world_size .. world_size - 1`` added on ``device_ids`` (``room``'s, one each), joining the
+        group's ``generation`` at ``world_size`` (the ranks there make it with ``Regroup``, at the new size)."""
+        for rank in self.grown(world_size, device_ids):
+            self._fork_one(starters.again(self.specs[rank], generation))
+
+    def grown(self, world_size: int, device_ids: tuple) -> range:
+        """The gang's tables at ``world_size`` (its specs, plan, logs and view), the new ranks' specs made from
+        rank 0's on ``device_ids``; the new ranks."""
         first = self.specs[0]
         old = self.world_size
         self.specs = {r: starters.moved(spec, r, world_size) for r, spec in self.specs.items()}
@@ -119,7 +138,7 @@ class Gang:
             self.view.renumber({r: r for r in range(old)}, self.plan)
         for rank, dev in zip(range(old, world_size), device_ids):
             self.specs[rank] = dataclasses.replace(starters.moved(first, rank, world_size), device_id=dev)
-            self._fork_one(starters.again(self.specs[rank], generation))
+        return range(old, world_size)
 
     def _fork_one(self, spec) -> None:
         """One rank forked from ``spec`` into the running gang, with its own command pipe."""
