@@ -325,6 +325,23 @@ def test_a_device_mesh_and_a_replicated_dtensor_are_made_anew_and_a_shard_is_nam
     assert "  s (Cell In[" in res.stderr and "sharded (FSDP2 / DTensor)" in res.stderr, res.stderr
 
 
+def test_a_2d_mesh_that_does_not_fit_the_new_size_is_named_and_a_1d_one_is_made_anew(pool3):
+    """A pool of 4 resized to 3: a 1-D mesh (and what is on it) is made anew at 3; a 2-D mesh (2 x 2) cannot be,
+    and it and the DTensor on it are named with the fix, not dropped in silence."""
+    k = pool3
+    k.ok("%ddp start --devices 4")
+    k.ok(MESH + "grid = init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp'))\n"
+         "g = distribute_tensor(torch.ones(4, 4), grid, [Replicate(), Replicate()])\n", timeout=120)
+    res = k.ok("%ddp resize 3", timeout=120)
+    out = res.stdout + res.stderr
+    assert "mesh (DeviceMesh), w (DTensor)" in out, out
+    assert re.search(r"  grid \(Cell In\[\d+\].*\): a DeviceMesh of shape \(2, 2\) over ranks \[0, 1, 2, 3\] cannot be "
+                     r"made on a group of 3: make it again", out), out
+    assert re.search(r"  g \(Cell In\[\d+\].*\): a DeviceMesh of shape \(2, 2\)", out), out
+    k.ok(ON_THE_MESH, timeout=120)
+    assert [got[:4] for got in k.value("got")] == [(3, True, 66.0, [5.0] * 3)] * 3
+
+
 def test_a_notebook_model_trained_in_place_by_the_pool_reaches_the_replacement(pool3):
     """`net` is the notebook's: the replacement, a fork of the kernel, has the untrained one unless healing
     sees that every survivor changed it alike (and keeps `ddp.module is net`)."""

@@ -463,7 +463,8 @@ class Mended:
             lines.append("what a cell made from world_size (a per-rank batch, a scaled learning rate) is as it was on "
                          "every rank: make it again where it matters")
         if self.lacking and self.how == "shrunk" or self.lacking and self.how == "resized" and not ranks:
-            lines.append("these names were made from each rank's old number; run the cells that bound them again:")
+            lines.append("these names were made from each rank's old number or the old group; run the cells that bound "
+                         "them again:")
         elif self.lacking:
             lines.append(f"rank(s) {ranks} lack these names; run the cells that bound them again:")
         if self.lacking:
@@ -503,8 +504,8 @@ def _heal(gang, survivors: list, losses: list, inherited: bool) -> Mended:
         gang.replace(rank, gang.generation)
     _join(gang, {r: messages.Regroup(gang.generation) for r in survivors}, lost)
     found = _hand_over(gang, survivors, lost, inherited)
-    rebuilt = _rebuild(gang, found.remade)
-    return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking=found.lacking,
+    rebuilt, unmade = _rebuild(gang, found.remade)
+    return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking={**found.lacking, **unmade},
                   rebuilt=rebuilt)
 
 
@@ -558,13 +559,15 @@ def _adopt(gang, new: list, blob, found: Verdict) -> None:
         ask(gang, {r: call(heal.adopt, blob, sorted(found.lacking)) for r in new}, "the new rank took the names")
 
 
-def _rebuild(gang, names: list) -> list:
+def _rebuild(gang, names: list) -> tuple[list, dict]:
     """What is bound to the group under ``names`` (DDP models, DeviceMeshes, replicated DTensors) made anew on
-    every rank (collectives, in one order everywhere): (name, kind) each; with no names, the peer's export is
-    let go all the same."""
+    every rank (collectives, in one order everywhere): (name, kind) each, and name -> why for what could not be
+    (a 2-D mesh on a group of another size: run its cell again); with no names, the peer's export is let go
+    all the same."""
     answers = ask(gang, {r: call(heal.rebuild, names) for r in range(gang.world_size)},
                   "DDP models and meshes were made anew")
-    return [tuple(made) for made in value(answers[0]) or []]
+    got = [tuple(x) for x in value(answers[0]) or []]
+    return [x for x in got if len(x) == 2], {x[0]: x[2] for x in got if len(x) == 3}
 
 
 def _shrink(gang, survivors: list, losses: list) -> Mended:
@@ -573,10 +576,15 @@ def _shrink(gang, survivors: list, losses: list) -> Mended:
     gang.renumber(moves)
     _join(gang, {new: gang.regroup_at(new) for new in moves.values()}, [])
     found = _survey(gang, list(moves.values()))
-    rebuilt = _rebuild(gang, [n for n in found.agreed if n in found.remade])
-    # what was made from the old rank, and what still uses the old group (a shard, a 2-D mesh)
-    lacking = {n: why for n, why in found.lacking.items() if "differs" in why or n in found.stale}
-    return Mended("shrunk", losses, 0.0, lacking=lacking, rebuilt=rebuilt, renumbered=moves)
+    rebuilt, unmade = _rebuild(gang, [n for n in found.agreed if n in found.remade])
+    return Mended("shrunk", losses, 0.0, lacking={**_renumbered_lacking(found), **unmade}, rebuilt=rebuilt,
+                  renumbered=moves)
+
+
+def _renumbered_lacking(found: Verdict) -> dict:
+    """Of a renumbered pool's names (shrunk, resized down), what was made from the old rank, and what still uses
+    the old group (a shard)."""
+    return {n: why for n, why in found.lacking.items() if "differs" in why or n in found.stale}
 
 
 def resize(pool, world_size: int, room: tuple = ()) -> Mended:
@@ -593,7 +601,7 @@ def resize(pool, world_size: int, room: tuple = ()) -> Mended:
         gang.generation += 1
         gang.renumber({r: r for r in range(world_size)})
         _join(gang, {r: gang.regroup_at(r) for r in ranks}, [])
-        mended = Mended("resized", [], 0.0, lacking={n: why for n, why in found.lacking.items() if "differs" in why})
+        mended = Mended("resized", [], 0.0, lacking=_renumbered_lacking(found))
     else:
         new = list(range(old, world_size))
         gang.generation += 1
@@ -601,7 +609,8 @@ def resize(pool, world_size: int, room: tuple = ()) -> Mended:
         _join(gang, {r: gang.regroup_at(r) for r in ranks}, new)
         found = _hand_over(gang, ranks, new, pool.starter.inherits_notebook)
         mended = Mended("resized", [], 0.0, copied=found.agreed, peer=0, lacking=found.lacking)
-    mended.rebuilt = _rebuild(gang, found.remade)
+    mended.rebuilt, unmade = _rebuild(gang, found.remade)
+    mended.lacking.update(unmade)
     mended.renumbered = {r: r for r in range(world_size)}
     mended.seconds = time.monotonic() - start
     mended.sizes = (old, world_size)
@@ -613,4 +622,4 @@ def regrouped(gang) -> list:
     meshes, the replicated DTensors) every rank holds, made anew on it. Returns (name, kind) each."""
     stale = [set(value(rec) or ()) for rec in ask(gang, {r: call(heal.remade_names) for r in range(gang.world_size)},
                                                     "listing the DDP models and meshes").values()]
-    return _rebuild(gang, sorted(set.intersection(*stale))) if stale else []
+    return _rebuild(gang, sorted(set.intersection(*stale)))[0] if stale else []

@@ -519,7 +519,8 @@ def rebuild(ctx, names) -> list:
     DDP models (in this order on every rank: a mesh's groups and DDP's constructor are collectives): what a
     peer sent (a ``Pending``), or what is bound to a group that is gone. An old DDP is kept until the rank is
     idle (usergroup: freeing it could deadlock). The export's arenas are let go (the replacement mapped them
-    before). Returns (name, kind) for each made anew."""
+    before). Returns (name, kind) for each made anew, (name, kind, why) for each that cannot be (a mesh, or
+    what is on one, that does not fit the group: a 2-D mesh after a shrink)."""
     for sharer in _exported:
         sharer.let_go()
     _exported.clear()
@@ -532,7 +533,8 @@ def rebuild(ctx, names) -> list:
             continue
         try:
             ns[name] = _made_anew(ns[name], kind, meshes)
-        except GroupBound:  # a mesh that does not fit the group (alike on every rank: skipped on every rank)
+        except GroupBound as e:  # a mesh that does not fit the group (alike on every rank: skipped on every rank)
+            made.append((name, kind, str(e)))
             continue
         made.append((name, kind))
     return made
