@@ -325,6 +325,8 @@ def test_a_parameter_handed_by_cuda_ipc_stays_a_leaf_parameter_an_optimizer_can_
     torch.optim.SGD([got], lr=0.1)  # (raises for a non-leaf)
     frozen = cuda.opened_on_rank(lambda: torch.ones(2, requires_grad=False), (), 0)
     assert not frozen.requires_grad
+    tagged = cuda.opened_on_rank(lambda: weight, (), 0, {"_is_hf_initialized": True})
+    assert type(tagged) is torch.nn.Parameter and tagged._is_hf_initialized is True, "its attributes came with it"
 
 
 def test_without_cuda_ipc_a_kernel_gpu_tensor_travels_as_its_cpu_copy(monkeypatch):

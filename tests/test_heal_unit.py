@@ -135,6 +135,7 @@ class Ctx:
 if rank == 0:
     torch.manual_seed(0)
     model = torch.nn.Linear(300, 300)
+    model.weight._is_hf_initialized = True  # an attribute a library set: carried, as torch's pickling does
     opt = torch.optim.Adam(model.parameters())
     model(torch.ones(2, 300)).sum().backward()
     opt.step()
@@ -150,6 +151,7 @@ else:
     want = torch.load(sys.argv[3], weights_only=False)
     assert got == sorted(want), got
     assert torch.equal(ns["model"].weight, want["model"].weight) and type(ns["model"].weight) is torch.nn.Parameter
+    assert ns["model"].weight._is_hf_initialized is True, "the parameter's attributes came with it"
     assert ns["opt"].param_groups[0]["params"][0] is ns["model"].weight, "the optimizer on its model's parameters"
     assert all(torch.equal(a, b) for a, b in zip(ns["opt"].state[ns["model"].weight].values(),
                                                  want["opt"]["state"][0].values()))

@@ -72,6 +72,17 @@ def test_views_of_one_storage_share_one_copy():
     assert copied == 0 and _place(again) == _place(reduced[0])
 
 
+def test_a_tensors_attributes_come_with_it_as_torchs_pickling_keeps_them():
+    weight = torch.nn.Parameter(torch.ones(N))
+    weight._is_hf_initialized, weight.tag = True, {"layer": 3}
+    plain = torch.zeros(N)
+    plain.note = "x"
+    (w, p), _, _ = _send(weight, plain)
+    got, other = w[0](*w[1]), p[0](*p[1])
+    assert type(got) is torch.nn.Parameter and got._is_hf_initialized is True and got.tag == {"layer": 3}
+    assert other.note == "x" and torch.equal(other, plain)
+
+
 def test_what_a_reader_rebuilds_is_its_own_the_notebooks_value_and_other_readers_keep_theirs():
     t = torch.zeros(N)
     blob = values.to_ranks(t)

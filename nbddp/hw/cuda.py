@@ -205,11 +205,12 @@ def ipc_share(tensor):
         rebuild, args = reduce_tensor(tensor)
     except Exception:  # noqa: BLE001 - WSL2, Jetson, a device without IPC: pickled as its CPU copy
         return None
-    return opened_on_rank, (rebuild, args, tensor.device.index)
+    return opened_on_rank, (rebuild, args, tensor.device.index, dict(tensor.__dict__) or None)
 
 
-def opened_on_rank(rebuild, args, source: int):
-    """In the rank: the kernel's GPU tensor, opened by its IPC handle and copied onto this rank's GPU."""
+def opened_on_rank(rebuild, args, source: int, attributes: dict | None = None):
+    """In the rank: the kernel's GPU tensor, opened by its IPC handle and copied onto this rank's GPU, with the
+    attributes it carried (``attributes``: its ``__dict__``, as torch's own pickling keeps it)."""
     import torch
 
     shared = rebuild(*args)
@@ -217,8 +218,11 @@ def opened_on_rank(rebuild, args, source: int):
     with torch.no_grad():  # a leaf as it was (a parameter stays one: an optimizer can take it)
         own = shared.detach().clone() if mine.index == source else shared.detach().to(mine)
     if isinstance(shared, torch.nn.Parameter):
-        return torch.nn.Parameter(own, requires_grad=shared.requires_grad)
-    return own.requires_grad_(shared.requires_grad)
+        own = torch.nn.Parameter(own, requires_grad=shared.requires_grad)
+    else:
+        own.requires_grad_(shared.requires_grad)
+    own.__dict__.update(attributes or {})
+    return own
 
 
 def held_here() -> bool:

@@ -291,20 +291,24 @@ def plain_bytes(torch, t) -> bool:
 
 
 def tensor_meta(torch, t) -> tuple:
-    """What ``rebuilt`` needs besides the storage's bytes."""
+    """What ``rebuilt`` needs besides the storage's bytes: its place on them, and the attributes it carries (its
+    ``__dict__``: ``param._is_hf_initialized``..., as torch's own pickling keeps them)."""
     return (str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), t.storage_offset(),
-            t.untyped_storage().nbytes(), t.requires_grad, type(t) is torch.nn.Parameter)
+            t.untyped_storage().nbytes(), t.requires_grad, type(t) is torch.nn.Parameter, dict(t.__dict__) or None)
 
 
 def rebuilt(raw, meta):
     """The tensor ``tensor_meta`` described, on ``raw`` (a flat uint8 tensor holding its storage's bytes)."""
     import torch
 
-    dtype_name, shape, stride, storage_offset, _nbytes, requires_grad, parameter = meta
+    dtype_name, shape, stride, storage_offset, _nbytes, requires_grad, parameter, attributes = meta
     t = torch.empty(0, dtype=getattr(torch, dtype_name)).set_(raw.untyped_storage(), storage_offset, shape, stride)
     if parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    return t.requires_grad_(requires_grad) if requires_grad else t
+        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+    elif requires_grad:
+        t.requires_grad_(requires_grad)
+    t.__dict__.update(attributes or {})
+    return t
 
 
 def _reduce_array(np, a):
