@@ -459,7 +459,8 @@ def test_a_pool_across_nodes_grows_onto_a_node_it_did_not_use_and_shrinks_back(r
     """Issue 55, %ddp resize on Ray: a new node's agent forks the new rank, which takes the names the ranks agree on
     from rank 0 over the new group (its node cannot map this machine's memory), DDP made anew, every rank told
     the new world (WORLD_SIZE, GROUP_WORLD_SIZE); with no node left to grow onto, nothing changes; shrunk
-    back, the highest rank leaves, and the pool still heals a lost rank."""
+    back, the highest rank leaves; grown again, onto the node the pool still holds, by its agent there; and
+    the pool still heals a lost rank."""
     rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
     pids = []
     try:
@@ -489,15 +490,23 @@ def test_a_pool_across_nodes_grows_onto_a_node_it_did_not_use_and_shrinks_back(r
             res.stdout + res.error_text, res
         rk.ok(PLACE, timeout=120)
         assert rk.value("pid") == pids[:3], "a resize that could not grow changed nothing"
+        agent = psutil.Process(pids[2]).ppid()
         res = rk.ok("%ddp resize 2", timeout=120)
         assert "resized the pool from 3 to 2 ranks" in res.stdout + res.stderr, res
         assert not wait_gone(pids[2:]), "the highest rank left"
         rk.ok(PLACE, timeout=120)
         assert rk.value("where") == [(r, 2, 0, str(r), "2", "0", str(r), "2", 3.0) for r in range(2)]
+        res = rk.ok("%ddp resize 3", timeout=120)  # back onto the node the pool still holds, by its agent there
+        assert "resized the pool from 2 to 3 ranks" in res.stdout + res.stderr, res
+        rk.ok(PLACE, timeout=120)
+        assert rk.value("where") == [(r, 3, 0, str(r), "3", "0", str(r), "3", 6.0) for r in range(3)]
+        again = rk.value("pid")
+        assert again[:2] == pids[:2] and psutil.Process(again[2]).ppid() == agent, "node 2's agent forked it"
+        pids.append(again[2])
         os.kill(pids[1], signal.SIGKILL)  # healed after the resizes: node 1's agent forks the replacement
         wait_mended(rk, 1)
         rk.ok(PLACE, timeout=120)
-        assert rk.value("where") == [(r, 2, 0, str(r), "2", "0", str(r), "2", 3.0) for r in range(2)]
+        assert rk.value("where") == [(r, 3, 0, str(r), "3", "0", str(r), "3", 6.0) for r in range(3)]
         pids += rk.value("pid")
     finally:
         rk.run("%ddp stop", timeout=60)

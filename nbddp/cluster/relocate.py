@@ -5,7 +5,8 @@
   placement group to, else a node with the room the pool does not use (``placement.moved``), gets a new agent,
   which forks those ranks into the process group's next generation, as the pool's start did.
 - ``new_node``: ranks added to the pool (``%ddp resize`` to more), on a node with the room the pool did not
-  use (reserved by ``reshape.room``), its agent's link appended to the gang's.
+  use (reserved by ``reshape.room``), its agent's link appended to the gang's; ``node_again``: on a node the
+  pool holds but left with no rank (a shrink), by the agent it had there.
 
 Either way the new agent's stream joins the others (``remote.Streams.follow``).
 """
@@ -32,27 +33,42 @@ def lost_node(gang, old, generation: int) -> None:
     if found is None:
         raise ReplaceFailed(f"node {old.node} is lost ({old.lost}), and Ray found no other node with the room "
                             f"for its rank(s) within {MOVE_S:g} s")
+    if found[1] is not gang.pg:
+        gang.extra_pgs.append(found[1])  # (released with the pool's own)
     gang.forget_ended(old.ranks)
-    gang.links[gang.links.index(old)] = _started(gang, found, old.ranks, generation, f"node {old.node} is lost, and ")
+    actor = _agent(gang, found, len(old.ranks))
+    gang.links[gang.links.index(old)] = _started(gang, found[0], actor, old.ranks, generation,
+                                                 f"node {old.node} is lost, and ")
 
 
 def new_node(gang, ranks: list, found, generation: int) -> None:
     """``ranks`` (new numbers, their specs made) started by a new agent on the node ``found`` (node, placement group,
     bundle: reshape.room's), a node the pool did not use, joining the group's ``generation``."""
     gang.placed.append(found[0])
-    gang.links.append(_started(gang, found, ranks, generation, ""))
+    gang.links.append(_started(gang, found[0], _agent(gang, found, len(ranks)), ranks, generation, ""))
 
 
-def _started(gang, found, ranks: list, generation: int, why: str) -> remote.Link:
-    """``ranks`` forked by a new agent where ``found`` (node, placement group, bundle) says, joining the group's
-    ``generation``; their link, its stream followed."""
+def node_again(gang, ranks: list, old, generation: int) -> None:
+    """``ranks`` started on a node the pool holds but left with no rank (``old``: its link, whose stream ended
+    cleanly: a shrink), by the agent it had there, whose bundle the pool still holds."""
+    index = gang.links.index(old) + 1
+    gang.links[index - 1] = _started(gang, gang.placed[index], old.actor, ranks, generation, "")
+
+
+def _agent(gang, found, n: int):
+    """A new agent for ``n`` ranks where ``found`` (node, placement group, bundle) says (a GPU pool's sits in the
+    bundle, holding their GPUs)."""
     to, pg, bundle = found
-    index = to.index
-    if pg is not gang.pg:
-        gang.extra_pgs.append(pg)  # (released with the pool's own)
-    in_bundle = dataclasses.replace(to, index=bundle)  # (a GPU pool's agent sits in the bundle)
-    actor = placement.agents(gang.ray, pg, [gang.placed[0], in_bundle], len(ranks), gang.plan.accelerator)[0]
+    in_bundle = dataclasses.replace(to, index=bundle)
+    actor = placement.agents(gang.ray, pg, [gang.placed[0], in_bundle], n, gang.plan.accelerator)[0]
     gang.actors.append(actor)
+    return actor
+
+
+def _started(gang, to, actor, ranks: list, generation: int, why: str) -> remote.Link:
+    """``ranks`` forked on node ``to`` (its pool's node index) by ``actor``, its agent, joining the group's
+    ``generation``; their link, its stream followed."""
+    index = to.index
     specs = [starters.again(gang.specs[r], generation) for r in ranks]
     try:
         where = gang.ray.get(actor.where.remote(), timeout=placement.START_S)

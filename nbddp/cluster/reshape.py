@@ -10,11 +10,14 @@ the nodes that still have any (the kernel's node may have none left).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from ..errors import UsageError
 from ..kernel.ranks.gang import Gang
 from ..rank.worker import place_env
-from . import placement, relocate
+from . import placement, relocate, remote
+
+EMPTIED_S = 5.0  # a node left with no rank: its agent's stream for the pool ends within this (agent.BEAT_S...)
 
 
 def node_place(rank: int, world_size: int, local: int, on_node: int, node: int, nodes: int) -> dict:
@@ -25,9 +28,9 @@ def node_place(rank: int, world_size: int, local: int, on_node: int, node: int, 
 
 
 def layout(gang) -> list[list[int]]:
-    """The ranks of each node that has any, in node order (the kernel's first)."""
+    """The ranks of each node that has any, the nodes in the order of their ranks (node by node)."""
     nodes = [sorted(gang._cmd)] + [sorted(link.ranks) for link in gang.links]
-    return [ranks for ranks in nodes if ranks]
+    return sorted((ranks for ranks in nodes if ranks), key=lambda ranks: ranks[0])
 
 
 def place(gang, rank: int) -> dict:
@@ -70,30 +73,42 @@ def _chunks(gang, ranks: list) -> list[list[int]]:
 
 
 def room(gang, n: int) -> list:
-    """(node, placement group, bundle) for each node ``n`` more ranks need (``_chunks``), on nodes the pool does
-    not use yet; reserved before anything changes (their groups released with the pool's), else released and
-    UsageError."""
-    found, used = [], [node.node_id for node in gang.placed]
+    """Where each node's worth of ``n`` more ranks (``_chunks``) goes, found before anything changes: a node the
+    pool holds with no rank left (a shrink: its bundle still reserved, its agent there; the link), else a
+    node it does not use, reserved (node, placement group, bundle; released with the pool's), else UsageError,
+    the groups reserved so far released."""
     chunks = _chunks(gang, list(range(n)))
-    for chunk in chunks:
+    where: list = [link for link in _emptied(gang)][:len(chunks)]
+    found, used = [], [node.node_id for node in gang.placed]
+    for chunk in chunks[len(where):]:
         bundle = placement.bundle_for(len(chunk), gang.plan.accelerator)
         got = placement.room(gang.ray, len(gang.placed) + len(found), used, bundle, relocate.MOVE_S)
         if got is None:
             for _, pg, _ in found:
                 placement.release(pg)
             raise UsageError(f"%ddp resize: {n} more rank(s) want {len(chunks)} more node(s) (--devices "
-                             f"{gang.per_node} on each), and Ray found {len(found)} node(s) the pool does not use with "
-                             f"{bundle} free within {relocate.MOVE_S:g} s. Add nodes (ray start --address ...), or "
-                             "resize to fewer. Nothing changed.")
+                             f"{gang.per_node} on each), and Ray found {len(where) + len(found)} node(s) the pool "
+                             f"does not use with {bundle} free within {relocate.MOVE_S:g} s. Add nodes (ray start "
+                             "--address ...), or resize to fewer. Nothing changed.")
         found.append(got)
         used.append(got[0].node_id)
     gang.extra_pgs.extend(pg for _, pg, _ in found)  # (released with the pool's own)
-    return found
+    return where + found
+
+
+def _emptied(gang) -> list:
+    """The links of nodes the pool holds with no rank left, whose agent's stream for the pool ended cleanly
+    (awaited a little: a shrink just told it to finish)."""
+    empty = [link for link in gang.links if not link.ranks]
+    end = time.monotonic() + EMPTIED_S
+    gang.sup.wait(None, until=lambda: all(link.lost for link in empty) or time.monotonic() >= end, wake_at=end)
+    return [link for link in empty if link.lost and link.clean]
 
 
 def grow(gang, world_size: int, found: list, generation: int) -> None:
-    """Ranks ``gang.world_size .. world_size - 1`` added on the nodes ``found`` (``room``'s), each node's forked by
-    a new agent (relocate.new_node) into the group's ``generation``; every rank's spec says its place after."""
+    """Ranks ``gang.world_size .. world_size - 1`` added where ``room`` found, each node's forked by its agent
+    (relocate.node_again, relocate.new_node) into the group's ``generation``; every rank's spec says its place
+    after."""
     nodes = len(layout(gang))
     chunks = _chunks(gang, list(range(gang.world_size, world_size)))
     # a GPU node's ranks see the GPUs Ray gave its agent as 0..n-1
@@ -105,5 +120,8 @@ def grow(gang, world_size: int, found: list, generation: int) -> None:
             spec = gang.specs[rank]
             env = node_place(rank, world_size, local, len(chunk), node, nodes + len(chunks))
             gang.specs[rank] = dataclasses.replace(spec, env={**spec.env, **env})
-        relocate.new_node(gang, chunk, where, generation)
+        if isinstance(where, remote.Link):
+            relocate.node_again(gang, chunk, where, generation)
+        else:
+            relocate.new_node(gang, chunk, where, generation)
     placed_anew(gang)
