@@ -204,12 +204,30 @@ def measure_ray(gib: float) -> dict | None:
             k.ok(STEP, timeout=180)
             out["cells"] = 2
         out["next_cell_s"] = time.perf_counter() - killed
+        out.update(_resized(k))
         out["restart_s"] = _restarted(k, numel)
         k.ok("%ddp stop", timeout=120)
     finally:
         k.shutdown()
         cluster.shutdown()
     return out
+
+
+def _resized(k) -> dict:
+    """A pool across nodes shrunk by one node (``%ddp resize 2``) and grown back (``%ddp resize 3``: the node it
+    left, its agent there, the state from rank 0 over the new group), each timed to the end of a step on the
+    new group; the replicas checked equal."""
+    t0 = time.perf_counter()
+    k.ok("%ddp resize 2", timeout=180)
+    k.ok(STEP, timeout=120)
+    shrunk = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    k.ok("%ddp resize 3", timeout=300)
+    k.ok(STEP, timeout=120)
+    grown = time.perf_counter() - t0
+    got = [w[2] for w in k.value("where")]
+    assert got == [got[0]] * 3, "the state reached the new rank"
+    return {"shrink_s": shrunk, "grow_s": grown}
 
 
 def render(r: dict) -> str:
@@ -265,6 +283,9 @@ def _render_ray(ray: dict | None) -> list:
         f"| kill → the loss said (idle, no cell run) | {ray['said_s']:.3f} |",
         f"| kill → healed ({gib} over the group) | {ray['healed_s']:.2f} (the heal itself {ray['heal_s']:.1f}) |",
         f"| kill → a cell done on 3 ranks{FIRST_FAILED if ray['cells'] > 1 else ''} | {ray['next_cell_s']:.2f} |",
+        *([f"| `%ddp resize 2` (a node left) + the step | {ray['shrink_s']:.2f} |",
+           f"| `%ddp resize 3` (back onto that node, {gib} over the group) + the step | {ray['grow_s']:.2f} |"]
+          if "grow_s" in ray else []),
         f"| anchor: `%ddp restart` + the cell that built the state again + the step | {ray['restart_s']:.2f} |",
         "",
         "Before the tensors went as they are (the whole state pickled by value, sent, unpickled: two copies of "

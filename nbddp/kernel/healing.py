@@ -258,12 +258,16 @@ class Mending:
     def resize(self, world_size: int) -> str:
         """``%ddp resize N``: the pool grown or shrunk to ``world_size`` ranks, its state kept."""
         pool = self.pool
-        gang = pool.gang
-        if world_size == gang.world_size:
-            return f"the pool has {world_size} rank(s) already; nothing changed."
-        room = gang.room(world_size - gang.world_size) if world_size > gang.world_size else ()
         with pool.one_cell():
-            self.before_cell()
+            self.before_cell()  # (a loss mended first: the pool's size is the one it has now)
+            if not pool.alive:
+                raise UsageError("%ddp resize: the pool has ended (said above); nothing was resized. %ddp start to "
+                                 "begin again.")
+            gang = pool.gang
+            if world_size == gang.world_size:
+                return f"the pool has {world_size} rank(s) already; nothing changed."
+            # where the new ranks go, found before anything changes (a UsageError changes nothing)
+            room = gang.room(world_size - gang.world_size) if world_size > gang.world_size else ()
             pool.view.said(f"resizing: {pool.gang.world_size} → {world_size} ranks")
             try:
                 mended = resize(pool, world_size, room)
