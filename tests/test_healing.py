@@ -163,7 +163,9 @@ def test_a_second_rank_lost_while_healing_ends_the_pool_with_the_reason(pool3, r
     assert "the pool has ended" in res.error_text, res.error_text
 
 
-def test_a_replacement_that_cannot_start_ends_the_pool_with_the_reason(pool3):
+def test_a_replacement_that_cannot_start_shrinks_the_pool_saying_why_and_resize_grows_it_back(pool3):
+    """Item 6: no new rank can start (no memory): the survivors, whole, go on at N-1 rather than end, and the
+    cell says why and how to grow back; once there is room, %ddp resize does."""
     k = pool3
     pids = start(k)
     k.ok("from nbddp.kernel.ranks import starters\n_start = starters.ForkStarter.start\n"
@@ -171,11 +173,17 @@ def test_a_replacement_that_cannot_start_ends_the_pool_with_the_reason(pool3):
          "starters.ForkStarter.start = no_memory")
     try:
         os.kill(pids[0], signal.SIGKILL)
-        assert wait_for(k, f"{POOL}.ended is not None", 30)
-        why = k.value(f"{POOL}.ended")
-        assert "could not be mended: OSError: [Errno 12] Cannot allocate memory" in why, why
+        assert wait_for(k, f"not {POOL}.losses.pending and {POOL}.gang.world_size == 2", 30)
     finally:
         k.ok("starters.ForkStarter.start = _start")
+    res, places = weights_and_places(k)
+    assert "could not heal the pool: no new rank 0 could start (OSError: [Errno 12] Cannot allocate memory); it " \
+           "shrank instead (%ddp resize 3 grows it back once there is room)" in res.stderr, res.stderr
+    assert "(1→0, 2→1)" in res.stderr and [p[:2] for p in places] == [(0, 2), (1, 2)], (res.stderr, places)
+    assert pool_pids(k) == pids[1:] and k.value(f"{POOL}.ended is None")
+    res = k.ok("%ddp resize 3", timeout=120)
+    assert "resized the pool from 2 to 3 ranks" in res.stdout, res.stdout
+    weights_and_places(k)
 
 
 def test_an_interrupt_while_healing_ends_the_pool_and_leaves_nothing(pool3, tmp_path):

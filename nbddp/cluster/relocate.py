@@ -32,7 +32,7 @@ def lost_node(gang, old, generation: int) -> None:
                             placement.bundle_for(gang.per_node, gang.plan.accelerator), MOVE_S)
     if found is None:
         raise ReplaceFailed(f"node {old.node} is lost ({old.lost}), and Ray found no other node with the room "
-                            f"for its rank(s) within {MOVE_S:g} s")
+                            f"for its rank(s) within {MOVE_S:g} s", started=False)
     if found[1] is not gang.pg:
         gang.extra_pgs.append(found[1])  # (released with the pool's own)
     gang.forget_ended(old.ranks)

@@ -9,9 +9,10 @@ and the pool mended without the user doing anything.
 - ``mend`` heals (a replacement with the lost rank's number and device, forked as the rank was, joins the
   survivors in a new process group at the same world size, and takes the pool's state from a survivor:
   rank/heal.py) or shrinks (the survivors renumbered in order, a new group at N-1); either way every
-  DistributedDataParallel in a rank's namespace is made anew on the new group. Whatever fails while mending
-  (a second rank lost, a step that does not answer within its time, an interrupt) ends the pool with that
-  reason: nothing hangs, nothing is left running.
+  DistributedDataParallel in a rank's namespace is made anew on the new group. A replacement that cannot
+  start, none having started (no memory, no node with the room), shrinks the pool instead, saying why.
+  Whatever else fails while mending (a second rank lost, a step that does not answer within its time, an
+  interrupt) ends the pool with that reason: nothing hangs, nothing is left running.
 
 Each step is a ``Call`` of one of rank/heal.py's functions on some ranks, its answers awaited on the
 supervisor's loop with a deadline (``ask``), as a cell's are.
@@ -436,6 +437,7 @@ class Mended:
     rebuilt: list = dataclasses.field(default_factory=list)
     renumbered: dict = dataclasses.field(default_factory=dict)  # shrink: old rank -> new
     sizes: tuple = (0, 0)  # resize: the world size before and after
+    instead: str = ""  # shrunk where --on-loss heal was asked: why it could not heal
 
     @property
     def joined(self) -> bool:
@@ -455,6 +457,9 @@ class Mended:
             moves = ", ".join(f"{a}→{b}" for a, b in sorted(self.renumbered.items()) if a != b) or "none"
             lines = [f"shrank the pool in {self.seconds:.1f} s: rank(s) {ranks} gone, the survivors renumbered "
                      f"({moves}) in a new process group of {len(self.renumbered)}."]
+            if self.instead:
+                lines.insert(0, f"could not heal the pool: {self.instead}; it shrank instead (%ddp resize "
+                                f"{len(self.renumbered) + len(self.lost)} grows it back once there is room).")
         else:
             what = f"{len(self.copied)} name(s) from rank {self.peer}" if self.copied else "no names from a peer"
             lines = [f"healed the pool in {self.seconds:.1f} s: a new rank {ranks} took {what} "
@@ -504,13 +509,29 @@ def _heal(gang, survivors: list, losses: list, inherited: bool) -> Mended:
     it) is freed as the others leave the old group, answers its cell, then joins; then the state."""
     lost = sorted({loss.rank for loss in losses})
     gang.generation += 1
+    started = []
     for rank in lost:
-        gang.replace(rank, gang.generation)
+        try:
+            gang.replace(rank, gang.generation)
+        except ReplaceFailed as e:
+            if e.started:
+                raise
+            return _shrunk_instead(gang, survivors, losses, started, f"no new rank {rank} could start ({e})")
+        started.append(rank)
     _join(gang, {r: messages.Regroup(gang.generation) for r in survivors}, lost)
     found = _hand_over(gang, survivors, lost, inherited)
     rebuilt, unmade = _rebuild(gang, found.remade)
     return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking={**found.lacking, **unmade},
                   rebuilt=rebuilt)
+
+
+def _shrunk_instead(gang, survivors: list, losses: list, started: list, why: str) -> Mended:
+    """A replacement could not start, and none did (no memory, no node with the room): the survivors, whole,
+    go on at their number rather than end (the replacements already started, waiting for them, stopped)."""
+    gang.retire(started)
+    mended = _shrink(gang, survivors, losses)
+    mended.instead = why
+    return mended
 
 
 def _hand_over(gang, holders: list, new: list, inherited: bool) -> Verdict:

@@ -26,7 +26,12 @@ STOP_S = 5.0  # a pool's ranks leave the group and exit within this after Stop, 
 
 
 class ReplaceFailed(RuntimeError):
-    """No replacement could be started for a lost rank; the message says why (a pool across nodes: its node)."""
+    """No replacement could be started for a lost rank; the message says why (a pool across nodes: its node).
+    ``started``: whether a process may have started all the same (False: none did; the pool may go on without)."""
+
+    def __init__(self, why: str, started: bool = True):
+        super().__init__(why)
+        self.started = started
 
 
 class Gang:
@@ -100,7 +105,10 @@ class Gang:
         old = self._cmd.pop(rank, None)
         if old is not None:
             os.close(old)
-        self._fork_one(starters.again(self.specs[rank], generation))
+        try:
+            self._fork_one(starters.again(self.specs[rank], generation))
+        except Exception as e:  # (out of memory, no process left to fork: no child was made)
+            raise ReplaceFailed(f"{type(e).__name__}: {e}", started=False) from e
 
     def forget_ended(self, ranks) -> None:
         """The ranks of ``ranks`` that ended (their descriptors closed as they were reaped) are no longer the
