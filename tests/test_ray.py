@@ -413,6 +413,17 @@ PLACE = ("%%ddp --gather where pid\nimport torch.distributed as dist\nt = torch.
          "'LOCAL_RANK', 'NODE_RANK', 'GROUP_WORLD_SIZE')), t.item())\npid = os.getpid()\n")
 
 
+BUILT = ("%%ddp --gather pid\nfrom torch.nn.parallel import DistributedDataParallel as DDP\ntorch.manual_seed(0)\n"
+         "model = DDP(torch.nn.Linear(4, 1))\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+         "data = torch.arange(100_000.)\nmine = rank * 10\npid = os.getpid()\n")
+
+
+def one_per_node(world: int) -> list:
+    """PLACE's answer on a pool of ``world`` ranks, one on each node."""
+    w = str(world)
+    return [(r, world, 0, str(r), w, "0", str(r), w, world * (world + 1) / 2) for r in range(world)]
+
+
 def wait_mended(rk, losses: int) -> None:
     end = time.monotonic() + 60
     while (rk.value(f"len({POOL}.losses.history) < {losses} or bool({POOL}.losses.pending)")
@@ -427,15 +438,13 @@ def test_a_pool_across_nodes_shrinks_renumbering_its_ranks_on_every_node(rk):
     rk.ok("%ddp start --cluster ray --nodes 3 --devices 1 --on-loss shrink", timeout=120)
     pids = []
     try:
-        rk.ok("%%ddp --gather pid\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
-              "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 1))\nopt = torch.optim.SGD(model.parameters(), "
-              "lr=0.1)\nmine = rank * 10\npid = os.getpid()\n", timeout=120)
+        rk.ok(BUILT, timeout=120)
         pids = rk.value("pid")
         os.kill(pids[1], signal.SIGKILL)  # node 1's only rank: that node is left with none
         wait_mended(rk, 1)
         res = rk.ok(PLACE + "opt.zero_grad()\nmodel(torch.ones(8, 4)).pow(2).mean().backward()\nopt.step()\n",
                     timeout=120)
-        assert rk.value("where") == [(0, 2, 0, "0", "2", "0", "0", "2", 3.0), (1, 2, 0, "1", "2", "0", "1", "2", 3.0)]
+        assert rk.value("where") == one_per_node(2)
         assert rk.value("pid") == [pids[0], pids[2]], "the survivors themselves go on"
         assert "shrank the pool in" in res.stderr and "(2→1)" in res.stderr, res.stderr
         assert "made anew on the new process group: model (DistributedDataParallel)" in res.stderr, res.stderr
@@ -445,7 +454,7 @@ def test_a_pool_across_nodes_shrinks_renumbering_its_ranks_on_every_node(rk):
         os.kill(pids[0], signal.SIGKILL)  # the kernel's node's rank: the pool goes on on node 2 alone
         wait_mended(rk, 2)
         rk.ok(PLACE, timeout=120)
-        assert rk.value("where") == [(0, 1, 0, "0", "1", "0", "0", "1", 1.0)]
+        assert rk.value("where") == one_per_node(1)
         assert rk.value("pid") == [pids[2]]
         status = rk.ok("%ddp status")
         status = status.displays[-1]["data"]["text/plain"] if status.displays else status.stdout
@@ -464,9 +473,7 @@ def test_a_pool_across_nodes_grows_onto_a_node_it_did_not_use_and_shrinks_back(r
     rk.ok("%ddp start --cluster ray --nodes 2 --devices 1", timeout=120)
     pids = []
     try:
-        rk.ok("%%ddp --gather pid\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
-              "torch.manual_seed(0)\nmodel = DDP(torch.nn.Linear(4, 1))\nopt = torch.optim.SGD(model.parameters(), "
-              "lr=0.1)\ndata = torch.arange(100_000.)\nmine = rank * 10\npid = os.getpid()\n", timeout=120)
+        rk.ok(BUILT, timeout=120)
         pids = rk.value("pid")
         res = rk.ok("%ddp resize 3", timeout=120)
         out = res.stdout + res.stderr
@@ -475,7 +482,7 @@ def test_a_pool_across_nodes_grows_onto_a_node_it_did_not_use_and_shrinks_back(r
         assert "mine (Cell In[" in out, "a name made from rank is listed, not copied: " + out
         rk.ok(PLACE + "opt.zero_grad()\nmodel(torch.ones(8, 4)).pow(2).mean().backward()\nopt.step()\n"
               "have = (model.module.weight.tolist(), data.sum().item(), 'mine' in globals())\n", timeout=120)
-        assert rk.value("where") == [(r, 3, 0, str(r), "3", "0", str(r), "3", 6.0) for r in range(3)]
+        assert rk.value("where") == one_per_node(3)
         new = rk.value("pid")
         assert new[:2] == pids[:2] and new[2] not in pids
         pids.append(new[2])
@@ -495,18 +502,18 @@ def test_a_pool_across_nodes_grows_onto_a_node_it_did_not_use_and_shrinks_back(r
         assert "resized the pool from 3 to 2 ranks" in res.stdout + res.stderr, res
         assert not wait_gone(pids[2:]), "the highest rank left"
         rk.ok(PLACE, timeout=120)
-        assert rk.value("where") == [(r, 2, 0, str(r), "2", "0", str(r), "2", 3.0) for r in range(2)]
+        assert rk.value("where") == one_per_node(2)
         res = rk.ok("%ddp resize 3", timeout=120)  # back onto the node the pool still holds, by its agent there
         assert "resized the pool from 2 to 3 ranks" in res.stdout + res.stderr, res
         rk.ok(PLACE, timeout=120)
-        assert rk.value("where") == [(r, 3, 0, str(r), "3", "0", str(r), "3", 6.0) for r in range(3)]
+        assert rk.value("where") == one_per_node(3)
         again = rk.value("pid")
         assert again[:2] == pids[:2] and psutil.Process(again[2]).ppid() == agent, "node 2's agent forked it"
         pids.append(again[2])
         os.kill(pids[1], signal.SIGKILL)  # healed after the resizes: node 1's agent forks the replacement
         wait_mended(rk, 1)
         rk.ok(PLACE, timeout=120)
-        assert rk.value("where") == [(r, 3, 0, str(r), "3", "0", str(r), "3", 6.0) for r in range(3)]
+        assert rk.value("where") == one_per_node(3)
         pids += rk.value("pid")
     finally:
         rk.run("%ddp stop", timeout=60)
@@ -676,7 +683,7 @@ def test_a_node_removed_with_no_other_node_to_take_its_ranks_shrinks_the_pool_na
         assert "Ray found no other node with the room for its rank(s) within 10 s); it shrank instead" in text, text
         assert took < 25, f"the cell ended {took:.1f} s after the node was removed (10 s of them waiting for room)"
         rk.ok(PLACE, timeout=120)
-        assert rk.value("where") == [(r, 2, 0, str(r), "2", "0", str(r), "2", 3.0) for r in range(2)]
+        assert rk.value("where") == one_per_node(2)
         assert rk.value("pid") == pids[:2] and not wait_gone(pids[2:]), "the survivors go on, node 2's rank gone"
     finally:
         stop_and_restore(rk, c, extra, victim)
