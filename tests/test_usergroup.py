@@ -188,3 +188,30 @@ def test_a_rank_whose_stack_stops_moving_after_its_peers_finished_is_shown_live(
     assert "nbddp: rank 0 is still at Cell In[" in line and "line 4, in <module>: time.sleep(60)" in line, line
     assert "after rank 1 finished" in line and "Interrupt to stop it" in line, line
     assert "KeyboardInterrupt" in res.error_text and "rank(s) 0 ran the cell" in res.error_text, res.error_text
+
+
+def test_a_groups_sockets_are_known_by_inode_so_a_reused_number_is_new_and_never_shut_as_old():
+    """The Ray flake (1 run in 4 of benchmarks §16): gloo closed the old group's sockets while the next group
+    connected, the new group's connections took the same descriptor numbers, ``sockets() - before`` left them
+    out, and the next Regroup never shut the connection a survivor was stuck on."""
+    import socket
+
+    from nbddp.rank import usergroup
+
+    old_a, old_b = socket.socketpair()
+    before = usergroup.sockets()
+    old = {pair for pair in before if pair[0] == old_a.fileno()}
+    number = old_a.fileno()
+    old_a.close()
+    new_a, new_b = socket.socketpair()
+    try:
+        assert number in (new_a.fileno(), new_b.fileno()), "Linux hands out the lowest free number"
+        reused = new_a if new_a.fileno() == number else new_b
+        assert any(fd == number for fd, _ in usergroup.sockets() - before), "the reused number counts as new"
+        usergroup._shut(old)  # the old group's socket, long closed: the new one on its number is left alone
+        peer = new_b if reused is new_a else new_a
+        reused.sendall(b"x")
+        assert peer.recv(1) == b"x"
+    finally:
+        for s in (old_b, new_a, new_b):
+            s.close()

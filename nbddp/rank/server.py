@@ -135,8 +135,8 @@ def _answer(cmd, ns: dict, ctx, notebook, bound=None):
         if isinstance(cmd, messages.Regroup):
             try:
                 old = usergroup.regroup(cmd.generation, cmd.rank, cmd.world_size)
-            except Exception as e:  # noqa: BLE001 - said as the group's failure (a cell's own would be "cell")
-                report(ctx.channel, "group", e)
+            except BaseException as e:  # noqa: BLE001 - said as the group's failure (an interrupt too: as "cell" the
+                report(ctx.channel, "group", e)  # kernel, awaiting the group's answer, would take it for none)
                 return None
             return messages.Healthy(bound=_bound_to(old, ns))
         return _run(cmd, ns, ctx, notebook, bound=bound)

@@ -28,9 +28,10 @@ _state: dict = {}
 
 
 def install(group_sockets=frozenset(), store=None, generation: int = 0) -> None:
-    """Call once in a rank, right after nbddp's own ``init_process_group``; ``group_sockets``: the
-    descriptors that init opened (its connections to the peers); ``store``: nbddp's store the group met on
-    (without a generation's prefix: later generations meet under their own); ``generation``: the group's."""
+    """Call once in a rank, right after nbddp's own ``init_process_group``; ``group_sockets``: the sockets
+    that init opened (its connections to the peers: ``sockets()``'s (descriptor, inode) pairs); ``store``:
+    nbddp's store the group met on (without a generation's prefix: later generations meet under their own);
+    ``generation``: the group's."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -118,8 +119,11 @@ def aborted(group, groups=()) -> None:
     _state.setdefault("kept", []).extend(groups)
 
 
-def sockets() -> set[int]:
-    """This process's socket descriptors (Linux; elsewhere none are known)."""
+def sockets() -> set[tuple[int, str]]:
+    """This process's sockets, each (descriptor, its inode) (Linux; elsewhere none are known). Not the number
+    alone: a group's descriptors closed by gloo's loop thread while the next group connects (a peer gone, this
+    rank's own shutdown) are reused at once by the new group's connections, which a set of numbers taken
+    before would then leave out of ``sockets() - before``."""
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
@@ -127,18 +131,22 @@ def sockets() -> set[int]:
     found = set()
     for fd in fds:
         try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                found.add(int(fd))
+            link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            pass
+            continue
+        if link.startswith("socket:"):
+            found.add((int(fd), link))
     return found
 
 
 def _shut(fds) -> None:
+    """``fds`` (``sockets()``'s pairs) shut down; a descriptor that holds another socket by now is left alone."""
     import socket
 
-    for fd in fds:
+    for fd, link in fds:
         try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
+                continue  # closed since, its number another socket's
             sock = socket.socket(fileno=fd)
         except OSError:
             continue
