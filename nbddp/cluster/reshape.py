@@ -29,7 +29,7 @@ def node_place(rank: int, world_size: int, local: int, on_node: int, node: int, 
 
 def layout(gang) -> list[list[int]]:
     """The ranks of each node that has any, the nodes in the order of their ranks (node by node)."""
-    nodes = [sorted(gang._cmd)] + [sorted(link.ranks) for link in gang.links]
+    nodes = [gang.here()] + [sorted(link.ranks) for link in gang.links]
     return sorted((ranks for ranks in nodes if ranks), key=lambda ranks: ranks[0])
 
 

@@ -206,6 +206,10 @@ class Gang:
         if self.view is not None:
             self.view.renumber(moves, self.plan)
 
+    def here(self) -> list[int]:
+        """The ranks forked on this machine (each has its command pipe here)."""
+        return sorted(self._cmd)
+
     def regroup_at(self, rank: int):
         """The command that moves ``rank`` (its number now) into the group's generation at the gang's size (a
         pool shrunk or resized: ``renumber`` or ``grow`` first)."""
