@@ -49,6 +49,8 @@ def renumber(gang, moves: dict) -> None:
         mine = {r: moves[r] for r in link.ranks if r in moves}
         if mine:
             link.control("renumber", mine)
+        elif link.ranks and link.lost and not link.clean:  # (a node gone silent: its agent may still run them)
+            placement.forget(link.actor, gang.ray)
         elif link.ranks:
             link.control("finish")
         link.ranks = sorted(mine.values())
@@ -86,13 +88,14 @@ def room(gang, n: int) -> list:
         if got is None:
             for _, pg, _ in found:
                 placement.release(pg)
+                gang.extra_pgs.remove(pg)
             raise UsageError(f"%ddp resize: {n} more rank(s) want {len(chunks)} more node(s) (--devices "
                              f"{gang.per_node} on each), and Ray found {len(where) + len(found)} node(s) the pool "
                              f"does not use with {bundle} free within {relocate.MOVE_S:g} s. Add nodes (ray start "
                              "--address ...), or resize to fewer. Nothing changed.")
         found.append(got)
+        gang.extra_pgs.append(got[1])  # (released with the pool's own, whatever stops the resize)
         used.append(got[0].node_id)
-    gang.extra_pgs.extend(pg for _, pg, _ in found)  # (released with the pool's own)
     return where + found
 
 

@@ -267,6 +267,10 @@ class Mending:
             gang = pool.gang
             if world_size == gang.world_size:
                 return f"the pool has {world_size} rank(s) already; nothing changed."
+            if world_size > gang.world_size and gang.spans_machines and "nccl" in gang.plan.backend:
+                raise UsageError("%ddp resize: a pool across Ray nodes on NCCL cannot grow yet (its new ranks "
+                                 "take the state as CPU tensors over the group); %ddp restart --nodes N. Nothing "
+                                 "changed.")
             # where the new ranks go, found before anything changes (a UsageError changes nothing)
             room = gang.room(world_size - gang.world_size) if world_size > gang.world_size else ()
             pool.view.said(f"resizing: {pool.gang.world_size} → {world_size} ranks")
