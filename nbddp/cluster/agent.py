@@ -37,7 +37,7 @@ from ..wire.framing import Reader, write_all
 from .netif import ifname_for
 
 BEAT_S = 1.0  # the longest this node's stream stays silent: an empty batch then (remote.SILENT_S: lost after)
-MOVE_S = 10.0  # the supervisor's thread renumbers the node's ranks within this (it is idle: at once)
+RENUMBER_S = 10.0  # the supervisor's thread renumbers the node's ranks within this (it is idle: at once)
 
 
 class Agent:
@@ -265,8 +265,8 @@ class Agent:
         done = threading.Event()
         self.moves.put((moves, done))
         self._poke()
-        if not done.wait(MOVE_S):
-            raise TimeoutError(f"the node's supervisor did not renumber its ranks within {MOVE_S:g} s")
+        if not done.wait(RENUMBER_S):
+            raise TimeoutError(f"the node's supervisor did not renumber its ranks within {RENUMBER_S:g} s")
 
     def _fork_again(self, spec) -> None:
         """A new rank from ``spec`` (a lost one's replacement, joining the group's next generation), forked by
@@ -340,12 +340,10 @@ def _moved(agent: Agent, moves: dict) -> None:
     sup.procs = [p for p in sup.procs if p.rank in moves and p.exit is None]
     for p in sup.procs:
         p.rank = moves[p.rank]
-    for table in (agent.cmd, agent.replies):
-        for rank in [r for r in table if r not in moves]:
-            _close(table.pop(rank))
-        moved = {moves[r]: fd for r, fd in table.items()}
-        table.clear()
-        table.update(moved)
+    for fd in [fd for r, fd in (*agent.cmd.items(), *agent.replies.items()) if r not in moves]:
+        _close(fd)
+    agent.cmd = {moves[r]: fd for r, fd in agent.cmd.items() if r in moves}
+    agent.replies = {moves[r]: fd for r, fd in agent.replies.items() if r in moves}
     agent.requests = {fd: (moves.get(rank, -1), frames) for fd, (rank, frames) in agent.requests.items()}
     agent.logs.renumber({new: str(agent.run_dir.log(new)) for new in moves.values()})
 

@@ -37,8 +37,7 @@ def lost_node(gang, old, generation: int) -> None:
         gang.extra_pgs.append(found[1])  # (released with the pool's own)
     gang.forget_ended(old.ranks)
     actor = _agent(gang, found, len(old.ranks))
-    gang.links[gang.links.index(old)] = _started(gang, found[0], actor, old.ranks, generation,
-                                                 f"node {old.node} is lost, and ")
+    gang.links[index - 1] = _started(gang, found[0], actor, old.ranks, generation, f"node {old.node} is lost, and ")
 
 
 def new_node(gang, ranks: list, found, generation: int) -> None:

@@ -67,8 +67,6 @@ def placed_anew(gang) -> None:
         gang.specs[rank] = dataclasses.replace(spec, env={**spec.env, **place(gang, rank)})
 
 
-
-
 def _chunks(gang, ranks: list) -> list[list[int]]:
     """New ranks by node: ``per_node`` on each, fewer on the last."""
     return [ranks[i:i + gang.per_node] for i in range(0, len(ranks), gang.per_node)]
@@ -80,7 +78,7 @@ def room(gang, n: int) -> list:
     node it does not use, reserved (node, placement group, bundle; released with the pool's), else UsageError,
     the groups reserved so far released."""
     chunks = _chunks(gang, list(range(n)))
-    where: list = [link for link in _emptied(gang)][:len(chunks)]
+    where: list = _emptied(gang)[:len(chunks)]
     found, used = [], [node.node_id for node in gang.placed]
     for chunk in chunks[len(where):]:
         bundle = placement.bundle_for(len(chunk), gang.plan.accelerator)
