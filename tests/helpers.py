@@ -57,13 +57,19 @@ def _name(p) -> str:
         return ""
 
 
+POOL = "get_ipython().magics_manager.registry['DDPMagics'].pool"  # the running pool, as a test kernel names it
+
+
 def pool_pids(k) -> list[int]:
-    """The pids of the running pool's ranks in kernel ``k``, sorted: its direct children, or its forkserver's
-    (each rank's guardian ``sh`` is the rank's own child)."""
-    found = []
+    """The pids of the running pool's ranks in kernel ``k``, in rank order (rank ``r``'s at index ``r``: pids are
+    no order, a long run wraps them), as the pool records them, each checked to be a process of the kernel's
+    tree: its direct child, or its forkserver's (each rank's guardian ``sh`` is the rank's own child)."""
+    found = set()
     for p in k.process().children():
-        found += [c.pid for c in p.children()] if _name(p) == FORKSERVER else [p.pid]
-    return sorted(found)
+        found |= {c.pid for c in p.children()} if _name(p) == FORKSERVER else {p.pid}
+    pids = k.value(f"[p.pid for p in sorted({POOL}.gang.sup.live(), key=lambda p: p.rank)]")
+    assert set(pids) <= found, f"the pool's ranks {pids} are the kernel's processes {sorted(found)}"
+    return pids
 
 
 def pool_in(k, before: str = ""):

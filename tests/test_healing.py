@@ -9,12 +9,11 @@ import time
 
 import pytest
 
-from helpers import pool_pids
+from helpers import POOL, pool_pids
 from kernel import said
 
 pytestmark = pytest.mark.timeout(240)
 
-POOL = "get_ipython().magics_manager.registry['DDPMagics'].pool"
 BUILD = ("%%ddp\nfrom torch.nn.parallel import DistributedDataParallel as DDP\ntorch.manual_seed(0)\n"
          "model = DDP(torch.nn.Linear(4, 1))\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
          "data = torch.arange(100_000.)\nshard = data[rank::world_size]\nmine = rank * 10\n"
@@ -186,6 +185,29 @@ def test_a_replacement_that_cannot_start_shrinks_the_pool_saying_why_and_resize_
     weights_and_places(k)
 
 
+def test_a_second_replacement_that_cannot_start_kills_the_first_at_once_and_the_pool_shrinks(pool3):
+    """Two lost; the first replacement starts, the second cannot: the first is killed, not asked to stop (it
+    waits to join a group that will never be: STOP_S for nothing), and the one survivor goes on alone."""
+    k = pool3
+    pids = start(k)
+    k.ok("from nbddp.kernel.ranks import starters\n_start = starters.ForkStarter.start\nforks = []\n"
+         "def second_fails(self, *a):\n    forks.append(1)\n    if len(forks) == 2:\n"
+         "        raise OSError(12, 'Cannot allocate memory')\n    return _start(self, *a)\n"
+         "starters.ForkStarter.start = second_fails")
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_for(k, f"not {POOL}.losses.pending and {POOL}.gang.world_size == 1", 30)
+    finally:
+        k.ok("starters.ForkStarter.start = _start")
+    res = k.ok("%%ddp --gather have\nhave = (rank, world_size, 'mine' in globals())\n")
+    assert "no new rank 1 could start (OSError: [Errno 12] Cannot allocate memory); it shrank instead" \
+        in res.stderr, res.stderr
+    assert k.value("have") == [(0, 1, True)] and pool_pids(k) == pids[2:], "the survivor alone, nothing else"
+    took = float(re.search(r"shrank the pool in ([\d.]+) s", res.stderr).group(1))
+    assert took < 5.0, f"the started replacement was killed at once, not given STOP_S: {took} s"
+
+
 def test_an_interrupt_while_healing_ends_the_pool_and_leaves_nothing(pool3, tmp_path):
     k = pool3
     pids = start(k)
@@ -239,7 +261,7 @@ def test_a_second_heal_finds_the_first_replacements_names_alike(pool3):
     os.kill(pids[2], signal.SIGKILL)
     assert wait_for(k, f"len({POOL}.losses.history) == 1 and not {POOL}.losses.pending")
     weights_and_places(k)
-    os.kill(pool_pids(k)[0], signal.SIGKILL)  # the survivors now: rank 1 and the replacement
+    os.kill(pool_pids(k)[0], signal.SIGKILL)  # rank 0: the survivors then are rank 1 and the first replacement
     assert wait_for(k, f"len({POOL}.losses.history) == 2 and not {POOL}.losses.pending")
     res, places = weights_and_places(k)
     assert "a new rank 0 took 6 name(s) from rank 1 (DDP, data, model, opt, step, w)" in res.stderr, res.stderr

@@ -8,13 +8,13 @@ import time
 import psutil
 import pytest
 
+from helpers import POOL
 from kernel import Kernel, said
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'nbddp[ray]'")
 from ray.cluster_utils import Cluster  # noqa: E402 - only where Ray is installed
 
 pytestmark = pytest.mark.timeout(300)
-POOL = "get_ipython().magics_manager.registry['DDPMagics'].pool"
 
 
 @pytest.fixture(scope="module")

@@ -107,8 +107,9 @@ class Gang:
             os.close(old)
         try:
             self._fork_one(starters.again(self.specs[rank], generation))
-        except Exception as e:  # (out of memory, no process left to fork: no child was made)
-            raise ReplaceFailed(f"{type(e).__name__}: {e}", started=False) from e
+        except Exception as e:  # (out of memory, no process left to fork: no child was made, unless it is listed)
+            started = any(p.rank == rank and p.exit is None for p in self.sup.procs)
+            raise ReplaceFailed(f"{type(e).__name__}: {e}", started=started) from e
 
     def forget_ended(self, ranks) -> None:
         """The ranks of ``ranks`` that ended (their descriptors closed as they were reaped) are no longer the
@@ -173,13 +174,14 @@ class Gang:
         proc = self.sup.procs[-1]
         self.sup.bus.publish(Started(proc.rank, proc.pid))  # the pool's view watches it
 
-    def retire(self, ranks: list[int]) -> None:
-        """``ranks`` leave: told to stop, given STOP_S to exit, then killed; reaped and forgotten."""
+    def retire(self, ranks: list[int], *, kill: bool = False) -> None:
+        """``ranks`` leave: told to stop, given STOP_S to exit, then killed (``kill``: at once); reaped, forgotten."""
         procs = [p for p in self.sup.live() if p.rank in ranks]
         for p in procs:
             p.stop_sent = True  # (nbddp ends them: not a loss)
-        self.command(messages.Stop(), ranks=ranks)
-        end = time.monotonic() + STOP_S
+        if not kill:
+            self.command(messages.Stop(), ranks=ranks)
+        end = time.monotonic() + (0 if kill else STOP_S)
         self.sup.wait(None, until=lambda: all(p.exit is not None for p in procs) or time.monotonic() >= end,
                       wake_at=end)
         for p in procs:
