@@ -88,6 +88,11 @@ def run(quick: bool, only: str | None = None) -> dict:
         import bench_healing
 
         return {**json.loads((HERE / "results.json").read_text()), "healing": bench_healing.measure(quick)}
+    if only == "failfast":  # a rank failing inside a step: to the cell's end, a kernel of its own
+        import bench_failfast
+
+        return {**json.loads((HERE / "results.json").read_text()),
+                "failfast": bench_failfast.measure(2 if quick else 5)}
     if only == "firststep":  # issue 34's section: a real first step and real data, kernels of their own
         import bench_firststep
 
@@ -161,6 +166,10 @@ def run(quick: bool, only: str | None = None) -> dict:
 
     results["healing"] = bench_healing.measure(quick)
     print("done: healing", flush=True)
+    import bench_failfast
+
+    results["failfast"] = bench_failfast.measure(2 if quick else 5)
+    print("done: failfast", flush=True)
     return results
 
 
@@ -419,6 +428,10 @@ def report(r: dict) -> str:
         import bench_healing
 
         lines += [bench_healing.BEGIN, bench_healing.render(r["healing"]), "", bench_healing.END, ""]
+    if "failfast" in r:
+        import bench_failfast
+
+        lines += [bench_failfast.BEGIN, bench_failfast.render(r["failfast"]), "", bench_failfast.END, ""]
     return "\n".join(lines) + "\n"
 
 

@@ -105,7 +105,7 @@ class CellRun:
     def on_Message(self, event) -> None:
         rec = event.record
         if isinstance(rec, messages.InputRequest):
-            self._at(self.prompts.due() or time.monotonic(), self._ask)  # (Prompts, a listener after this, queues it)
+            self.at(self.prompts.due() or time.monotonic(), self._ask)  # (Prompts, a listener after this, queues it)
         if not isinstance(rec, (messages.Result, messages.Error, messages.Exit)) or event.rank in self.replies:
             return
         self.replies[event.rank] = rec
@@ -113,7 +113,7 @@ class CellRun:
         failed = isinstance(rec, messages.Error) or (isinstance(rec, messages.Exit) and rec.code != 0)
         if failed and self.first_error is None:  # exit(0) on one rank is an early leave: the others go on
             self.first_error = time.monotonic()
-            self._at(self.first_error + rules.PEER_GRACE_S, lambda: self.rules.peer_failed(self))
+            self.at(self.first_error + rules.PEER_GRACE_S, lambda: self.rules.peer_failed(self))
 
     def on_Exited(self, event) -> None:
         if not event.exit.stopped:  # (a rank a --ranks cell leaves out too: the cell cannot conclude without it)
@@ -125,9 +125,10 @@ class CellRun:
             self.rules.all_answered(self)
         due = self.probe.due(self.last_reply) if self.probe is not None else None
         if due is not None:
-            self._at(due, self._probe)
+            self.at(due, self._probe)
 
-    def _at(self, when: float, action) -> None:
+    def at(self, when: float, action) -> None:
+        """``action`` at ``when`` on the supervisor's schedule, as this cell's (``quiet`` cancels it)."""
         self._timers.append(self.sup.at(when, action))
 
     def quiet(self) -> None:
@@ -249,13 +250,13 @@ class CellRun:
                 if getattr(self, name) is not None:
                     setattr(self, name, getattr(self, name) + paused)
         if self.prompts.due() is not None:  # another waits its turn
-            self._at(self.prompts.due(), self._ask)
+            self.at(self.prompts.due(), self._ask)
 
     def _probe(self) -> None:
         self.probe.check(self.last_reply, stopping=self.rules.told_to_stop())
         due = self.probe.due(self.last_reply)
         if due is not None and due > time.monotonic():
-            self._at(due, self._probe)
+            self.at(due, self._probe)
 
     # -- one outcome -----------------------------------------------------------------------------------
     def _conclude(self, start: float) -> Outcome:

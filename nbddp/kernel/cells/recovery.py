@@ -1,13 +1,13 @@
 """A pool after an interrupt or a failed cell: does it live on? (the recovery policy)
 
 Every rank must answer the cell and pass a barrier (``HealthCheck``) within ``HEALTH_S``. Where ranks
-still wait in a collective, the interrupt cannot reach them: on gloo the others leave the process group,
-which frees them ("Connection closed by peer"); on NCCL the stuck rank aborts its own communicators a second
-after the interrupt (rank/ncclabort.py). Every rank then makes a fresh group (``Regroup``) within
-``REGROUP_S``; the DDP models in the ranks' namespaces are made anew on it (kernel/healing.py), and
-anything else bound to the old group is named so the user can make it again. A pool whose rank never
-answers is torn down. An interrupt during any of this tears the pool down too: it can no longer be vouched
-for.
+still wait in a collective (no answer ``STUCK_S`` after the interrupt), the interrupt cannot reach them: on
+gloo the others leave the process group, which frees them ("Connection closed by peer"); on NCCL the stuck
+rank aborts its own communicators a second after the interrupt (rank/ncclabort.py). Every rank then makes a
+fresh group (``Regroup``) within ``REGROUP_S``; the DDP models in the ranks' namespaces are made anew on it
+(kernel/healing.py), and anything else bound to the old group is named so the user can make it again. A pool
+whose rank never answers is torn down. An interrupt during any of this tears the pool down too: it can no
+longer be vouched for.
 """
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ from .. import healing
 from ..ranks import starters
 
 HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
+# an interrupted rank that has not answered within this is taken to wait in a collective, and the group is made
+# anew to free it (a rank merely slow still answers within REGROUP_S); across machines the interrupt goes
+# through each node's agent, so there: HEALTH_S
+STUCK_S = 1.0
 REGROUP_S = 10.0  # pool: every rank in a fresh process group within this (a rank stuck elsewhere: torn down)
 
 

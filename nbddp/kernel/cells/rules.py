@@ -38,7 +38,7 @@ from ...ipy import tracebacks
 from ...rank.server import INTERRUPT
 from ...wire import messages
 from ..ranks import failure
-from .recovery import HEALTH_S, Recovery
+from .recovery import HEALTH_S, STUCK_S, Recovery
 
 PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
 
@@ -186,7 +186,7 @@ class PoolRules(CellRules):
     def __init__(self):
         self.recovery: Recovery | None = None
         self.interrupted_at: float | None = None  # when the ranks still running were interrupted
-        self.gave_up = False  # they did not all answer within HEALTH_S of it
+        self.gave_up = False  # they did not all answer within STUCK_S of it (HEALTH_S across machines)
         self.survived = True  # whether the pool lives on after an interrupt
         self.lost = False  # a rank died during the cell
 
@@ -222,7 +222,7 @@ class PoolRules(CellRules):
         fails on its own as its connections close); the cell is over once they answered."""
         if run.gang.mend is not None and not self.lost:
             self.lost = True
-            run.sup.at(time.monotonic() + PEER_GRACE_S, lambda: self.peer_failed(run))
+            run.at(time.monotonic() + PEER_GRACE_S, lambda: self.peer_failed(run))
 
     def timed_out(self, run) -> None:
         self.interrupt_running(run)
@@ -231,7 +231,8 @@ class PoolRules(CellRules):
         return None  # the cell is over (``over``); the rank is freed by a fresh group as it concludes
 
     def interrupt_running(self, run) -> None:
-        """KeyboardInterrupt into every rank still running the cell (SIGUSR2); past HEALTH_S the cell is over."""
+        """KeyboardInterrupt into every rank still running the cell (SIGUSR2); past STUCK_S (HEALTH_S across
+        machines) the cell is over, and whoever has not answered is freed by a fresh group (Recovery)."""
         if self.interrupted_at is not None or run.gang.sup is None:
             return
         self.interrupted_at = time.monotonic()
@@ -240,7 +241,7 @@ class PoolRules(CellRules):
                 p.signal(INTERRUPT, group=False)
                 if self.recovery is not None:
                     self.recovery.interrupted.append(p.rank)
-        run.sup.at(self.interrupted_at + HEALTH_S, self._give_up)
+        run.at(self.interrupted_at + (HEALTH_S if run.gang.spans_machines else STUCK_S), self._give_up)
 
     def _give_up(self) -> None:
         self.gave_up = True
