@@ -25,6 +25,7 @@ import signal
 import threading
 import time
 
+from .. import units
 from ..errors import RankFailure, UsageError
 from ..rank import heal
 from ..views import output
@@ -221,9 +222,10 @@ class Mending:
             pool.held.joined_elsewhere()
         text = mended.say(pool.bound_by)
         pool.view.said(text.splitlines()[0])
-        if mended.lacking:
-            pool.view.said("lacking: " + ", ".join(f"{name} ({pool.bound_by.get(name, 'the notebook')})"
-                                                   for name in sorted(mended.lacking)))
+        for label, names in (("lacking", mended.lacking), ("on the old group", mended.unmade)):
+            if names:
+                pool.view.said(f"{label}: " + ", ".join(f"{name} ({pool.bound_by.get(name, 'the notebook')})"
+                                                        for name in sorted(names)))
         return text
 
     def between_cells(self) -> None:
@@ -438,6 +440,7 @@ class Mended:
     copied: list = dataclasses.field(default_factory=list)
     peer: int | None = None
     lacking: dict = dataclasses.field(default_factory=dict)  # name -> why
+    unmade: dict = dataclasses.field(default_factory=dict)  # name -> why: on the old group still, on every rank
     rebuilt: list = dataclasses.field(default_factory=list)
     renumbered: dict = dataclasses.field(default_factory=dict)  # shrink: old rank -> new
     sizes: tuple = (0, 0)  # resize: the world size before and after
@@ -453,10 +456,10 @@ class Mended:
         ranks = ", ".join(str(loss.rank) for loss in self.lost)
         if self.how == "resized":
             old, new = self.sizes
-            took = (f"; rank(s) {old}-{new - 1} took {len(self.copied)} name(s) from rank 0"
+            took = (f"; rank(s) {units.rank_span(range(old, new))} took {len(self.copied)} name(s) from rank 0"
                     if new > old and self.copied else "")
             lines = [f"resized the pool from {old} to {new} ranks in {self.seconds:.1f} s{took}."]
-            ranks = f"{old}-{new - 1}" if new > old else ""
+            ranks = units.rank_span(range(old, new)) if new > old else ""
         elif self.how == "shrunk":
             moves = ", ".join(f"{a}→{b}" for a, b in sorted(self.renumbered.items()) if a != b) or "none"
             lines = [f"shrank the pool in {self.seconds:.1f} s: rank(s) {ranks} gone, the survivors renumbered "
@@ -481,9 +484,16 @@ class Mended:
         elif self.lacking:
             lines.append(f"rank(s) {ranks} lack these names; run the cells that bound them again:")
         if self.lacking:
-            for name, why in sorted(self.lacking.items()):
-                lines.append(f"  {name} ({bound_by.get(name, 'a cell of the pool')}): {why}")
+            lines += _named(self.lacking, bound_by)
+        if self.unmade:
+            lines.append("these names could not be made anew on the new process group, and still use the old one on "
+                         "every rank; run the cells that bound them again:")
+            lines += _named(self.unmade, bound_by)
         return "\n".join(lines)
+
+
+def _named(names: dict, bound_by: dict) -> list:
+    return [f"  {name} ({bound_by.get(name, 'a cell of the pool')}): {why}" for name, why in sorted(names.items())]
 
 
 def mend(pool, policy: str) -> Mended:
@@ -525,7 +535,7 @@ def _heal(gang, survivors: list, losses: list, inherited: bool) -> Mended:
     _join(gang, {r: messages.Regroup(gang.generation) for r in survivors}, lost)
     found = _hand_over(gang, survivors, lost, inherited)
     rebuilt, unmade = _rebuild(gang, found.remade)
-    return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking={**found.lacking, **unmade},
+    return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking=found.lacking, unmade=unmade,
                   rebuilt=rebuilt)
 
 
@@ -606,7 +616,7 @@ def _shrink(gang, survivors: list, losses: list) -> Mended:
     _join(gang, {new: gang.regroup_at(new) for new in moves.values()}, [])
     found = _survey(gang, list(moves.values()))
     rebuilt, unmade = _rebuild(gang, [n for n in found.agreed if n in found.remade])
-    return Mended("shrunk", losses, 0.0, lacking={**_renumbered_lacking(found), **unmade}, rebuilt=rebuilt,
+    return Mended("shrunk", losses, 0.0, lacking=_renumbered_lacking(found), unmade=unmade, rebuilt=rebuilt,
                   renumbered=moves)
 
 
@@ -637,9 +647,13 @@ def resize(pool, world_size: int, room: tuple = ()) -> Mended:
         gang.grow(world_size, room, gang.generation)
         _join(gang, {r: gang.regroup_at(r) for r in ranks}, new)
         found = _hand_over(gang, ranks, new, pool.starter.inherits_notebook)
-        mended = Mended("resized", [], 0.0, copied=found.agreed, peer=0, lacking=found.lacking)
+        # what uses the old group (a mesh that does not fit the new size) is stale on every rank, not lacking
+        # on the new ones alone
+        mended = Mended("resized", [], 0.0, copied=found.agreed, peer=0,
+                        lacking={n: why for n, why in found.lacking.items() if n not in found.stale},
+                        unmade={n: found.lacking[n] for n in found.stale})
     mended.rebuilt, unmade = _rebuild(gang, found.remade)
-    mended.lacking.update(unmade)
+    mended.unmade.update(unmade)
     mended.renumbered = {r: r for r in range(world_size)}
     mended.seconds = time.monotonic() - start
     mended.sizes = (old, world_size)
