@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from nbddp.cluster import remote
-from nbddp.kernel.ranks import groupstore
-from nbddp.kernel.ranks.supervisor import Output, Supervisor
+from nbddp.kernel.ranks import failure, groupstore
+from nbddp.kernel.ranks.supervisor import Exited, Output, Supervisor
 from nbddp.wire import framing
 
 pytestmark = pytest.mark.timeout(60)
@@ -78,15 +78,55 @@ def test_an_interrupt_in_a_subscriber_loses_none_of_the_other_events_of_a_batch(
 
     sup = Supervisor([Interrupted()])
     streams = remote.Streams(sup, groupstore.Store())
-    streams.procs[1] = remote.RemoteProc(1, 4242, -1, here=False)
+    link = remote.Link(None, "n1", [1])
+    streams.procs[1] = remote.RemoteProc(1, 4242, -1, here=False, link=link)
     try:
-        streams.events.put([Output(1, "stdout", b"a"), Output(1, "stdout", b"b"), Output(1, "stdout", b"c")])
+        streams.events.put(streams.took(link, [Output(1, "stdout", b"a"), Output(1, "stdout", b"b"),
+                                               Output(1, "stdout", b"c")]))
         streams._wake()
         with pytest.raises(KeyboardInterrupt):
             streams.deliver()
         assert select.select([streams.wake_r], [], [], 0)[0], "the rest is due on the loop's next turn"
         streams.deliver()
         assert seen == [b"a", b"b", b"c"]
+    finally:
+        streams.close()
+        sup.close()
+
+
+def test_what_a_node_said_before_its_agent_renumbered_its_ranks_reaches_them_under_their_new_numbers():
+    """The pool shrank: rank 2 of this node is rank 1 now. What its agent queued before it applied that (rank 2's
+    output, its exit: it was killed meanwhile) still says "rank 2", and must reach the rank the kernel now calls
+    1 (not be dropped, nor reach another); after the agent's mark, its numbers are the new ones."""
+    seen = []
+
+    class Seen:
+        def on_Output(self, event):
+            seen.append((event.rank, event.data))
+
+        def on_Exited(self, event):
+            seen.append((event.rank, event.exit.rank, "exited"))
+
+    sup = Supervisor([Seen()])
+    streams = remote.Streams(sup, groupstore.Store())
+    link, other = remote.Link(None, "n1", [1, 2]), remote.Link(None, "n2", [3])
+    for rank, lk in ((1, link), (2, link), (3, other)):
+        streams.add(rank, 4000 + rank, lk)
+    try:
+        # the kernel renumbers (rank 1 was lost: 2 -> 1 here, 3 -> 2 on the other node) as reshape.renumber does
+        link.unmarked.append({2: 1})
+        other.unmarked.append({3: 2})
+        streams.procs = {1: streams.procs[2], 2: streams.procs[3]}
+        for p in streams.procs.values():
+            p.rank = {4002: 1, 4003: 2}[p.pid]
+        streams.events.put(streams.took(link, [Output(2, "stdout", b"old 2"), Output(1, "stdout", b"lost 1"),
+                                               ("renumbered",), Output(1, "stdout", b"new 1")]))
+        streams.events.put(streams.took(other, [Output(3, "stdout", b"old 3"), Exited(3, failure.RankExit(3, -9)),
+                                                ("renumbered",)]))
+        streams.deliver()
+        assert seen == [(1, b"old 2"), (1, b"new 1"), (2, b"old 3"), (2, 2, "exited")], seen
+        assert not link.unmarked and not other.unmarked
+        assert streams.procs[1].exit is None and streams.procs[2].exit.rank == 2
     finally:
         streams.close()
         sup.close()

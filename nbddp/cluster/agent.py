@@ -220,6 +220,7 @@ class Agent:
         while not self.moves.empty():
             moves, done = self.moves.get_nowait()
             _moved(self, moves)
+            self.queue.append(("renumbered",))  # what the stream says after this carries the new numbers
             done.set()
         while True:  # (no lock shared with control(): it may block on a full command pipe)
             try:

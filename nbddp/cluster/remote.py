@@ -52,6 +52,16 @@ class Link:
         self.broken = False  # the agent could not apply a call of the kernel's
         self.clean = False  # its stream ended on its own, every rank's exit sent: the agent can serve another pool
         self.heard = time.monotonic()  # its stream's last word (a batch, or its beat)
+        # the kernel's renumberings (old rank -> new) the agent has not marked on its stream yet: what the stream
+        # says before that mark (queued before the agent applied them) still carries the old numbers
+        self.unmarked: collections.deque = collections.deque()
+
+    def current(self, rank: int) -> int:
+        """A rank number as this node's stream says it (at this point of it), as the kernel numbers it now: -1
+        for a rank that ended before a renumbering (forgotten)."""
+        for moves in self.unmarked:
+            rank = moves.get(rank, -1)
+        return rank
 
     def control(self, op: str, *args) -> None:
         if self.lost:
@@ -124,18 +134,7 @@ class Streams:
                 link.heard = time.monotonic()
                 batch = pickle.loads(ray.get(ref))
                 link.heard = time.monotonic()
-                rest = []
-                for item in batch:
-                    if type(item) is tuple and item[0] == "store":
-                        _, rank, request = item
-                        self.store.handle(request, lambda frame, r=rank: link.control("store_reply", r, frame))
-                    elif type(item) is tuple and item[0] == "error":  # the agent failed a call: the node is lost
-                        link.lost, link.broken = item[1], True
-                        rest.append(("ended", link, item[1]))
-                    elif type(item) is tuple and item[0] == "forked":  # a replacement the kernel asked for
-                        rest.append(("forked", link, item[1], item[2]))
-                    else:
-                        rest.append(item)
+                rest = self.took(link, batch)
                 if rest:
                     self.events.put(rest)
                     self._wake()
@@ -145,6 +144,25 @@ class Streams:
         link.lost = why or link.lost or "its agent's stream ended"
         self.events.put([("ended", link, why)])
         self._wake()
+
+    def took(self, link: Link, batch: list) -> list:
+        """On ``link``'s reader thread: a batch of its agent's stream, the store's requests answered at once; the
+        rest for the main thread (``_apply``), each (kind, link, ...)."""
+        rest = []
+        for item in batch:
+            if type(item) is tuple and item[0] == "store":
+                _, rank, request = item
+                self.store.handle(request, lambda frame, r=rank: link.control("store_reply", r, frame))
+            elif type(item) is tuple and item[0] == "error":  # the agent failed a call: the node is lost
+                link.lost, link.broken = item[1], True
+                rest.append(("ended", link, item[1]))
+            elif type(item) is tuple and item[0] == "forked":  # a replacement the kernel asked for
+                rest.append(("forked", link, item[1], item[2]))
+            elif type(item) is tuple and item[0] == "renumbered":  # the agent applied a renumbering
+                rest.append(("renumbered", link))
+            else:
+                rest.append(("rank", link, item))
+        return rest
 
     def _wake(self) -> None:
         try:
@@ -172,22 +190,27 @@ class Streams:
                 self._wake()  # the rest on the loop's next turn
 
     def _apply(self, event) -> None:
-        sup = self.sup
-        if type(event) is tuple and event[0] == "forked":  # a new rank on that node (a lost one's replacement)
-            _, link, rank, pid = event
-            self.add(rank, pid, link)
+        """``event``: (kind, link, ...) as ``_read`` queued it; a rank's number as the kernel numbers it now."""
+        sup, kind, link = self.sup, event[0], event[1]
+        if kind == "rank":
+            ev = event[2]
+            rank = link.current(ev.rank)
+            proc = self.procs.get(rank)
+            if proc is not None:
+                feed(sup, proc, ev if rank == ev.rank else renumbered(ev, rank))
             return
-        if type(event) is tuple:  # an agent's stream ended: its ranks still alive are lost with it
-            _, link, why = event
-            for rank in link.ranks:
-                proc = self.procs[rank]
-                if proc.exit is None and proc.link is link:  # (not a rank started anew on another node since)
-                    why_lost = f"node {link.node} lost ({ranks_text(link.ranks)})" + (f": {why}" if why else "")
-                    sup.ended(proc, lost_exit(rank, why_lost, stopped=proc.stop_sent))
+        if kind == "renumbered":  # what the stream says from here on carries the new numbers
+            link.unmarked.popleft()
             return
-        proc = self.procs.get(event.rank)
-        if proc is not None:
-            feed(sup, proc, event)
+        if kind == "forked":  # a new rank on that node (a lost one's replacement)
+            self.add(link.current(event[2]), event[3], link)
+            return
+        why = event[2]  # "ended": an agent's stream ended: its ranks still alive are lost with it
+        for rank in link.ranks:
+            proc = self.procs[rank]
+            if proc.exit is None and proc.link is link:  # (not a rank started anew on another node since)
+                why_lost = f"node {link.node} lost ({ranks_text(link.ranks)})" + (f": {why}" if why else "")
+                sup.ended(proc, lost_exit(rank, why_lost, stopped=proc.stop_sent))
 
     def join(self, within: float) -> bool:
         """Whether every reader has ended (waiting ``within`` seconds at most)."""
@@ -224,6 +247,13 @@ def feed(sup, proc, event) -> None:
     elif isinstance(event, Message):
         proc.records[type(event.record)] = event.record
     sup.bus.publish(event)
+
+
+def renumbered(event, rank: int):
+    """An event of a rank's, as the kernel numbers that rank now (its exit record too)."""
+    if isinstance(event, Exited):
+        return dataclasses.replace(event, rank=rank, exit=dataclasses.replace(event.exit, rank=rank))
+    return dataclasses.replace(event, rank=rank)
 
 
 def lost_exit(rank: int, why: str, stopped: bool = False) -> failure.RankExit:

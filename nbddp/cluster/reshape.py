@@ -49,6 +49,7 @@ def renumber(gang, moves: dict) -> None:
         mine = {r: moves[r] for r in link.ranks if r in moves}
         if mine:
             link.control("renumber", mine)
+            link.unmarked.append(mine)  # (until its agent's mark: remote.Link.current)
         elif link.ranks and link.lost and not link.clean:  # (a node gone silent: its agent may still run them)
             placement.forget(link.actor, gang.ray)
         elif link.ranks:
