@@ -1,5 +1,5 @@
 """A cluster pool's pieces that need no Ray: the kernel's store and its threads (nbddp/cluster/groupstore.py,
-remote.Streams), and the ranks' pipe store (nbddp/rank/pipestore.py)."""
+remote.Streams), the ranks' pipe store (nbddp/rank/pipestore.py), and where a grow's ranks go (reshape.room)."""
 import os
 import pickle
 import select
@@ -130,6 +130,35 @@ def test_what_a_node_said_before_its_agent_renumbered_its_ranks_reaches_them_und
     finally:
         streams.close()
         sup.close()
+
+
+def test_a_grow_reuses_an_emptied_node_only_where_its_bundle_holds_the_chunk(monkeypatch):
+    """--devices 2: a node a short last chunk made holds 1 rank's bundle. Emptied by a shrink, it takes a chunk of
+    1 again, never one of 2 (its GPUs would not be there): that chunk goes to the full emptied node or a new one."""
+    from types import SimpleNamespace
+
+    from nbddp.cluster import placement, reshape
+
+    def emptied(node, slots):
+        link = remote.Link(None, node, [])
+        link.slots, link.lost, link.clean = slots, "finished", True
+        return link
+
+    short, full = emptied("short", 1), emptied("full", 2)
+    reserved = []
+
+    def room(ray, index, used, bundle, within):
+        reserved.append(bundle)
+        return SimpleNamespace(node_id=f"new{index}"), object(), 0
+
+    monkeypatch.setattr(placement, "room", room)
+    gang = SimpleNamespace(links=[short, full], per_node=2, placed=[SimpleNamespace(node_id="k")], extra_pgs=[],
+                           plan=SimpleNamespace(accelerator="cuda"), ray=None,
+                           sup=SimpleNamespace(wait=lambda *a, **kw: None))
+    assert reshape.room(gang, 3) == [full, short], "2 ranks onto the full node, the last 1 onto the short one"
+    where = reshape.room(gang, 4)
+    assert where[0] is full and where[1][0].node_id == "new1" and reserved == [{"GPU": 2}], \
+        "the short node cannot take a chunk of 2: a new node is reserved for it"
 
 
 def test_a_wake_nobody_drains_yet_never_blocks_the_stream_reader_or_the_agent():

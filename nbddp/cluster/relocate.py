@@ -51,7 +51,8 @@ def node_again(gang, ranks: list, old, generation: int) -> None:
     """``ranks`` started on a node the pool holds but left with no rank (``old``: its link, whose stream ended
     cleanly: a shrink), by the agent it had there, whose bundle the pool still holds."""
     index = gang.links.index(old) + 1
-    gang.links[index - 1] = _started(gang, gang.placed[index], old.actor, ranks, generation, "")
+    gang.links[index - 1] = link = _started(gang, gang.placed[index], old.actor, ranks, generation, "")
+    link.slots = old.slots  # (its bundle is the one it had)
 
 
 def _agent(gang, found, n: int):

@@ -46,6 +46,7 @@ class Link:
 
     def __init__(self, actor, node: str, ranks: list[int], pool: str = ""):
         self.actor, self.node, self.ranks, self.pool = actor, node, ranks, pool
+        self.slots = len(ranks)  # the ranks its agent's bundle holds (a short last chunk of a grow: fewer)
         self.seq = 0
         self.lock = threading.Lock()
         self.lost: str | None = None

@@ -74,14 +74,19 @@ def _chunks(gang, ranks: list) -> list[list[int]]:
 
 
 def room(gang, n: int) -> list:
-    """Where each node's worth of ``n`` more ranks (``_chunks``) goes, found before anything changes: a node the
-    pool holds with no rank left (a shrink: its bundle still reserved, its agent there; the link), else a
-    node it does not use, reserved (node, placement group, bundle; released with the pool's), else UsageError,
-    the groups reserved so far released."""
+    """Where each node's worth of ``n`` more ranks (``_chunks``) goes, in their order, found before anything
+    changes: a node the pool holds with no rank left and a bundle that holds that many (a shrink: its bundle
+    still reserved, its agent there; the link), else a node it does not use, reserved (node, placement group,
+    bundle; released with the pool's), else UsageError, the groups reserved so far released."""
     chunks = _chunks(gang, list(range(n)))
-    where: list = _emptied(gang)[:len(chunks)]
-    found, used = [], [node.node_id for node in gang.placed]
-    for chunk in chunks[len(where):]:
+    spare = _emptied(gang)
+    where, found, used = [], [], [node.node_id for node in gang.placed]
+    for chunk in chunks:
+        again = next((link for link in spare if link.slots >= len(chunk)), None)
+        if again is not None:
+            spare.remove(again)
+            where.append(again)
+            continue
         bundle = placement.bundle_for(len(chunk), gang.plan.accelerator)
         got = placement.room(gang.ray, len(gang.placed) + len(found), used, bundle, relocate.MOVE_S)
         if got is None:
@@ -89,13 +94,14 @@ def room(gang, n: int) -> list:
                 placement.release(pg)
                 gang.extra_pgs.remove(pg)
             raise UsageError(f"%ddp resize: {n} more rank(s) want {len(chunks)} more node(s) (--devices "
-                             f"{gang.per_node} on each), and Ray found {len(where) + len(found)} node(s) the pool "
+                             f"{gang.per_node} on each), and Ray found {len(where)} node(s) the pool "
                              f"does not use with {bundle} free within {relocate.MOVE_S:g} s. Add nodes (ray start "
                              "--address ...), or resize to fewer. Nothing changed.")
         found.append(got)
+        where.append(got)
         gang.extra_pgs.append(got[1])  # (released with the pool's own, whatever stops the resize)
         used.append(got[0].node_id)
-    return where + found
+    return where
 
 
 def _emptied(gang) -> list:
