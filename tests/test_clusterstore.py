@@ -132,6 +132,38 @@ def test_what_a_node_said_before_its_agent_renumbered_its_ranks_reaches_them_und
         sup.close()
 
 
+def test_an_agent_applies_a_signal_sent_before_a_renumbering_to_the_rank_it_was_meant_for():
+    """The kernel signals rank 2, then renumbers (rank 1 was lost: 2 -> 1, 3 -> 2): the signal reaches the process
+    that was rank 2 when it was sent, not the one called 2 after; the stream marks the renumbering after it."""
+    from types import SimpleNamespace
+
+    from nbddp.cluster.agent import Agent
+
+    got = []
+
+    def proc(rank, pid):
+        p = SimpleNamespace(rank=rank, pid=pid, exit=None, stop_sent=False)
+        p.signal = lambda sig, group: got.append((p.pid, sig))
+        return p
+
+    agent = Agent()
+    os.set_blocking(agent.wake_r, False)  # (as the supervisor's watch sets it)
+    procs = [proc(2, 4002), proc(3, 4003)]
+    agent.sup = SimpleNamespace(procs=procs, live=lambda: [p for p in agent.sup.procs if p.exit is None])
+    agent.logs = SimpleNamespace(renumber=lambda paths: None)
+    agent.run_dir = SimpleNamespace(log=lambda rank: f"rank{rank}.log")
+    agent._signal(2, 10, False)
+    renumbering = threading.Thread(target=agent._renumber, args=({2: 1, 3: 2},), daemon=True)
+    renumbering.start()
+    while agent.calls.qsize() < 2:  # (the renumbering queued after the signal, as the kernel's calls came)
+        threading.Event().wait(0.01)
+    agent._wake()
+    renumbering.join(10)
+    assert got == [(4002, 10)], got
+    assert [(p.pid, p.rank) for p in agent.sup.procs] == [(4002, 1), (4003, 2)]
+    assert agent.queue == [("renumbered",)]
+
+
 def test_a_grow_reuses_an_emptied_node_only_where_its_bundle_holds_the_chunk(monkeypatch):
     """--devices 2: a node a short last chunk made holds 1 rank's bundle. Emptied by a shrink, it takes a chunk of
     1 again, never one of 2 (its GPUs would not be there): that chunk goes to the full emptied node or a new one."""

@@ -48,9 +48,10 @@ class Agent:
         # shared by the forks, the IPython shell they make for displays included
         warm.start()  # what a real first step imports lazily, on a thread: each fork waits for it (_fork)
         self.order = threading.Lock()  # the kernel's calls, applied one at a time in sequence order
-        self.signals: queue.SimpleQueue = queue.SimpleQueue()  # (rank, signal, group) for the supervisor's thread
+        # the kernel's calls the supervisor's thread applies, in their order (a signal sent before a renumbering
+        # goes to the rank it was meant for): ("signal", rank, signal, group), ("moves", old rank -> new, done)
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.forked: queue.SimpleQueue = queue.SimpleQueue()  # a new rank forked meanwhile, for the supervisor's thread
-        self.moves: queue.SimpleQueue = queue.SimpleQueue()  # (old rank -> new, done), for the supervisor thread
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)  # a full pipe is a wake already due: control() never blocks on it
         self._reset(None)
@@ -69,7 +70,7 @@ class Agent:
         self.waiting = False  # a rank was lost: the stream stays open for its replacement until ``finish``
         self.logs: RankLogs | None = None
         self.run_dir = None
-        for q in (self.signals, self.forked, self.moves):
+        for q in (self.calls, self.forked):
             while not q.empty():
                 q.get_nowait()
 
@@ -204,8 +205,8 @@ class Agent:
             pass
 
     def _wake(self) -> None:
-        """On the supervisor's thread: a rank forked anew, supervised and said to the kernel; the signals the
-        kernel sent, in order, to the ranks not reaped yet."""
+        """On the supervisor's thread: a rank forked anew, supervised and said to the kernel; then the kernel's
+        calls in their order: its signals to the ranks not reaped yet, its renumberings."""
         try:
             while os.read(self.wake_r, 4096):
                 pass
@@ -217,16 +218,17 @@ class Agent:
                 self._failed("fork_again", new)
             else:
                 self.queue.append(("forked", new.spec.rank, _register(self, new)))
-        while not self.moves.empty():
-            moves, done = self.moves.get_nowait()
-            _moved(self, moves)
-            self.queue.append(("renumbered",))  # what the stream says after this carries the new numbers
-            done.set()
         while True:  # (no lock shared with control(): it may block on a full command pipe)
             try:
-                rank, sig, group = self.signals.get_nowait()
+                call = self.calls.get_nowait()
             except queue.Empty:
                 return
+            if call[0] == "moves":
+                _moved(self, call[1])
+                self.queue.append(("renumbered",))  # what the stream says after this carries the new numbers
+                call[2].set()
+                continue
+            _, rank, sig, group = call
             try:
                 for p in self.sup.live():
                     if p.rank == rank:
@@ -256,7 +258,7 @@ class Agent:
 
     def _signal(self, rank: int, sig: int, group: bool) -> None:
         """For the supervisor's thread: this one may not see a rank's reaping."""
-        self.signals.put((rank, sig, group))
+        self.calls.put(("signal", rank, sig, group))
         self._poke()
 
     def _renumber(self, moves: dict) -> None:
@@ -264,7 +266,7 @@ class Agent:
         the supervisor's thread (it reads these tables), and awaited here, so that the kernel's next call (a
         command for the new numbers) finds them."""
         done = threading.Event()
-        self.moves.put((moves, done))
+        self.calls.put(("moves", moves, done))
         self._poke()
         if not done.wait(RENUMBER_S):
             raise TimeoutError(f"the node's supervisor did not renumber its ranks within {RENUMBER_S:g} s")
