@@ -74,11 +74,15 @@ def test_in_a_pool_a_collective_on_one_rank_fails_in_seconds_and_the_pool_lives_
         k.ok("%ddp stop")
 
 
-def test_an_interrupt_frees_a_pool_rank_stuck_in_a_collective_and_the_pool_lives_on(clean_kernel):
+@pytest.mark.parametrize("slow", [False, True])
+def test_an_interrupt_frees_a_pool_rank_stuck_in_a_collective_and_the_pool_lives_on(clean_kernel, slow):
     """Before: 'the pool was torn down (a rank did not stop its cell)'. A KeyboardInterrupt cannot reach a
-    rank inside a collective; a fresh process group frees it."""
+    rank inside a collective; a fresh process group frees it. ``slow``: rank 1 answers the interrupt only after
+    STUCK_S (a busy machine; here STUCK_S is 0): it is still not said to have waited in a collective."""
     k = clean_kernel
     k.ok("%ddp start --devices 2")
+    if slow:
+        k.ok("from nbddp.kernel.cells import rules\n_stuck, rules.STUCK_S = rules.STUCK_S, 0.0")
     try:
         k.ok("%%ddp\nkept = rank + 100\n")
         res = k.interrupt_when("%%ddp\nimport time, torch.distributed as dist\nprint('up', flush=True)\n"
@@ -89,4 +93,6 @@ def test_an_interrupt_frees_a_pool_rank_stuck_in_a_collective_and_the_pool_lives
         k.ok("%%ddp --gather kept\nimport torch\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2\n")
         assert k.value("kept") == [100, 101]
     finally:
+        if slow:
+            k.ok("rules.STUCK_S = _stuck")
         k.ok("%ddp stop")

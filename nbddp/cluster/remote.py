@@ -197,14 +197,17 @@ class Streams:
             ev = event[2]
             rank = link.current(ev.rank)
             proc = self.procs.get(rank)
-            if proc is not None:
+            if proc is not None and proc.link is link:  # (not a rank started anew on another node since)
                 feed(sup, proc, ev if rank == ev.rank else renumbered(ev, rank))
             return
         if kind == "renumbered":  # what the stream says from here on carries the new numbers
-            link.unmarked.popleft()
+            if link.unmarked:
+                link.unmarked.popleft()
             return
         if kind == "forked":  # a new rank on that node (a lost one's replacement)
-            self.add(link.current(event[2]), event[3], link)
+            rank = link.current(event[2])
+            if rank >= 0:
+                self.add(rank, event[3], link)
             return
         why = event[2]  # "ended": an agent's stream ended: its ranks still alive are lost with it
         for rank in link.ranks:

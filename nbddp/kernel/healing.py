@@ -440,7 +440,7 @@ class Mended:
     copied: list = dataclasses.field(default_factory=list)
     peer: int | None = None
     lacking: dict = dataclasses.field(default_factory=dict)  # name -> why
-    unmade: dict = dataclasses.field(default_factory=dict)  # name -> why: on the old group still, on every rank
+    unmade: dict = dataclasses.field(default_factory=dict)  # name -> why: still on the old group, not made anew
     rebuilt: list = dataclasses.field(default_factory=list)
     renumbered: dict = dataclasses.field(default_factory=dict)  # shrink: old rank -> new
     sizes: tuple = (0, 0)  # resize: the world size before and after
@@ -486,8 +486,8 @@ class Mended:
         if self.lacking:
             lines += _named(self.lacking, bound_by)
         if self.unmade:
-            lines.append("these names could not be made anew on the new process group, and still use the old one on "
-                         "every rank; run the cells that bound them again:")
+            lines.append("these names still use the old process group (they could not be made anew on the new one); "
+                         "run the cells that bound them again:")
             lines += _named(self.unmade, bound_by)
         return "\n".join(lines)
 
@@ -647,8 +647,8 @@ def resize(pool, world_size: int, room: tuple = ()) -> Mended:
         gang.grow(world_size, room, gang.generation)
         _join(gang, {r: gang.regroup_at(r) for r in ranks}, new)
         found = _hand_over(gang, ranks, new, pool.starter.inherits_notebook)
-        # what uses the old group (a mesh that does not fit the new size) is stale on every rank, not lacking
-        # on the new ones alone
+        # what uses the old group (a mesh that does not fit the new size, a group of dist.new_group) is stale on
+        # the old ranks as well, not lacking on the new ones alone
         mended = Mended("resized", [], 0.0, copied=found.agreed, peer=0,
                         lacking={n: why for n, why in found.lacking.items() if n not in found.stale},
                         unmade={n: found.lacking[n] for n in found.stale})

@@ -1,10 +1,10 @@
 """A pool after an interrupt or a failed cell: does it live on? (the recovery policy)
 
-Every rank must answer the cell and pass a barrier (``HealthCheck``) within ``HEALTH_S``. Where ranks
-still wait in a collective (no answer ``STUCK_S`` after the interrupt), the interrupt cannot reach them: on
-gloo the others leave the process group, which frees them ("Connection closed by peer"); on NCCL the stuck
-rank aborts its own communicators a second after the interrupt (rank/ncclabort.py). Every rank then makes a
-fresh group (``Regroup``) within ``REGROUP_S``; the DDP models in the ranks' namespaces are made anew on it
+Every rank must answer the cell (within ``STUCK_S`` of the interrupt) and pass a barrier (``HealthCheck``)
+within ``HEALTH_S``. Where ranks still wait in a collective (no answer by then), the interrupt cannot reach
+them: on gloo the others leave the process group, which frees them ("Connection closed by peer"); on NCCL the
+stuck rank aborts its own communicators a second after the interrupt (rank/ncclabort.py). Every rank then makes
+a fresh group (``Regroup``) within ``REGROUP_S``; the DDP models in the ranks' namespaces are made anew on it
 (kernel/healing.py), and anything else bound to the old group is named so the user can make it again. A pool
 whose rank never answers is torn down. An interrupt during any of this tears the pool down too: it can no
 longer be vouched for.
@@ -51,7 +51,9 @@ class Recovery:
             gang.generation += 1
             if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
                                  "torn down by an interrupt while its process group was made anew"):
-                self.regrouped = stuck or sorted(self.interrupted)
+                # those freed from a collective: a rank only slow to answer (past STUCK_S) answers the interrupt
+                self.regrouped = [r for r in stuck if not _interrupted(self.replies.get(r))] or stuck or sorted(
+                    self.interrupted)
                 try:  # the DDP models (meshes...) in the ranks' namespaces, made anew on the new group for the user
                     self.rebuilt = healing.regrouped(gang)
                 except healing.HealFailed as e:
@@ -84,3 +86,10 @@ class Recovery:
             gang.close(interrupted)
             return False
         return gang.alive and len(self.healthy) == gang.world_size
+
+
+def _interrupted(answer) -> bool:
+    """The rank answered the interrupt itself (a KeyboardInterrupt where its cell was): it was not held in a
+    collective. One freed from a collective raises it too, but while the collective's own error is handled."""
+    return (isinstance(answer, messages.Error) and answer.type == "KeyboardInterrupt"
+            and "During handling of the above exception" not in answer.traceback)

@@ -108,10 +108,12 @@ def fork_specs(sup: Supervisor, starter, job, specs, deadline: float | None = No
         for spec in specs:  # nothing else between forks: rank 0 waits for the last one to rendezvous
             spec, not_inherited, forked = prepare(spec) if prepare else (spec, (), None)
             proc = starter.start(spec, job, [*sup.all_fds(), *not_inherited])
-            rankdebug.rank_started(proc.pid, spec.rank)  # (the debugger panel names a rank's threads by it)
-            if forked:
-                forked(proc)
-            sup.add(proc)
+            try:
+                rankdebug.rank_started(proc.pid, spec.rank)  # (the debugger panel names a rank's threads by it)
+                if forked:
+                    forked(proc)
+            finally:  # (whatever failed after the fork: the child is the supervisor's, to be stopped with the rest)
+                sup.add(proc)
             if interrupted or (deadline is not None and time.monotonic() >= deadline):
                 break  # an interrupt is raised on leaving; the supervisor then finds the deadline passed
 
