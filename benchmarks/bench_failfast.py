@@ -102,14 +102,14 @@ def measure(runs: int = 5) -> dict:
         k.ok("%load_ext nbddp\nimport torch", timeout=120)
         k.ok("%ddp start --devices 3", timeout=120)
         k.ok(BUILD, timeout=120)
-        k.ok("from nbddp.kernel.cells import recovery, rules")
-        now = k.value("rules.STUCK_S")
+        k.ok("from nbddp.kernel.cells import recovery")
+        now = k.value("recovery.STUCK_S")
         series = {"raise": [], "raise_before": [], "kill": []}
         for _ in range(runs):  # interleaved: a busy moment of the machine falls on each alike
             series["raise"].append(_pool_cell(k, "raise"))
-            k.ok("rules.STUCK_S = recovery.HEALTH_S")  # as before this change
+            k.ok("recovery.STUCK_S = recovery.HEALTH_S")  # as before this change
             series["raise_before"].append(_pool_cell(k, "raise"))
-            k.ok(f"rules.STUCK_S = {now!r}")
+            k.ok(f"recovery.STUCK_S = {now!r}")
             series["kill"].append(_pool_cell(k, "kill"))
         k.ok("%ddp stop", timeout=120)
     finally:

@@ -38,7 +38,8 @@ from ...ipy import tracebacks
 from ...rank.server import INTERRUPT
 from ...wire import messages
 from ..ranks import failure
-from .recovery import HEALTH_S, STUCK_S, Recovery
+from . import recovery
+from .recovery import Recovery
 
 PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
 
@@ -241,7 +242,8 @@ class PoolRules(CellRules):
                 p.signal(INTERRUPT, group=False)
                 if self.recovery is not None:
                     self.recovery.interrupted.append(p.rank)
-        run.at(self.interrupted_at + (HEALTH_S if run.gang.spans_machines else STUCK_S), self._give_up)
+        within = recovery.HEALTH_S if run.gang.spans_machines else recovery.STUCK_S  # (read now: one home)
+        run.at(self.interrupted_at + within, self._give_up)
 
     def _give_up(self) -> None:
         self.gave_up = True
