@@ -540,8 +540,8 @@ def _heal(gang, survivors: list, losses: list, inherited: bool) -> Mended:
 
 
 def _shrunk_instead(gang, survivors: list, losses: list, started: list, why: str) -> Mended:
-    """A replacement could not start, and none did (no memory, no node with the room): the survivors, whole,
-    go on at their number rather than end (the replacements already started, waiting for them, killed)."""
+    """A replacement could not start, before it forked (no memory, no node with the room): the survivors, whole,
+    go on, renumbered, rather than end (the replacements already started, waiting for them, killed)."""
     gang.retire(started, kill=True)
     mended = _shrink(gang, survivors, losses)
     mended.instead = why
