@@ -40,12 +40,12 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from helpers import POOL  # noqa: E402
 from kernel import Kernel  # noqa: E402
 
 import sections  # noqa: E402
 
 BEGIN, END = "<!-- healing:begin -->", "<!-- healing:end -->"
-POOL = "get_ipython().magics_manager.registry['DDPMagics'].pool"
 BUILD = """%%ddp
 from torch.nn.parallel import DistributedDataParallel as DDP
 torch.manual_seed(0)

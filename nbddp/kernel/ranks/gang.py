@@ -181,9 +181,9 @@ class Gang:
             p.stop_sent = True  # (nbddp ends them: not a loss)
         if not kill:
             self.command(messages.Stop(), ranks=ranks)
-        end = time.monotonic() + (0 if kill else STOP_S)
-        self.sup.wait(None, until=lambda: all(p.exit is not None for p in procs) or time.monotonic() >= end,
-                      wake_at=end)
+            end = time.monotonic() + STOP_S
+            self.sup.wait(None, until=lambda: all(p.exit is not None for p in procs) or time.monotonic() >= end,
+                          wake_at=end)
         for p in procs:
             if p.exit is None:
                 p.stop_sent = True
