@@ -115,6 +115,47 @@ def test_rule_a_bad_batch_on_one_rank_while_the_other_waits_in_ddp_keeps_the_mod
     assert k.value("[t.tolist() for t in w]")[0] != w2[0], "a step was taken"
 
 
+@pytest.fixture
+def long_graces(pool):
+    """The pool, with its graces (a failed peer's, an interrupt's) at 30 s each: what ends them sooner is the look
+    at the ranks (kernel/cells/grace.py)."""
+    pool.ok("from nbddp.kernel.cells import recovery, rules\n_graces = rules.PEER_GRACE_S, recovery.STUCK_S\n"
+            "rules.PEER_GRACE_S = recovery.STUCK_S = 30.0")
+    try:
+        yield pool
+    finally:
+        pool.ok("rules.PEER_GRACE_S, recovery.STUCK_S = _graces")
+
+
+def test_ranks_blocked_in_a_collective_are_freed_without_waiting_out_the_graces(long_graces):
+    """Rank 1 raises while rank 0 waits for it in an all_reduce: rank 0 is seen blocked (asleep on a futex,
+    running nothing), interrupted, seen still blocked and freed by a fresh group, long before the 60 s the
+    graces would take."""
+    k = long_graces
+    k.ok("%%ddp\nkept = rank + 7\n")
+    t0 = time.monotonic()
+    res = k.run("%%ddp\nimport torch, torch.distributed as dist\nif rank == 1:\n    raise ValueError('bad batch')\n"
+                "t = torch.ones(1)\ndist.all_reduce(t)\n", timeout=90)
+    assert time.monotonic() - t0 < 20
+    text = res.error_text
+    assert "rank 1 failed: ValueError: bad batch" in text, text
+    assert "its process group was made anew: rank(s) 0 waited" in text, text
+    k.ok("%%ddp --gather kept\nt = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2\n")
+    assert k.value("kept") == [7, 8]
+
+
+def test_a_rank_still_computing_keeps_its_grace_and_fails_with_its_own_error(long_graces):
+    """The grace ends early only when every rank still in the cell is blocked: rank 0 computes (in Python) after
+    rank 1 failed, and goes on to fail on its own, said as its own error, not as an interrupt."""
+    k = long_graces
+    res = k.run("%%ddp\nimport time\nif rank == 1:\n    raise ValueError('bad shard')\nt0 = time.monotonic()\n"
+                "while time.monotonic() < t0 + 1.5:\n    pass\nraise RuntimeError('its own error on rank 0')\n",
+                timeout=90)
+    text = res.error_text
+    assert "ValueError: bad shard" in text and "RuntimeError: its own error on rank 0" in text, text
+    assert "KeyboardInterrupt" not in text, text
+
+
 def test_rule_a_rank_that_dies_ends_the_pool_naming_rank_and_cause(pool):
     """--on-loss end: today's rule before issue 55 (the default heals: tests/test_healing.py)."""
     k = pool

@@ -1,13 +1,13 @@
 """A pool after an interrupt or a failed cell: does it live on? (the recovery policy)
 
-Every rank must answer the cell (within ``STUCK_S`` of the interrupt) and pass a barrier (``HealthCheck``)
-within ``HEALTH_S``. Where ranks still wait in a collective (no answer by then), the interrupt cannot reach
-them: on gloo the others leave the process group, which frees them ("Connection closed by peer"); on NCCL the
-stuck rank aborts its own communicators a second after the interrupt (rank/ncclabort.py). Every rank then makes
-a fresh group (``Regroup``) within ``REGROUP_S``; the DDP models in the ranks' namespaces are made anew on it
-(kernel/healing.py), and anything else bound to the old group is named so the user can make it again. A pool
-whose rank never answers is torn down. An interrupt during any of this tears the pool down too: it can no
-longer be vouched for.
+Every rank must answer the cell (within ``STUCK_S`` of the interrupt, unless seen blocked in native code: grace.py)
+and pass a barrier (``HealthCheck``) within ``HEALTH_S``. Where ranks still wait in a collective (no answer by
+then), the interrupt cannot reach them: on gloo the others leave the process group, which frees them ("Connection
+closed by peer"); on NCCL the stuck rank aborts its own communicators a second after the interrupt
+(rank/ncclabort.py). Every rank then makes a fresh group (``Regroup``) within ``REGROUP_S``; the DDP models in the
+ranks' namespaces are made anew on it (kernel/healing.py), and anything else bound to the old group is named so the
+user can make it again. A pool whose rank never answers is torn down. An interrupt during any of this tears the
+pool down too: it can no longer be vouched for.
 """
 from __future__ import annotations
 

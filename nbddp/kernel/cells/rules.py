@@ -9,8 +9,9 @@ cell's run (its gang, its supervisor's schedule, its answers).
 =====================  ==========================================  ==============================================
 the cell arrives       with the fork (spawn: pickled with the job) on each rank's command pipe
 the cell is over       when every rank has exited                  when every rank answered (or one died)
-a rank fails           the others are stopped (nothing to keep)    the others are interrupted after PEER_GRACE_S,
-                                                                   then a health check (a barrier); ranks stuck in
+a rank fails           the others are stopped (nothing to keep)    the others are interrupted after PEER_GRACE_S
+                                                                   (sooner once all are blocked: grace.py), then a
+                                                                   health check (a barrier); ranks stuck in
                                                                    a collective (gloo) are freed by a fresh group
 an interrupt           each rank's stack (faulthandler), then stop KeyboardInterrupt in each cell, health check
 --timeout              stacks, then stop                           stacks, then interrupt as above
@@ -39,6 +40,7 @@ from ...rank.server import INTERRUPT
 from ...wire import messages
 from ..ranks import failure
 from . import recovery
+from .grace import Grace
 from .recovery import Recovery
 
 PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
@@ -78,7 +80,7 @@ class CellRules(abc.ABC):
 
     @abc.abstractmethod
     def peer_failed(self, run) -> None:
-        """PEER_GRACE_S after a rank failed the cell."""
+        """PEER_GRACE_S after a rank failed the cell (sooner once every rank still in it is blocked: grace.py)."""
 
     @abc.abstractmethod
     def timed_out(self, run) -> None:
@@ -187,7 +189,7 @@ class PoolRules(CellRules):
     def __init__(self):
         self.recovery: Recovery | None = None
         self.interrupted_at: float | None = None  # when the ranks still running were interrupted
-        self.gave_up = False  # they did not all answer within STUCK_S of it (HEALTH_S across machines)
+        self.gave_up = False  # they did not all answer within STUCK_S of it (HEALTH_S across machines), or blocked
         self.survived = True  # whether the pool lives on after an interrupt
         self.lost = False  # a rank died during the cell
 
@@ -219,11 +221,12 @@ class PoolRules(CellRules):
         self.interrupt_running(run)  # the others would wait for it in their next collective
 
     def rank_lost(self, run) -> None:
-        """The survivors still in the cell are interrupted after PEER_GRACE_S (a collective with the lost rank
-        fails on its own as its connections close); the cell is over once they answered."""
+        """The survivors still in the cell are interrupted after PEER_GRACE_S, or once all are blocked (a
+        collective with the lost rank fails on its own as its connections close); the cell is over once they
+        answered."""
         if run.gang.mend is not None and not self.lost:
             self.lost = True
-            run.at(time.monotonic() + PEER_GRACE_S, lambda: self.peer_failed(run))
+            Grace(run, time.monotonic() + PEER_GRACE_S, lambda: self.peer_failed(run))
 
     def timed_out(self, run) -> None:
         self.interrupt_running(run)
@@ -233,7 +236,8 @@ class PoolRules(CellRules):
 
     def interrupt_running(self, run) -> None:
         """KeyboardInterrupt into every rank still running the cell (SIGUSR2); past STUCK_S (HEALTH_S across
-        machines) the cell is over, and whoever has not answered is freed by a fresh group (Recovery)."""
+        machines), or once all who have not answered are seen blocked (grace.py), the cell is over, and they are
+        freed by a fresh group (Recovery)."""
         if self.interrupted_at is not None or run.gang.sup is None:
             return
         self.interrupted_at = time.monotonic()
@@ -243,7 +247,7 @@ class PoolRules(CellRules):
                 if self.recovery is not None:
                     self.recovery.interrupted.append(p.rank)
         within = recovery.HEALTH_S if run.gang.spans_machines else recovery.STUCK_S  # (read now: one home)
-        run.at(self.interrupted_at + within, self._give_up)
+        Grace(run, self.interrupted_at + within, self._give_up)
 
     def _give_up(self) -> None:
         self.gave_up = True
