@@ -164,6 +164,47 @@ def test_an_agent_applies_a_signal_sent_before_a_renumbering_to_the_rank_it_was_
     assert agent.queue == [("renumbered",)]
 
 
+def test_a_store_wait_pending_across_a_renumbering_is_answered_to_the_process_that_asked():
+    """Rank 2 of a node waits on the kernel's store for a key; the pool shrinks (2 -> 1, 3 -> 2) before the key is
+    set. The reply goes to the process that asked, now rank 1, not to the one that took the number 2."""
+    from types import SimpleNamespace
+
+    from nbddp.cluster import agent as agent_mod
+
+    agent = agent_mod.Agent()
+    agent._reset("pool-1")
+    pipes = {pid: (os.pipe(), os.pipe()) for pid in (4002, 4003)}  # pid -> ((req_r, req_w), (rep_r, rep_w))
+    agent.sup = SimpleNamespace(procs=[SimpleNamespace(rank=2, pid=4002, exit=None),
+                                       SimpleNamespace(rank=3, pid=4003, exit=None)],
+                                unwatch=lambda fd: None)
+    agent.logs = SimpleNamespace(renumber=lambda paths: None)
+    agent.run_dir = SimpleNamespace(log=lambda rank: f"rank{rank}.log")
+    for rank, pid in ((2, 4002), (3, 4003)):
+        (req_r, _), (_, rep_w) = pipes[pid]
+        agent.cmd[rank] = os.pipe()[1]
+        agent.replies[pid] = rep_w
+        agent.requests[req_r] = (pid, agent_mod.Reader())
+    store = groupstore.Store()
+    link = SimpleNamespace(control=lambda op, *args: getattr(agent, "_" + op)(*args))
+    streams = remote.Streams(Supervisor([]), store)
+    try:
+        (req_r, req_w), (rep_r, _) = pipes[4002]
+        os.write(req_w, framing.encode((7, "wait", (["late"],))))
+        agent._store_request(req_r)
+        assert streams.took(link, agent.queue) == [] and not select.select([rep_r], [], [], 0)[0]
+        agent_mod._moved(agent, {2: 1, 3: 2})  # the renumbering, before the key is set
+        store.handle((8, "set", ("late", b"v")), lambda frame: None)
+        assert [r for r, _ in framing.Reader().feed(os.read(rep_r, 1 << 16))] == [(7, True, None)]
+        assert not select.select([pipes[4003][1][0]], [], [], 0)[0], "the reply reached the new rank 2"
+    finally:
+        streams.close()
+        for fd in [fd for (a, b) in pipes.values() for fd in (*a, *b)] + list(agent.cmd.values()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 def test_a_grow_reuses_an_emptied_node_only_where_its_bundle_holds_the_chunk(monkeypatch):
     """--devices 2: a node a short last chunk made holds 1 rank's bundle. Emptied by a shrink, it takes a chunk of
     1 again, never one of 2 (its GPUs would not be there): that chunk goes to the full emptied node or a new one."""

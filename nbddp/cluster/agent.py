@@ -9,7 +9,8 @@ records, exits) and every store request of its ranks is yielded to the kernel in
 accumulated while the last batch travelled); an empty one each ``BEAT_S`` the stream had nothing else to say,
 the beat by which the kernel knows the node is there (remote.Streams).
 
-The kernel's calls (``control``: a command for the ranks' command pipes, a store reply, a signal) carry a
+The kernel's calls (``control``: a command for the ranks' command pipes, a store reply (addressed to the pid of the
+process that asked: a renumbering meanwhile cannot send it to another), a signal) carry a
 sequence number and are applied in that order, whatever order Ray's threads deliver them in: a pipe write
 at once on the calling thread; a signal on the supervisor's thread (woken through a pipe), the one that
 reaps, so a rank already reaped (its pid maybe reused) is never signalled.
@@ -64,8 +65,9 @@ class Agent:
         self.applied = 0
         self.sup: Supervisor | None = None
         self.cmd: dict[int, int] = {}  # rank -> its command pipe's write end
-        self.replies: dict[int, int] = {}  # rank -> its store reply pipe's write end
-        self.requests: dict[int, tuple[int, Reader]] = {}  # request fd -> (rank, its frames)
+        # a store reply goes to the process that asked (its pid), whatever number it answers to by then
+        self.replies: dict[int, int] = {}  # pid -> its store reply pipe's write end
+        self.requests: dict[int, tuple[int, Reader]] = {}  # request fd -> (the asking rank's pid, its frames)
         self.to_fork: queue.SimpleQueue = queue.SimpleQueue()  # specs of new ranks, for this pool's forker thread
         self.waiting = False  # a rank was lost: the stream stays open for its replacement until ``finish``
         self.logs: RankLogs | None = None
@@ -162,7 +164,7 @@ class Agent:
         self.queue.append(event)
 
     def _store_request(self, fd: int) -> None:
-        rank, frames = self.requests[fd]
+        pid, frames = self.requests[fd]
         try:
             data = os.read(fd, 1 << 16)
         except BlockingIOError:
@@ -171,7 +173,7 @@ class Agent:
             self.sup.unwatch(fd)
             return
         for request, _ in frames.feed(data):
-            self.queue.append(("store", rank, request))
+            self.queue.append(("store", pid, request))
 
     # -- the kernel's calls, in their order ------------------------------------------------------------------------
     def control(self, call: bytes) -> None:
@@ -248,8 +250,8 @@ class Agent:
             except OSError:
                 pass  # that rank is gone; its exit says how
 
-    def _store_reply(self, rank: int, frame: bytes) -> None:
-        fd = self.replies.get(rank)
+    def _store_reply(self, pid: int, frame: bytes) -> None:
+        fd = self.replies.get(pid)
         if fd is not None:
             try:
                 write_all(fd, frame)
@@ -324,14 +326,14 @@ def _fork(spec, run_dir, ifname) -> Forked:
 
 def _register(agent: Agent, new: Forked) -> int:
     """A rank just forked, supervised (on the supervisor's thread, or before its loop runs); its pid."""
-    rank = new.spec.rank
-    for old in (agent.cmd.get(rank), agent.replies.get(rank)):  # (a lost rank's, replaced)
-        if old is not None:
-            _close(old)
+    rank, pid = new.spec.rank, new.proc.pid
+    if rank in agent.cmd:  # (a lost rank's, replaced)
+        _close(agent.cmd[rank])
     agent.sup.add(new.proc)
+    _forget_replies(agent)
     agent.cmd[rank] = new.cmd_w
-    agent.replies[rank] = new.rep_w
-    agent.requests[new.req_r] = (rank, Reader())
+    agent.replies[pid] = new.rep_w
+    agent.requests[new.req_r] = (pid, Reader())
     agent.sup.watch(new.req_r, lambda fd=new.req_r: agent._store_request(fd))
     return new.proc.pid
 
@@ -343,12 +345,18 @@ def _moved(agent: Agent, moves: dict) -> None:
     sup.procs = [p for p in sup.procs if p.rank in moves and p.exit is None]
     for p in sup.procs:
         p.rank = moves[p.rank]
-    for fd in [fd for r, fd in (*agent.cmd.items(), *agent.replies.items()) if r not in moves]:
+    for fd in [fd for r, fd in agent.cmd.items() if r not in moves]:
         _close(fd)
     agent.cmd = {moves[r]: fd for r, fd in agent.cmd.items() if r in moves}
-    agent.replies = {moves[r]: fd for r, fd in agent.replies.items() if r in moves}
-    agent.requests = {fd: (moves.get(rank, -1), frames) for fd, (rank, frames) in agent.requests.items()}
+    _forget_replies(agent)  # (the store's replies are addressed by pid: nothing to renumber)
     agent.logs.renumber({new: str(agent.run_dir.log(new)) for new in moves.values()})
+
+
+def _forget_replies(agent: Agent) -> None:
+    """The store reply pipes of the ranks that ended, closed."""
+    live = {p.pid for p in agent.sup.procs if p.exit is None}
+    for pid in [pid for pid in agent.replies if pid not in live]:
+        _close(agent.replies.pop(pid))
 
 
 def _open_fds() -> list[int]:

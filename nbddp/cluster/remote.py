@@ -152,8 +152,8 @@ class Streams:
         rest = []
         for item in batch:
             if type(item) is tuple and item[0] == "store":
-                _, rank, request = item
-                self.store.handle(request, lambda frame, r=rank: link.control("store_reply", r, frame))
+                _, asker, request = item  # (the asking rank's pid on its node: the reply's address)
+                self.store.handle(request, lambda frame, a=asker: link.control("store_reply", a, frame))
             elif type(item) is tuple and item[0] == "error":  # the agent failed a call: the node is lost
                 link.lost, link.broken = item[1], True
                 rest.append(("ended", link, item[1]))
