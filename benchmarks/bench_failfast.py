@@ -8,10 +8,14 @@ A 3-rank CPU pool (gloo), a DDP model; the cell steps it in a loop, and at the t
 1. **an exception on rank 1** (a bad batch): ranks 0 and 2 wait in the gradient all_reduce, where no interrupt
    reaches them. nbddp sees them blocked (kernel/cells/grace.py: asleep on a futex, running nothing), interrupts
    them, sees them still blocked, and frees them by a fresh process group (the DDP model made anew on it).
-   "Whole graces": the same where /proc could not tell (``procwait.look`` answering None, set in the same kernel,
-   the same run): ``PEER_GRACE_S`` before the interrupt, ``STUCK_S`` after it, as nbddp did until this change.
+   "Whole graces": the same with the ranks looked at only once (``grace.POLL_S`` set to infinity in the same
+   kernel, the same run), as where /proc cannot tell: ``PEER_GRACE_S`` before the interrupt, ``STUCK_S`` after
+   it (``HEALTH_S`` across Ray nodes), as nbddp did until this change.
 2. **rank 1 killed** (SIGKILL, the out-of-memory killer's): the loss is known from its pidfd, the survivors' step
    fails as the peer's sockets close, a replacement heals the pool.
+
+3. **across 3 Ray nodes** (three raylets on this host, one rank each): an exception on rank 1, the others' agents
+   (or the kernel, for its own node's rank) looking at them; and the same with the whole graces.
 
 Each from the moment rank 1 failed (its own clock, printed just before) to the client's reply; median of
 ``--runs``. Anchor: torchrun running the same loop as a script (3 processes), rank 1 raising at the same step:
@@ -103,23 +107,56 @@ def measure(runs: int = 5) -> dict:
         k.ok("%load_ext nbddp\nimport torch", timeout=120)
         k.ok("%ddp start --devices 3", timeout=120)
         k.ok(BUILD, timeout=120)
-        k.ok("from nbddp.hw import procwait\n_look = procwait.look")
-        series = {"raise": [], "raise_whole": [], "kill": []}
-        for _ in range(runs):  # interleaved: a busy moment of the machine falls on each alike
-            series["raise"].append(_pool_cell(k, "raise"))
-            k.ok("procwait.look = lambda pid: None")  # /proc tells nothing: the whole graces, as before this change
-            series["raise_whole"].append(_pool_cell(k, "raise"))
-            k.ok("procwait.look = _look")
-            series["kill"].append(_pool_cell(k, "kill"))
+        series = _raised(k, runs, kill=True)
         k.ok("%ddp stop", timeout=120)
     finally:
         k.shutdown()
     script = os.path.join(tempfile.mkdtemp(), "fails.py")
     Path(script).write_text(TORCHRUN)
     series["torchrun"] = [_torchrun(script) for _ in range(runs)]
+    series.update(measure_ray(runs))
     out.update({name: statistics.median(xs) for name, xs in series.items()})
     out["all"] = series
     return out
+
+
+def _raised(k, runs: int, kill: bool = False, prefix: str = "") -> dict:
+    """``runs`` of rank 1 raising, with the looks and with the whole graces (and killed), interleaved: a busy
+    moment of the machine falls on each alike."""
+    k.ok("from nbddp.kernel.cells import grace\n_poll = grace.POLL_S")
+    series: dict = {f"{prefix}raise": [], f"{prefix}raise_whole": [], **({"kill": []} if kill else {})}
+    for _ in range(runs):
+        series[f"{prefix}raise"].append(_pool_cell(k, "raise"))
+        k.ok("grace.POLL_S = float('inf')")  # looked at once: the whole graces, as before this change
+        series[f"{prefix}raise_whole"].append(_pool_cell(k, "raise"))
+        k.ok("grace.POLL_S = _poll")
+        if kill:
+            series["kill"].append(_pool_cell(k, "kill"))
+    return series
+
+
+def measure_ray(runs: int) -> dict:
+    """Rank 1 raising on a pool across 3 Ray nodes (three raylets on this host, one rank each); {} without Ray."""
+    try:
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        return {}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    k = Kernel(env={"GLOO_SOCKET_IFNAME": "lo", "NBDDP_RUNS_DIR": tempfile.mkdtemp()})
+    try:
+        k.ok(f"%load_ext nbddp\nimport torch\nimport ray\nray.init(address={cluster.address!r}, "
+             "logging_level='ERROR', log_to_driver=False)\nNone", timeout=120)
+        k.ok("%ddp start --cluster ray --nodes 3 --devices 1", timeout=180)
+        k.ok(BUILD, timeout=120)
+        series = _raised(k, runs, prefix="ray_")
+        k.ok("%ddp stop", timeout=120)
+    finally:
+        k.shutdown()
+        cluster.shutdown()
+    return series
 
 
 def render(r: dict) -> str:
@@ -136,6 +173,10 @@ def render(r: dict) -> str:
         f"| the same with the whole graces (as before this change; where /proc cannot tell) | {r['raise_whole']:.2f} "
         "| kept |",
         f"| rank 1 killed (SIGKILL) | {r['kill']:.2f} | kept; a replacement healed from a peer |",
+        *([f"| across 3 Ray nodes (3 raylets on this host, one rank each): an exception on rank 1 | {r['ray_raise']:.2f} "
+           "| kept; the group and DDP made anew |",
+           f"| the same with the whole graces (1 s, then 3 s across nodes) | {r['ray_raise_whole']:.2f} | kept |"]
+          if "ray_raise" in r else ["| across Ray nodes | not measured (Ray is not installed) | |"]),
         f"| anchor: torchrun, the same loop as a script, rank 1 raising | {r['torchrun']:.2f} | every worker torn "
         "down |",
         "",
@@ -144,7 +185,10 @@ def render(r: dict) -> str:
         "torchrun ends its job, which keeps nothing (its anchor for going on is a restart from a checkpoint: section "
         "16). The graces (`PEER_GRACE_S`, 1 s: the others may fail on their own first, and say so; `STUCK_S`, 1 s: an "
         "interrupted rank in Python answers well within it) now end at the first look, every 0.1 s, that finds every "
-        "rank still in the cell blocked in native code since the look before.",
+        "rank still in the cell blocked in native code since the look before (asleep on a futex, running nothing); "
+        "a rank on another node is looked at by its agent"
+        + (f" (across Ray nodes the cell ends {r['ray_raise_whole'] / r['ray_raise']:.1f}× sooner than with the whole "
+           "graces)." if "ray_raise" in r else "."),
     ])
 
 

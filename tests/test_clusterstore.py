@@ -205,6 +205,38 @@ def test_a_store_wait_pending_across_a_renumbering_is_answered_to_the_process_th
                 pass
 
 
+def test_an_agents_look_at_its_rank_reaches_the_rank_it_was_taken_of_under_its_number_now():
+    """kernel/cells/grace.py asks a remote rank how it is (``RemoteProc.look``): the agent looks at its live rank
+    on the supervisor's thread and streams the answer; the kernel keeps it on that rank, under the number the
+    kernel gives it now (a renumbering the agent has not marked yet: its 2 is the kernel's 1)."""
+    from types import SimpleNamespace
+
+    from nbddp.cluster.agent import Agent
+    from nbddp.hw import procwait
+
+    agent = Agent()
+    os.set_blocking(agent.wake_r, False)
+    me = SimpleNamespace(rank=2, pid=os.getpid(), exit=None, look=lambda: procwait.look(os.getpid()))
+    agent.sup = SimpleNamespace(procs=[me], live=lambda: [me])
+    asked = []
+    link = remote.Link(None, "n1", [1])
+    link.control = lambda op, *args: asked.append((op, args))
+    sup = Supervisor([])
+    streams = remote.Streams(sup, groupstore.Store())
+    try:
+        proc = streams.add(1, 4002, link)
+        assert proc.look() is None and asked == [("look", (1,))], "nothing yet: one asked for"
+        agent._look(2)
+        agent._wake()
+        link.unmarked.append({2: 1})
+        streams.events.put(streams.took(link, agent.queue))
+        streams.deliver()
+        assert isinstance(proc.look(), procwait.Look) and not proc.looked.on_futex  # (this thread runs)
+    finally:
+        streams.close()
+        sup.close()
+
+
 def test_a_grow_reuses_an_emptied_node_only_where_its_bundle_holds_the_chunk(monkeypatch):
     """--devices 2: a node a short last chunk made holds 1 rank's bundle. Emptied by a shrink, it takes a chunk of
     1 again, never one of 2 (its GPUs would not be there): that chunk goes to the full emptied node or a new one."""

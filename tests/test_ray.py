@@ -210,6 +210,31 @@ def test_an_interrupt_frees_a_rank_stuck_in_a_collective_across_nodes_and_the_po
     assert k.value("kept") == [100, 101]
 
 
+def test_a_rank_blocked_on_the_other_node_is_freed_without_waiting_out_the_graces(pool):
+    """Rank 0 (the kernel's node) raises while rank 1 waits for it in an all_reduce on the other node: its agent
+    looks at it for the kernel (blocked: asleep on a futex, running nothing), and the cell ends long before the
+    60 s its graces are set to here (a failed peer's, an interrupt's across nodes; the probe of a rank left alone
+    in a collective set as long)."""
+    k, pids = pool
+    k.ok("from nbddp.kernel.cells import probe, recovery, rules\n"
+         "_graces = rules.PEER_GRACE_S, recovery.HEALTH_S, probe.ALONE_S\n"
+         "rules.PEER_GRACE_S = recovery.HEALTH_S = probe.ALONE_S = 30.0")
+    try:
+        t0 = time.monotonic()
+        res = k.run("%%ddp\nimport torch, torch.distributed as dist\nif rank == 0:\n    raise ValueError('bad batch')\n"
+                    "t = torch.ones(1)\ndist.all_reduce(t)\n", timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        k.ok("rules.PEER_GRACE_S, recovery.HEALTH_S, probe.ALONE_S = _graces")
+    text = res.error_text
+    assert took < 20, (took, text)
+    assert re.search(r"rank 0 on node 0 \(.*\) failed: ValueError: bad batch", text), text
+    assert "rank(s) 1 waited" in text, text
+    k.ok("%%ddp --gather s\nt = torch.ones(1)\ndist.all_reduce(t)\ns = t.item()\n")
+    assert k.value("s") == [2.0, 2.0]
+    assert not [p for p in pids if p not in ranks_alive(pids)], "the same ranks live on"
+
+
 def test_a_display_is_rich_from_every_node(pool):
     """Another node's ranks run outside any IPython shell (as spawned ranks do): they get a quiet shell of
     their own, so display() sends the rich bundle, in order with the rank's text."""

@@ -208,7 +208,7 @@ class Agent:
 
     def _wake(self) -> None:
         """On the supervisor's thread: a rank forked anew, supervised and said to the kernel; then the kernel's
-        calls in their order: its signals to the ranks not reaped yet, its renumberings."""
+        calls in their order: its signals to the ranks not reaped yet, its renumberings, its looks (``_call``)."""
         try:
             while os.read(self.wake_r, 4096):
                 pass
@@ -225,20 +225,7 @@ class Agent:
                 call = self.calls.get_nowait()
             except queue.Empty:
                 return
-            if call[0] == "moves":
-                _moved(self, call[1])
-                self.queue.append(("renumbered",))  # what the stream says after this carries the new numbers
-                call[2].set()
-                continue
-            _, rank, sig, group = call
-            try:
-                for p in self.sup.live():
-                    if p.rank == rank:
-                        if sig in (signal.SIGTERM, signal.SIGKILL):
-                            p.stop_sent = True  # its exit record says nbddp stopped it
-                        p.signal(sig, group)
-            except Exception as e:  # noqa: BLE001 - said to the kernel, the agent lives on
-                self._failed("signal", e)
+            _call(self, call)
 
     def _command(self, frame: bytes, ranks) -> None:
         for rank in ranks:
@@ -261,6 +248,11 @@ class Agent:
     def _signal(self, rank: int, sig: int, group: bool) -> None:
         """For the supervisor's thread: this one may not see a rank's reaping."""
         self.calls.put(("signal", rank, sig, group))
+        self._poke()
+
+    def _look(self, rank: int) -> None:
+        """How a rank is, as /proc tells (kernel/cells/grace.py asks), streamed as ("looked", {rank: Look})."""
+        self.calls.put(("look", rank))
         self._poke()
 
     def _renumber(self, moves: dict) -> None:
@@ -322,6 +314,28 @@ def _fork(spec, run_dir, ifname) -> Forked:
         for fd in (cmd_r, req_w, rep_r):
             os.close(fd)
     return Forked(spec, proc, cmd_w, rep_w, req_r)
+
+
+def _call(agent: Agent, call: tuple) -> None:
+    """On the supervisor's thread (it reaps, and reads the rank tables): one of the kernel's calls handed to it, a
+    renumbering, a look or a signal, in the kernel's order."""
+    if call[0] == "moves":
+        _moved(agent, call[1])
+        agent.queue.append(("renumbered",))  # what the stream says after this carries the new numbers
+        call[2].set()
+        return
+    if call[0] == "look":
+        agent.queue.append(("looked", {p.rank: p.look() for p in agent.sup.live() if p.rank == call[1]}))
+        return
+    _, rank, sig, group = call
+    try:
+        for p in agent.sup.live():
+            if p.rank == rank:
+                if sig in (signal.SIGTERM, signal.SIGKILL):
+                    p.stop_sent = True  # its exit record says nbddp stopped it
+                p.signal(sig, group)
+    except Exception as e:  # noqa: BLE001 - said to the kernel, the agent lives on
+        agent._failed("signal", e)
 
 
 def _register(agent: Agent, new: Forked) -> int:

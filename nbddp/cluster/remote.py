@@ -36,9 +36,16 @@ class RemoteProc(RankProc):
     """A rank on another node: no pipes here; its agent signals it."""
 
     link: object = None  # the node's Link
+    looked: object = None  # the last procwait.Look its agent sent
 
     def signal(self, sig: int, group: bool = True) -> None:
         self.link.control("signal", self.rank, int(sig), group)
+
+    def look(self):
+        """The last look its agent sent (None: none yet), and the next one asked for: it comes on the node's
+        stream (kernel/cells/grace.py asks again a moment later)."""
+        self.link.control("look", self.rank)
+        return self.looked
 
 
 class Link:
@@ -161,6 +168,8 @@ class Streams:
                 rest.append(("forked", link, item[1], item[2]))
             elif type(item) is tuple and item[0] == "renumbered":  # the agent applied a renumbering
                 rest.append(("renumbered", link))
+            elif type(item) is tuple and item[0] == "looked":  # how its ranks are, as the kernel asked
+                rest.append(("looked", link, item[1]))
             else:
                 rest.append(("rank", link, item))
         return rest
@@ -203,6 +212,12 @@ class Streams:
         if kind == "renumbered":  # what the stream says from here on carries the new numbers
             if link.unmarked:
                 link.unmarked.popleft()
+            return
+        if kind == "looked":
+            for rank, look in event[2].items():
+                proc = self.procs.get(link.current(rank))
+                if proc is not None and proc.link is link:
+                    proc.looked = look
             return
         if kind == "forked":  # a new rank on that node (a lost one's replacement)
             rank = link.current(event[2])

@@ -11,10 +11,12 @@ peer failed (kernel/cells/grace.py). Where /proc does not tell (another system, 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 10_000_000
 IDLE_TICKS = 2  # the process's threads together may run this many clock ticks (TICK_NS each) between two looks
+MIN_GAP_S = 0.05  # two looks closer than this tell nothing (a node's agent may answer two asks at once)
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class Look:
     on_futex: bool  # the main thread sleeps on a futex (``S`` state, ``wchan`` futex_*)
     main_ns: int  # the main thread's time on a CPU (schedstat; clock ticks where there is none)
     ticks: int  # the process's time on a CPU, every thread (user + system clock ticks)
+    at: float  # when it was taken (time.monotonic of the machine that looked)
 
 
 def look(pid: int) -> Look | None:
@@ -36,13 +39,15 @@ def look(pid: int) -> Look | None:
     except (OSError, ValueError, IndexError):
         return None
     return Look(state == "S" and wchan.startswith("futex"), main_ticks * TICK_NS if main_ns is None else main_ns,
-                ticks)
+                ticks, time.monotonic())
 
 
 def blocked(before: Look | None, after: Look | None) -> bool:
-    """Blocked from one look to the next: asleep on a futex at both, the main thread never on a CPU between
-    them (a signal's C handler aside: under a millisecond), the whole process nearly idle."""
-    return (before is not None and after is not None and before.on_futex and after.on_futex
+    """Blocked from one look to the next (``MIN_GAP_S`` apart at least): asleep on a futex at both, the main
+    thread never on a CPU between them (a signal's C handler aside: under a millisecond), the whole process
+    nearly idle."""
+    return (before is not None and after is not None and after.at - before.at >= MIN_GAP_S
+            and before.on_futex and after.on_futex
             and after.main_ns - before.main_ns < 1_000_000 and after.ticks - before.ticks <= IDLE_TICKS)
 
 

@@ -1,9 +1,9 @@
 """A grace that ends as soon as waiting longer cannot help: the time a pool's cell gives the ranks still running
 it, after a peer failed (``PEER_GRACE_S``: to fail on their own, each with its own error) or after an
 interrupt (``STUCK_S``: to answer it). Once every one of them is seen blocked in native code (hw/procwait.py:
-asleep on a futex, running nothing, since the last look ``POLL_S`` before), they wait in a collective that
-cannot finish, and the grace would end the same way, only later. Ranks on other machines (their pids mean
-nothing here) get the whole grace.
+asleep on a futex, running nothing, since the look before), they wait in a collective that cannot finish, and
+the grace would end the same way, only later. The ranks are looked at every ``POLL_S`` (``RankProc.look``); a
+rank on another node by its agent, whose answer comes on the node's stream (a look behind: ``RemoteProc.look``).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 from ...hw import procwait
 
-POLL_S = 0.1  # how often the ranks are looked at (two looks this far apart: blocked between them)
+POLL_S = 0.1  # how often the ranks are looked at
 
 
 class Grace:
@@ -20,7 +20,7 @@ class Grace:
 
     def __init__(self, run, end: float, action):
         self.run, self.end, self.action = run, end, action
-        self.looks: dict[int, procwait.Look | None] = {}  # pid -> how it was at the last look
+        self.looks: dict[int, procwait.Look | None] = {}  # rank -> how it was at the last look
         self.over = False
         self._look()
 
@@ -36,10 +36,9 @@ class Grace:
 
     def _all_blocked(self) -> bool:
         run = self.run
-        if run.gang.spans_machines or run.sup is None:
+        if run.sup is None:
             return False
-        waiting = [p.pid for p in run.sup.live() if p.rank in run.ranks and p.rank not in run.replies]
-        looks = {pid: procwait.look(pid) for pid in waiting}
-        held = bool(looks) and all(procwait.blocked(self.looks.get(pid), now) for pid, now in looks.items())
+        looks = {p.rank: p.look() for p in run.sup.live() if p.rank in run.ranks and p.rank not in run.replies}
+        held = bool(looks) and all(procwait.blocked(self.looks.get(rank), now) for rank, now in looks.items())
         self.looks = looks
         return held

@@ -21,6 +21,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from ...hw import procwait
 from ...wire import framing, messages
 from ..debugger import rankdebug
 from . import failure
@@ -136,6 +137,10 @@ class RankProc:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
+
+    def look(self):
+        """How the rank is now, as /proc tells (a procwait.Look; None where it cannot): kernel/cells/grace.py."""
+        return procwait.look(self.pid)
 
     def fd_of(self, stream: str) -> int | None:
         for fd, kind in self.fds.items():
