@@ -205,10 +205,12 @@ def test_a_store_wait_pending_across_a_renumbering_is_answered_to_the_process_th
                 pass
 
 
-def test_an_agents_look_at_its_rank_reaches_the_rank_it_was_taken_of_under_its_number_now():
+def test_an_agents_look_at_its_rank_reaches_the_rank_it_was_taken_of_and_one_older_than_a_signal_is_not_used():
     """kernel/cells/grace.py asks a remote rank how it is (``RemoteProc.look``): the agent looks at its live rank
     on the supervisor's thread and streams the answer; the kernel keeps it on that rank, under the number the
-    kernel gives it now (a renumbering the agent has not marked yet: its 2 is the kernel's 1)."""
+    kernel gives it now (a renumbering the agent has not marked yet: its 2 is the kernel's 1). An answer to an ask
+    made before the rank's last signal says nothing of what came after it: not used."""
+    import signal
     from types import SimpleNamespace
 
     from nbddp.cluster.agent import Agent
@@ -223,18 +225,30 @@ def test_an_agents_look_at_its_rank_reaches_the_rank_it_was_taken_of_under_its_n
     link.control = lambda op, *args: asked.append((op, args))
     sup = Supervisor([])
     streams = remote.Streams(sup, groupstore.Store())
+    link.unmarked.append({2: 1})
+
+    def answered(ask):
+        agent._look(2, ask)
+        agent._wake()
+        streams.events.put(streams.took(link, agent.queue))
+        agent.queue = []
+        streams.deliver()
+
     try:
         proc = streams.add(1, 4002, link)
-        assert proc.look() is None and asked == [("look", (1,))], "nothing yet: one asked for"
-        agent._look(2)
-        agent._wake()
-        link.unmarked.append({2: 1})
-        streams.events.put(streams.took(link, agent.queue))
-        streams.deliver()
-        assert isinstance(proc.look(), procwait.Look) and not proc.looked.on_futex  # (this thread runs)
+        assert proc.look() is None and asked == [("look", (1, 1))], "nothing yet: one asked for"
+        answered(1)
+        assert isinstance(proc.look(), procwait.Look) and not proc.looked[1].on_futex  # (this thread runs)
+        proc.signal(signal.SIGUSR2, group=False)
+        assert asked[-1] == ("signal", (1, int(signal.SIGUSR2), False))
+        assert proc.look() is None, "the answer to an ask before the signal"
+        answered(3)
+        assert isinstance(proc.look(), procwait.Look)
     finally:
         streams.close()
         sup.close()
+        for fd in (agent.wake_r, agent.wake_w):
+            os.close(fd)
 
 
 def test_a_grow_reuses_an_emptied_node_only_where_its_bundle_holds_the_chunk(monkeypatch):

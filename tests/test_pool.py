@@ -157,6 +157,21 @@ def test_a_rank_still_computing_keeps_its_grace_and_fails_with_its_own_error(lon
     assert "KeyboardInterrupt" not in text, text
 
 
+def test_a_rank_whose_cleanup_waits_after_the_interrupt_is_not_taken_for_one_held_in_a_collective(long_graces):
+    """Both ranks catch the interrupt and wait 1.5 s on a thread (a DataLoader's or a logger's teardown): asleep on
+    a futex, using no CPU, as a rank held in a collective looks. Their handler ran (``Heard``): they are waited
+    for, and the pool lives on in its own process group, nobody said to have been freed from a collective."""
+    k = long_graces
+    res = k.interrupt_when("%%ddp\nimport threading, time\nprint('up', flush=True)\ntry:\n    while True:\n"
+                           "        time.sleep(0.01)\nexcept KeyboardInterrupt:\n"
+                           "    cleanup = threading.Thread(target=time.sleep, args=(1.5,))\n    cleanup.start()\n"
+                           "    cleanup.join()\n    raise\n", "up", 2, timeout=90)
+    assert res.error and res.error["ename"] == "KeyboardInterrupt", res
+    text = res.error_text
+    assert "every rank stopped its cell; the pool and its state survived" in text, text
+    assert "made anew" not in text, text
+
+
 def test_rule_a_rank_that_dies_ends_the_pool_naming_rank_and_cause(pool):
     """--on-loss end: today's rule before issue 55 (the default heals: tests/test_healing.py)."""
     k = pool

@@ -1,5 +1,7 @@
-"""hw/procwait.py against real processes: one waiting for its peer in a gloo all_reduce is blocked; one running
-Python, one sleeping in time.sleep, one waiting for its next command on a pipe, and one gone are not."""
+"""hw/procwait.py against real processes: one waiting for its peer in a gloo all_reduce is blocked, and so is one
+whose main thread waits on a Python Event (the kernel tells those apart by the rank's ``Heard``); one running
+Python, one sleeping in time.sleep, one waiting for its next command on a pipe, one waiting while its child
+computes, and one gone are not."""
 import os
 import socket
 import subprocess
@@ -11,7 +13,7 @@ import pytest
 from nbddp.hw import procwait
 
 pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(procwait.look(os.getpid()) is None, reason="/proc does not tell (not Linux)")]
+              pytest.mark.skipif(not procwait.tells(), reason="/proc does not tell (not Linux, or wchan hidden)")]
 
 GLOO = """
 import os, sys, time, torch, torch.distributed as dist
@@ -75,6 +77,34 @@ def test_a_process_not_held_in_native_code_is_not_blocked(what):
         assert procwait.look(proc.pid) is not None
         assert not _blocked_within(proc.pid, 1.0), procwait.look(proc.pid)
     finally:
+        _ended([proc])
+
+
+WAITS = """
+import multiprocessing as mp, sys, threading
+def spin():
+    while True:
+        pass
+child = mp.get_context("fork").Process(target=spin, daemon=True) if sys.argv[1] == "child" else None
+if child is not None:
+    child.start()
+print("up", child.pid if child else 0, flush=True)
+threading.Event().wait()
+"""
+
+
+@pytest.mark.parametrize("child", [False, True], ids=["idle", "child-computes"])
+def test_a_main_thread_waiting_on_a_python_event_is_blocked_unless_its_child_computes(child):
+    proc = _start(WAITS, "child" if child else "alone")
+    kids = []
+    try:
+        up, pid = proc.stdout.readline().split()
+        kids = [int(pid)] if int(pid) else []
+        assert up == b"up"
+        assert _blocked_within(proc.pid, 5.0) is not child, procwait.look(proc.pid)
+    finally:
+        for pid in kids:
+            os.kill(pid, 9)
         _ended([proc])
 
 

@@ -36,16 +36,22 @@ class RemoteProc(RankProc):
     """A rank on another node: no pipes here; its agent signals it."""
 
     link: object = None  # the node's Link
-    looked: object = None  # the last procwait.Look its agent sent
+    looked: tuple = (0, None)  # (the ask it answers, the procwait.Look its agent sent)
+    asks: int = 0  # looks asked of its agent
+    signalled: int = 0  # looks asked before its last signal: their answers tell nothing of what came after
 
     def signal(self, sig: int, group: bool = True) -> None:
+        self.signalled = self.asks
         self.link.control("signal", self.rank, int(sig), group)
 
     def look(self):
-        """The last look its agent sent (None: none yet), and the next one asked for: it comes on the node's
-        stream (kernel/cells/grace.py asks again a moment later)."""
-        self.link.control("look", self.rank)
-        return self.looked
+        """The last look its agent sent, if taken after the last signal (the agent applies the kernel's calls in
+        order), else None; and the next one asked for: it comes on the node's stream (kernel/cells/grace.py asks
+        again a moment later)."""
+        self.asks += 1
+        self.link.control("look", self.rank, self.asks)
+        ask, look = self.looked
+        return look if ask > self.signalled else None
 
 
 class Link:
@@ -214,10 +220,10 @@ class Streams:
                 link.unmarked.popleft()
             return
         if kind == "looked":
-            for rank, look in event[2].items():
+            for rank, answer in event[2].items():
                 proc = self.procs.get(link.current(rank))
                 if proc is not None and proc.link is link:
-                    proc.looked = look
+                    proc.looked = answer
             return
         if kind == "forked":  # a new rank on that node (a lost one's replacement)
             rank = link.current(event[2])

@@ -67,6 +67,8 @@ class Server:
             for watch in watches:
                 watch.heard()
             if busy:
+                if pipe is not None:  # a pool's: back in Python, its answer comes (kernel/cells/grace.py)
+                    ctx.channel.try_send(messages.Heard())
                 raise KeyboardInterrupt
 
         signal.signal(INTERRUPT, interrupt)

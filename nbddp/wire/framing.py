@@ -44,6 +44,17 @@ class Writer:
     def send(self, record) -> None:
         self._write(encode(record, self.marks()))
 
+    def try_send(self, record) -> bool:
+        """``send``, unless a frame is being written (then False: a signal handler may have interrupted that very
+        write, on its own thread, and would wait for itself)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            write_all(self.fd, encode(record, self.marks()))
+        finally:
+            self._lock.release()
+        return True
+
     def mark(self) -> None:
         """A ``Mark``: the one record sent per stream switch, so its pickle is made once."""
         self._write(HEADER.pack(len(_MARK), *self.marks()) + _MARK)

@@ -162,6 +162,14 @@ class InputRequest:
 
 
 @dataclass(frozen=True)
+class Heard:
+    """Pool: the rank's Python handler of the kernel's interrupt ran (its main thread is back in Python: its answer
+    comes, however long its cleanup takes), sent from the handler when the channel is free. A rank interrupted
+    that never says so, and waits on a futex using no CPU, is held in native code: a collective
+    (kernel/cells/grace.py)."""
+
+
+@dataclass(frozen=True)
 class Healthy:
     """Pool: the rank passed the health check (a barrier) after an interrupt or a failed cell, or made
     its fresh process group (``Regroup``): then ``bound`` names what in its namespace was bound to the
@@ -243,5 +251,6 @@ class Stop:
     pass
 
 
-RANK_SENDS = (Mark, Ready, Display, ClearOutput, Progress, Scalars, InputRequest, Result, Error, Exit, Done, Healthy)
+RANK_SENDS = (Mark, Ready, Display, ClearOutput, Progress, Scalars, InputRequest, Result, Error, Exit, Done, Heard,
+              Healthy)
 KERNEL_SENDS = (RunCell, Call, Update, InputReply, PostMortem, HealthCheck, Regroup, Stop)

@@ -29,7 +29,6 @@ from ..ranks.gang import Gang
 from ..ranks.stacks import StackCapture
 from ..ranks.supervisor import Started
 from . import rules
-from .grace import Grace
 from .probe import CollectiveProbe
 from .prompts import Prompts
 
@@ -114,7 +113,7 @@ class CellRun:
         failed = isinstance(rec, messages.Error) or (isinstance(rec, messages.Exit) and rec.code != 0)
         if failed and self.first_error is None:  # exit(0) on one rank is an early leave: the others go on
             self.first_error = time.monotonic()
-            Grace(self, self.first_error + rules.PEER_GRACE_S, lambda: self.rules.peer_failed(self))
+            self.rules.rank_failed(self)
 
     def on_Exited(self, event) -> None:
         if not event.exit.stopped:  # (a rank a --ranks cell leaves out too: the cell cannot conclude without it)

@@ -20,7 +20,8 @@ from ..ranks import starters
 HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
 # an interrupted rank that has not answered within this is taken to wait in a collective, and the group is made
 # anew to free it (a rank merely slow still answers within REGROUP_S); across machines the interrupt goes
-# through each node's agent, so there: HEALTH_S
+# through each node's agent, so there: HEALTH_S. Sooner (grace.py) once every rank yet to answer is seen blocked
+# with no ``Heard`` from it (its handler never ran)
 STUCK_S = 1.0
 REGROUP_S = 10.0  # pool: every rank in a fresh process group within this (a rank stuck elsewhere: torn down)
 
@@ -37,8 +38,11 @@ class Recovery:
         self.old_group_users: set[str] = set()  # what the ranks had bound to the old group (their Healthy answers)
         self.rebuilt: list = []  # (name, kind): what was made anew on the fresh group (DDP models, meshes)
         self.interrupted: list[int] = []  # ranks sent the interrupt (on NCCL, one may have aborted its group)
+        self.heard: set[int] = set()  # ranks whose Python handler of the interrupt ran (``Heard``): not held
 
     def on_Message(self, event) -> None:
+        if isinstance(event.record, messages.Heard):
+            self.heard.add(event.rank)
         if isinstance(event.record, messages.Healthy):
             self.healthy.add(event.rank)
             self.old_group_users.update(event.record.bound)

@@ -10,7 +10,7 @@ cell's run (its gang, its supervisor's schedule, its answers).
 the cell arrives       with the fork (spawn: pickled with the job) on each rank's command pipe
 the cell is over       when every rank has exited                  when every rank answered (or one died)
 a rank fails           the others are stopped (nothing to keep)    the others are interrupted after PEER_GRACE_S
-                                                                   (sooner once all are blocked: grace.py), then a
+                                                                   (sooner once all wait: grace.py), then a
                                                                    health check (a barrier); ranks stuck in
                                                                    a collective (gloo) are freed by a fresh group
 an interrupt           each rank's stack (faulthandler), then stop KeyboardInterrupt in each cell, health check
@@ -79,8 +79,8 @@ class CellRules(abc.ABC):
         """Every rank answered the cell."""
 
     @abc.abstractmethod
-    def peer_failed(self, run) -> None:
-        """PEER_GRACE_S after a rank failed the cell (sooner once every rank still in it is blocked: grace.py)."""
+    def rank_failed(self, run) -> None:
+        """A rank failed the cell (the first to: an exception, or an exit other than 0)."""
 
     @abc.abstractmethod
     def timed_out(self, run) -> None:
@@ -142,8 +142,8 @@ class OneShotRules(CellRules):
             self.leave_sent = True
             run.gang.command(messages.Stop())
 
-    def peer_failed(self, run) -> None:
-        pass  # the supervisor stopped the others as the failed rank exited
+    def rank_failed(self, run) -> None:
+        pass  # the supervisor stops the others as the failed rank exits
 
     def timed_out(self, run) -> None:
         run.sup.stop_all()
@@ -217,8 +217,10 @@ class PoolRules(CellRules):
     def all_answered(self, run) -> None:
         pass  # the ranks wait for the next cell
 
-    def peer_failed(self, run) -> None:
-        self.interrupt_running(run)  # the others would wait for it in their next collective
+    def rank_failed(self, run) -> None:
+        """The others are interrupted (they would wait for it in their next collective) after PEER_GRACE_S, or
+        once every one still in the cell is seen blocked (grace.py): waiting for it already."""
+        Grace(run, time.monotonic() + PEER_GRACE_S, lambda: self.interrupt_running(run))
 
     def rank_lost(self, run) -> None:
         """The survivors still in the cell are interrupted after PEER_GRACE_S, or once all are blocked (a
@@ -226,7 +228,7 @@ class PoolRules(CellRules):
         answered."""
         if run.gang.mend is not None and not self.lost:
             self.lost = True
-            Grace(run, time.monotonic() + PEER_GRACE_S, lambda: self.peer_failed(run))
+            Grace(run, time.monotonic() + PEER_GRACE_S, lambda: self.interrupt_running(run))
 
     def timed_out(self, run) -> None:
         self.interrupt_running(run)
@@ -236,8 +238,8 @@ class PoolRules(CellRules):
 
     def interrupt_running(self, run) -> None:
         """KeyboardInterrupt into every rank still running the cell (SIGUSR2); past STUCK_S (HEALTH_S across
-        machines), or once all who have not answered are seen blocked (grace.py), the cell is over, and they are
-        freed by a fresh group (Recovery)."""
+        machines), or once all who have not answered are seen blocked with no ``Heard`` from them (grace.py: their
+        handler never ran), the cell is over, and they are freed by a fresh group (Recovery)."""
         if self.interrupted_at is not None or run.gang.sup is None:
             return
         self.interrupted_at = time.monotonic()
@@ -247,7 +249,8 @@ class PoolRules(CellRules):
                 if self.recovery is not None:
                     self.recovery.interrupted.append(p.rank)
         within = recovery.HEALTH_S if run.gang.spans_machines else recovery.STUCK_S  # (read now: one home)
-        Grace(run, self.interrupted_at + within, self._give_up)
+        Grace(run, self.interrupted_at + within, self._give_up,
+              back_in_python=self.recovery.heard if self.recovery is not None else set())
 
     def _give_up(self) -> None:
         self.gave_up = True
