@@ -185,8 +185,9 @@ def render(r: dict) -> str:
         "torchrun ends its job, which keeps nothing (its anchor for going on is a restart from a checkpoint: section "
         "16). The graces (`PEER_GRACE_S`, 1 s: the others may fail on their own first, and say so; `STUCK_S`, 1 s: an "
         "interrupted rank in Python answers well within it) now end at the first look, every 0.1 s, that finds every "
-        "rank still in the cell blocked in native code since the look before (asleep on a futex, running nothing); "
-        "a rank on another node is looked at by its agent"
+        "rank still in the cell blocked since the look before (asleep on a futex, neither it nor its threads nor its "
+        "children running; after the interrupt, only ranks whose handler never ran: no `Heard`); a rank on another "
+        "node is looked at by its agent"
         + (f" (across Ray nodes the cell ends {r['ray_raise_whole'] / r['ray_raise']:.1f}× sooner than with the whole "
            "graces)." if "ray_raise" in r else "."),
     ])
