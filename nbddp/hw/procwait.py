@@ -50,8 +50,8 @@ def look(pid: int) -> Look | None:
 
 def blocked(before: Look | None, after: Look | None) -> bool:
     """Blocked from one look to the next (``MIN_GAP_S`` apart at least): asleep on a futex at both, the main
-    thread never on a CPU between them (a signal's C handler aside: under a millisecond), the whole process
-    nearly idle."""
+    thread never on a CPU between them (a signal's C handler aside: under a millisecond), its other threads and
+    its live children nearly idle."""
     return (before is not None and after is not None and after.at - before.at >= MIN_GAP_S
             and before.on_futex and after.on_futex
             and after.main_ns - before.main_ns < 1_000_000 and after.ticks - before.ticks <= IDLE_TICKS)
