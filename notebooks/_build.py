@@ -163,8 +163,8 @@ NOTEBOOKS = {
              "def wait_for_data():\n    while True:\n        time.sleep(0.1)\n"
              "if rank == 0:\n    wait_for_data()   # rank 0 never reaches the barrier\ndist.barrier()"),
         md("A rank killed outright (what the out-of-memory killer does):"),
-        code("%%ddp --devices 2\n# NBVAL_RAISES_EXCEPTION\nimport os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-             "import torch.distributed as dist\ndist.barrier()"),
+        code("%%ddp --devices 2\n# NBVAL_RAISES_EXCEPTION\nimport os, signal, time\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+             "time.sleep(60)  # rank 0 is stopped as soon as rank 1 is gone"),
         md("Bad input launches nothing:"),
         code("%%ddp --devices 0,0\n# NBVAL_RAISES_EXCEPTION\nprint('never runs')"),
         md("And after all that, the kernel is fine:"),
