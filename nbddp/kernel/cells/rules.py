@@ -239,8 +239,7 @@ class PoolRules(CellRules):
     def interrupt_running(self, run) -> None:
         """KeyboardInterrupt into every rank still running the cell (SIGUSR2); past STUCK_S (HEALTH_S across
         machines), or once all who have not answered are seen blocked with no ``Heard`` from them (grace.py: their
-        handler never ran), the cell is over, and they are freed by a fresh group (Recovery). Ranks that all
-        heard it (back in Python, cleaning up) are given until HEALTH_S to answer."""
+        handler never ran), the cell is over, and they are freed by a fresh group (Recovery)."""
         if self.interrupted_at is not None or run.gang.sup is None:
             return
         self.interrupted_at = time.monotonic()
@@ -250,18 +249,10 @@ class PoolRules(CellRules):
                 if self.recovery is not None:
                     self.recovery.interrupted.append(p.rank)
         within = recovery.HEALTH_S if run.gang.spans_machines else recovery.STUCK_S  # (read now: one home)
-        heard = self.recovery.heard if self.recovery is not None else set()
-        Grace(run, self.interrupted_at + within, lambda: self._give_up(run, heard), back_in_python=heard)
+        Grace(run, self.interrupted_at + within, self._give_up,
+              back_in_python=self.recovery.heard if self.recovery is not None else set())
 
-    def _give_up(self, run, heard: set) -> None:
-        """The ranks yet to answer are taken as held in a collective, unless every one of them heard the
-        interrupt: those are given until HEALTH_S after it."""
-        live = {p.rank for p in run.sup.live()}
-        waiting = [r for r in run.ranks if r not in run.replies and r in live]
-        later = self.interrupted_at + recovery.HEALTH_S
-        if waiting and all(r in heard for r in waiting) and time.monotonic() < later:
-            run.at(later, lambda: self._give_up(run, heard))
-            return
+    def _give_up(self) -> None:
         self.gave_up = True
 
     def interrupt(self, run, announced: bool) -> list[int]:
