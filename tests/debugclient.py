@@ -75,12 +75,14 @@ class DebugClient:
         return self.events
 
     def stopped(self, count: int, since: int = 0, timeout: float = 60) -> list[dict]:
-        """The bodies of ``count`` stopped events after event number ``since``."""
-        def enough(events):
-            return len([e for e in events[since:] if e["event"] == "stopped"]) >= count
+        """The bodies of ``count`` new stops after event number ``since``. A stop said again of a rank still
+        stopped (``stillStopped``, published after every ``continued``) is not one: counting it, a ``next`` on
+        rank 0 seemed done as soon as rank 1's stop was said again, and the next request found rank 0 running."""
+        def new_stops(events):
+            return [e["body"] for e in events[since:] if e["event"] == "stopped" and not e["body"].get("stillStopped")]
 
-        self.pump(enough, timeout, f"{count} stopped event(s)")
-        return [e["body"] for e in self.events[since:] if e["event"] == "stopped"]
+        self.pump(lambda events: len(new_stops(events)) >= count, timeout, f"{count} stopped event(s)")
+        return new_stops(self.events)
 
     def frames(self, thread_id: int, **args) -> list[dict]:
         return self.ok("stackTrace", {"threadId": thread_id, **args})["stackFrames"]
