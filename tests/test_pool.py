@@ -157,11 +157,14 @@ def test_a_rank_still_computing_keeps_its_grace_and_fails_with_its_own_error(lon
     assert "KeyboardInterrupt" not in text, text
 
 
-def test_a_rank_whose_cleanup_waits_after_the_interrupt_is_not_taken_for_one_held_in_a_collective(long_graces):
+@pytest.mark.parametrize("graces", ["long", "as-they-are"])
+def test_a_rank_whose_cleanup_waits_after_the_interrupt_is_not_taken_for_one_held_in_a_collective(pool, graces,
+                                                                                                  request):
     """Both ranks catch the interrupt and wait 1.5 s on a thread (a DataLoader's or a logger's teardown): asleep on
-    a futex, using no CPU, as a rank held in a collective looks. Their handler ran (``Heard``): they are waited
-    for, and the pool lives on in its own process group, nobody said to have been freed from a collective."""
-    k = long_graces
+    a futex, using no CPU, as a rank held in a collective looks, and longer than STUCK_S. Their handler ran
+    (``Heard``): they are waited for (until HEALTH_S), and the pool lives on in its own process group, nobody said
+    to have been freed from a collective."""
+    k = request.getfixturevalue("long_graces") if graces == "long" else pool
     res = k.interrupt_when("%%ddp\nimport threading, time\nprint('up', flush=True)\ntry:\n    while True:\n"
                            "        time.sleep(0.01)\nexcept KeyboardInterrupt:\n"
                            "    cleanup = threading.Thread(target=time.sleep, args=(1.5,))\n    cleanup.start()\n"

@@ -220,7 +220,7 @@ class PoolRules(CellRules):
     def rank_failed(self, run) -> None:
         """The others are interrupted (they would wait for it in their next collective) after PEER_GRACE_S, or
         once every one still in the cell is seen blocked (grace.py): waiting for it already."""
-        Grace(run, time.monotonic() + PEER_GRACE_S, lambda: self.interrupt_running(run))
+        self._interrupt_soon(run)
 
     def rank_lost(self, run) -> None:
         """The survivors still in the cell are interrupted after PEER_GRACE_S, or once all are blocked (a
@@ -228,7 +228,10 @@ class PoolRules(CellRules):
         answered."""
         if run.gang.mend is not None and not self.lost:
             self.lost = True
-            Grace(run, time.monotonic() + PEER_GRACE_S, lambda: self.interrupt_running(run))
+            self._interrupt_soon(run)
+
+    def _interrupt_soon(self, run) -> None:
+        Grace(run, time.monotonic() + PEER_GRACE_S, lambda: self.interrupt_running(run))
 
     def timed_out(self, run) -> None:
         self.interrupt_running(run)
@@ -239,7 +242,8 @@ class PoolRules(CellRules):
     def interrupt_running(self, run) -> None:
         """KeyboardInterrupt into every rank still running the cell (SIGUSR2); past STUCK_S (HEALTH_S across
         machines), or once all who have not answered are seen blocked with no ``Heard`` from them (grace.py: their
-        handler never ran), the cell is over, and they are freed by a fresh group (Recovery)."""
+        handler never ran), the cell is over, and they are freed by a fresh group (Recovery). Ranks that all
+        heard it (back in Python, cleaning up) are given until HEALTH_S to answer."""
         if self.interrupted_at is not None or run.gang.sup is None:
             return
         self.interrupted_at = time.monotonic()
@@ -249,10 +253,18 @@ class PoolRules(CellRules):
                 if self.recovery is not None:
                     self.recovery.interrupted.append(p.rank)
         within = recovery.HEALTH_S if run.gang.spans_machines else recovery.STUCK_S  # (read now: one home)
-        Grace(run, self.interrupted_at + within, self._give_up,
-              back_in_python=self.recovery.heard if self.recovery is not None else set())
+        heard = self.recovery.heard if self.recovery is not None else set()
+        Grace(run, self.interrupted_at + within, lambda: self._give_up(run, heard), back_in_python=heard)
 
-    def _give_up(self) -> None:
+    def _give_up(self, run, heard: set) -> None:
+        """The ranks yet to answer are taken as held in a collective, unless every one of them heard the
+        interrupt: those are given until HEALTH_S after it."""
+        live = {p.rank for p in run.sup.live()}
+        waiting = [r for r in run.ranks if r not in run.replies and r in live]
+        later = self.interrupted_at + recovery.HEALTH_S
+        if waiting and all(r in heard for r in waiting) and time.monotonic() < later:
+            run.at(later, lambda: self._give_up(run, heard))
+            return
         self.gave_up = True
 
     def interrupt(self, run, announced: bool) -> list[int]:
