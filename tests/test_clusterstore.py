@@ -205,11 +205,13 @@ def test_a_store_wait_pending_across_a_renumbering_is_answered_to_the_process_th
                 pass
 
 
-def test_an_agents_look_at_its_rank_reaches_the_rank_it_was_taken_of_and_one_older_than_a_signal_is_not_used():
-    """kernel/cells/grace.py asks a remote rank how it is (``RemoteProc.look``): the agent looks at its live rank
-    on the supervisor's thread and streams the answer; the kernel keeps it on that rank, under the number the
-    kernel gives it now (a renumbering the agent has not marked yet: its 2 is the kernel's 1). An answer to an ask
-    made before the rank's last signal says nothing of what came after it: not used."""
+def test_an_agents_look_at_its_ranks_is_one_call_per_node_reaches_each_rank_and_one_older_than_a_signal_is_not_used():
+    """kernel/cells/grace.py asks a remote rank how it is (``RemoteProc.look``): one call asks the node's agent for
+    all its ranks, and none more while it is unanswered (however many of its ranks are looked at); the agent looks
+    at its live ranks on the supervisor's thread and streams the answer; the kernel keeps each on its rank, under
+    the number the kernel gives it now (a renumbering the agent has not marked yet: its 2 is the kernel's 1, its 3
+    the kernel's 0). An answer to an ask made before a rank's last signal says nothing of what came after it: not
+    used, and a fresh ask goes at once."""
     import signal
     from types import SimpleNamespace
 
@@ -218,32 +220,38 @@ def test_an_agents_look_at_its_rank_reaches_the_rank_it_was_taken_of_and_one_old
 
     agent = Agent()
     os.set_blocking(agent.wake_r, False)
-    me = SimpleNamespace(rank=2, pid=os.getpid(), exit=None, look=lambda: procwait.look(os.getpid()))
-    agent.sup = SimpleNamespace(procs=[me], live=lambda: [me])
+    mine = [SimpleNamespace(rank=r, pid=os.getpid(), exit=None, look=lambda: procwait.look(os.getpid()))
+            for r in (2, 3)]
+    agent.sup = SimpleNamespace(procs=mine, live=lambda: mine)
     asked = []
-    link = remote.Link(None, "n1", [1])
+    link = remote.Link(None, "n1", [1, 0])
     link.control = lambda op, *args: asked.append((op, args))
     sup = Supervisor([])
     streams = remote.Streams(sup, groupstore.Store())
-    link.unmarked.append({2: 1})
+    link.unmarked.append({2: 1, 3: 0})
 
     def answered(ask):
-        agent._look(2, ask)
+        agent._look(ask)
         agent._wake()
         streams.events.put(streams.took(link, agent.queue))
         agent.queue = []
         streams.deliver()
 
     try:
-        proc = streams.add(1, 4002, link)
-        assert proc.look() is None and asked == [("look", (1, 1))], "nothing yet: one asked for"
+        one, zero = streams.add(1, 4002, link), streams.add(0, 4003, link)
+        assert one.look() is None and zero.look() is None and one.look() is None, "nothing yet"
+        assert asked == [("look", (1,))], "one ask for the node's ranks while it is unanswered"
         answered(1)
-        assert isinstance(proc.look(), procwait.Look) and not proc.looked[1].on_futex  # (this thread runs)
-        proc.signal(signal.SIGUSR2, group=False)
+        assert isinstance(one.look(), procwait.Look) and not one.looked[1].on_futex  # (this thread runs)
+        assert isinstance(zero.look(), procwait.Look) and asked == [("look", (1,)), ("look", (2,))]
+        one.signal(signal.SIGUSR2, group=False)
         assert asked[-1] == ("signal", (1, int(signal.SIGUSR2), False))
-        assert proc.look() is None, "the answer to an ask before the signal"
+        assert one.look() is None, "the answer to an ask before the signal"
+        assert asked[-1] == ("look", (3,)), "asked again at once: the one in flight was asked before the signal"
+        answered(2)
+        assert one.look() is None and isinstance(zero.look(), procwait.Look), "2 was asked before 1's signal"
         answered(3)
-        assert isinstance(proc.look(), procwait.Look)
+        assert isinstance(one.look(), procwait.Look) and link.looks_answered == 3
     finally:
         streams.close()
         sup.close()

@@ -250,10 +250,10 @@ class Agent:
         self.calls.put(("signal", rank, sig, group))
         self._poke()
 
-    def _look(self, rank: int, ask: int) -> None:
-        """How a rank is, as /proc tells (kernel/cells/grace.py asks; ``ask``: the kernel's count), streamed as
-        ("looked", {rank: (ask, Look)})."""
-        self.calls.put(("look", rank, ask))
+    def _look(self, ask: int) -> None:
+        """How each of its live ranks is, as /proc tells (kernel/cells/grace.py asks; ``ask``: the kernel's count
+        for this node), streamed as ("looked", ask, {rank: Look})."""
+        self.calls.put(("look", ask))
         self._poke()
 
     def _renumber(self, moves: dict) -> None:
@@ -326,7 +326,7 @@ def _call(agent: Agent, call: tuple) -> None:
         call[2].set()
         return
     if call[0] == "look":
-        agent.queue.append(("looked", {p.rank: (call[2], p.look()) for p in agent.sup.live() if p.rank == call[1]}))
+        agent.queue.append(("looked", call[1], {p.rank: p.look() for p in agent.sup.live()}))
         return
     _, rank, sig, group = call
     try:

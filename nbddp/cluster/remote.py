@@ -36,20 +36,18 @@ class RemoteProc(RankProc):
     """A rank on another node: no pipes here; its agent signals it."""
 
     link: object = None  # the node's Link
-    looked: tuple = (0, None)  # (the ask it answers, the procwait.Look its agent sent)
-    asks: int = 0  # looks asked of its agent
-    signalled: int = 0  # looks asked before its last signal: their answers tell nothing of what came after
+    looked: tuple = (0, None)  # (the node's ask it answers, the procwait.Look its agent sent)
+    signalled: int = 0  # the node's looks asked before this rank's last signal: they tell nothing of what came after
 
     def signal(self, sig: int, group: bool = True) -> None:
-        self.signalled = self.asks
+        self.signalled = self.link.looks_asked
         self.link.control("signal", self.rank, int(sig), group)
 
     def look(self):
         """The last look its agent sent, if taken after the last signal (the agent applies the kernel's calls in
-        order), else None; and the next one asked for: it comes on the node's stream (kernel/cells/grace.py asks
-        again a moment later)."""
-        self.asks += 1
-        self.link.control("look", self.rank, self.asks)
+        order), else None; and the next one asked for, of all the node's ranks at once (``Link.ask_looks``): it
+        comes on the node's stream (kernel/cells/grace.py asks again a moment later)."""
+        self.link.ask_looks(since=self.signalled)
         ask, look = self.looked
         return look if ask > self.signalled else None
 
@@ -66,6 +64,7 @@ class Link:
         self.broken = False  # the agent could not apply a call of the kernel's
         self.clean = False  # its stream ended on its own, every rank's exit sent: the agent can serve another pool
         self.heard = time.monotonic()  # its stream's last word (a batch, or its beat)
+        self.looks_asked = self.looks_answered = 0  # asks for a look at all its ranks (RemoteProc.look), answers
         # the kernel's renumberings (old rank -> new) the agent has not marked on its stream yet: what the stream
         # says before that mark (queued before the agent applied them) still carries the old numbers
         self.unmarked: collections.deque = collections.deque()
@@ -76,6 +75,15 @@ class Link:
         for moves in self.unmarked:
             rank = moves.get(rank, -1)
         return rank
+
+    def ask_looks(self, since: int) -> None:
+        """A look at every rank of the node, one Ray call however many ranks it has: asked unless one asked after
+        ``since`` (the asking rank's last signal) is still unanswered, so at most one is in flight per node while
+        the answers keep up."""
+        if self.looks_answered < self.looks_asked and self.looks_asked > since:
+            return
+        self.looks_asked += 1
+        self.control("look", self.looks_asked)
 
     def control(self, op: str, *args) -> None:
         if self.lost:
@@ -175,7 +183,7 @@ class Streams:
             elif type(item) is tuple and item[0] == "renumbered":  # the agent applied a renumbering
                 rest.append(("renumbered", link))
             elif type(item) is tuple and item[0] == "looked":  # how its ranks are, as the kernel asked
-                rest.append(("looked", link, item[1]))
+                rest.append(("looked", link, (item[1], item[2])))
             else:
                 rest.append(("rank", link, item))
         return rest
@@ -220,10 +228,12 @@ class Streams:
                 link.unmarked.popleft()
             return
         if kind == "looked":
-            for rank, answer in event[2].items():
+            ask, looks = event[2]
+            link.looks_answered = max(link.looks_answered, ask)
+            for rank, look in looks.items():
                 proc = self.procs.get(link.current(rank))
                 if proc is not None and proc.link is link:
-                    proc.looked = answer
+                    proc.looked = (ask, look)
             return
         if kind == "forked":  # a new rank on that node (a lost one's replacement)
             rank = link.current(event[2])
