@@ -186,14 +186,16 @@ def test_the_kernel_keeps_the_exits_it_meets_on_the_way_to_its_reply(pair, stand
         for fd in fds:
             os.close(fd)
         fdframing.send(theirs, Reaped(pid=123, status=9, peak_rss=4096))
-        fdframing.send(theirs, Forked(456))
+        fdframing.send(theirs, Forked(456), [r])  # (its pidfd: any descriptor stands in for it)
         fdframing.send(theirs, Reaped(pid=456, status=0, peak_rss=8192))
 
     t = _later(server)
     r, w = os.pipe()
     try:
         kernel = forkserver.ForkServer(ours, stand_in, "fresh")
-        assert kernel.fork(_Spec(rank=1), ("out",), [w]) == 456
+        forked = kernel.fork(_Spec(rank=1), ("out",), [w])
+        assert forked.pid == 456 and os.fstat(forked.pidfd).st_ino == os.fstat(r).st_ino  # the rank's pidfd
+        os.close(forked.pidfd)
         t.join(WAIT_S)
         assert got["message"] == Fork(_Spec(rank=1), ("out",)) and got["inodes"] == [os.fstat(w).st_ino]
         assert kernel.exits == {123: (9, 4096)}

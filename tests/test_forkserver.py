@@ -339,3 +339,62 @@ def test_without_cuda_ipc_a_kernel_gpu_tensor_travels_as_its_cpu_copy(monkeypatc
 
     monkeypatch.setattr(reductions, "reduce_tensor", no_ipc)
     assert cuda.ipc_share(object()) is None
+
+
+def _number_taken_by_another(pid: int):
+    """A process that now has the number ``pid`` had (made so through ns_last_pid), which says "hit" for each
+    SIGUSR2 and ends at SIGTERM; None where that cannot be done here (not root, a busy machine took the number)."""
+    import subprocess
+
+    try:
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+    except OSError:
+        return None
+    taker = subprocess.Popen([sys.executable, "-c", TAKER], stdout=subprocess.PIPE, text=True)
+    if taker.pid == pid and taker.stdout.readline() == "ready\n":
+        return taker
+    taker.kill()
+    taker.communicate()
+    return None
+
+
+TAKER = """import signal, sys
+signal.signal(signal.SIGUSR2, lambda *_: print("hit", flush=True))
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (Python runs handlers in signal order: USR2's first)
+print("ready", flush=True)
+while True:
+    signal.pause()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_ended_is_never_signalled_by_its_number_once_another_process_took_it():
+    """A forkserver's rank is reaped by the server, maybe before the kernel handled its end: its number is free
+    again. The kernel signals a rank by the pidfd the server opened as it forked it (sent with ``Forked``), which
+    never reaches the process that took the number; by the number (killpg, then kill), it reached that one."""
+    from nbddp.kernel.ranks.supervisor import RankProc
+
+    for _ in range(5):
+        pid = os.fork()
+        if pid == 0:  # the rank, ended at once
+            os._exit(0)
+        pidfd = os.pidfd_open(pid)  # (the server opens it before it can reap)
+        os.waitpid(pid, 0)  # the server reaped it
+        taker = _number_taken_by_another(pid)
+        if taker is not None:
+            break
+        os.close(pidfd)
+    else:
+        pytest.skip("no process could be given a reaped rank's number here (ns_last_pid not writable, or raced)")
+    try:
+        rank = RankProc(0, pid, pidfd)
+        rank.signal(signal.SIGUSR2)  # (its group, then itself)
+        rank.signal(signal.SIGUSR2, group=False)
+        taker.terminate()
+        said, _ = taker.communicate(timeout=30)
+        assert "hit" not in said, "the process that took the ended rank's number was signalled"
+    finally:
+        taker.kill()
+        taker.wait()
+        os.close(pidfd)

@@ -77,7 +77,9 @@ class ForkLoop:
         """One reply to each request; the descriptors that came with it are closed once it is answered
         (a rank forked meanwhile holds its own copies)."""
         try:
-            fdframing.send(self.sock, self._reply(request, fds))
+            reply = self._reply(request, fds)
+            fdframing.send(self.sock, reply, [fd for fd, pid in self.children.items()
+                                              if isinstance(reply, Forked) and pid == reply.pid])
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):

@@ -53,7 +53,11 @@ class JobSet:
 
 @dataclass
 class Forked:
+    """A rank forked; its pidfd comes with this answer (the server opened it before it could reap the rank): the
+    kernel's then refers to that process, even if it ended and its number was taken by another meanwhile."""
+
     pid: int
+    pidfd: int = -1  # set where it is received: the descriptor that came with it
 
 
 @dataclass

@@ -91,9 +91,13 @@ class ForkServer:
     def _next(self, timeout):
         self.sock.settimeout(timeout)
         try:
-            message, _ = fdframing.receive(self.sock)
+            message, fds = fdframing.receive(self.sock)
         finally:
             self.sock.settimeout(None)
+        if isinstance(message, Forked) and fds:
+            message.pidfd, fds = fds[0], fds[1:]
+        for fd in fds:  # (none comes with another answer)
+            os.close(fd)
         if isinstance(message, Reaped):
             self.exits[message.pid] = (message.status, message.peak_rss)
         return message
@@ -111,12 +115,12 @@ class ForkServer:
     def set_job(self, blob: bytes) -> None:
         self.request(SetJob(blob))
 
-    def fork(self, spec, roles: tuple, fds: list[int]) -> int:
+    def fork(self, spec, roles: tuple, fds: list[int]) -> Forked:
+        """The rank's pid and its pidfd (the caller's to close)."""
         try:
-            reply: Forked = self.request(Fork(spec, tuple(roles)), fds)
+            return self.request(Fork(spec, tuple(roles)), fds)
         except ForkServerRefused as e:
             raise RuntimeError(f"the forkserver could not start rank {spec.rank}: {e}") from None
-        return reply.pid
 
     def wait_exit(self, pid: int) -> tuple[int, int]:
         """A rank's wait status and peak RSS, once the server has reaped it (its pidfd said it ended)."""

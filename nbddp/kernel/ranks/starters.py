@@ -29,7 +29,7 @@ from ...wire import values
 from .. import devices
 from ..debugger import rankdebug
 from . import rendezvous, warm
-from .supervisor import RankProc, Supervisor
+from .supervisor import PIDFDS, RankProc, Supervisor
 
 # Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
 # ranks only run the cell and exit through os._exit, and worker.py makes torch safe first.
@@ -39,7 +39,7 @@ warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=De
 
 def _life_pipe() -> tuple[int, int] | tuple[None, None]:
     """Where there are no pidfds (macOS): a pipe whose write end only the rank holds."""
-    return (None, None) if hasattr(os, "pidfd_open") else os.pipe()
+    return (None, None) if PIDFDS else os.pipe()
 
 
 def rank_specs(config, plan: devices.Plan, run_dir) -> list[RankSpec]:
@@ -359,14 +359,15 @@ class ForkserverStarter(Starter):
             roles.append("cmd")
             fds.append(pipes[spec.rank][0])
         try:
-            pid = self.server.fork(spec, tuple(roles), fds)
+            forked = self.server.fork(spec, tuple(roles), fds)
         except BaseException:  # whatever stopped the fork, an interrupt too: re-raised
             for fd in (out_r, out_w, err_r, err_w, chan_r, chan_w):
                 os.close(fd)
             raise
-        proc = _parent_side(pid, spec.rank, out_r, err_r, chan_r, (out_w, err_w, chan_w), (None, None))
+        proc = _parent_side(forked.pid, spec.rank, out_r, err_r, chan_r, (out_w, err_w, chan_w), (None, None),
+                            pidfd=forked.pidfd)
         server = self.server
-        proc.reap = lambda: server.wait_exit(pid)  # not the kernel's child: the server reaps it
+        proc.reap = lambda: server.wait_exit(forked.pid)  # not the kernel's child: the server reaps it
         return proc
 
 
@@ -389,7 +390,9 @@ def starter_for(plan: devices.Plan) -> type[Starter]:
     return STARTERS[plan.start_method]
 
 
-def _parent_side(pid, rank, out_r, err_r, chan_r, child_ends, life) -> RankProc:
+def _parent_side(pid, rank, out_r, err_r, chan_r, child_ends, life, pidfd: int = -1) -> RankProc:
+    """The kernel's side of a rank just started: ``pidfd``, one opened where it was forked (the forkserver's:
+    not the kernel's child, its number free once the server reaped it), else opened here."""
     life_r, life_w = life
     for fd in (*child_ends, *([life_w] if life_w is not None else [])):
         os.close(fd)
@@ -397,5 +400,5 @@ def _parent_side(pid, rank, out_r, err_r, chan_r, child_ends, life) -> RankProc:
         os.setpgid(pid, pid)  # also done in the child; whichever runs first wins the race
     except OSError:
         pass
-    exit_fd = life_r if life_r is not None else os.pidfd_open(pid)
+    exit_fd = life_r if life_r is not None else pidfd if pidfd >= 0 else os.pidfd_open(pid)
     return RankProc(rank, pid, exit_fd, {out_r: "stdout", err_r: "stderr", chan_r: "channel"})

@@ -28,6 +28,7 @@ from . import failure
 from .stacks import StackRequest
 
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
+PIDFDS = hasattr(os, "pidfd_open")  # Linux: a rank's exit_fd is its pidfd (else the read end of its life pipe)
 
 
 # -- events -----------------------------------------------------------------------------------------
@@ -129,14 +130,23 @@ class RankProc:
     reap: object = None  # a rank that is not the kernel's child (the forkserver's): () -> (wait status, peak RSS)
 
     def signal(self, sig: int, group: bool = True) -> None:
-        """``sig`` to the rank (and, ``group``, the processes it started)."""
+        """``sig`` to the rank (and, ``group``, the processes it started: its group's number is not reused while
+        one of them lives). The rank itself by its pidfd, which never reaches a process that took its number
+        after it ended (a forkserver's rank is reaped by the server, maybe before the kernel saw it end); once
+        its end was handled (``exit_fd`` -1), nothing."""
         if group:
-            _signal_group(self.pid, sig)
-        else:
             try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
+                os.killpg(self.pid, sig)
+                return
+            except (ProcessLookupError, PermissionError):  # not its group's leader yet, or the group is empty
                 pass
+        try:
+            if PIDFDS and self.exit_fd >= 0:
+                signal.pidfd_send_signal(self.exit_fd, sig)
+            elif self.exit_fd >= 0:
+                os.kill(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def look(self):
         """How the rank is now, as /proc tells (a procwait.Look; None where it cannot): kernel/cells/grace.py."""
@@ -350,7 +360,7 @@ class Supervisor:
                 self._data(proc, proc.fds[fd], data)
         for fd in list(proc.fds):
             self._close_fd(proc, fd)
-        _signal_group(proc.pid, signal.SIGKILL)
+        proc.signal(signal.SIGKILL)
         status, max_rss = _reaped(proc)
         self.sel.unregister(proc.exit_fd)
         os.close(proc.exit_fd)
@@ -510,13 +520,3 @@ def _read(fd: int) -> bytes | None:
         return os.read(fd, 1 << 16)
     except BlockingIOError:
         return None
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
