@@ -205,6 +205,40 @@ def test_a_store_wait_pending_across_a_renumbering_is_answered_to_the_process_th
                 pass
 
 
+def test_a_pipe_to_a_rank_that_ended_stays_open_until_the_next_call_so_a_write_under_way_reaches_no_new_rank():
+    """Rank 2 ended: the supervisor's thread lets go of its command and store reply pipes (a renumbering) while a
+    Ray thread may be writing to one. Closed there, the number could be taken by the next pipe opened (a new rank's)
+    and that write reach it. They are closed by the kernel's next call, under ``order``, where no write is under
+    way."""
+    from types import SimpleNamespace
+
+    from nbddp.cluster import agent as agent_mod
+
+    agent = agent_mod.Agent()
+    agent._reset("pool-1")
+    cmd_r, cmd_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    agent.cmd[2], agent.replies[4002] = cmd_w, rep_w
+    agent.sup = SimpleNamespace(procs=[SimpleNamespace(rank=2, pid=4002, exit=0)])
+    agent.logs = SimpleNamespace(renumber=lambda paths: None)
+    agent.run_dir = SimpleNamespace(log=lambda rank: f"rank{rank}.log")
+    opened = []
+    try:
+        agent_mod._moved(agent, {})  # (on the supervisor's thread) rank 2 is forgotten
+        assert agent.cmd == {} and agent.replies == {}
+        opened = [*os.pipe(), *os.pipe()]  # a new rank's pipes
+        assert not {cmd_w, rep_w} & set(opened), "a pipe number let go of was reused while a write may be under way"
+        agent_mod.write_all(rep_w, b"late reply")  # the write that was under way: to the old rank's pipe
+        assert os.read(rep_r, 64) == b"late reply"
+        agent.control(pickle.dumps(("pool-1", 1, "command", (b"frame", [2]))))  # the kernel's next call
+        for fd in (cmd_w, rep_w):
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    finally:
+        for fd in (cmd_r, rep_r, *opened, *agent.retired):
+            os.close(fd)
+
+
 def test_an_agents_look_at_its_ranks_is_one_call_per_node_reaches_each_rank_and_one_older_than_a_signal_is_not_used():
     """kernel/cells/grace.py asks a remote rank how it is (``RemoteProc.look``): one call asks the node's agent for
     all its ranks, and none more while it is unanswered (however many of its ranks are looked at); the agent looks

@@ -13,7 +13,8 @@ The kernel's calls (``control``: a command for the ranks' command pipes, a store
 process that asked: a renumbering meanwhile cannot send it to another), a signal) carry a
 sequence number and are applied in that order, whatever order Ray's threads deliver them in: a pipe write
 at once on the calling thread; a signal on the supervisor's thread (woken through a pipe), the one that
-reaps, so a rank already reaped (its pid maybe reused) is never signalled.
+reaps, so a rank already reaped (its pid maybe reused) is never signalled. A pipe to a rank that ended is closed
+by the next call, never under a write of one (``_retire``).
 
 An agent outlives its pool when the kernel keeps it (CPU pools, placement.agents): ``events`` begins each
 pool afresh, and a call of a pool it no longer serves is ignored.
@@ -55,6 +56,7 @@ class Agent:
         self.forked: queue.SimpleQueue = queue.SimpleQueue()  # a new rank forked meanwhile, for the supervisor's thread
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)  # a full pipe is a wake already due: control() never blocks on it
+        self.retired: list[int] = []  # pipes to ranks that ended, closed by control() (see _retire)
         self._reset(None)
 
     def _reset(self, pool) -> None:
@@ -116,8 +118,11 @@ class Agent:
             sup.close()
             logs.close()
             run_dir.release_store()
-            for fd in (*self.cmd.values(), *self.replies.values(), *self.requests):
+            for fd in self.requests:
                 _close(fd)
+            with self.order:  # (the ranks are reaped: a write under way to them fails at once)
+                _retire(self, [*self.cmd.values(), *self.replies.values()])
+                _close_retired(self)
             to_fork.put(None)  # the forker thread ends
 
     def _fork_all(self, specs, run_dir, ifname, to_fork: queue.SimpleQueue) -> dict[int, int]:
@@ -182,6 +187,7 @@ class Agent:
         it): here, or for a signal, handed to the supervisor's thread."""
         pool, seq, op, args = pickle.loads(call)
         with self.order:
+            _close_retired(self)
             if pool != self.pool:
                 return  # a call of a pool this agent serves no longer
             self.controls[seq] = (op, args)
@@ -343,7 +349,7 @@ def _register(agent: Agent, new: Forked) -> int:
     """A rank just forked, supervised (on the supervisor's thread, or before its loop runs); its pid."""
     rank, pid = new.spec.rank, new.proc.pid
     if rank in agent.cmd:  # (a lost rank's, replaced)
-        _close(agent.cmd[rank])
+        _retire(agent, [agent.cmd[rank]])
     agent.sup.add(new.proc)
     _forget_replies(agent)
     agent.cmd[rank] = new.cmd_w
@@ -360,9 +366,9 @@ def _moved(agent: Agent, moves: dict) -> None:
     sup.procs = [p for p in sup.procs if p.rank in moves and p.exit is None]
     for p in sup.procs:
         p.rank = moves[p.rank]
-    for fd in [fd for r, fd in agent.cmd.items() if r not in moves]:
-        _close(fd)
+    gone = [fd for r, fd in agent.cmd.items() if r not in moves]
     agent.cmd = {moves[r]: fd for r, fd in agent.cmd.items() if r in moves}
+    _retire(agent, gone)
     _forget_replies(agent)  # (the store's replies are addressed by pid: nothing to renumber)
     agent.logs.renumber({new: str(agent.run_dir.log(new)) for new in moves.values()})
 
@@ -370,8 +376,21 @@ def _moved(agent: Agent, moves: dict) -> None:
 def _forget_replies(agent: Agent) -> None:
     """The store reply pipes of the ranks that ended, closed."""
     live = {p.pid for p in agent.sup.procs if p.exit is None}
-    for pid in [pid for pid in agent.replies if pid not in live]:
-        _close(agent.replies.pop(pid))
+    _retire(agent, [agent.replies.pop(pid) for pid in [pid for pid in agent.replies if pid not in live]])
+
+
+def _retire(agent: Agent, fds: list[int]) -> None:
+    """Pipes to ranks that ended, let go of on the supervisor's thread: closed by the next of the kernel's calls
+    (``control``, under ``order``), never here, where a Ray thread may be writing to one (a command, a store
+    reply): closed under it, its number could be reused meanwhile by a new rank's pipe and the write reach that
+    rank. (``order`` cannot be taken here: control() holds it while it waits for this thread to renumber.)"""
+    agent.retired.extend(fds)
+
+
+def _close_retired(agent: Agent) -> None:
+    """Under ``order``: no write to a retired pipe is under way."""
+    while agent.retired:
+        _close(agent.retired.pop())
 
 
 def _open_fds() -> list[int]:
