@@ -341,9 +341,10 @@ def test_without_cuda_ipc_a_kernel_gpu_tensor_travels_as_its_cpu_copy(monkeypatc
     assert cuda.ipc_share(object()) is None
 
 
-def _number_taken_by_another(pid: int):
+def _number_taken_by_another(pid: int, leader: bool):
     """A process that now has the number ``pid`` had (made so through ns_last_pid), which says "hit" for each
-    SIGUSR2 and ends at SIGTERM; None where that cannot be done here (not root, a busy machine took the number)."""
+    SIGUSR2 and ends at SIGTERM, leading a group of that number (``leader``) or not; None where that cannot be
+    done here (not root, a busy machine took the number)."""
     import subprocess
 
     try:
@@ -351,7 +352,8 @@ def _number_taken_by_another(pid: int):
             f.write(str(pid - 1))
     except OSError:
         return None
-    taker = subprocess.Popen([sys.executable, "-c", TAKER], stdout=subprocess.PIPE, text=True)
+    taker = subprocess.Popen([sys.executable, "-c", TAKER], stdout=subprocess.PIPE, text=True,
+                             start_new_session=leader)
     if taker.pid == pid and taker.stdout.readline() == "ready\n":
         return taker
     taker.kill()
@@ -369,10 +371,12 @@ while True:
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_that_ended_is_never_signalled_by_its_number_once_another_process_took_it():
-    """A forkserver's rank is reaped by the server, maybe before the kernel handled its end: its number is free
-    again. The kernel signals a rank by the pidfd the server opened as it forked it (sent with ``Forked``), which
-    never reaches the process that took the number; by the number (killpg, then kill), it reached that one."""
+@pytest.mark.parametrize("leader", [False, True], ids=["another-process", "another-group-leader"])
+def test_a_rank_that_ended_is_never_signalled_by_its_number_once_another_process_took_it(leader):
+    """A forkserver's rank is reaped by the server, maybe before the kernel handled its end: its number, and its
+    group's, are free again. The kernel asks the pidfd the server opened as it forked it (sent with ``Forked``)
+    whether the rank is still there first, and signals it by that pidfd: the process that took the number, even
+    one leading a group of it, is never reached; by the number (killpg, then kill), it was."""
     from nbddp.kernel.ranks.supervisor import RankProc
 
     for _ in range(5):
@@ -381,7 +385,7 @@ def test_a_rank_that_ended_is_never_signalled_by_its_number_once_another_process
             os._exit(0)
         pidfd = os.pidfd_open(pid)  # (the server opens it before it can reap)
         os.waitpid(pid, 0)  # the server reaped it
-        taker = _number_taken_by_another(pid)
+        taker = _number_taken_by_another(pid, leader)
         if taker is not None:
             break
         os.close(pidfd)

@@ -96,6 +96,7 @@ class ForkServer:
             self.sock.settimeout(None)
         if isinstance(message, Forked) and fds:
             message.pidfd, fds = fds[0], fds[1:]
+            os.set_inheritable(message.pidfd, False)  # (received inheritable: no child of the kernel may hold it)
         for fd in fds:  # (none comes with another answer)
             os.close(fd)
         if isinstance(message, Reaped):

@@ -130,20 +130,25 @@ class RankProc:
     reap: object = None  # a rank that is not the kernel's child (the forkserver's): () -> (wait status, peak RSS)
 
     def signal(self, sig: int, group: bool = True) -> None:
-        """``sig`` to the rank (and, ``group``, the processes it started: its group's number is not reused while
-        one of them lives). The rank itself by its pidfd, which never reaches a process that took its number
-        after it ended (a forkserver's rank is reaped by the server, maybe before the kernel saw it end); once
+        """``sig`` to the rank (and, ``group``, the processes it started). Its number, and its group's, may have
+        gone to another process once it was reaped (a forkserver's rank is reaped by the server, maybe before
+        the kernel handled its end; the server killed its group first): so its pidfd says first whether it is
+        still there (a zombie is: its numbers are still its own), and the rank itself is signalled by it. Once
         its end was handled (``exit_fd`` -1), nothing."""
-        if group:
-            try:
-                os.killpg(self.pid, sig)
-                return
-            except (ProcessLookupError, PermissionError):  # not its group's leader yet, or the group is empty
-                pass
+        if self.exit_fd < 0:
+            return
         try:
-            if PIDFDS and self.exit_fd >= 0:
+            if PIDFDS:
+                signal.pidfd_send_signal(self.exit_fd, 0)  # ProcessLookupError: reaped
+            if group:
+                try:
+                    os.killpg(self.pid, sig)
+                    return
+                except (ProcessLookupError, PermissionError):  # not its group's leader yet
+                    pass
+            if PIDFDS:
                 signal.pidfd_send_signal(self.exit_fd, sig)
-            elif self.exit_fd >= 0:
+            else:
                 os.kill(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
