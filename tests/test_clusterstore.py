@@ -285,7 +285,12 @@ def test_an_agents_look_at_its_ranks_is_one_call_per_node_reaches_each_rank_and_
         answered(2)
         assert one.look() is None and isinstance(zero.look(), procwait.Look), "2 was asked before 1's signal"
         answered(3)
-        assert isinstance(one.look(), procwait.Look) and link.looks_answered == 3
+        assert isinstance(one.look(), procwait.Look) and link.looks_answered == 3 and asked[-1] == ("look", (4,))
+        zero.look()
+        assert asked[-1] == ("look", (4,)), "unanswered: not asked again"
+        link.looks_at -= remote.LOOK_LOST_S  # unanswered that long: taken as lost, asked again
+        zero.look()
+        assert asked[-1] == ("look", (5,))
     finally:
         streams.close()
         sup.close()

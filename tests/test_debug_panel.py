@@ -100,7 +100,7 @@ def both_ranks_stopped(panel, since: int) -> list[int]:
     def done(events):
         live[:] = [tid for name, tid in panel.threads().items() if name.startswith("rank ")]
         return len(live) == 2 and set(live) <= {e["body"]["threadId"] for e in events[since:]
-                                                if e["event"] == "stopped"}
+                                                if e["event"] == "stopped" and not e["body"].get("stillStopped")}
 
     panel.pump(done, 60, "both ranks stopped")
     return live

@@ -78,3 +78,53 @@ def test_a_refused_prompt_is_answered_with_the_error_never_dropped():
     assert answered == {(7, 0), (8, 1)}
     assert all(cmd.error == "StdinNotImplementedError" and cmd.message == "the cell was stopped"
                for cmd, _ in gang.sent)
+
+
+class InterruptedCell:
+    """A stand-in engine.CellRun of a pool: ranks 0-1 still running, never seen blocked; its schedule run by hand."""
+
+    def __init__(self, spans_machines=False):
+        from types import SimpleNamespace
+
+        self.ranks, self.replies, self.timers, self.signalled = (0, 1), {}, [], []
+        procs = [SimpleNamespace(rank=r, look=lambda: None, signal=lambda sig, group, r=r: self.signalled.append(r))
+                 for r in (0, 1)]
+        self.sup = SimpleNamespace(live=lambda: procs)
+        self.gang = SimpleNamespace(sup=self.sup, spans_machines=spans_machines, alive=True)
+        self.probe = SimpleNamespace(stranded=[])
+
+    def at(self, when, action):
+        self.timers.append((when, action))
+
+    def until(self, clock, t):
+        """The schedule run up to time ``t``."""
+        while due := sorted((w, i) for i, (w, _) in enumerate(self.timers) if w <= t):
+            when, i = due[0]
+            clock[0] = when
+            self.timers.pop(i)[1]()
+        clock[0] = t
+
+
+@pytest.mark.parametrize("heard, spans, gives_up_at", [
+    ({0, 1}, False, "HEALTH_S"),  # both back in Python, cleaning up: until HEALTH_S
+    ({0}, False, "STUCK_S"),  # rank 1's handler never ran: held in native code, STUCK_S
+    (set(), True, "HEALTH_S"),  # across machines: HEALTH_S in any case
+])
+def test_an_interrupted_pools_ranks_are_given_up_on_at_stuck_s_or_health_s_once_all_heard(heard, spans, gives_up_at,
+                                                                                          monkeypatch):
+    from types import SimpleNamespace
+
+    from nbddp.kernel.cells import grace, recovery
+
+    clock = [100.0]
+    for module in (rules, grace):
+        monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    cell, pool = InterruptedCell(spans), rules.PoolRules()
+    pool.recovery = SimpleNamespace(heard=heard, interrupted=[])
+    pool.interrupt_running(cell)
+    assert cell.signalled == [0, 1] and pool.recovery.interrupted == [0, 1]
+    at = 100.0 + {"STUCK_S": recovery.STUCK_S, "HEALTH_S": recovery.HEALTH_S}[gives_up_at]
+    cell.until(clock, at - 0.01)
+    assert not pool.gave_up and not pool.over(cell)
+    cell.until(clock, at)
+    assert pool.gave_up and pool.over(cell)

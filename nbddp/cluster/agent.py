@@ -92,6 +92,7 @@ class Agent:
         each) and supervises them on this thread until every one has exited; yields rank -> pid first, then
         lists of events, each pickled, in order."""
         with self.order:
+            _close_retired(self)  # (what the last pool's end could not close)
             self._reset(pool)
             to_fork = self.to_fork
         self.run_dir = run_dir = rendezvous.new_run_dir()
@@ -120,9 +121,12 @@ class Agent:
             run_dir.release_store()
             for fd in self.requests:
                 _close(fd)
-            with self.order:  # (the ranks are reaped: a write under way to them fails at once)
-                _retire(self, [*self.cmd.values(), *self.replies.values()])
-                _close_retired(self)
+            _retire(self, [*self.cmd.values(), *self.replies.values()])
+            if self.order.acquire(timeout=RENUMBER_S):  # (the ranks are reaped: a write under way fails at once)
+                try:  # (else a call holds it, waiting for this thread: closed by the next call, or pool)
+                    _close_retired(self)
+                finally:
+                    self.order.release()
             to_fork.put(None)  # the forker thread ends
 
     def _fork_all(self, specs, run_dir, ifname, to_fork: queue.SimpleQueue) -> dict[int, int]:

@@ -29,6 +29,7 @@ from ..wire import messages
 
 LOST = "NodeLost"
 SILENT_S = 5.0  # a node whose stream said nothing (not even its beat) this long is lost
+LOOK_LOST_S = 1.0  # a look at a node's ranks unanswered this long is asked again
 
 
 @dataclasses.dataclass
@@ -65,6 +66,7 @@ class Link:
         self.clean = False  # its stream ended on its own, every rank's exit sent: the agent can serve another pool
         self.heard = time.monotonic()  # its stream's last word (a batch, or its beat)
         self.looks_asked = self.looks_answered = 0  # asks for a look at all its ranks (RemoteProc.look), answers
+        self.looks_at = 0.0  # when the last was asked
         # the kernel's renumberings (old rank -> new) the agent has not marked on its stream yet: what the stream
         # says before that mark (queued before the agent applied them) still carries the old numbers
         self.unmarked: collections.deque = collections.deque()
@@ -78,11 +80,12 @@ class Link:
 
     def ask_looks(self, since: int) -> None:
         """A look at every rank of the node, one Ray call however many ranks it has: asked unless one asked after
-        ``since`` (the asking rank's last signal) is still unanswered, so at most one is in flight per node while
-        the answers keep up."""
-        if self.looks_answered < self.looks_asked and self.looks_asked > since:
+        ``since`` (the asking rank's last signal) is still unanswered (for less than ``LOOK_LOST_S``), so at most
+        one is in flight per node while the answers keep up."""
+        now = time.monotonic()
+        if self.looks_answered < self.looks_asked and self.looks_asked > since and now - self.looks_at < LOOK_LOST_S:
             return
-        self.looks_asked += 1
+        self.looks_asked, self.looks_at = self.looks_asked + 1, now
         self.control("look", self.looks_asked)
 
     def control(self, op: str, *args) -> None:

@@ -6,8 +6,9 @@ After a peer failed, once every one of them is seen waiting (hw/procwait.py: asl
 its threads nor its children using a CPU, since the look before), they wait for that peer in a collective (or
 for nothing that computes), and are interrupted at once. After the interrupt, one seen so whose Python handler
 never ran (no ``Heard`` from it) is held in native code: once that is so of every rank yet to answer, they are
-freed by a fresh group at once; a rank that heard the interrupt gets its whole grace to answer, however its
-cleanup waits. The ranks are looked at every ``POLL_S`` (``RankProc.look``; a rank on another node by its
+freed by a fresh group at once; a rank that heard the interrupt gets the whole grace to answer, however its
+cleanup waits (and, where all yet to answer heard it, until ``recovery.HEALTH_S``: rules.PoolRules._give_up).
+The ranks are looked at every ``POLL_S`` (``RankProc.look``; a rank on another node by its
 agent, whose answer comes on the node's stream, a look behind: ``RemoteProc.look``).
 """
 from __future__ import annotations

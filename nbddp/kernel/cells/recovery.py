@@ -1,6 +1,7 @@
 """A pool after an interrupt or a failed cell: does it live on? (the recovery policy)
 
-Every rank must answer the cell (within ``STUCK_S`` of the interrupt, unless seen blocked in native code: grace.py)
+Every rank must answer the cell (within ``STUCK_S`` of the interrupt, unless seen blocked in native code: grace.py;
+within ``HEALTH_S`` where every rank yet to answer heard it: rules.PoolRules._give_up)
 and pass a barrier (``HealthCheck``) within ``HEALTH_S``. Where ranks still wait in a collective (no answer by
 then), the interrupt cannot reach them: on gloo the others leave the process group, which frees them ("Connection
 closed by peer"); on NCCL the stuck rank aborts its own communicators a second after the interrupt
@@ -21,7 +22,7 @@ HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, withi
 # an interrupted rank that has not answered within this is taken to wait in a collective, and the group is made
 # anew to free it (a rank merely slow still answers within REGROUP_S); across machines the interrupt goes
 # through each node's agent, so there: HEALTH_S. Sooner (grace.py) once every rank yet to answer is seen blocked
-# with no ``Heard`` from it (its handler never ran)
+# with no ``Heard`` from it (its handler never ran); later (HEALTH_S) where every one of them heard it (cleaning up)
 STUCK_S = 1.0
 REGROUP_S = 10.0  # pool: every rank in a fresh process group within this (a rank stuck elsewhere: torn down)
 

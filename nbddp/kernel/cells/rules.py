@@ -189,7 +189,8 @@ class PoolRules(CellRules):
     def __init__(self):
         self.recovery: Recovery | None = None
         self.interrupted_at: float | None = None  # when the ranks still running were interrupted
-        self.gave_up = False  # they did not all answer within STUCK_S of it (HEALTH_S across machines), or blocked
+        self.gave_up = False  # not all answered within STUCK_S of it (HEALTH_S across machines, or where all heard
+        # it), or were seen blocked
         self.survived = True  # whether the pool lives on after an interrupt
         self.lost = False  # a rank died during the cell
 
