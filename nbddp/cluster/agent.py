@@ -378,7 +378,7 @@ def _moved(agent: Agent, moves: dict) -> None:
 
 
 def _forget_replies(agent: Agent) -> None:
-    """The store reply pipes of the ranks that ended, closed."""
+    """The store reply pipes of the ranks that ended, let go of (``_retire``: closed by the kernel's next call)."""
     live = {p.pid for p in agent.sup.procs if p.exit is None}
     _retire(agent, [agent.replies.pop(pid) for pid in [pid for pid in agent.replies if pid not in live]])
 
