@@ -29,7 +29,7 @@ from ...wire import values
 from .. import devices
 from ..debugger import rankdebug
 from . import rendezvous, warm
-from .supervisor import PIDFDS, RankProc, Supervisor
+from .supervisor import RankProc, Supervisor
 
 # Python 3.12+ warns on every fork of a multithreaded process, and a kernel always is one: nbddp's
 # ranks only run the cell and exit through os._exit, and worker.py makes torch safe first.
@@ -39,7 +39,7 @@ warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=De
 
 def _life_pipe() -> tuple[int, int] | tuple[None, None]:
     """Where there are no pidfds (macOS): a pipe whose write end only the rank holds."""
-    return (None, None) if PIDFDS else os.pipe()
+    return (None, None) if hasattr(os, "pidfd_open") else os.pipe()
 
 
 def rank_specs(config, plan: devices.Plan, run_dir) -> list[RankSpec]:
@@ -401,4 +401,5 @@ def _parent_side(pid, rank, out_r, err_r, chan_r, child_ends, life, pidfd: int =
     except OSError:
         pass
     exit_fd = life_r if life_r is not None else pidfd if pidfd >= 0 else os.pidfd_open(pid)
-    return RankProc(rank, pid, exit_fd, {out_r: "stdout", err_r: "stderr", chan_r: "channel"})
+    return RankProc(rank, pid, exit_fd, {out_r: "stdout", err_r: "stderr", chan_r: "channel"},
+                    pidfd=life_r is None)

@@ -28,7 +28,6 @@ from . import failure
 from .stacks import StackRequest
 
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
-PIDFDS = hasattr(os, "pidfd_open")  # Linux: a rank's exit_fd is its pidfd (else the read end of its life pipe)
 
 
 # -- events -----------------------------------------------------------------------------------------
@@ -128,6 +127,7 @@ class RankProc:
     here: bool = True  # a process of this machine (a cluster pool's rank on another node is not: remote.py)
     node: str = ""  # a cluster pool's: the node it runs on, as its exit record names it
     reap: object = None  # a rank that is not the kernel's child (the forkserver's): () -> (wait status, peak RSS)
+    pidfd: bool = True  # exit_fd is its pidfd (no pidfds here, as on macOS: its life pipe)
 
     def signal(self, sig: int, group: bool = True) -> None:
         """``sig`` to the rank (and, ``group``, the processes it started). Its number, and its group's, may have
@@ -138,7 +138,7 @@ class RankProc:
         if self.exit_fd < 0:
             return
         try:
-            if PIDFDS:
+            if self.pidfd:
                 signal.pidfd_send_signal(self.exit_fd, 0)  # ProcessLookupError: reaped
             if group:
                 try:
@@ -146,7 +146,7 @@ class RankProc:
                     return
                 except (ProcessLookupError, PermissionError):  # not its group's leader yet
                     pass
-            if PIDFDS:
+            if self.pidfd:
                 signal.pidfd_send_signal(self.exit_fd, sig)
             else:
                 os.kill(self.pid, sig)
