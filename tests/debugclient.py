@@ -6,6 +6,11 @@ import queue
 import time
 
 
+def is_new_stop(event: dict) -> bool:
+    """A ``stopped`` event that says a new stop, not one said again of a rank still stopped (``stillStopped``)."""
+    return event["event"] == "stopped" and not event["body"].get("stillStopped")
+
+
 class DebugClient:
     def __init__(self, kernel):
         self.k, self.seq, self.events = kernel, 0, []
@@ -79,7 +84,7 @@ class DebugClient:
         stopped (``stillStopped``, published after every ``continued``) is not one: counting it, a ``next`` on
         rank 0 seemed done as soon as rank 1's stop was said again, and the next request found rank 0 running."""
         def new_stops(events):
-            return [e["body"] for e in events[since:] if e["event"] == "stopped" and not e["body"].get("stillStopped")]
+            return [e["body"] for e in events[since:] if is_new_stop(e)]
 
         self.pump(lambda events: len(new_stops(events)) >= count, timeout, f"{count} stopped event(s)")
         return new_stops(self.events)

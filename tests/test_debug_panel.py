@@ -12,7 +12,7 @@ from collections import Counter
 import psutil
 import pytest
 
-from debugclient import DebugClient
+from debugclient import DebugClient, is_new_stop
 from kernel import Kernel, said
 
 pytestmark = pytest.mark.timeout(240)
@@ -99,8 +99,7 @@ def both_ranks_stopped(panel, since: int) -> list[int]:
 
     def done(events):
         live[:] = [tid for name, tid in panel.threads().items() if name.startswith("rank ")]
-        return len(live) == 2 and set(live) <= {e["body"]["threadId"] for e in events[since:]
-                                                if e["event"] == "stopped" and not e["body"].get("stillStopped")}
+        return len(live) == 2 and set(live) <= {e["body"]["threadId"] for e in events[since:] if is_new_stop(e)}
 
     panel.pump(done, 60, "both ranks stopped")
     return live

@@ -114,11 +114,10 @@ def test_an_interrupted_pools_ranks_are_given_up_on_at_stuck_s_or_health_s_once_
                                                                                           monkeypatch):
     from types import SimpleNamespace
 
-    from nbddp.kernel.cells import grace, recovery
+    from nbddp.kernel.cells import recovery
 
     clock = [100.0]
-    for module in (rules, grace):
-        monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(rules.time, "monotonic", lambda: clock[0])  # (the one clock rules.py and grace.py read)
     cell, pool = InterruptedCell(spans), rules.PoolRules()
     pool.recovery = SimpleNamespace(heard=heard, interrupted=[])
     pool.interrupt_running(cell)

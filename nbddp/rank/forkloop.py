@@ -78,8 +78,8 @@ class ForkLoop:
         (a rank forked meanwhile holds its own copies)."""
         try:
             reply = self._reply(request, fds)
-            fdframing.send(self.sock, reply, [fd for fd, pid in self.children.items()
-                                              if isinstance(reply, Forked) and pid == reply.pid])
+            pidfds = [fd for fd, pid in self.children.items() if pid == reply.pid] if isinstance(reply, Forked) else []
+            fdframing.send(self.sock, reply, pidfds)
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):
