@@ -8,7 +8,7 @@ A 3-rank CPU pool (gloo), a DDP model; the cell steps it in a loop, and at the t
 1. **an exception on rank 1** (a bad batch): ranks 0 and 2 wait in the gradient all_reduce, where no interrupt
    reaches them. nbddp sees them blocked (kernel/cells/grace.py: asleep on a futex, running nothing), interrupts
    them, sees them still blocked, and frees them by a fresh process group (the DDP model made anew on it).
-   "Whole graces": the same with the ranks looked at only once (``grace.POLL_S`` set to infinity in the same
+   "Whole graces": the same with the ranks looked at only once (``timeline.POLL_S`` set to infinity in the same
    kernel, the same run), as where /proc cannot tell: ``PEER_GRACE_S`` before the interrupt, ``STUCK_S`` after
    it (``HEALTH_S`` across Ray nodes), as nbddp did until this change.
 2. **rank 1 killed** (SIGKILL, the out-of-memory killer's): the loss is known from its pidfd, the survivors' step
@@ -123,13 +123,13 @@ def measure(runs: int = 5) -> dict:
 def _raised(k, runs: int, kill: bool = False, prefix: str = "") -> dict:
     """``runs`` of rank 1 raising, with the looks and with the whole graces (and killed), interleaved: a busy
     moment of the machine falls on each alike."""
-    k.ok("from nbddp.kernel.cells import grace\n_poll = grace.POLL_S")
+    k.ok("from nbddp import timeline\n_poll = timeline.POLL_S")
     series: dict = {f"{prefix}raise": [], f"{prefix}raise_whole": [], **({"kill": []} if kill else {})}
     for _ in range(runs):
         series[f"{prefix}raise"].append(_pool_cell(k, "raise"))
-        k.ok("grace.POLL_S = float('inf')")  # looked at once: the whole graces, as before this change
+        k.ok("timeline.POLL_S = float('inf')")  # looked at once: the whole graces, as before this change
         series[f"{prefix}raise_whole"].append(_pool_cell(k, "raise"))
-        k.ok("grace.POLL_S = _poll")
+        k.ok("timeline.POLL_S = _poll")
         if kill:
             series["kill"].append(_pool_cell(k, "kill"))
     return series

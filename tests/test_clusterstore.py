@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from nbddp import timeline
 from nbddp.cluster import remote
 from nbddp.kernel.ranks import failure, groupstore
 from nbddp.kernel.ranks.supervisor import Exited, Output, Supervisor
@@ -288,7 +289,7 @@ def test_an_agents_look_at_its_ranks_is_one_call_per_node_reaches_each_rank_and_
         assert isinstance(one.look(), procwait.Look) and link.looks_answered == 3 and asked[-1] == ("look", (4,))
         zero.look()
         assert asked[-1] == ("look", (4,)), "unanswered: not asked again"
-        link.looks_at -= remote.LOOK_LOST_S  # unanswered that long: taken as lost, asked again
+        link.looks_at -= timeline.LOOK_LOST_S  # unanswered that long: taken as lost, asked again
         zero.look()
         assert asked[-1] == ("look", (5,))
     finally:

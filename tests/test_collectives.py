@@ -82,7 +82,7 @@ def test_an_interrupt_frees_a_pool_rank_stuck_in_a_collective_and_the_pool_lives
     k = clean_kernel
     k.ok("%ddp start --devices 2")
     if slow:
-        k.ok("from nbddp.kernel.cells import recovery\n_stuck, recovery.STUCK_S = recovery.STUCK_S, 0.0")
+        k.ok("from nbddp import timeline\n_stuck, timeline.STUCK_S = timeline.STUCK_S, 0.0")
     try:
         k.ok("%%ddp\nkept = rank + 100\n")
         res = k.interrupt_when("%%ddp\nimport time, torch.distributed as dist\nprint('up', flush=True)\n"
@@ -94,5 +94,5 @@ def test_an_interrupt_frees_a_pool_rank_stuck_in_a_collective_and_the_pool_lives
         assert k.value("kept") == [100, 101]
     finally:
         if slow:
-            k.ok("recovery.STUCK_S = _stuck")
+            k.ok("timeline.STUCK_S = _stuck")
         k.ok("%ddp stop")

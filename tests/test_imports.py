@@ -16,14 +16,15 @@ PACKAGE = ROOT / "nbddp"
 MAY_IMPORT = {
     "errors": set(),
     "units": set(),  # how sizes and ranks are written: every part may use it
+    "timeline": set(),  # the failure timeline's deadlines: every part may read them
     "wire": {"errors", "units"},
-    "hw": {"errors", "units"},
+    "hw": {"errors", "units", "timeline"},
     "ipy": {"hw", "errors", "units"},
-    "rank": {"wire", "ipy", "hw", "errors", "units"},
+    "rank": {"wire", "ipy", "hw", "errors", "units", "timeline"},
     "views": {"wire", "ipy", "hw", "errors", "units"},
-    "kernel": {"rank", "views", "wire", "ipy", "hw", "errors", "units"},
+    "kernel": {"rank", "views", "wire", "ipy", "hw", "errors", "units", "timeline"},
     "export": {"kernel.options", "kernel.devices", "ipy", "errors", "units"},
-    "cluster": {"kernel", "rank", "views", "wire", "ipy", "hw", "errors", "units"},
+    "cluster": {"kernel", "rank", "views", "wire", "ipy", "hw", "errors", "units", "timeline"},
     "integrations": {"rank"},  # the trainers' hooks, in a rank: nbddp.log (rank/metrics_log.py) only
     # the public API, the command line and the demo sit on top
     "__init__": {"*"}, "cli": {"*"}, "demo": {"*"},

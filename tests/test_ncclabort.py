@@ -11,8 +11,9 @@ pytestmark = pytest.mark.timeout(60)
 
 SCRIPT = r"""
 import os, signal, threading, time
+from nbddp import timeline
 from nbddp.rank import ncclabort
-ncclabort.ABORT_AFTER_S = 0.3
+timeline.ABORT_AFTER_S = 0.3
 aborted = threading.Event()
 busy = []
 watch = ncclabort.install(busy, signal.SIGUSR2, abort=aborted.set)

@@ -119,13 +119,13 @@ def test_rule_a_bad_batch_on_one_rank_while_the_other_waits_in_ddp_keeps_the_mod
 def long_graces(pool):
     """The pool, with its graces (a failed peer's, an interrupt's) at 30 s each, and the probe of a rank left alone
     in a collective as late: what ends them sooner is the look at the ranks (kernel/cells/grace.py)."""
-    pool.ok("from nbddp.kernel.cells import probe, recovery, rules\n"
-            "_graces = rules.PEER_GRACE_S, recovery.STUCK_S, probe.ALONE_S\n"
-            "rules.PEER_GRACE_S = recovery.STUCK_S = probe.ALONE_S = 30.0")
+    pool.ok("from nbddp import timeline\n"
+            "_graces = timeline.PEER_GRACE_S, timeline.STUCK_S, timeline.ALONE_S\n"
+            "timeline.PEER_GRACE_S = timeline.STUCK_S = timeline.ALONE_S = 30.0")
     try:
         yield pool
     finally:
-        pool.ok("rules.PEER_GRACE_S, recovery.STUCK_S, probe.ALONE_S = _graces")
+        pool.ok("timeline.PEER_GRACE_S, timeline.STUCK_S, timeline.ALONE_S = _graces")
 
 
 def test_ranks_blocked_in_a_collective_are_freed_without_waiting_out_the_graces(long_graces):

@@ -216,16 +216,16 @@ def test_a_rank_blocked_on_the_other_node_is_freed_without_waiting_out_the_grace
     60 s its graces are set to here (a failed peer's, an interrupt's across nodes; the probe of a rank left alone
     in a collective set as long)."""
     k, pids = pool
-    k.ok("from nbddp.kernel.cells import probe, recovery, rules\n"
-         "_graces = rules.PEER_GRACE_S, recovery.HEALTH_S, probe.ALONE_S\n"
-         "rules.PEER_GRACE_S = recovery.HEALTH_S = probe.ALONE_S = 30.0")
+    k.ok("from nbddp import timeline\n"
+         "_graces = timeline.PEER_GRACE_S, timeline.HEALTH_S, timeline.ALONE_S\n"
+         "timeline.PEER_GRACE_S = timeline.HEALTH_S = timeline.ALONE_S = 30.0")
     try:
         t0 = time.monotonic()
         res = k.run("%%ddp\nimport torch, torch.distributed as dist\nif rank == 0:\n    raise ValueError('bad batch')\n"
                     "t = torch.ones(1)\ndist.all_reduce(t)\n", timeout=90)
         took = time.monotonic() - t0
     finally:
-        k.ok("rules.PEER_GRACE_S, recovery.HEALTH_S, probe.ALONE_S = _graces")
+        k.ok("timeline.PEER_GRACE_S, timeline.HEALTH_S, timeline.ALONE_S = _graces")
     text = res.error_text
     assert took < 20, (took, text)
     assert re.search(r"rank 0 on node 0 \(.*\) failed: ValueError: bad batch", text), text

@@ -114,7 +114,7 @@ def test_an_interrupted_pools_ranks_are_given_up_on_at_stuck_s_or_health_s_once_
                                                                                           monkeypatch):
     from types import SimpleNamespace
 
-    from nbddp.kernel.cells import recovery
+    from nbddp import timeline
 
     clock = [100.0]
     monkeypatch.setattr(rules.time, "monotonic", lambda: clock[0])  # (the one clock rules.py and grace.py read)
@@ -122,7 +122,7 @@ def test_an_interrupted_pools_ranks_are_given_up_on_at_stuck_s_or_health_s_once_
     pool.recovery = SimpleNamespace(heard=heard, interrupted=[])
     pool.interrupt_running(cell)
     assert cell.signalled == [0, 1] and pool.recovery.interrupted == [0, 1]
-    at = 100.0 + {"STUCK_S": recovery.STUCK_S, "HEALTH_S": recovery.HEALTH_S}[gives_up_at]
+    at = 100.0 + {"STUCK_S": timeline.STUCK_S, "HEALTH_S": timeline.HEALTH_S}[gives_up_at]
     cell.until(clock, at - 0.01)
     assert not pool.gave_up and not pool.over(cell)
     cell.until(clock, at)

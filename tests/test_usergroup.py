@@ -169,7 +169,7 @@ def test_a_pasted_script_that_lets_its_ddp_model_go_after_destroy_never_hangs(cl
 def test_a_rank_whose_stack_stops_moving_after_its_peers_finished_is_shown_live(clean_kernel):
     """Without --timeout, a rank still in the cell STILL_S after its peers finished, at the same place as
     at the last ask, is named in the cell while it runs; the interrupt then stops it."""
-    clean_kernel.ok("import nbddp.kernel.cells.probe as _probe; _probe.STILL_S = 3.0")
+    clean_kernel.ok("import nbddp.timeline as _timeline; _timeline.STILL_S = 3.0")
     seen = []
 
     def watch(kind, content):
@@ -182,7 +182,7 @@ def test_a_rank_whose_stack_stops_moving_after_its_peers_finished_is_shown_live(
             "%%ddp --devices 2\nimport time\nif rank == 0:\n    time.sleep(60)\nprint('finished')\n"),
             timeout=45, on_message=watch)
     finally:
-        clean_kernel.ok("_probe.STILL_S = 30.0")
+        clean_kernel.ok("_timeline.STILL_S = 30.0")
     assert seen, res
     line = seen[0]
     assert "nbddp: rank 0 is still at Cell In[" in line and "line 4, in <module>: time.sleep(60)" in line, line

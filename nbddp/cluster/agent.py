@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 
+from .. import timeline
 from ..kernel.ranks import rendezvous, warm
 from ..kernel.ranks.logs import RankLogs
 from ..kernel.ranks.starters import ForkStarter
@@ -38,7 +39,6 @@ from ..rank.server import Server
 from ..wire.framing import Reader, write_all
 from .netif import ifname_for
 
-BEAT_S = 1.0  # the longest this node's stream stays silent: an empty batch then (remote.SILENT_S: lost after)
 RENUMBER_S = 10.0  # the supervisor's thread renumbers the node's ranks within this (it is idle: at once)
 
 
@@ -104,12 +104,12 @@ class Agent:
             ifname = ifname or self.where()["ifname"]  # (none: the kernel refuses the pool)
             yield pickle.dumps(self._fork_all(specs, run_dir, ifname, to_fork))
             while sup.live() or self.queue or self.waiting:
-                beat_at = time.monotonic() + BEAT_S
+                beat_at = time.monotonic() + timeline.BEAT_S
                 if sup.live():
                     sup.wait(None, until=lambda at=beat_at: bool(self.queue) or time.monotonic() >= at,
                              wake_at=beat_at)
                 else:  # a rank lost, none left here: the kernel may ask for its replacement (or say ``finish``)
-                    sup.poll(BEAT_S)
+                    sup.poll(timeline.BEAT_S)
                 batch, self.queue = self.queue, []
                 # bytes: Ray's cheapest path; an empty batch, the beat the kernel hears this node live by
                 yield pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)

@@ -18,10 +18,10 @@ import os
 import pickle
 import time
 
+from .. import timeline
 from ..errors import UsageError
 from ..kernel.ranks import groupstore, rendezvous, starters
-from ..kernel.ranks.gang import STOP_S, Gang, ReplaceFailed
-from ..kernel.ranks.supervisor import GRACE_S
+from ..kernel.ranks.gang import Gang, ReplaceFailed
 from ..rank.worker import RankSpec
 from ..wire import framing, messages
 from . import netif, placement, relocate, remote, reshape
@@ -237,7 +237,7 @@ class ClusterGang(Gang):
             return
         remote_procs = [p for p in self.sup.procs if not p.here]
         if any(p.exit is None for p in remote_procs):
-            end = time.monotonic() + GRACE_S + STOP_S
+            end = time.monotonic() + timeline.GRACE_S + timeline.STOP_S
             self.sup.stop_all()
             try:
                 self.sup.wait(None,

@@ -15,11 +15,11 @@ import socket
 import time
 from dataclasses import dataclass
 
+from .. import timeline
 from ..errors import UsageError
 
 READY_S = 60.0  # the placement group must be placed by then
 START_S = 120.0  # every agent must have forked its ranks by then
-MOVED_S = 2.0  # a dead node's bundle moved by Ray by then, or placed anew on a node of its own
 PREFER_S = 1.0  # ... on the nodes where agents are kept, if it can be there by then (else anywhere)
 NEED_RAY = ("--cluster ray needs Ray in the kernel and on every node: pip install 'nbddp[ray]' (the same "
             "versions of Python, torch, Ray and nbddp everywhere).")
@@ -198,7 +198,7 @@ def moved(ray, pg, lost: Node, used: list, bundle: dict, within: float):
     from ray.util.placement_group import placement_group_table
 
     end = time.monotonic() + within
-    moved_by = min(end, time.monotonic() + MOVED_S)
+    moved_by = min(end, time.monotonic() + timeline.MOVED_S)
     while True:
         node_id = placement_group_table(pg)["bundles_to_node_id"].get(lost.index)
         alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}

@@ -15,11 +15,10 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
+from .. import timeline
 from ..kernel.ranks import starters
 from ..kernel.ranks.gang import ReplaceFailed
 from . import placement, remote
-
-MOVE_S = 10.0  # a lost node's ranks are started on another node if Ray moves its bundle there by then
 
 
 def lost_node(gang, old, generation: int) -> None:
@@ -29,10 +28,10 @@ def lost_node(gang, old, generation: int) -> None:
     index = gang.links.index(old) + 1  # (node 0 is the kernel's)
     placement.forget(old.actor, gang.ray)  # (a hung agent, or one whose stream broke: its ranks end with it)
     found = placement.moved(gang.ray, gang.pg, gang.placed[index], [n.node_id for n in gang.placed],
-                            placement.bundle_for(gang.per_node, gang.plan.accelerator), MOVE_S)
+                            placement.bundle_for(gang.per_node, gang.plan.accelerator), timeline.MOVE_S)
     if found is None:
         raise ReplaceFailed(f"node {old.node} is lost ({old.lost}), and Ray found no other node with the room "
-                            f"for its rank(s) within {MOVE_S:g} s", started=False)
+                            f"for its rank(s) within {timeline.MOVE_S:g} s", started=False)
     if found[1] is not gang.pg:
         gang.extra_pgs.append(found[1])  # (released with the pool's own)
     gang.forget_ended(old.ranks)

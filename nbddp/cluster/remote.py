@@ -6,7 +6,7 @@ other event is queued and a byte written to a wake pipe the supervisor watches (
 the main thread's one loop publishes them on the same bus as local ranks' events, in each rank's order:
 the relay, the logs, the dashboard and the failure rules cannot tell the two apart. A stream that ends
 before its ranks have (the agent's actor died, its node was lost) ends those ranks with a record naming
-the node; so does a stream silent for ``SILENT_S`` (an agent beats each ``agent.BEAT_S``), which is how a node
+the node; so does a stream silent for ``SILENT_S`` (an agent beats each ``BEAT_S``), which is how a node
 whose machine stopped answering is known in seconds, not at Ray's own node timeout (``Streams.listen``).
 
 Signals (an interrupt, ``--timeout``'s stacks, a teardown) go to a remote rank through its agent
@@ -22,14 +22,13 @@ import queue
 import threading
 import time
 
+from .. import timeline
 from ..kernel.ranks import failure
 from ..kernel.ranks.supervisor import Exited, Message, Output, RankProc
 from ..units import ranks_text
 from ..wire import messages
 
 LOST = "NodeLost"
-SILENT_S = 5.0  # a node whose stream said nothing (not even its beat) this long is lost
-LOOK_LOST_S = 1.0  # a look at a node's ranks unanswered this long is asked again
 
 
 @dataclasses.dataclass
@@ -83,7 +82,8 @@ class Link:
         ``since`` (the asking rank's last signal) is still unanswered (for less than ``LOOK_LOST_S``), so at most
         one is in flight per node while the answers keep up."""
         now = time.monotonic()
-        if self.looks_answered < self.looks_asked and self.looks_asked > since and now - self.looks_at < LOOK_LOST_S:
+        in_flight = self.looks_answered < self.looks_asked and self.looks_asked > since
+        if in_flight and now - self.looks_at < timeline.LOOK_LOST_S:
             return
         self.looks_asked, self.looks_at = self.looks_asked + 1, now
         self.control("look", self.looks_asked)
@@ -145,7 +145,7 @@ class Streams:
                     link.heard = max(link.heard, now - every)
             last = now
             for link in self.links:
-                if link.lost is None and now - link.heard > SILENT_S:
+                if link.lost is None and now - link.heard > timeline.SILENT_S:
                     link.lost = f"no word from its agent for {now - link.heard:.0f} s"
                     self.events.put([("ended", link, link.lost)])
                     self._wake()

@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from .. import timeline
 from ..errors import UsageError
 from ..kernel.ranks.gang import Gang
 from ..rank.worker import place_env
 from . import placement, relocate, remote
-
-EMPTIED_S = 5.0  # a node left with no rank: its agent's stream for the pool ends within this (agent.BEAT_S...)
 
 
 def node_place(rank: int, world_size: int, local: int, on_node: int, node: int, nodes: int) -> dict:
@@ -88,14 +87,14 @@ def room(gang, n: int) -> list:
             where.append(again)
             continue
         bundle = placement.bundle_for(len(chunk), gang.plan.accelerator)
-        got = placement.room(gang.ray, len(gang.placed) + len(found), used, bundle, relocate.MOVE_S)
+        got = placement.room(gang.ray, len(gang.placed) + len(found), used, bundle, timeline.MOVE_S)
         if got is None:
             for _, pg, _ in found:
                 placement.release(pg)
                 gang.extra_pgs.remove(pg)
             raise UsageError(f"%ddp resize: {n} more rank(s) want {len(chunks)} more node(s) (--devices "
                              f"{gang.per_node} on each), and Ray found {len(where)} node(s) the pool "
-                             f"does not use with {bundle} free within {relocate.MOVE_S:g} s. Add nodes (ray start "
+                             f"does not use with {bundle} free within {timeline.MOVE_S:g} s. Add nodes (ray start "
                              "--address ...), or resize to fewer. Nothing changed.")
         found.append(got)
         where.append(got)
@@ -108,7 +107,7 @@ def _emptied(gang) -> list:
     """The links of nodes the pool holds with no rank left, whose agent's stream for the pool ended cleanly
     (awaited a little: a shrink just told it to finish)."""
     empty = [link for link in gang.links if not link.ranks]
-    end = time.monotonic() + EMPTIED_S
+    end = time.monotonic() + timeline.EMPTIED_S
     gang.sup.wait(None, until=lambda: all(link.lost for link in empty) or time.monotonic() >= end, wake_at=end)
     return [link for link in empty if link.lost and link.clean]
 

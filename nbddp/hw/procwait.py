@@ -19,9 +19,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .. import timeline
+
 TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 10_000_000
 IDLE_TICKS = 2  # the process and its children may run this many clock ticks (TICK_NS each) between two looks
-MIN_GAP_S = 0.05  # two looks closer than this tell nothing (a node's agent may answer two asks at once)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def blocked(before: Look | None, after: Look | None) -> bool:
     """Blocked from one look to the next (``MIN_GAP_S`` apart at least): asleep on a futex at both, the main
     thread never on a CPU between them (a signal's C handler aside: under a millisecond), its other threads and
     its live children nearly idle."""
-    return (before is not None and after is not None and after.at - before.at >= MIN_GAP_S
+    return (before is not None and after is not None and after.at - before.at >= timeline.MIN_GAP_S
             and before.on_futex and after.on_futex
             and after.main_ns - before.main_ns < 1_000_000 and after.ticks - before.ticks <= IDLE_TICKS)
 

@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 
-from .. import units
+from .. import timeline, units
 from ..errors import RankFailure, UsageError
 from ..rank import heal
 from ..views import output
@@ -34,9 +34,6 @@ from .ranks import starters
 from .ranks.gang import ReplaceFailed
 
 POLICIES = ("heal", "shrink", "end")
-STEP_S = 120.0  # a mending step's answers (a survey of many GiB, an export) within this, or the pool ends
-JOIN_S = 60.0  # a replacement up and every rank in the new group within this
-SETTLE_S = 0.2  # before mending, other ranks that die with the first are waited for this long
 UNLIMITED = 1 << 62  # an export's pickle may be as big as it is: it goes once, from one peer
 
 
@@ -310,7 +307,7 @@ class _Answers:
             self.lost.append(event.exit)
 
 
-def ask(gang, commands: dict, what: str, within: float = STEP_S, also=lambda: True, expect=ANSWERS) -> dict:
+def ask(gang, commands: dict, what: str, within: float = timeline.STEP_S, also=lambda: True, expect=ANSWERS) -> dict:
     """``commands`` (rank -> command) sent, and each rank's answer (rank -> record, of the kinds ``expect``)
     once every one answered and ``also()`` holds; a rank lost meanwhile, an error, or no answer within
     ``within`` s is HealFailed."""
@@ -500,7 +497,7 @@ def mend(pool, policy: str) -> Mended:
     """The pool's pending losses mended by ``policy`` ("heal" or "shrink"); HealFailed if it cannot be."""
     gang = pool.gang
     start = time.monotonic()
-    settled = start + SETTLE_S  # losses that come together (the OOM killer's) are mended together
+    settled = start + timeline.SETTLE_S  # losses that come together (the OOM killer's) are mended together
     gang.sup.wait(None, until=lambda: time.monotonic() >= settled, wake_at=settled)
     losses = list(pool.losses.pending)
     survivors = sorted(p.rank for p in gang.sup.live())
@@ -589,7 +586,7 @@ def _over_the_group(gang, peer: int, new: list, found: Verdict) -> None:
 def _join(gang, regroups: dict, new: list) -> None:
     """Every rank in the group's new generation: the ranks of ``regroups`` (their late answer to a cell they
     were freed from is not the answer awaited) and the new ones (``Ready``)."""
-    ask(gang, regroups, "every rank joined the new process group", within=JOIN_S,
+    ask(gang, regroups, "every rank joined the new process group", within=timeline.JOIN_S,
         also=lambda: all(r in gang.ready for r in new), expect=(messages.Healthy,))
 
 

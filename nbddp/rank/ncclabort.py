@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-ABORT_AFTER_S = 1.0  # the main thread's own KeyboardInterrupt first: a rank running Python ends without an abort
+from .. import timeline
 
 
 class Watch:
@@ -69,7 +69,7 @@ class Watch:
             token = _token(self.busy)
             if token is None or self.handled >= self.received:
                 continue
-            deadline = time.monotonic() + ABORT_AFTER_S
+            deadline = time.monotonic() + timeline.ABORT_AFTER_S
             while _token(self.busy) is token and self.handled < self.received and time.monotonic() < deadline:
                 time.sleep(0.02)
             if _token(self.busy) is token and self.handled < self.received:  # never back in Python since

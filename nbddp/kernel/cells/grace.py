@@ -7,7 +7,7 @@ its threads nor its children using a CPU, since the look before), they wait for 
 for nothing that computes), and are interrupted at once. After the interrupt, one seen so whose Python handler
 never ran (no ``Heard`` from it) is held in native code: once that is so of every rank yet to answer, they are
 freed by a fresh group at once; a rank that heard the interrupt gets the whole grace to answer, however its
-cleanup waits (and, where all yet to answer heard it, until ``recovery.HEALTH_S``: rules.PoolRules._give_up).
+cleanup waits (and, where all yet to answer heard it, until ``HEALTH_S``: rules.PoolRules._give_up).
 The ranks are looked at every ``POLL_S`` (``RankProc.look``; a rank on another node by its
 agent, whose answer comes on the node's stream, a look behind: ``RemoteProc.look``).
 """
@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import time
 
+from ... import timeline
 from ...hw import procwait
-
-POLL_S = 0.1  # how often the ranks are looked at
 
 
 class Grace:
@@ -39,7 +38,7 @@ class Grace:
             self.over = True
             self.action()
             return
-        self.run.at(min(now + POLL_S, self.end), self._look)
+        self.run.at(min(now + timeline.POLL_S, self.end), self._look)
 
     def _all_blocked(self) -> bool:
         run = self.run

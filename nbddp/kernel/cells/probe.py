@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import time
 
+from ... import timeline
 from ...ipy import tracebacks
 from ...units import ranks_text
 from ..ranks import failure
 from ..ranks.stacks import StackCapture
-
-ALONE_S = 2.0  # a rank still in the cell this long after every other rank answered: where is it?
-STILL_S = 30.0  # ... and asked again every STILL_S: a stack that has not moved is shown in the cell
 
 
 class CollectiveProbe:
@@ -39,7 +37,7 @@ class CollectiveProbe:
         STILL_S; never once a verdict is in (a rank stranded, or every rank still there shown as not moving)."""
         if last_reply is None or self.stranded or (self.shown_still and self.shown_still >= set(self.frames)):
             return None
-        return last_reply + (ALONE_S if not self.asks else STILL_S * self.asks)
+        return last_reply + (timeline.ALONE_S if not self.asks else timeline.STILL_S * self.asks)
 
     def check(self, last_reply: float | None, stopping: bool) -> None:
         """Ask, if it is time (``stopping``: the ranks were interrupted or timed out: nothing to ask)."""

@@ -14,17 +14,10 @@ from __future__ import annotations
 
 import time
 
+from ... import timeline
 from ...wire import messages
 from .. import healing
 from ..ranks import starters
-
-HEALTH_S = 3.0  # pool: interrupted ranks must answer, and pass a barrier, within this
-# an interrupted rank that has not answered within this is taken to wait in a collective, and the group is made
-# anew to free it (a rank merely slow still answers within REGROUP_S); across machines the interrupt goes
-# through each node's agent, so there: HEALTH_S. Sooner (grace.py) once every rank yet to answer is seen blocked
-# with no ``Heard`` from it (its handler never ran); later (HEALTH_S) where every one of them heard it (cleaning up)
-STUCK_S = 1.0
-REGROUP_S = 10.0  # pool: every rank in a fresh process group within this (a rank stuck elsewhere: torn down)
 
 
 class Recovery:
@@ -54,7 +47,7 @@ class Recovery:
         stuck = [r for r in self.ranks if r not in self.replies]
         if gang.alive and (stuck or self.interrupted and "nccl" in gang.plan.backend):  # (rank/ncclabort.py)
             gang.generation += 1
-            if self._all_healthy(messages.Regroup(gang.generation), REGROUP_S,
+            if self._all_healthy(messages.Regroup(gang.generation), timeline.REGROUP_S,
                                  "torn down by an interrupt while its process group was made anew"):
                 # those freed from a collective: a rank only slow to answer (past STUCK_S) answers the interrupt
                 self.regrouped = [r for r in stuck if not _interrupted(self.replies.get(r))] or stuck or sorted(
@@ -69,7 +62,7 @@ class Recovery:
                 return True
             gang.close("torn down: its process group could not be made anew")
             return False
-        if gang.alive and not stuck and self._all_healthy(messages.HealthCheck(), HEALTH_S,
+        if gang.alive and not stuck and self._all_healthy(messages.HealthCheck(), timeline.HEALTH_S,
                                                           "torn down by an interrupt during its health check"):
             return True
         gang.close("torn down: a rank did not come back from a collective after the cell failed or was "

@@ -34,16 +34,14 @@ from __future__ import annotations
 import abc
 import time
 
+from ... import timeline
 from ...errors import RankFailure
 from ...ipy import tracebacks
 from ...rank.server import INTERRUPT
 from ...wire import messages
 from ..ranks import failure
-from . import recovery
 from .grace import Grace
 from .recovery import Recovery
-
-PEER_GRACE_S = 1.0  # pool: after a rank failed a cell, how long the others may go on before being interrupted
 
 
 class CellRules(abc.ABC):
@@ -232,7 +230,7 @@ class PoolRules(CellRules):
             self._interrupt_soon(run)
 
     def _interrupt_soon(self, run) -> None:
-        Grace(run, time.monotonic() + PEER_GRACE_S, lambda: self.interrupt_running(run))
+        Grace(run, time.monotonic() + timeline.PEER_GRACE_S, lambda: self.interrupt_running(run))
 
     def timed_out(self, run) -> None:
         self.interrupt_running(run)
@@ -253,7 +251,7 @@ class PoolRules(CellRules):
                 p.signal(INTERRUPT, group=False)
                 if self.recovery is not None:
                     self.recovery.interrupted.append(p.rank)
-        within = recovery.HEALTH_S if run.gang.spans_machines else recovery.STUCK_S  # (read now: one home)
+        within = timeline.HEALTH_S if run.gang.spans_machines else timeline.STUCK_S  # (read now: one home)
         heard = self.recovery.heard if self.recovery is not None else set()
         Grace(run, self.interrupted_at + within, lambda: self._give_up(run, heard), back_in_python=heard)
 
@@ -262,7 +260,7 @@ class PoolRules(CellRules):
         interrupt: those are given until HEALTH_S after it."""
         live = {p.rank for p in run.sup.live()}
         waiting = [r for r in run.ranks if r not in run.replies and r in live]
-        later = self.interrupted_at + recovery.HEALTH_S
+        later = self.interrupted_at + timeline.HEALTH_S
         if waiting and all(r in heard for r in waiting) and time.monotonic() < later:
             run.at(later, lambda: self._give_up(run, heard))
             return

@@ -14,6 +14,7 @@ import os
 import signal
 import time
 
+from ... import timeline
 from ...errors import UsageError
 from ...hw import driverwatch
 from ...wire import framing, messages
@@ -21,8 +22,6 @@ from .. import devices
 from . import failure, groupstore, rendezvous, starters
 from .logs import RankLogs
 from .supervisor import Started, Supervisor
-
-STOP_S = 5.0  # a pool's ranks leave the group and exit within this after Stop, or are killed
 
 
 class ReplaceFailed(RuntimeError):
@@ -181,7 +180,7 @@ class Gang:
             p.stop_sent = True  # (nbddp ends them: not a loss)
         if not kill:
             self.command(messages.Stop(), ranks=ranks)
-            end = time.monotonic() + STOP_S
+            end = time.monotonic() + timeline.STOP_S
             self.sup.wait(None, until=lambda: all(p.exit is not None for p in procs) or time.monotonic() >= end,
                           wake_at=end)
         for p in procs:
@@ -248,7 +247,7 @@ class Gang:
         """A pool's end: every rank leaves the group and exits; SIGTERM/SIGKILL whoever does not in STOP_S."""
         if self.sup is None:
             return
-        end = time.monotonic() + STOP_S
+        end = time.monotonic() + timeline.STOP_S
         try:
             self.command(messages.Stop())
             self.sup.end_cell()

@@ -21,13 +21,12 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from ... import timeline
 from ...hw import procwait
 from ...wire import framing, messages
 from ..debugger import rankdebug
 from . import failure
 from .stacks import StackRequest
-
-GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
 
 
 # -- events -----------------------------------------------------------------------------------------
@@ -404,7 +403,7 @@ class Supervisor:
                 p.stop_sent = True
                 p.signal(signal.SIGTERM)
         if self.kill_at is None:
-            self.kill_at = time.monotonic() + GRACE_S
+            self.kill_at = time.monotonic() + timeline.GRACE_S
 
     def _kill_live(self) -> None:
         for p in self.live():
