@@ -11,7 +11,7 @@ How they follow each other, for a pool's cell (a one-shot cell stops every rank 
   cell is blocked (procwait.blocked: waiting in a collective for the failed one).
 - t1: the others still running are interrupted (SIGUSR2: a KeyboardInterrupt in their cell,
   rules.PoolRules.interrupt_running); a rank on NCCL still in that command ABORT_AFTER_S later aborts its
-  communicators (ncclabort.Watch).
+  communicators (ncclabort.InterruptWatch).
 - t1 to t1 + STUCK_S: each answers the interrupt. One that said ``Heard`` (its handler ran: cleaning up) is given
   until t1 + HEALTH_S, as is every rank of a pool across machines (the signal goes through the node's agent); the
   wait ends at once (a Grace again) once every rank yet to answer is blocked and none of them heard.

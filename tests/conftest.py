@@ -1,4 +1,6 @@
+import _posixsubprocess
 import os
+import subprocess
 import sys
 
 import pytest
@@ -6,6 +8,37 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import left_behind, pool_in
 from kernel import Kernel
+
+UNIT = os.path.join(os.path.dirname(__file__), "unit")
+
+
+def pytest_collection_modifyitems(items):
+    """Every test under tests/unit is a ``unit`` test (README's fast command: ``-m unit``)."""
+    for item in items:
+        if str(item.path).startswith(UNIT + os.sep):
+            item.add_marker(pytest.mark.unit)
+
+
+def _refused(what):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"a unit test starts no process ({what}): take its @pytest.mark.unit off, or fake it")
+    return refuse
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A ``unit`` test starts no kernel and forks no rank, and that is a rule, not a hope: while it runs (the
+    fixtures set up for it too), a fork, a spawn or a subprocess fails at once, naming what was started."""
+    if item.get_closest_marker("unit") is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "execv", "execve"):
+            if hasattr(os, name):
+                mp.setattr(os, name, _refused(f"os.{name}"))
+        mp.setattr(_posixsubprocess, "fork_exec", _refused("a subprocess"))
+        mp.setattr(subprocess, "_fork_exec", _refused("a subprocess"))
+        yield
 
 
 @pytest.fixture(scope="session")

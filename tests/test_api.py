@@ -70,5 +70,6 @@ def test_launch_with_spawn_ships_the_function_by_value():
         ({}, {}, type("S", (), {"kernel": None})(), "ipython-terminal"),
     ],
 )
+@pytest.mark.unit
 def test_session_kinds(env, modules, shell, kind):
     assert session.session_kind(env=env, modules=modules, shell=shell) == kind

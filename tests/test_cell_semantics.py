@@ -10,6 +10,7 @@ from nbddp.views.relay import latest_redraw
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.unit
 def test_latest_redraw_wherever_the_carriage_returns_sit():
     assert latest_redraw(b"step 0/20\r") == b"step 0/20\r"  # print(..., end="\r")
     assert latest_redraw(b"\rstep 1/20\rstep 2/20\r") == b"step 2/20\r"

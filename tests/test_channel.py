@@ -7,6 +7,8 @@ import pytest
 from nbddp.kernel.names.sending import ship_globals
 from nbddp.wire import framing, messages
 
+pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast command)
+
 
 def test_frames_survive_any_split_and_lengths_whose_bytes_look_like_markers():
     # payload lengths whose little-endian first byte is 0x01 (the old one-byte "ready" marker)

@@ -2,12 +2,16 @@
 import os
 from types import SimpleNamespace
 
+import pytest
+
 from helpers import FakeNvml
 from nbddp.hw import nvml
 from nbddp.kernel import devices
 from nbddp.kernel.ranks.failure import RankExit
 from nbddp.kernel.ranks.supervisor import Output, Started
 from nbddp.views import dashboard
+
+pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast command)
 
 
 def test_gpu_utilisation_and_memory_per_rank_live_and_peak_at_the_end(monkeypatch, tmp_path):

@@ -221,6 +221,7 @@ def test_spawned_and_forkserver_ranks_connect_at_their_cell_and_stop_too(kernel,
     panel.stop()
 
 
+@pytest.mark.unit
 def test_an_ipykernel_whose_debugger_lacks_what_nbddp_reads_is_named_in_the_warning():
     from nbddp.ipy import debugger
 
@@ -308,6 +309,7 @@ def test_a_cell_run_before_the_panel_was_on_stops_at_its_breakpoint_when_run_aga
     panel.stop()
 
 
+@pytest.mark.unit
 def test_the_kernels_debugger_neither_traces_nor_lists_the_thread_warming_imports(monkeypatch):
     # traced (the panel turned on right after %load_ext), its imports took 7.5 s instead of 1.3 on 2 cores, and
     # the first cell's forks wait for it on --timeout's clock (test_timeout_moves_on...: rank 1 never forked)

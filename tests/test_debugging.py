@@ -265,6 +265,7 @@ def test_breakpoint_and_torch_breakpoint_start_at_the_users_frames(clean_kernel)
     assert "server.py" not in res.stdout and "jobs.py" not in res.stdout and "Oldest frame" in res.stdout, res.stdout
 
 
+@pytest.mark.unit
 def test_a_diff_row_fits_the_notebook_and_keeps_the_whole_in_its_title():
     from nbddp.kernel.names import survey_tables
 

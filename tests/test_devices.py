@@ -46,6 +46,7 @@ def test_bad_device_strings_are_refused(spec, message):
         devices.parse_devices(spec)
 
 
+@pytest.mark.unit
 def test_cpu_plans(gpus):
     gpus(0)
     assert devices.plan(2) == devices.Plan("cpu", "gloo", (None, None))
@@ -60,6 +61,7 @@ def test_cpu_plans(gpus):
         devices.plan(2, "tpu")
 
 
+@pytest.mark.unit
 def test_gpu_plans_through_the_nvml_seam(gpus):
     gpus(4)
     assert devices.plan("auto") == devices.Plan("cuda", "nccl", (0, 1, 2, 3))
@@ -72,6 +74,7 @@ def test_gpu_plans_through_the_nvml_seam(gpus):
     assert "GPU 5" in str(e.value) and "cuda:3  Fake GPU 3" in str(e.value) and "--devices 4" in str(e.value)
 
 
+@pytest.mark.unit
 def test_gpus_with_a_cpu_build_of_torch(gpus):
     gpus(2, built=False)
     assert devices.plan("auto").accelerator == "cpu"  # auto falls back to what torch can drive
@@ -79,6 +82,7 @@ def test_gpus_with_a_cpu_build_of_torch(gpus):
         devices.plan(2, "cuda")
 
 
+@pytest.mark.unit
 def test_nvml_honours_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0,GPU-abc,1")
     assert nvml._visible(4) == [2, 0]
@@ -105,6 +109,7 @@ def shared(monkeypatch):
     return use_gpus
 
 
+@pytest.mark.unit
 def test_auto_uses_the_free_gpus_and_says_which_it_skipped_and_why(shared):
     shared(use(0, procs=[(999_001, 30 * GIB)]), use(1), use(2, used=60), use(3))
     p = devices.plan("auto")
@@ -115,11 +120,13 @@ def test_auto_uses_the_free_gpus_and_says_which_it_skipped_and_why(shared):
     assert "cuda:2  60.0 GiB of its 80.0 GiB memory is in use (over 10%" in note
 
 
+@pytest.mark.unit
 def test_all_free_means_no_notes(shared):
     shared(use(0), use(1))
     assert devices.plan("auto") == devices.Plan("cuda", "nccl", (0, 1)) and devices.plan("auto").notes == ()
 
 
+@pytest.mark.unit
 def test_a_count_picks_that_many_free_gpus(shared):
     shared(use(0, procs=[(999_001, None)]), use(1), use(2), use(3))
     p = devices.plan(2)
@@ -128,6 +135,7 @@ def test_a_count_picks_that_many_free_gpus(shared):
     assert devices.plan(1).device_ids == (1,)
 
 
+@pytest.mark.unit
 def test_a_count_beyond_the_free_gpus_is_refused_with_each_gpus_state(shared):
     shared(use(0, procs=[(999_001, GIB), (999_002, GIB)]), use(1))
     with pytest.raises(UsageError) as e:
@@ -138,6 +146,7 @@ def test_a_count_beyond_the_free_gpus_is_refused_with_each_gpus_state(shared):
     assert "Use --devices 1 (the free ones), or --devices 0,1 (GPUs named by index are used even if busy)" in text
 
 
+@pytest.mark.unit
 def test_auto_with_no_free_gpu_is_refused(shared):
     shared(use(0, mode="prohibited"), use(1, used=79))
     with pytest.raises(UsageError) as e:
@@ -148,6 +157,7 @@ def test_auto_with_no_free_gpu_is_refused(shared):
     assert "Use --devices 0,1 (GPUs named by index are used even if busy), or wait" in text
 
 
+@pytest.mark.unit
 def test_explicit_indices_are_used_as_given_with_a_warning_when_busy(shared):
     shared(use(0), use(1, procs=[(999_001, 2 * GIB)], mode="exclusive_process"))
     p = devices.plan("0,1")
@@ -160,17 +170,20 @@ def test_explicit_indices_are_used_as_given_with_a_warning_when_busy(shared):
     assert "(--devices 1,)" in devices.plan([1]).notes[0]  # "1" alone would be a count
 
 
+@pytest.mark.unit
 def test_minus_one_means_all_gpus_busy_or_not(shared):
     shared(use(0, used=50), use(1))
     p = devices.plan(-1)
     assert p.device_ids == (0, 1) and "cuda:0 is busy" in p.notes[0] and "(--devices -1)" in p.notes[0]
 
 
+@pytest.mark.unit
 def test_exclusive_process_mode_without_a_process_is_free(shared):
     shared(use(0, mode="exclusive_process"), use(1, mode="exclusive_thread"))
     assert devices.plan("auto").device_ids == (0, 1)
 
 
+@pytest.mark.unit
 def test_the_kernels_own_processes_do_not_make_a_gpu_busy(shared):
     import os
 
@@ -178,6 +191,7 @@ def test_the_kernels_own_processes_do_not_make_a_gpu_busy(shared):
     assert devices.plan("auto").device_ids == (0, 1)
 
 
+@pytest.mark.unit
 def test_mig_gpus_are_judged_by_their_instances_and_said(shared):
     shared(use(0, mig=True), use(1, mig=True, procs=[(999_001, GIB)]), use(2))
     p = devices.plan("auto")
@@ -187,6 +201,7 @@ def test_mig_gpus_are_judged_by_their_instances_and_said(shared):
     assert devices.plan("0,").notes == (p.notes[1],)  # said for named GPUs too
 
 
+@pytest.mark.unit
 def test_memory_threshold_is_one_fact(shared, monkeypatch):
     from nbddp.hw import gpufree
 
@@ -196,6 +211,7 @@ def test_memory_threshold_is_one_fact(shared, monkeypatch):
     assert devices.plan("auto").device_ids == (0, 1)
 
 
+@pytest.mark.unit
 def test_unknown_usage_counts_as_free(shared, gpus):
     shared(nvml.GpuUse(0, "Fake GPU 0", None, None, None, "unknown"), use(1))
     assert devices.plan("auto").device_ids == (0, 1)
@@ -203,6 +219,7 @@ def test_unknown_usage_counts_as_free(shared, gpus):
     assert devices.plan("auto").device_ids == (0, 1, 2)
 
 
+@pytest.mark.unit
 def test_a_count_larger_than_the_machine_names_the_gpus(shared):
     shared(use(0), use(1))
     with pytest.raises(UsageError, match="asks for GPU 2, 3, but this machine has 2"):

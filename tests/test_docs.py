@@ -5,10 +5,13 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
 
+@pytest.mark.unit
 def test_reference_is_generated_from_the_magic():
     spec = importlib.util.spec_from_file_location("gen_reference", DOCS / "gen_reference.py")
     gen = importlib.util.module_from_spec(spec)
@@ -27,6 +30,7 @@ def _modules() -> dict[str, str]:
     return found
 
 
+@pytest.mark.unit
 def test_architecture_names_every_module_and_subpackage():
     text = (DOCS / "architecture.md").read_text()
     paths = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "nbddp").rglob("*.py"))
@@ -34,6 +38,7 @@ def test_architecture_names_every_module_and_subpackage():
     assert not missing, f"docs/architecture.md does not mention {missing}"
 
 
+@pytest.mark.unit
 def test_architecture_names_are_the_codes_names():
     """Every `module.Name` (and `module.Name.attr`) the document writes in backticks exists in the code."""
     import importlib
@@ -67,6 +72,7 @@ def test_architecture_names_are_the_codes_names():
         assert f"`{cls.__name__}`" in messages_part, cls
 
 
+@pytest.mark.unit
 def test_rank_and_view_code_import_only_the_wire_ipython_helpers_and_hardware_seams():
     """The layout says where code runs: rank and view modules (and the wire, helpers and seams) never
     import the kernel side; the wire imports nothing of nbddp but itself, errors and units."""
@@ -129,6 +135,7 @@ MESSAGES = [  # a fragment of every message a user can meet (see the modules rai
 ]
 
 
+@pytest.mark.unit
 def test_troubleshooting_covers_every_message():
     text = (DOCS / "troubleshooting.md").read_text()
     missing = [m for m in MESSAGES if m not in text]
@@ -152,6 +159,7 @@ GPU_MESSAGES = [  # the guard's and free-GPU picking's messages (nbddp/cuda.py, 
 ]
 
 
+@pytest.mark.unit
 def test_troubleshooting_covers_the_gpu_messages():
     text = (DOCS / "troubleshooting.md").read_text()
     missing = [m for m in GPU_MESSAGES if m not in text]
@@ -185,6 +193,7 @@ def _kinds_handled(path: Path) -> set[str]:
     return found
 
 
+@pytest.mark.unit
 def test_each_module_row_names_the_message_kinds_the_module_handles():
     """A module that tells a message kind apart names it in its architecture.md row, so the map of who
     handles what cannot drift from the code."""

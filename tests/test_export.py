@@ -34,6 +34,7 @@ def test_exported_notebook_under_torchrun_prints_the_cells_result(tmp_path):
     assert run.stdout.strip() == cell_result(NOTEBOOK)
 
 
+@pytest.mark.unit
 def test_export_keeps_only_the_cells_the_ddp_cells_need():
     cells = [
         "%load_ext nbddp",
@@ -54,6 +55,7 @@ def test_export_keeps_only_the_cells_the_ddp_cells_need():
     compile(script, "train.py", "exec")
 
 
+@pytest.mark.unit
 def test_export_without_ddp_cells_says_so():
     with pytest.raises(ValueError, match="no %%ddp cell"):
         export_cells(["x = 1"], source="nb.ipynb")
@@ -110,6 +112,7 @@ def test_an_exported_session_prints_under_torchrun_what_the_notebook_printed(ker
     assert _lines(printed) == notebook, (printed, shown)
 
 
+@pytest.mark.unit
 def test_ipython_syntax_becomes_plain_python():
     code, needs = to_python("files = !ls {path}\n!echo $x\n%env A=1\n%cd /tmp\n%matplotlib inline\n"
                             "y = %time f(x)\nfor i in range(2):\n    %timeit g(i)\n")
@@ -125,6 +128,7 @@ def test_ipython_syntax_becomes_plain_python():
     assert "redirect_stdout" in code and needs == {"io"}
 
 
+@pytest.mark.unit
 def test_help_and_export_cells_are_skipped_and_print_adds_no_none():
     script = export_cells(["%%ddp?", "x?", "%%ddp --devices 2\nprint(rank)", "%ddp_export t.py"])
     assert script.count("# --- %%ddp cell") == 1 and "print(rank)\n" in script
@@ -132,12 +136,14 @@ def test_help_and_export_cells_are_skipped_and_print_adds_no_none():
     compile(script, "train.py", "exec")
 
 
+@pytest.mark.unit
 def test_a_cell_using_ipython_syntax_still_pulls_in_the_data_it_needs():
     script = export_cells(["X = torch.ones(3)", "X[0] = 5", "unrelated = 1", "%%ddp --devices 2\n!echo hi\nprint(X)"])
     assert "X = torch.ones(3)" in script and "X[0] = 5" in script and "unrelated" not in script
 
 
 # -- export that runs (issue 21, point 5) ----------------------------------------------------------
+@pytest.mark.unit
 def test_the_last_expression_is_wrapped_alone_comments_and_lines_kept():
     from nbddp.export.script import _with_result
 
@@ -156,6 +162,7 @@ def test_the_last_expression_is_wrapped_alone_comments_and_lines_kept():
         compile(_with_result(body), "cell", "exec")
 
 
+@pytest.mark.unit
 def test_cells_that_failed_are_left_out_with_a_comment(tmp_path):
     from nbddp.export.script import notebook_cells
 

@@ -57,6 +57,7 @@ def ran(history: History, source: str, number: int, cell_id=None, error=None, de
     history.ended(source, number, error)
 
 
+@pytest.mark.unit
 def test_each_cell_once_as_last_run_in_the_order_cells_first_ran():
     h = History()
     ran(h, "import torch", 1)  # no id: known by its text
@@ -87,6 +88,7 @@ def test_each_cell_once_as_last_run_in_the_order_cells_first_ran():
     assert h.export().failed[6] == "NameError: z"
 
 
+@pytest.mark.unit
 def test_the_header_says_which_runs_were_left_out_and_the_order():
     h = History()
     ran(h, "X = 1", 1, cell_id="x")
@@ -103,6 +105,7 @@ def test_the_header_says_which_runs_were_left_out_and_the_order():
     assert "first ran" not in export_cells(out.cells)  # a saved notebook's cells: its own order
 
 
+@pytest.mark.unit
 def test_request_metadata_from_ipython_or_the_kernels_parent():
     class Info:
         cell_meta = {"cellId": "abc", "deletedCells": ["z"]}

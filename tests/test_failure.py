@@ -1,7 +1,11 @@
 """Choosing the root cause among ranks that ended badly (the kernel tests make these for real; here
 the orderings that a loaded machine produces only sometimes are pinned down)."""
+import pytest
+
 from nbddp.kernel.ranks.failure import RankExit, notes, rank_failed, root_cause
 from nbddp.wire.messages import Error, Exit, Result
+
+pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast command)
 
 
 def lost(time: float, phase: str = "cell") -> Error:

@@ -35,6 +35,7 @@ def _later(fn, *args) -> threading.Thread:
     return t
 
 
+@pytest.mark.unit
 def test_descriptors_go_with_their_message_and_are_the_same_files(pair):
     a, b = pair
     r, w = os.pipe()
@@ -55,12 +56,14 @@ def test_descriptors_go_with_their_message_and_are_the_same_files(pair):
         os.close(w)
 
 
+@pytest.mark.unit
 def test_more_descriptors_than_a_message_carries_are_refused_by_the_sender(pair):
     a, _ = pair
     with pytest.raises(ValueError, match="at most"):
         fdframing.send(a, JobSet(), [0] * (fdframing.MAX_FDS + 1))
 
 
+@pytest.mark.unit
 def test_a_frame_read_in_pieces_comes_out_whole_with_its_descriptors(pair):
     a, b = pair
     r, w = os.pipe()
@@ -85,6 +88,7 @@ def test_a_frame_read_in_pieces_comes_out_whole_with_its_descriptors(pair):
         os.close(w)
 
 
+@pytest.mark.unit
 def test_a_body_larger_than_the_sockets_buffer_arrives_whole(pair):
     a, b = pair
     blob = os.urandom(5 << 20)  # several reads of the body, the sender blocking meanwhile
@@ -94,6 +98,7 @@ def test_a_body_larger_than_the_sockets_buffer_arrives_whole(pair):
     assert message.blob == blob and fds == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cut", ["before", "in_header", "in_body"])
 def test_the_other_end_gone_is_eof_and_the_descriptors_of_a_cut_frame_are_closed(pair, cut):
     a, b = pair
@@ -116,6 +121,7 @@ def test_the_other_end_gone_is_eof_and_the_descriptors_of_a_cut_frame_are_closed
         os.close(w)
 
 
+@pytest.mark.unit
 def test_sending_to_an_end_that_is_gone_is_an_oserror(pair):
     a, b = pair
     b.close()
@@ -123,6 +129,7 @@ def test_sending_to_an_end_that_is_gone_is_an_oserror(pair):
         fdframing.send(a, SetJob(b"z"))
 
 
+@pytest.mark.unit
 def test_a_frame_that_does_not_unpickle_is_unreadable_and_the_next_one_is_read(pair):
     a, b = pair
     body = b"cno_such_module_here\nThing\n."  # a class this side lacks

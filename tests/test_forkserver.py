@@ -279,6 +279,7 @@ class _OnGpu:
         return self
 
 
+@pytest.mark.unit
 def test_a_kernel_gpu_tensor_is_handed_by_cuda_ipc_and_copied_device_to_device_in_the_rank(monkeypatch):
     import torch
     import torch.multiprocessing.reductions as reductions
@@ -311,6 +312,7 @@ def test_a_kernel_gpu_tensor_is_handed_by_cuda_ipc_and_copied_device_to_device_i
     assert cuda.opened_on_rank(lambda h: opened, ("handle",), 0).calls[-2] == "to cuda:1"
 
 
+@pytest.mark.unit
 def test_a_parameter_handed_by_cuda_ipc_stays_a_leaf_parameter_an_optimizer_can_take(monkeypatch):
     """A kernel model's parameters reach a forkserver rank as parameters: leaves an optimizer accepts (a bare
     clone of one is a tensor inside an autograd graph). Caught on an H200: the model trained in the rank."""
@@ -329,6 +331,7 @@ def test_a_parameter_handed_by_cuda_ipc_stays_a_leaf_parameter_an_optimizer_can_
     assert type(tagged) is torch.nn.Parameter and tagged._is_hf_initialized is True, "its attributes came with it"
 
 
+@pytest.mark.unit
 def test_without_cuda_ipc_a_kernel_gpu_tensor_travels_as_its_cpu_copy(monkeypatch):
     import torch.multiprocessing.reductions as reductions
 

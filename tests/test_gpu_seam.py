@@ -184,6 +184,7 @@ guard.refusal = lambda: nbddp.CudaInitialisedError('stand-in guard: stop before 
     k.ok("del guard.built, guard.refusal; nbddp.hw.nvml.use(nbddp.hw.nvml.Nvml())")
 
 
+@pytest.mark.unit
 def test_a_gpu_rank_leaves_after_synchronising_without_nccl_teardown(monkeypatch):
     """On an H100, destroy_process_group cost a one-shot NCCL cell ~0.5 s of its ~1.2 s; a rank whose queued
     work is finished leaves with os._exit and the driver frees the rest (as Lightning's ranks do)."""
@@ -206,6 +207,7 @@ def test_a_gpu_rank_leaves_after_synchronising_without_nccl_teardown(monkeypatch
     assert calls == ["synchronize"]
 
 
+@pytest.mark.unit
 def test_torch_is_never_kept_out_of_the_forkserver():
     """torch's CUDA wheels map the driver as torch is imported: torch is seen loading it, yet its modules
     initialise no device. Kept out of the forkserver's imports, every forkserver rank imported

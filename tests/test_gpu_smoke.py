@@ -19,6 +19,7 @@ def smoke():
     return mod
 
 
+@pytest.mark.unit
 def test_one_gpu_plan(smoke):
     names = [n for n, _ in smoke.plan_checks(1)]
     assert names == ["CUDA guard: torch", "CUDA guard: other library", "NCCL, 1 rank", "gloo, 2 ranks on GPU 0",
@@ -26,6 +27,7 @@ def test_one_gpu_plan(smoke):
                      "progress bar on a GPU rank", "step time vs torchrun"]
 
 
+@pytest.mark.unit
 def test_more_gpus_add_nccl_across_them(smoke):
     names = [n for n, _ in smoke.plan_checks(4)]
     assert "NCCL across 4 GPUs" in names and names[-1] == "step time vs torchrun"

@@ -8,6 +8,8 @@ import pytest
 from nbddp.hw.procwait import Look
 from nbddp.kernel.cells import grace
 
+pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast command)
+
 WAITING = Look(on_futex=True, main_ns=5_000_000, ticks=7, at=0.0)
 
 

@@ -2,12 +2,14 @@
 value made from another rank's number), export and adopt in one pickle, and kernel/healing.verdict."""
 import pickle
 
+import pytest
 import torch
 
 from nbddp.kernel import healing
 from nbddp.rank import heal
 
 
+@pytest.mark.unit
 def test_equal_values_have_equal_fingerprints_and_rank_made_ones_differ():
     a, b = torch.arange(100_000.), torch.arange(100_000.)
     assert heal.fingerprint(a) == heal.fingerprint(b)
@@ -20,6 +22,7 @@ def test_equal_values_have_equal_fingerprints_and_rank_made_ones_differ():
     assert heal.fingerprint(a) != heal.fingerprint(a.double()), "the dtype counts"
 
 
+@pytest.mark.unit
 def test_an_unpickled_value_fingerprints_as_the_original():
     """Pickle's memo follows object identity: a replacement's values, unpickled, must match a survivor's."""
     value = {"names": ["step", "step", "opt"], "t": torch.ones(3)}
@@ -29,6 +32,7 @@ def test_an_unpickled_value_fingerprints_as_the_original():
     assert heal.fingerprint(cyclic)  # (needs the memo: no error)
 
 
+@pytest.mark.unit
 def test_a_tensor_inside_an_autograd_graph_and_a_process_group_are_not_transferable():
     w = torch.ones(3, requires_grad=True)
     try:
@@ -44,6 +48,7 @@ class _Ctx:
         self.namespace, self.owned = ns, set(owned)
 
 
+@pytest.mark.unit
 def test_export_and_adopt_keep_an_optimizer_on_its_models_parameters():
     model = torch.nn.Linear(300, 300)  # 360 KB of weights: through this process's memfd arena
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -62,6 +67,7 @@ def test_export_and_adopt_keep_an_optimizer_on_its_models_parameters():
         heal._exported.clear()
 
 
+@pytest.mark.unit
 def test_a_gpu_tensor_goes_to_the_new_rank_by_cuda_ipc_even_a_parameter(monkeypatch):
     """On one machine a survivor's GPU tensors go by CUDA IPC, the new rank copying them on its GPU: never by
     value through the host (512 MiB a rank took 8.1 s that way on an H200, 0.5 s by IPC), parameters too."""
@@ -92,6 +98,7 @@ def _opened(shape):
     return f"opened ({shape[0]},)"
 
 
+@pytest.mark.unit
 def test_verdict_copies_only_what_two_survivors_agree_on():
     own = {"model": ("remade", "m", (1,), True), "data": ("value", "d", (2,), True),
            "shard": ("value", "s0", (3,), True), "pg": ("lost", "why", (), True), "opt": ("value", "o", (1,), True)}
@@ -104,6 +111,7 @@ def test_verdict_copies_only_what_two_survivors_agree_on():
     assert alone.agreed == [] and "only one survivor" in alone.lacking["data"] and alone.stale == ["model"]
 
 
+@pytest.mark.unit
 def test_a_name_sharing_tensors_with_a_lacking_one_lacks_too():
     """An optimizer copied without its model would point at parameters the new rank's model does not have."""
     a = {"model": ("value", "m0", (7,), True), "opt": ("value", "o", (7,), True)}
@@ -112,6 +120,7 @@ def test_a_name_sharing_tensors_with_a_lacking_one_lacks_too():
     assert v.agreed == [] and "shares tensors with model" in v.lacking["opt"]
 
 
+@pytest.mark.unit
 def test_a_notebook_value_changed_in_place_by_the_pools_cells_is_copied_or_listed():
     trained = {"net": ("value", "trained", (5,), False)}
     fresh = {"net": ("value", "as-the-notebook-has-it", (9,), False)}

@@ -31,10 +31,12 @@ KERNEL = type("Shell", (), {"kernel": object()})()
         ({"KAGGLE_USERNAME": "me", "KAGGLE_KEY": "k"}, {}, "jupyter"),
     ],
 )
+@pytest.mark.unit
 def test_kaggle_is_told_from_colab(env, modules, kind):
     assert session.session_kind(env=env, modules=modules, shell=KERNEL) == kind
 
 
+@pytest.mark.unit
 def test_environment_says_what_kaggle_allows_and_needs(monkeypatch):
     monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")
     env = nbddp.environment()
@@ -45,6 +47,7 @@ def test_environment_says_what_kaggle_allows_and_needs(monkeypatch):
     assert "Kaggle: up to 2 GPUs (2xT4: --devices 2, NCCL, peer-to-peer off)" in text
 
 
+@pytest.mark.unit
 def test_environment_says_what_colab_allows(monkeypatch):
     for name in [k for k in __import__("os").environ if k.startswith("KAGGLE_")]:
         monkeypatch.delenv(name)
@@ -54,6 +57,7 @@ def test_environment_says_what_colab_allows(monkeypatch):
     assert "nccl:" not in str(env) and "Colab: one GPU at most (--devices auto runs one rank)" in str(env)
 
 
+@pytest.mark.unit
 def test_kaggle_gpu_ranks_get_p2p_off_unless_the_user_set_it(monkeypatch):
     plan = devices.Plan("cuda", "nccl", (0, 1))
     monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")
@@ -88,6 +92,7 @@ def shell7(*codes):
     return shell
 
 
+@pytest.mark.unit
 def test_cells_are_numbered_where_ipython_keeps_no_map():
     shell = shell7("import torch", "x = torch.ones(2)\n")
     earlier = shell.compile.get_code_name("x = torch.ones(2)\n", "", 2)
@@ -103,6 +108,7 @@ def test_cells_are_numbered_where_ipython_keeps_no_map():
     assert tracebacks.relabel(f'File "{name}", line 1, in <module>', labels) == "Cell In[3], line 1, in <module>"
 
 
+@pytest.mark.unit
 def test_the_cuda_guard_names_the_cell_where_ipython_keeps_no_map():
     shell = shell7("import torch\n")
     shell.events = types.SimpleNamespace(register=lambda *a: None, unregister=lambda *a: None)

@@ -7,6 +7,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast command)
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nbddp"
 

@@ -95,6 +95,7 @@ def test_a_launcher_a_library_bound_before_the_cell_runs_on_the_cells_ranks(clea
     assert "runs hello(rank, ...) on this cell's 2 ranks" in res.stderr
 
 
+@pytest.mark.unit
 def test_what_a_rank_patches_is_found_before_the_fork_and_again_after_an_import():
     import sys
     import types

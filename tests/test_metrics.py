@@ -143,6 +143,7 @@ for step in range(200):
 
 
 # -- the parts, directly ------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_a_batch_is_one_column_per_name_with_nan_where_a_call_did_not_log_it():
     rec = metrics_log._columns([(0, 1.0, {"loss": 2.0}), (1, 2.0, {"lr": 0.1}), (2, 3.0, {"loss": 1.0, "lr": 0.2}),
                             (3, 4.0, {"note": "text"})])
@@ -151,6 +152,7 @@ def test_a_batch_is_one_column_per_name_with_nan_where_a_call_did_not_log_it():
     assert math.isnan(rec.values["lr"][0]) and rec.values["lr"][1:] == (0.1, 0.2)
 
 
+@pytest.mark.unit
 def test_outside_a_rank_log_does_nothing_and_costs_next_to_nothing():
     assert metrics_log._state["chan"] is None
     start = time.perf_counter()
@@ -160,6 +162,7 @@ def test_outside_a_rank_log_does_nothing_and_costs_next_to_nothing():
     assert (time.perf_counter() - start) / 10_000 < 10e-6
 
 
+@pytest.mark.unit
 def test_a_series_keeps_at_most_max_points_and_always_its_last():
     s = metrics_chart.Series()
     for start in range(0, 100_000, 2500):  # batches, as the ranks send them
@@ -172,6 +175,7 @@ def test_a_series_keeps_at_most_max_points_and_always_its_last():
     assert len(gaps) <= 2 and max(gaps) <= 2 * min(gaps), gaps  # evenly spread over the run
 
 
+@pytest.mark.unit
 def test_past_eight_ranks_a_panel_draws_median_band_and_outliers():
     chart = metrics_chart.Chart()
     for rank in range(12):
@@ -181,6 +185,7 @@ def test_past_eight_ranks_a_panel_draws_median_band_and_outliers():
     assert "median 0.2, 0.2 to 9" in chart.text()
 
 
+@pytest.mark.unit
 def test_the_slow_rank_is_named_at_125_percent_of_the_median_not_below():
     assert metrics_chart.slow_rank({0: 0.10, 1: 0.10, 2: 0.124}) is None
     said = metrics_chart.slow_rank({0: 0.10, 1: 0.10, 2: 0.16})
@@ -188,6 +193,7 @@ def test_the_slow_rank_is_named_at_125_percent_of_the_median_not_below():
     assert metrics_chart.slow_rank({0: 0.1}) is None
 
 
+@pytest.mark.unit
 def test_a_bars_postfix_numbers_are_its_scalars():
     bar = messages.Progress(0, {"n": 5, "postfix": "loss=0.310, lr=1e-3, tag=x"}, "")
     assert bar.scalars == {"loss": 0.31, "lr": 0.001}
@@ -266,6 +272,7 @@ def test_lightnings_self_log_reaches_the_charts_through_nbddps_logger():
         assert counts.startswith("[[") and counts.count("[") == 3, counts  # both ranks logged
 
 
+@pytest.mark.unit
 def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first_appears(tmp_path):
     from nbddp.kernel.metrics import Logbook
 
@@ -285,6 +292,7 @@ def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first
     assert len(lines) == 5
 
 
+@pytest.mark.unit
 def test_an_infinite_or_missing_value_is_left_out_of_the_drawing_and_never_breaks_it():
     chart = metrics_chart.Chart()
     chart.add(0, messages.Scalars((0, 1, 2), (0.0, 1.0, 2.0), {"loss": (1.0, math.inf, 0.5), "gn": (math.nan,) * 3}))
@@ -295,6 +303,7 @@ def test_an_infinite_or_missing_value_is_left_out_of_the_drawing_and_never_break
     assert many.html() == "" or "<svg" not in many.html()
 
 
+@pytest.mark.unit
 def test_a_scalar_named_as_a_column_is_kept_beside_it(tmp_path):
     from nbddp.kernel.metrics import Logbook
 
@@ -304,6 +313,7 @@ def test_a_scalar_named_as_a_column_is_kept_beside_it(tmp_path):
     assert cols["step"] == [7] and cols["step_"] == [3.0] and cols["loss"] == [0.5]
 
 
+@pytest.mark.unit
 def test_a_batch_that_cannot_be_sent_never_reaches_the_cell(monkeypatch):
     class Gone:
         def send(self, record):

@@ -45,6 +45,7 @@ def test_an_interrupt_aborts_only_a_command_stuck_past_the_grace():
     assert out.stdout.split("\n")[:4] == ["idle False", "ended in time False", "heard False", "stuck True"], out
 
 
+@pytest.mark.unit
 def test_without_a_group_nothing_is_aborted():
     from nbddp.rank import ncclabort
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast command)
+
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 MACHINE = re.compile(r"(?<![\w.~])/(?:home|work|tmp|root|usr)/|site-packages")
 WARNING = re.compile(r"\b\w*Warning: ")

@@ -6,6 +6,8 @@ import pytest
 
 from nbddp.hw import nvml
 
+pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast command)
+
 
 @pytest.fixture
 def fake_pynvml(monkeypatch):

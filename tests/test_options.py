@@ -25,6 +25,7 @@ BAD = [
 ]
 
 
+@pytest.mark.unit
 def test_config_and_the_magic_derive_from_the_one_table():
     with pytest.raises(TypeError):
         options.Config("auto")  # keyword only: positional options were how launch() once drifted
@@ -47,6 +48,7 @@ def test_every_spelling_of_an_option_is_read_the_same(line):
     assert options.parse(line)["devices"] == "3"
 
 
+@pytest.mark.unit
 def test_a_parse_holds_only_what_was_given():
     assert options.parse("") == {}
     assert options.parse("--no-prefix --out a b") == {"prefix": False, "out": ["a", "b"]}
@@ -64,6 +66,7 @@ def test_each_check_refuses_in_the_parse_and_in_the_python_api(text, said):
         nbddp.Pool(**{name: options.BY_NAME[name].type(value)}).check()
 
 
+@pytest.mark.unit
 def test_choices_and_unknown_keywords_are_refused_by_name():
     with pytest.raises(nbddp.UsageError, match="--ranks-output '2': choose all, 0, none"):
         nbddp.launch(print, ranks_output="2")
@@ -184,6 +187,7 @@ def test_cell_options_given_at_start_are_the_pools_defaults(clean_kernel):
         k.ok("%ddp stop")
 
 
+@pytest.mark.unit
 def test_export_keeps_going_past_a_line_the_magic_refused():
     from nbddp.export.script import export_cells
 
@@ -191,6 +195,7 @@ def test_export_keeps_going_past_a_line_the_magic_refused():
     assert "--nproc-per-node 3 " in script, script[:400]
 
 
+@pytest.mark.unit
 def test_help_opens_with_usage_and_an_example_and_shows_no_rest_markup():
     from nbddp.kernel.magic import DDPMagics
 

@@ -365,6 +365,7 @@ def test_a_notebook_function_brings_the_modules_it_imported_to_the_ranks(pool):
     assert "colorsys" not in res.stderr and "sent hue (function" in res.stderr, res.stderr
 
 
+@pytest.mark.unit
 def test_the_names_a_cell_bound_are_found_against_the_ranks_idle_snapshot():
     """server._Bindings: rebound, new, deleted and re-added names, against a snapshot taken between commands."""
     from nbddp.rank.server import _Bindings

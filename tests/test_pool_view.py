@@ -186,6 +186,7 @@ def test_a_rank_that_dies_between_cells_shows_on_the_dashboard_before_the_next_c
         k.ok("%ddp stop")
 
 
+@pytest.mark.unit
 def test_the_pool_views_words_and_scales_are_honest(tmp_path):
     from types import SimpleNamespace
 

@@ -107,6 +107,7 @@ def test_a_bad_value_is_refused_and_nothing_runs(clean_kernel, value, said):
     assert "ran" not in res.stdout
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_launch_refuses_profile():
     import nbddp
@@ -115,6 +116,7 @@ def test_launch_refuses_profile():
         nbddp.launch(print, devices=2, profile=3)
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_waiting_is_the_time_past_the_latest_arrival():
     """Two collectives: rank 0 enters the first 0.2 s before rank 1, rank 1 the second 0.1 s before rank 0."""
@@ -128,6 +130,7 @@ def test_waiting_is_the_time_past_the_latest_arrival():
                                 "rank 1")
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_summary_splits_the_window_by_the_rules():
     """comm first, then data loading, then the step thread's ops; other is the rest of the window."""
@@ -146,6 +149,7 @@ def test_summary_splits_the_window_by_the_rules():
     assert s["collectives"] == [("all_reduce", pytest.approx(100.0 + 40e-6), pytest.approx(30e-6))]
 
 
+@pytest.mark.unit
 @pytest.mark.timeout(10)
 def test_on_a_gpu_nccls_kernels_are_communication_todays_names_included():
     """A GPU trace (no GPU here: its events as kineto writes them): NCCL's kernels, ``ncclKernel_*`` and today's
@@ -165,6 +169,7 @@ def test_on_a_gpu_nccls_kernels_are_communication_todays_names_included():
     assert [name for name, _, _ in s["collectives"]] == ["AllReduce", "AllGather"]
 
 
+@pytest.mark.unit
 def test_waits_of_collectives_that_overlap_count_once_and_unmatched_ranks_are_said():
     """gloo runs DDP's buckets two at a time: a rank waiting in both at once waited once."""
     summary = {"steps": 1, "step_s": 1.0, "compute_s": 0.1, "comm_s": 0.6, "data_s": 0.0, "other_s": 0.3}

@@ -98,6 +98,7 @@ def events(kernel, kind):
     return [e["body"] for e in kernel.published if e["event"] == kind]
 
 
+@pytest.mark.unit
 def test_ids_are_per_rank_session_far_from_the_kernels_and_forgotten_with_it():
     counter = iter(range(FIRST_ID, FIRST_ID + 100))
     threads, frames = Ids(counter), Ids(counter)
@@ -110,6 +111,7 @@ def test_ids_are_per_rank_session_far_from_the_kernels_and_forgotten_with_it():
     assert threads.back(ta) is None and threads.back(tb) == (b, 7)
 
 
+@pytest.mark.unit
 def test_the_owner_of_a_request_is_the_rank_whose_id_it_carries():
     _kernel, ranks, router, (r0, r1) = make()
     t1, f0, v1 = ranks.threads.out(r1, 7), ranks.frames.out(r0, 3), ranks.refs.out(r1, 9)
@@ -122,6 +124,7 @@ def test_the_owner_of_a_request_is_the_rank_whose_id_it_carries():
     assert router._owner({}) is None
 
 
+@pytest.mark.unit
 def test_a_rank_threads_continue_goes_to_that_rank_alone_and_it_is_no_longer_stopped_before_it_is_sent():
     kernel, ranks, router, (r0, r1) = make()
     seen_stopped = []
@@ -138,6 +141,7 @@ def test_a_rank_threads_continue_goes_to_that_rank_alone_and_it_is_no_longer_sto
     assert kernel.forwarded == []
 
 
+@pytest.mark.unit
 def test_a_continue_of_a_rank_whose_threads_run_is_answered_without_asking_the_rank():
     """pydevd answers a continue of a thread that runs only after the thread's next stop goes on: a stop
     said again that crossed the user's continue must not hold the panel up."""
@@ -151,6 +155,7 @@ def test_a_continue_of_a_rank_whose_threads_run_is_answered_without_asking_the_r
     assert r0.session.sent == [("next", {"threadId": 7})] and ranks.stopped() == []
 
 
+@pytest.mark.unit
 def test_a_continue_the_rank_never_answers_leaves_its_thread_stopped():
     _kernel, ranks, router, (r0, _r1) = make(answer=lambda command, args: None)
     rankdebug_timeout, rankdebug.CALL_TIMEOUT_S = rankdebug.CALL_TIMEOUT_S, 0.2
@@ -163,6 +168,7 @@ def test_a_continue_the_rank_never_answers_leaves_its_thread_stopped():
     assert ranks.stopped() == [(r0, 7)]
 
 
+@pytest.mark.unit
 def test_continue_of_thread_1_lets_the_kernel_and_every_stopped_rank_go_once():
     kernel, ranks, router, (r0, r1) = make(kernel_stopped=True)
     stop(ranks, r0)
@@ -178,6 +184,7 @@ def test_continue_of_thread_1_lets_the_kernel_and_every_stopped_rank_go_once():
     assert len(kernel.forwarded) == 1  # the kernel's debugger leaves a continue of a thread that runs unanswered
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", ["continue-rank", "continue-all"])
 def test_a_stop_that_comes_while_a_continue_is_on_its_way_is_kept_and_said(command):
     kernel, ranks, router, (r0, r1) = make()
@@ -196,6 +203,7 @@ def test_a_stop_that_comes_while_a_continue_is_on_its_way_is_kept_and_said(comma
     assert r1.session.sent == [("continue", {"threadId": 7})] and ranks.stopped() == []
 
 
+@pytest.mark.unit
 def test_stops_from_reader_threads_are_never_lost_to_continues_on_the_control_thread():
     """Each rank a thread that stops, waits to be let go, goes on, stops again (pydevd's events on its reader
     thread) while the control thread continues thread 1 over and over: every stop is let go."""
@@ -227,6 +235,7 @@ def test_stops_from_reader_threads_are_never_lost_to_continues_on_the_control_th
     assert ranks.stopped() == [] and all(len(link.session.sent) == rounds for link in links)
 
 
+@pytest.mark.unit
 def test_a_continued_rank_says_so_and_a_rank_still_stopped_is_said_again_as_such():
     kernel, ranks, router, (r0, r1) = make()
     stop(ranks, r0)
@@ -242,6 +251,7 @@ def test_a_continued_rank_says_so_and_a_rank_still_stopped_is_said_again_as_such
     assert len(events(kernel, "stopped")) == 3  # two stops, one said again: none after the last went on
 
 
+@pytest.mark.unit
 def test_a_pause_where_no_cell_is_runs_on_unseen_and_one_in_a_cell_is_said(monkeypatch):
     monkeypatch.setattr(rankdebug.debugger, "cell_prefix", lambda: "/tmp/ipykernel_1/")
     frames = {7: [{"id": 1, "source": {"path": "/nbddp/rank/server.py"}, "line": 3}],
@@ -258,6 +268,7 @@ def test_a_pause_where_no_cell_is_runs_on_unseen_and_one_in_a_cell_is_said(monke
     assert events(kernel, "continued") == [] and r0.quiet == set()  # its continued unsaid too
 
 
+@pytest.mark.unit
 def test_a_rank_gone_says_its_stopped_threads_went_on_and_its_late_events_are_dropped():
     kernel, ranks, _router, (r0, r1) = make()
     stop(ranks, r0)
@@ -272,6 +283,7 @@ def test_a_rank_gone_says_its_stopped_threads_went_on_and_its_late_events_are_dr
     assert len(kernel.published) == published and ranks.threads.back(ids) is None
 
 
+@pytest.mark.unit
 def test_without_pydevds_private_parts_ranks_start_as_without_the_panel(monkeypatch):
     why = "nbddp: the debugger panel cannot reach the ranks with debugpy 9: its pydevd has no pydevd_tracing"
     monkeypatch.setattr(debugpanel, "_gate", [(None, why)])

@@ -358,10 +358,12 @@ def test_a_node_that_stops_answering_is_known_in_seconds_with_no_cell_run_and_is
 
 def test_a_call_the_agent_cannot_apply_is_said_and_a_new_agent_takes_over(pool):
     k, pids = pool
-    k.ok(f"{POOL}.gang.links[0].control('no_such_op')")  # as a store reply or command the agent fails to apply
+    # a message the agent has no handler for (one of its own, sent the wrong way): as a store reply or command it
+    # fails to apply
+    k.ok(f"from nbddp.wire import agentmessages\n{POOL}.gang.links[0].control(agentmessages.Renumbered())")
     line = healed_after_agent_lost(k, pids)
-    assert re.search(r"node 1 \(.*\) lost \(rank 1\): its agent could not apply the kernel's 'no_such_op': "
-                     r"AttributeError", line), line
+    assert re.search(r"node 1 \(.*\) lost \(rank 1\): its agent could not apply the kernel's 'Renumbered': "
+                     r"not a call it knows", line), line
 
 
 PLACEMENT_GROUPS = "sorted({g['state'] for g in ray.util.placement_group_table().values()})"

@@ -8,6 +8,8 @@ from nbddp.kernel.cells import rules
 from nbddp.kernel.cells.prompts import Prompts
 from nbddp.wire import messages
 
+pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast command)
+
 
 class FakeGang:
     def __init__(self, persistent):

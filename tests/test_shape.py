@@ -5,6 +5,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast command)
+
 PACKAGE = Path(__file__).resolve().parent.parent / "nbddp"
 CLASS_LINES, FUNCTION_LINES = 250, 80
 

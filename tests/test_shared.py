@@ -21,6 +21,7 @@ pytest.importorskip("pyarrow")
 ROWS = [{"id": i, "text": f"row {i}", "label": i % 7} for i in range(1000)]
 
 
+@pytest.mark.unit
 def test_a_shared_list_reads_as_the_list_does():
     s = nbddp.shared(ROWS)
     assert len(s) == 1000 and s[0] == ROWS[0] and s[-1] == ROWS[-1] and s[-1000] == ROWS[0]
@@ -40,6 +41,7 @@ def test_a_shared_list_reads_as_the_list_does():
     assert "1,000 items" in repr(s)
 
 
+@pytest.mark.unit
 def test_what_is_already_shared_comes_back_as_it_is():
     import numpy as np
     import torch
@@ -50,6 +52,7 @@ def test_what_is_already_shared_comes_back_as_it_is():
     assert nbddp.shared(frame) is frame
 
 
+@pytest.mark.unit
 def test_what_it_cannot_share_is_refused_with_the_fix():
     with pytest.raises(UsageError, match=r"list\(d.items\(\)\)"):
         nbddp.shared({"a": 1})
@@ -59,6 +62,7 @@ def test_what_it_cannot_share_is_refused_with_the_fix():
         nbddp.shared(df)
 
 
+@pytest.mark.unit
 def test_a_shared_dataframe_has_equal_values_and_strings_in_arrow_buffers():
     import numpy as np
 

@@ -37,6 +37,7 @@ def _place(reduced):
     return handle, offset
 
 
+@pytest.mark.unit
 def test_an_unchanged_tensor_sends_only_its_handle_again():
     t = torch.arange(N, dtype=torch.float32)
     (first,), copied, shared = _send(t)
@@ -46,6 +47,7 @@ def test_an_unchanged_tensor_sends_only_its_handle_again():
     assert _place(again) == _place(first)
 
 
+@pytest.mark.unit
 def test_a_tensor_changed_in_place_or_rebound_is_copied_anew_and_read_as_it_is_now():
     t = torch.arange(N, dtype=torch.float32)
     (first,), _, _ = _send(t)
@@ -59,6 +61,7 @@ def test_a_tensor_changed_in_place_or_rebound_is_copied_anew_and_read_as_it_is_n
     assert copied == t.untyped_storage().nbytes()
 
 
+@pytest.mark.unit
 def test_views_of_one_storage_share_one_copy():
     base = torch.arange(N, dtype=torch.float32)
     half, strided = base[N // 2:], base[::2]
@@ -72,6 +75,7 @@ def test_views_of_one_storage_share_one_copy():
     assert copied == 0 and _place(again) == _place(reduced[0])
 
 
+@pytest.mark.unit
 def test_a_tensors_attributes_come_with_it_as_torchs_pickling_keeps_them():
     weight = torch.nn.Parameter(torch.ones(N))
     weight._is_hf_initialized, weight.tag = True, {"layer": 3}
@@ -95,6 +99,7 @@ def test_what_a_reader_rebuilds_is_its_own_the_notebooks_value_and_other_readers
     assert other.stdout.split() == [b"0.0"], other.stderr  # another reader (a rank) maps the arena as it was sent
 
 
+@pytest.mark.unit
 def test_an_array_changed_in_place_is_seen_and_copied_anew():
     a = np.arange(N, dtype=np.float32)
     (first,), copied, _ = _send(a)
@@ -111,6 +116,7 @@ def test_an_array_changed_in_place_is_seen_and_copied_anew():
     assert not sharedtensor.changed_array(np.arange(N, dtype=np.float32))  # never sent: not "changed"
 
 
+@pytest.mark.unit
 def test_small_values_and_values_for_another_machine_are_pickled_as_they_are():
     assert _send(torch.zeros(16))[0] == [None]
     big = torch.zeros(N)
@@ -122,6 +128,7 @@ def test_small_values_and_values_for_another_machine_are_pickled_as_they_are():
     assert _send(big)[0] != [None]
 
 
+@pytest.mark.unit
 def test_where_values_go_is_each_threads_own():
     inside, seen = threading.Event(), []
 
@@ -137,6 +144,7 @@ def test_where_values_go_is_each_threads_own():
     assert seen == [False]  # a background cell's thread pickling at the same time is not affected
 
 
+@pytest.mark.unit
 def test_reserving_memory_that_is_not_there_is_shared_memory_full_saying_the_size(monkeypatch):
     def full(*a):
         raise OSError(errno.ENOSPC, "No space left on device")

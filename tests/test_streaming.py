@@ -217,6 +217,7 @@ def test_output_per_rank_is_capped_in_bytes_too(clean_kernel):
     check_output_cap(clean_kernel.ok("%%ddp --devices 2 --max-output-mb 0.01\n" + LONG_LINES))
 
 
+@pytest.mark.unit
 def test_a_line_that_never_ends_keeps_the_relays_memory_bounded():
     """Through the relay itself: 64 MB of one line, 64 KiB at a time, hold at most a cap's worth."""
     from nbddp.kernel.ranks.supervisor import Output, OutputClosed
@@ -385,6 +386,7 @@ def test_line_and_output_caps_in_a_pool(pool):
     assert out[0] == ["a" * 10 + " " + cut.format(r=0), "b" * 10] and out[1][0].startswith("a" * 10 + " ... [line cut")
 
 
+@pytest.mark.unit
 def test_the_order_budget_allows_a_burst_then_a_rate():
     from nbddp.wire.budget import Budget
 
@@ -396,6 +398,7 @@ def test_the_order_budget_allows_a_burst_then_a_rate():
     assert [b.take() for _ in range(4)] == [True, True, True, False]
 
 
+@pytest.mark.unit
 def test_torchs_own_rank_prefix_is_not_doubled():
     """torch prefixes its C++ warnings with "[rankN]:" itself: the cell shows one, not "[rank1]:[rank1]:"."""
     from nbddp.kernel.ranks.supervisor import Output
@@ -455,6 +458,7 @@ def merging_relay(world_size=2):
                  ranks=range(world_size)), sink
 
 
+@pytest.mark.unit
 def test_the_merger_keeps_each_ranks_order_and_waits_only_for_ranks_still_writing():
     from nbddp.kernel.ranks.supervisor import Output, OutputClosed
     from nbddp.units import rank_span
@@ -480,6 +484,7 @@ def test_the_merger_keeps_each_ranks_order_and_waits_only_for_ranks_still_writin
     ], sink.written
 
 
+@pytest.mark.unit
 def test_only_the_ranks_running_the_cell_are_merged_and_waited_for():
     """A pool cell on some ranks (--ranks 0,2): rank 1 is not waited for; its stray output goes straight out."""
     from nbddp.kernel.ranks.supervisor import Output
@@ -494,6 +499,7 @@ def test_only_the_ranks_running_the_cell_are_merged_and_waited_for():
     assert sink.written == [("stdout", "[rank1]:from a thread on rank 1\n"), ("stdout", "[rank0,2]:same\n")]
 
 
+@pytest.mark.unit
 def test_a_line_no_other_rank_prints_waits_at_most_the_window():
     import time
 
@@ -506,6 +512,7 @@ def test_a_line_no_other_rank_prints_waits_at_most_the_window():
     assert relay.release_due() is None and sink.written == [("stdout", "[rank0]:only rank 0 says this\n")]
 
 
+@pytest.mark.unit
 def test_the_nbval_sanitizer_makes_a_runs_first_and_last_views_alike():
     """notebooks/nbval-sanitize.cfg: nbval compares a view's first state (it ignores display updates) with
     the saved last one; timings, memory and bars in whichever order the ranks start them differ per run."""

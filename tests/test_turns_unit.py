@@ -7,6 +7,8 @@ import pytest
 
 from nbddp.kernel.cells.background import Turns
 
+pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast command)
+
 WAIT_S = 5.0  # what a step that must happen gets; one that must not is given BLOCKED_S to show it does not
 BLOCKED_S = 0.2
 

@@ -190,6 +190,7 @@ def test_a_rank_whose_stack_stops_moving_after_its_peers_finished_is_shown_live(
     assert "KeyboardInterrupt" in res.error_text and "rank(s) 0 ran the cell" in res.error_text, res.error_text
 
 
+@pytest.mark.unit
 def test_a_groups_sockets_are_known_by_inode_so_a_reused_number_is_new_and_never_shut_as_old():
     """The Ray flake (1 run in 4 of benchmarks §16): gloo closed the old group's sockets while the next group
     connected, the new group's connections took the same descriptor numbers, ``sockets() - before`` left them

@@ -60,6 +60,7 @@ def relay_of(ranks, sink):
                  ranks=ranks)
 
 
+@pytest.mark.unit
 def test_bars_are_in_rank_order_in_one_output_per_epoch_whichever_rank_draws_first():
     from nbddp.views.relay import BAR_GATHER_S
 
@@ -79,6 +80,7 @@ def test_bars_are_in_rank_order_in_one_output_per_epoch_whichever_rank_draws_fir
         assert states[-1]["text/html"].count("class='nbddp-bar'") == 4
 
 
+@pytest.mark.unit
 def test_a_group_waits_for_a_rank_drawing_no_bar_at_most_the_gather_window():
     from nbddp.views.relay import BAR_GATHER_S
 
@@ -94,6 +96,7 @@ def test_a_group_waits_for_a_rank_drawing_no_bar_at_most_the_gather_window():
     assert sink.states["bars0"][0]["text/plain"].startswith("[rank0]:train:  15%")
 
 
+@pytest.mark.unit
 def test_a_bar_ends_at_the_state_held_back_with_a_stack_dump():
     """An interrupt's stacks: the rank's stderr is kept from the cell for up to 2 s while its bar goes on;
     the bar must end where the rank's did, not where the cell last saw it."""
@@ -117,6 +120,7 @@ def test_a_bar_ends_at_the_state_held_back_with_a_stack_dump():
     assert "136/1000" in last["text/plain"] and WARN in last["text/html"], last  # final, not finished
 
 
+@pytest.mark.unit
 def test_text_and_bars_start_in_the_same_column_in_the_html():
     """JupyterLab pads a text output 1ch and an HTML one not at all: the bars' block makes up the difference
     in the stream's own font, and labels a rank as its lines do ("[rank0]:")."""
@@ -324,6 +328,7 @@ def test_sampling_walks_a_ranks_pages_only_when_its_faults_say_its_memory_moved(
     assert 0 in m.lost and m.ranks[0].peak_uss >= 40 * 2**20
 
 
+@pytest.mark.unit
 def test_the_many_cpu_ranks_note_wraps_between_words():
     """The note was one 230-character line that a notebook breaks mid-word: lines of at most 88, whole words."""
     from nbddp.kernel import checks, devices
@@ -338,6 +343,7 @@ def test_the_many_cpu_ranks_note_wraps_between_words():
 
 
 # -- the bars' cost: what is published, what is kept ------------------------------------------------------
+@pytest.mark.unit
 def test_64_ranks_ending_a_bar_publish_a_few_outputs_not_one_a_rank():
     """Each publish carries every row: one a rank's final state was O(ranks²) bytes an epoch at 64 ranks."""
 
@@ -363,6 +369,7 @@ def test_64_ranks_ending_a_bar_publish_a_few_outputs_not_one_a_rank():
     assert WARN in sink.states["bars0"][-1]["text/html"] and RUNNING not in sink.states["bars0"][-1]["text/html"]
 
 
+@pytest.mark.unit
 def test_a_rows_final_state_waits_for_the_next_redraw_and_the_close_shows_it():
     from nbddp.views.relay import BAR_EVERY_S
 
@@ -383,6 +390,7 @@ def test_a_rows_final_state_waits_for_the_next_redraw_and_the_close_shows_it():
     assert "7/20" in sink.states["bars0"][-1]["text/plain"].splitlines()[1]
 
 
+@pytest.mark.unit
 def test_thousands_of_short_bars_keep_few_groups_and_a_cheap_due():
     """tqdm(leave=False) a step: a group a step; finished groups go, and due() looks only at dirty ones."""
     from nbddp.views.relay import BAR_KEEP
@@ -403,6 +411,7 @@ def test_thousands_of_short_bars_keep_few_groups_and_a_cheap_due():
         relay.close_all()
 
 
+@pytest.mark.unit
 def test_a_bar_cleared_before_it_was_shown_publishes_nothing():
     """A quick tqdm(leave=False) bar: no empty output for it in the saved notebook."""
     from nbddp.views.relay import BAR_GATHER_S
@@ -443,6 +452,7 @@ def fake_proc(monkeypatch, proc: bool) -> list:
     return walks
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("proc", [True, False])
 def test_without_smaps_rollup_a_rank_is_walked_at_most_every_uss_every_samples(monkeypatch, proc):
     """psutil's memory_full_info walks the pages too: it was read for every rank at every sample."""
@@ -471,6 +481,7 @@ class _RunDir:
     path = "/tmp/nbddp-test-run"
 
 
+@pytest.mark.unit
 def test_a_short_cells_final_table_has_every_ranks_private_memory(monkeypatch):
     """The samples read the ranks' USS in turn (rank r's first at sample r % USS_EVERY): a cell done after a
     tick or two had it blank for most ranks. A rank done, or leaving, reads those never read; a quick cell
@@ -508,6 +519,7 @@ def test_a_short_cells_final_table_has_every_ranks_private_memory(monkeypatch):
             assert not walks and "private memory" not in cols
 
 
+@pytest.mark.unit
 def test_a_one_rank_pool_says_rank_not_ranks():
     from nbddp.views.poolview import PoolView
 

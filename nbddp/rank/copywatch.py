@@ -54,8 +54,8 @@ def private_bytes() -> int:
         return 0
 
 
-class Watch:
-    """``with Watch(names, ns) as w:`` around the cell; ``w.copied``: (growth in bytes, ((name, what it
+class CopyWatch:
+    """``with CopyWatch(names, ns) as w:`` around the cell; ``w.copied``: (growth in bytes, ((name, what it
     holds), ...)) once it passed NOTE_BYTES, else ()."""
 
     def __init__(self, names: tuple, ns: dict):

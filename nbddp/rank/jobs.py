@@ -61,7 +61,7 @@ class CellJob:
         ns.update(rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, device=ctx.device)
         ns.update(exit=sys.exit, quit=sys.exit)  # as in a script: ends this rank's cell
         body, last = _compiled(self.source, self.filename)  # in the rank: code objects never travel
-        watch = copywatch.Watch(copywatch.watched((body, last), ns), ns)
+        watch = copywatch.CopyWatch(copywatch.watched((body, last), ns), ns)
         try:
             with watch:
                 if is_async(body) or is_async(last):

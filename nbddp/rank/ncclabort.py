@@ -21,7 +21,7 @@ import time
 from .. import timeline
 
 
-class Watch:
+class InterruptWatch:
     """The thread that frees a rank stuck in a collective. ``busy``: the server's list, one token per command
     (empty between commands); ``heard()`` is called by the server's own handler of ``interrupt`` each time it
     runs, that is each time the main thread got back to Python: then nothing is aborted (a cell that catches
@@ -36,7 +36,7 @@ class Watch:
         os.set_blocking(self.write, False)
         self.thread = threading.Thread(target=self._watch, name="nbddp-nccl-abort", daemon=True)
 
-    def start(self) -> Watch | None:
+    def start(self) -> InterruptWatch | None:
         """Started, or None where this is not the main thread (no handler runs here: nothing to watch for)."""
         if not self.rearm():
             os.close(self.read)
@@ -79,9 +79,9 @@ class Watch:
                     print(f"nbddp: aborting the rank's NCCL communicators failed: {e!r}", file=sys.stderr)
 
 
-def install(busy: list, interrupt: int, abort=None) -> Watch | None:
-    """A started ``Watch`` (None where this is not the main thread)."""
-    return Watch(busy, interrupt, abort).start()
+def install(busy: list, interrupt: int, abort=None) -> InterruptWatch | None:
+    """A started ``InterruptWatch`` (None where this is not the main thread)."""
+    return InterruptWatch(busy, interrupt, abort).start()
 
 
 def _token(busy: list):
