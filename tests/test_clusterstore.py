@@ -11,9 +11,9 @@ from nbddp import timeline
 from nbddp.cluster import remote
 from nbddp.kernel.ranks import failure, groupstore
 from nbddp.kernel.ranks.supervisor import Exited, Output, Supervisor
-from nbddp.wire import framing
+from nbddp.wire import agentmessages, framing
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def _still_works(r: int, w: int) -> bool:
@@ -121,9 +121,9 @@ def test_what_a_node_said_before_its_agent_renumbered_its_ranks_reaches_them_und
         for p in streams.procs.values():
             p.rank = {4002: 1, 4003: 2}[p.pid]
         streams.events.put(streams.took(link, [Output(2, "stdout", b"old 2"), Output(1, "stdout", b"lost 1"),
-                                               ("renumbered",), Output(1, "stdout", b"new 1")]))
+                                               agentmessages.Renumbered(), Output(1, "stdout", b"new 1")]))
         streams.events.put(streams.took(other, [Output(3, "stdout", b"old 3"), Exited(3, failure.RankExit(3, -9)),
-                                                ("renumbered",)]))
+                                                agentmessages.Renumbered()]))
         streams.deliver()
         assert seen == [(1, b"old 2"), (1, b"new 1"), (2, b"old 3"), (2, 2, "exited")], seen
         assert not link.unmarked and not other.unmarked
@@ -153,8 +153,8 @@ def test_an_agent_applies_a_signal_sent_before_a_renumbering_to_the_rank_it_was_
     agent.sup = SimpleNamespace(procs=procs, live=lambda: [p for p in agent.sup.procs if p.exit is None])
     agent.logs = SimpleNamespace(renumber=lambda paths: None)
     agent.run_dir = SimpleNamespace(log=lambda rank: f"rank{rank}.log")
-    agent._signal(2, 10, False)
-    renumbering = threading.Thread(target=agent._renumber, args=({2: 1, 3: 2},), daemon=True)
+    agent._signal(agentmessages.Signal(2, 10, False))
+    renumbering = threading.Thread(target=agent._renumber, args=(agentmessages.Renumber({2: 1, 3: 2}),), daemon=True)
     renumbering.start()
     while agent.calls.qsize() < 2:  # (the renumbering queued after the signal, as the kernel's calls came)
         threading.Event().wait(0.01)
@@ -162,7 +162,7 @@ def test_an_agent_applies_a_signal_sent_before_a_renumbering_to_the_rank_it_was_
     renumbering.join(10)
     assert got == [(4002, 10)], got
     assert [(p.pid, p.rank) for p in agent.sup.procs] == [(4002, 1), (4003, 2)]
-    assert agent.queue == [("renumbered",)]
+    assert agent.queue == [agentmessages.Renumbered()]
 
 
 def test_a_store_wait_pending_across_a_renumbering_is_answered_to_the_process_that_asked():
@@ -186,7 +186,7 @@ def test_a_store_wait_pending_across_a_renumbering_is_answered_to_the_process_th
         agent.replies[pid] = rep_w
         agent.requests[req_r] = (pid, agent_mod.Reader())
     store = groupstore.Store()
-    link = SimpleNamespace(control=lambda op, *args: getattr(agent, "_" + op)(*args))
+    link = SimpleNamespace(control=lambda call: agent_mod.HANDLERS[type(call)](agent, call))
     streams = remote.Streams(Supervisor([]), store)
     try:
         (req_r, req_w), (rep_r, _) = pipes[4002]
@@ -231,7 +231,8 @@ def test_a_pipe_to_a_rank_that_ended_stays_open_until_the_next_call_so_a_write_u
         assert not {cmd_w, rep_w} & set(opened), "a pipe number let go of was reused while a write may be under way"
         agent_mod.write_all(rep_w, b"late reply")  # the write that was under way: to the old rank's pipe
         assert os.read(rep_r, 64) == b"late reply"
-        agent.control(pickle.dumps(("pool-1", 1, "command", (b"frame", [2]))))  # the kernel's next call
+        # the kernel's next call
+        agent.control(pickle.dumps(agentmessages.AgentCall("pool-1", 1, agentmessages.Command(b"frame", [2]))))
         for fd in (cmd_w, rep_w):
             with pytest.raises(OSError):
                 os.fstat(fd)
@@ -260,13 +261,13 @@ def test_an_agents_look_at_its_ranks_is_one_call_per_node_reaches_each_rank_and_
     agent.sup = SimpleNamespace(procs=mine, live=lambda: mine)
     asked = []
     link = remote.Link(None, "n1", [1, 0])
-    link.control = lambda op, *args: asked.append((op, args))
+    link.control = asked.append
     sup = Supervisor([])
     streams = remote.Streams(sup, groupstore.Store())
     link.unmarked.append({2: 1, 3: 0})
 
     def answered(ask):
-        agent._look(ask)
+        agent._look(agentmessages.LookAtRanks(ask))
         agent._wake()
         streams.events.put(streams.took(link, agent.queue))
         agent.queue = []
@@ -275,23 +276,26 @@ def test_an_agents_look_at_its_ranks_is_one_call_per_node_reaches_each_rank_and_
     try:
         one, zero = streams.add(1, 4002, link), streams.add(0, 4003, link)
         assert one.look() is None and zero.look() is None and one.look() is None, "nothing yet"
-        assert asked == [("look", (1,))], "one ask for the node's ranks while it is unanswered"
+        assert asked == [agentmessages.LookAtRanks(1)], "one ask for the node's ranks while it is unanswered"
         answered(1)
         assert isinstance(one.look(), procwait.Look) and not one.looked[1].on_futex  # (this thread runs)
-        assert isinstance(zero.look(), procwait.Look) and asked == [("look", (1,)), ("look", (2,))]
+        assert isinstance(zero.look(), procwait.Look) and asked == [agentmessages.LookAtRanks(1),
+                                                                    agentmessages.LookAtRanks(2)]
         one.signal(signal.SIGUSR2, group=False)
-        assert asked[-1] == ("signal", (1, int(signal.SIGUSR2), False))
+        assert asked[-1] == agentmessages.Signal(1, int(signal.SIGUSR2), False)
         assert one.look() is None, "the answer to an ask before the signal"
-        assert asked[-1] == ("look", (3,)), "asked again at once: the one in flight was asked before the signal"
+        assert asked[-1] == agentmessages.LookAtRanks(3), \
+            "asked again at once: the one in flight was asked before the signal"
         answered(2)
         assert one.look() is None and isinstance(zero.look(), procwait.Look), "2 was asked before 1's signal"
         answered(3)
-        assert isinstance(one.look(), procwait.Look) and link.looks_answered == 3 and asked[-1] == ("look", (4,))
+        assert isinstance(one.look(), procwait.Look) and link.looks_answered == 3
+        assert asked[-1] == agentmessages.LookAtRanks(4)
         zero.look()
-        assert asked[-1] == ("look", (4,)), "unanswered: not asked again"
+        assert asked[-1] == agentmessages.LookAtRanks(4), "unanswered: not asked again"
         link.looks_at -= timeline.LOOK_LOST_S  # unanswered that long: taken as lost, asked again
         zero.look()
-        assert asked[-1] == ("look", (5,))
+        assert asked[-1] == agentmessages.LookAtRanks(5)
     finally:
         streams.close()
         sup.close()
@@ -338,7 +342,7 @@ def test_a_wake_nobody_drains_yet_never_blocks_the_stream_reader_or_the_agent():
     def many():
         for _ in range(100_000):  # > 64 KiB of wakes while the kernel's main thread is elsewhere
             streams._wake()
-            agent._signal(1, 0, False)
+            agent._signal(agentmessages.Signal(1, 0, False))
 
     t = threading.Thread(target=many, daemon=True)
     t.start()
@@ -413,14 +417,24 @@ def test_an_agent_applies_its_pools_calls_in_order_and_ignores_the_last_pools():
 
     agent = Agent()  # (kept between pools: each pool's calls carry its id)
     agent._reset("pool-1")
-    written = []
-    agent._command = lambda frame, ranks: written.append(frame)
+    cmd_r, agent.cmd[1] = os.pipe()  # rank 1's command pipe
+    os.set_blocking(cmd_r, False)
 
     def call(pool, seq, frame):
-        agent.control(pickle.dumps((pool, seq, "command", (frame, [1]))))
+        agent.control(pickle.dumps(agentmessages.AgentCall(pool, seq, agentmessages.Command(frame, [1]))))
 
-    call("pool-1", 2, b"second")  # came before the first: waits for it
-    call("pool-0", 1, b"stale")  # the last pool's, late: ignored
-    assert written == []
-    call("pool-1", 1, b"first")
-    assert written == [b"first", b"second"]
+    def written():
+        try:
+            return os.read(cmd_r, 1 << 16)
+        except BlockingIOError:
+            return b""
+
+    try:
+        call("pool-1", 2, b"second")  # came before the first: waits for it
+        call("pool-0", 1, b"stale")  # the last pool's, late: ignored
+        assert written() == b""
+        call("pool-1", 1, b"first")
+        assert written() == b"firstsecond"
+    finally:
+        for fd in (cmd_r, agent.cmd[1], agent.wake_r, agent.wake_w):
+            os.close(fd)

@@ -9,12 +9,14 @@ records, exits) and every store request of its ranks is yielded to the kernel in
 accumulated while the last batch travelled); an empty one each ``BEAT_S`` the stream had nothing else to say,
 the beat by which the kernel knows the node is there (remote.Streams).
 
-The kernel's calls (``control``: a command for the ranks' command pipes, a store reply (addressed to the pid of the
-process that asked: a renumbering meanwhile cannot send it to another), a signal) carry a
-sequence number and are applied in that order, whatever order Ray's threads deliver them in: a pipe write
-at once on the calling thread; a signal on the supervisor's thread (woken through a pipe), the one that
-reaps, so a rank already reaped (its pid maybe reused) is never signalled. A pipe to a rank that ended is closed
-by the next call, never under a write of one (``_retire``).
+The kernel's calls (``control``; the messages of both ways are wire/agentmessages.py's: a command for the ranks'
+command pipes, a store reply (addressed to the pid of the process that asked: a renumbering meanwhile cannot send
+it to another), a signal, a look at the ranks, a renumbering, a rank forked again, the pool's finish) carry a
+sequence number and are applied in that order, whatever order Ray's threads deliver them in, each by its handler
+in ``HANDLERS`` (one the agent does not know is refused by its type's name, on the stream): a pipe write at once
+on the calling thread; a signal on the supervisor's thread (woken through a pipe), the one that reaps, so a rank
+already reaped (its pid maybe reused) is never signalled. A pipe to a rank that ended is closed by the next call,
+never under a write of one (``_retire``).
 
 An agent outlives its pool when the kernel keeps it (CPU pools, placement.agents): ``events`` begins each
 pool afresh, and a call of a pool it no longer serves is ignored.
@@ -36,6 +38,7 @@ from ..kernel.ranks.logs import RankLogs
 from ..kernel.ranks.starters import ForkStarter
 from ..kernel.ranks.supervisor import Supervisor
 from ..rank.server import Server
+from ..wire import agentmessages
 from ..wire.framing import Reader, write_all
 from .netif import ifname_for
 
@@ -51,7 +54,7 @@ class Agent:
         warm.start()  # what a real first step imports lazily, on a thread: each fork waits for it (_fork)
         self.order = threading.Lock()  # the kernel's calls, applied one at a time in sequence order
         # the kernel's calls the supervisor's thread applies, in their order (a signal sent before a renumbering
-        # goes to the rank it was meant for): ("signal", rank, signal, group), ("moves", old rank -> new, done)
+        # goes to the rank it was meant for): (a Signal, LookAtRanks or Renumber message, an event set once it's done)
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         self.forked: queue.SimpleQueue = queue.SimpleQueue()  # a new rank forked meanwhile, for the supervisor's thread
         self.wake_r, self.wake_w = os.pipe()
@@ -63,7 +66,7 @@ class Agent:
         """A pool's state, afresh (``pool``: the kernel's id for it, carried by each of its calls)."""
         self.pool = pool
         self.queue: list = []  # events not yet streamed to the kernel
-        self.controls: dict[int, tuple] = {}  # seq -> (op, args): applied in sequence order
+        self.controls: dict[int, object] = {}  # seq -> the kernel's call (agentmessages): applied in sequence order
         self.applied = 0
         self.sup: Supervisor | None = None
         self.cmd: dict[int, int] = {}  # rank -> its command pipe's write end
@@ -182,32 +185,41 @@ class Agent:
             self.sup.unwatch(fd)
             return
         for request, _ in frames.feed(data):
-            self.queue.append(("store", pid, request))
+            self.queue.append(agentmessages.StoreRequest(pid, request))
 
     # -- the kernel's calls, in their order ------------------------------------------------------------------------
     def control(self, call: bytes) -> None:
-        """``call``: pickled (pool, seq, op, args), one argument (Ray serialises each one separately).
+        """``call``: a pickled agentmessages.AgentCall, one argument (Ray serialises each one separately).
         Applied in sequence order (a call that arrives early waits in ``controls`` for the ones before
-        it): here, or for a signal, handed to the supervisor's thread."""
-        pool, seq, op, args = pickle.loads(call)
+        it) by its handler in ``HANDLERS``: here, or for a signal, handed to the supervisor's thread. A call
+        of a type it has no handler for is refused by that type's name, on the stream."""
+        sent = pickle.loads(call)
         with self.order:
             _close_retired(self)
-            if pool != self.pool:
+            if sent.pool != self.pool:
                 return  # a call of a pool this agent serves no longer
-            self.controls[seq] = (op, args)
-            while (item := self.controls.pop(self.applied + 1, None)) is not None:
-                self.applied += 1
-                op, args = item
+            self.controls[sent.seq] = sent.call
+            while (seq := self.applied + 1) in self.controls:
+                self.applied = seq
+                message = self.controls.pop(seq)
+                handler = HANDLERS.get(type(message))
+                if handler is None:
+                    self._cannot(type(message).__name__, "not a call it knows")
+                    continue
                 try:
-                    getattr(self, "_" + op)(*args)
+                    handler(self, message)
                 except Exception as e:  # noqa: BLE001 - nobody reads this call's result: the stream says it
-                    self._failed(op, e)
+                    self._failed(type(message).__name__, e)
 
-    def _failed(self, op: str, e: BaseException) -> None:
-        """A kernel's call this agent could not apply: said on the stream (the kernel ends the node with it;
-        left in a Ray reference nobody reads, it would leave a cell waiting for a command that never came)."""
+    def _failed(self, name: str, e: BaseException) -> None:
+        """A kernel's call (``name``: its type's) this agent could not apply: said on the stream (the kernel ends
+        the node with it; left in a Ray reference nobody reads, it would leave a cell waiting for a command that
+        never came)."""
         first = str(e).splitlines()[0] if str(e) else ""
-        self.queue.append(("error", f"its agent could not apply the kernel's {op!r}: {type(e).__name__}: {first}"))
+        self._cannot(name, f"{type(e).__name__}: {first}")
+
+    def _cannot(self, name: str, why: str) -> None:
+        self.queue.append(agentmessages.CallFailed(f"its agent could not apply the kernel's {name!r}: {why}"))
         self._poke()  # the supervisor's thread wakes and streams it
 
     def _poke(self) -> None:
@@ -227,18 +239,20 @@ class Agent:
         while not self.forked.empty():
             new = self.forked.get_nowait()
             if isinstance(new, BaseException):
-                self._failed("fork_again", new)
+                self._failed(agentmessages.ForkAgain.__name__, new)
             else:
-                self.queue.append(("forked", new.spec.rank, _register(self, new)))
+                self.queue.append(agentmessages.RankForked(new.spec.rank, _register(self, new)))
         while True:  # (no lock shared with control(): it may block on a full command pipe)
             try:
-                call = self.calls.get_nowait()
+                call, done = self.calls.get_nowait()
             except queue.Empty:
                 return
-            _call(self, call)
+            _call(self, call, done)
 
-    def _command(self, frame: bytes, ranks) -> None:
-        for rank in ranks:
+    # -- the handlers of the kernel's calls (``HANDLERS``), each given its message, under ``order`` ------------------
+    def _command(self, call: agentmessages.Command) -> None:
+        frame = call.frame
+        for rank in call.ranks:
             fd = self.cmd.get(rank)
             if fd is None:
                 continue
@@ -247,49 +261,61 @@ class Agent:
             except OSError:
                 pass  # that rank is gone; its exit says how
 
-    def _store_reply(self, pid: int, frame: bytes) -> None:
-        fd = self.replies.get(pid)
+    def _store_reply(self, call: agentmessages.StoreReply) -> None:
+        fd = self.replies.get(call.pid)
         if fd is not None:
             try:
-                write_all(fd, frame)
+                write_all(fd, call.frame)
             except OSError:
                 pass
 
-    def _signal(self, rank: int, sig: int, group: bool) -> None:
+    def _signal(self, call: agentmessages.Signal) -> None:
         """For the supervisor's thread: this one may not see a rank's reaping."""
-        self.calls.put(("signal", rank, sig, group))
+        self.calls.put((call, None))
         self._poke()
 
-    def _look(self, ask: int) -> None:
-        """How each of its live ranks is, as /proc tells (kernel/cells/grace.py asks; ``ask``: the kernel's count
-        for this node), streamed as ("looked", ask, {rank: Look})."""
-        self.calls.put(("look", ask))
+    def _look(self, call: agentmessages.LookAtRanks) -> None:
+        """How each of its live ranks is, as /proc tells (kernel/cells/grace.py asks; ``call.ask``: the kernel's
+        count for this node), streamed as ``Looked`` (rank -> procwait.Look)."""
+        self.calls.put((call, None))
         self._poke()
 
-    def _renumber(self, moves: dict) -> None:
-        """The kernel renumbered the pool (it shrank; ``moves``: this node's survivors, old rank -> new): done on
-        the supervisor's thread (it reads these tables), and awaited here, so that the kernel's next call (a
+    def _renumber(self, call: agentmessages.Renumber) -> None:
+        """The kernel renumbered the pool (it shrank; ``call.moves``: this node's survivors, old rank -> new): done
+        on the supervisor's thread (it reads these tables), and awaited here, so that the kernel's next call (a
         command for the new numbers) finds them."""
         done = threading.Event()
-        self.calls.put(("moves", moves, done))
+        self.calls.put((call, done))
         self._poke()
         if not done.wait(RENUMBER_S):
             raise TimeoutError(f"the node's supervisor did not renumber its ranks within {RENUMBER_S:g} s")
 
-    def _fork_again(self, spec) -> None:
-        """A new rank from ``spec`` (a lost one's replacement, joining the group's next generation), forked by
-        the pool's forker thread; its pid streamed to the kernel as ("forked", rank, pid)."""
-        self.to_fork.put(spec)
+    def _fork_again(self, call: agentmessages.ForkAgain) -> None:
+        """A new rank from ``call.spec`` (a lost one's replacement, joining the group's next generation), forked by
+        the pool's forker thread; its pid streamed to the kernel as ``RankForked``."""
+        self.to_fork.put(call.spec)
 
-    def _finish(self) -> None:
+    def _finish(self, call: agentmessages.Finish) -> None:
         """The kernel's pool is done with this node (it ended after a rank was lost here): once its ranks have
         exited, the stream ends."""
         self.waiting = False
         self._poke()
 
 
+# each call of the kernel's (agentmessages.KERNEL_CALLS) -> its handler, called with the agent and the message
+HANDLERS = {
+    agentmessages.Command: Agent._command,
+    agentmessages.StoreReply: Agent._store_reply,
+    agentmessages.Signal: Agent._signal,
+    agentmessages.LookAtRanks: Agent._look,
+    agentmessages.Renumber: Agent._renumber,
+    agentmessages.ForkAgain: Agent._fork_again,
+    agentmessages.Finish: Agent._finish,
+}
+
+
 @dataclasses.dataclass
-class Forked:
+class NodeRank:
     """A rank just forked, and the agent's ends of its pipes."""
 
     spec: object
@@ -299,7 +325,7 @@ class Forked:
     req_r: int
 
 
-def _fork(spec, run_dir, ifname) -> Forked:
+def _fork(spec, run_dir, ifname) -> NodeRank:
     """One rank of the node, forked (``_register`` supervises it). A function, not a method: Ray wraps an actor
     class's methods, and a frame of its wrapper would sit under the rank's every stack."""
     warm.wait()  # its imports finished: no import lock held across the fork
@@ -324,32 +350,31 @@ def _fork(spec, run_dir, ifname) -> Forked:
     finally:
         for fd in (cmd_r, req_w, rep_r):
             os.close(fd)
-    return Forked(spec, proc, cmd_w, rep_w, req_r)
+    return NodeRank(spec, proc, cmd_w, rep_w, req_r)
 
 
-def _call(agent: Agent, call: tuple) -> None:
+def _call(agent: Agent, call, done: threading.Event | None) -> None:
     """On the supervisor's thread (it reaps, and reads the rank tables): one of the kernel's calls handed to it, a
-    renumbering, a look or a signal, in the kernel's order."""
-    if call[0] == "moves":
-        _moved(agent, call[1])
-        agent.queue.append(("renumbered",))  # what the stream says after this carries the new numbers
-        call[2].set()
+    ``Renumber`` (``done`` set once applied), a ``LookAtRanks`` or a ``Signal``, in the kernel's order."""
+    if isinstance(call, agentmessages.Renumber):
+        _moved(agent, call.moves)
+        agent.queue.append(agentmessages.Renumbered())  # what the stream says after this carries the new numbers
+        done.set()
         return
-    if call[0] == "look":
-        agent.queue.append(("looked", call[1], {p.rank: p.look() for p in agent.sup.live()}))
+    if isinstance(call, agentmessages.LookAtRanks):
+        agent.queue.append(agentmessages.Looked(call.ask, {p.rank: p.look() for p in agent.sup.live()}))
         return
-    _, rank, sig, group = call
     try:
         for p in agent.sup.live():
-            if p.rank == rank:
-                if sig in (signal.SIGTERM, signal.SIGKILL):
+            if p.rank == call.rank:
+                if call.sig in (signal.SIGTERM, signal.SIGKILL):
                     p.stop_sent = True  # its exit record says nbddp stopped it
-                p.signal(sig, group)
+                p.signal(call.sig, call.group)
     except Exception as e:  # noqa: BLE001 - said to the kernel, the agent lives on
-        agent._failed("signal", e)
+        agent._failed(agentmessages.Signal.__name__, e)
 
 
-def _register(agent: Agent, new: Forked) -> int:
+def _register(agent: Agent, new: NodeRank) -> int:
     """A rank just forked, supervised (on the supervisor's thread, or before its loop runs); its pid."""
     rank, pid = new.spec.rank, new.proc.pid
     if rank in agent.cmd:  # (a lost rank's, replaced)

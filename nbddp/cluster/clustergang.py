@@ -23,7 +23,7 @@ from ..errors import UsageError
 from ..kernel.ranks import groupstore, rendezvous, starters
 from ..kernel.ranks.gang import Gang, ReplaceFailed
 from ..rank.worker import RankSpec
-from ..wire import framing, messages
+from ..wire import agentmessages, framing, messages
 from . import netif, placement, relocate, remote, reshape
 
 KEEP_S = 2.0  # how long the close waits for a kept agent's stream to end (its ranks have exited)
@@ -176,7 +176,7 @@ class ClusterGang(Gang):
             relocate.lost_node(self, link, generation)
             return
         self.forget_ended([rank])
-        link.control("fork_again", starters.again(self.specs[rank], generation))
+        link.control(agentmessages.ForkAgain(starters.again(self.specs[rank], generation)))
         end = time.monotonic() + placement.START_S
         self.sup.wait(None, until=lambda: self.streams.procs.get(rank) is not old or bool(link.lost)
                       or time.monotonic() >= end, wake_at=end)
@@ -209,7 +209,7 @@ class ClusterGang(Gang):
                 if kind != "plain":
                     out = dataclasses.replace(out, updates={**self.extra, **out.updates})
                     self.given.update(mine)
-                link.control("command", framing.encode(out), mine)
+                link.control(agentmessages.Command(framing.encode(out), mine))
         # the kernel's node's ranks after: the other nodes' are the farther, their command goes first
         super().command(cmd, ranks=[r for r in sorted(wanted) if r in self._cmd])
         if isinstance(cmd, messages.RunCell):  # every remote rank has had them now
@@ -248,7 +248,7 @@ class ClusterGang(Gang):
         # (a lost one's: None)
         self.reported = {p.rank for p in remote_procs if p.exit is not None and p.exit.code is not None}
         for link in self.links:
-            link.control("finish")  # (a node whose ranks were lost keeps its stream open until told)
+            link.control(agentmessages.Finish())  # (a node whose ranks were lost keeps its stream open until told)
             link.lost = link.lost or "closed"
         for p in remote_procs:
             if p.exit is None:

@@ -1,13 +1,15 @@
 """In the kernel: the ranks on other nodes, as the supervisor sees them, fed by their agents' event streams.
 
-Each agent's ``events`` stream is read by a thread of its own (``Streams``): store requests are answered
-there at once (groupstore.Store: the ranks' rendezvous never waits for the kernel's main thread), every
-other event is queued and a byte written to a wake pipe the supervisor watches (``Supervisor.watch``), so
-the main thread's one loop publishes them on the same bus as local ranks' events, in each rank's order:
-the relay, the logs, the dashboard and the failure rules cannot tell the two apart. A stream that ends
-before its ranks have (the agent's actor died, its node was lost) ends those ranks with a record naming
-the node; so does a stream silent for ``SILENT_S`` (an agent beats each ``BEAT_S``), which is how a node
-whose machine stopped answering is known in seconds, not at Ray's own node timeout (``Streams.listen``).
+The kernel's calls to an agent, and what its stream says besides its ranks' events, are wire/agentmessages.py's
+(``Link.control`` sends one, in order). Each agent's ``events`` stream is read by a thread of its own
+(``Streams``): store requests are answered there at once (groupstore.Store: the ranks' rendezvous never waits for
+the kernel's main thread), every other event is queued and a byte written to a wake pipe the supervisor watches
+(``Supervisor.watch``), so the main thread's one loop publishes them on the same bus as local ranks' events, in
+each rank's order: the relay, the logs, the dashboard and the failure rules cannot tell the two apart. A stream
+that ends before its ranks have (the agent's actor died, its node was lost, or it failed a call of the kernel's)
+ends those ranks with a record naming the node; so does a stream silent for ``SILENT_S`` (an agent beats each
+``BEAT_S``), which is how a node whose machine stopped answering is known in seconds, not at Ray's own node timeout
+(``Streams.listen``).
 
 Signals (an interrupt, ``--timeout``'s stacks, a teardown) go to a remote rank through its agent
 (``RemoteProc.signal``), never ``ray.cancel`` (which cannot interrupt a running actor method).
@@ -26,9 +28,17 @@ from .. import timeline
 from ..kernel.ranks import failure
 from ..kernel.ranks.supervisor import Exited, Message, Output, RankProc
 from ..units import ranks_text
-from ..wire import messages
+from ..wire import agentmessages, messages
 
 LOST = "NodeLost"
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEnded:
+    """Queued by a node's reader (or the thread that listens for silence) for the main thread: the agent's stream
+    ended, fell silent, or said a call failed (``why``; None: it ended on its own)."""
+
+    why: str | None
 
 
 @dataclasses.dataclass
@@ -41,7 +51,7 @@ class RemoteProc(RankProc):
 
     def signal(self, sig: int, group: bool = True) -> None:
         self.signalled = self.link.looks_asked
-        self.link.control("signal", self.rank, int(sig), group)
+        self.link.control(agentmessages.Signal(self.rank, int(sig), group))
 
     def look(self):
         """The last look its agent sent, if taken after the last signal (the agent applies the kernel's calls in
@@ -86,16 +96,18 @@ class Link:
         if in_flight and now - self.looks_at < timeline.LOOK_LOST_S:
             return
         self.looks_asked, self.looks_at = self.looks_asked + 1, now
-        self.control("look", self.looks_asked)
+        self.control(agentmessages.LookAtRanks(self.looks_asked))
 
-    def control(self, op: str, *args) -> None:
+    def control(self, call) -> None:
+        """``call`` (one of agentmessages.KERNEL_CALLS) to the agent, in an ``AgentCall`` with this link's pool and
+        the call's sequence number."""
         if self.lost:
             return
         with self.lock:
             self.seq += 1
-            call = pickle.dumps((self.pool, self.seq, op, args), protocol=pickle.HIGHEST_PROTOCOL)
+            sent = pickle.dumps(agentmessages.AgentCall(self.pool, self.seq, call), protocol=pickle.HIGHEST_PROTOCOL)
             try:
-                self.actor.control.remote(call)  # one argument: Ray serialises each one separately
+                self.actor.control.remote(sent)  # one argument: Ray serialises each one separately
             except Exception:  # noqa: BLE001 - the agent is gone: its stream's end says so
                 pass
 
@@ -147,7 +159,7 @@ class Streams:
             for link in self.links:
                 if link.lost is None and now - link.heard > timeline.SILENT_S:
                     link.lost = f"no word from its agent for {now - link.heard:.0f} s"
-                    self.events.put([("ended", link, link.lost)])
+                    self.events.put([(link, StreamEnded(link.lost))])
                     self._wake()
 
     def _read(self, link: Link, gen) -> None:
@@ -167,28 +179,23 @@ class Streams:
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         link.clean = why is None and not link.broken
         link.lost = why or link.lost or "its agent's stream ended"
-        self.events.put([("ended", link, why)])
+        self.events.put([(link, StreamEnded(why))])
         self._wake()
 
     def took(self, link: Link, batch: list) -> list:
         """On ``link``'s reader thread: a batch of its agent's stream, the store's requests answered at once; the
-        rest for the main thread (``_apply``), each (kind, link, ...)."""
+        rest for the main thread (``_apply``), each (link, what the stream said): a rank's event, the agent's
+        ``RankForked``, ``Renumbered`` or ``Looked``, or ``StreamEnded`` for its ``CallFailed``."""
         rest = []
         for item in batch:
-            if type(item) is tuple and item[0] == "store":
-                _, asker, request = item  # (the asking rank's pid on its node: the reply's address)
-                self.store.handle(request, lambda frame, a=asker: link.control("store_reply", a, frame))
-            elif type(item) is tuple and item[0] == "error":  # the agent failed a call: the node is lost
-                link.lost, link.broken = item[1], True
-                rest.append(("ended", link, item[1]))
-            elif type(item) is tuple and item[0] == "forked":  # a replacement the kernel asked for
-                rest.append(("forked", link, item[1], item[2]))
-            elif type(item) is tuple and item[0] == "renumbered":  # the agent applied a renumbering
-                rest.append(("renumbered", link))
-            elif type(item) is tuple and item[0] == "looked":  # how its ranks are, as the kernel asked
-                rest.append(("looked", link, (item[1], item[2])))
+            if isinstance(item, agentmessages.StoreRequest):  # (its pid, the asking rank's on its node: the address)
+                self.store.handle(item.request,
+                                  lambda frame, a=item.pid: link.control(agentmessages.StoreReply(a, frame)))
+            elif isinstance(item, agentmessages.CallFailed):  # the agent failed a call: the node is lost
+                link.lost, link.broken = item.error, True
+                rest.append((link, StreamEnded(item.error)))
             else:
-                rest.append(("rank", link, item))
+                rest.append((link, item))
         return rest
 
     def _wake(self) -> None:
@@ -216,39 +223,44 @@ class Streams:
             if self.pending:
                 self._wake()  # the rest on the loop's next turn
 
-    def _apply(self, event) -> None:
-        """``event``: (kind, link, ...) as ``_read`` queued it; a rank's number as the kernel numbers it now."""
-        sup, kind, link = self.sup, event[0], event[1]
-        if kind == "rank":
-            ev = event[2]
-            rank = link.current(ev.rank)
-            proc = self.procs.get(rank)
-            if proc is not None and proc.link is link:  # (not a rank started anew on another node since)
-                feed(sup, proc, ev if rank == ev.rank else renumbered(ev, rank))
-            return
-        if kind == "renumbered":  # what the stream says from here on carries the new numbers
-            if link.unmarked:
-                link.unmarked.popleft()
-            return
-        if kind == "looked":
-            ask, looks = event[2]
-            link.looks_answered = max(link.looks_answered, ask)
-            for rank, look in looks.items():
-                proc = self.procs.get(link.current(rank))
-                if proc is not None and proc.link is link:
-                    proc.looked = (ask, look)
-            return
-        if kind == "forked":  # a new rank on that node (a lost one's replacement)
-            rank = link.current(event[2])
-            if rank >= 0:
-                self.add(rank, event[3], link)
-            return
-        why = event[2]  # "ended": an agent's stream ended: its ranks still alive are lost with it
+    def _apply(self, entry) -> None:
+        """``entry``: (link, what its stream said) as ``took`` or ``listen`` queued it, handled by its type
+        (``APPLY``; anything else is a rank's event); a rank's number as the kernel numbers it now."""
+        link, item = entry
+        APPLY.get(type(item), Streams._rank_event)(self, link, item)
+
+    def _rank_event(self, link: Link, ev) -> None:
+        rank = link.current(ev.rank)
+        proc = self.procs.get(rank)
+        if proc is not None and proc.link is link:  # (not a rank started anew on another node since)
+            feed(self.sup, proc, ev if rank == ev.rank else renumbered(ev, rank))
+
+    def _renumbered(self, link: Link, mark: agentmessages.Renumbered) -> None:
+        """What the stream says from here on carries the new numbers."""
+        if link.unmarked:
+            link.unmarked.popleft()
+
+    def _looked(self, link: Link, looked: agentmessages.Looked) -> None:
+        link.looks_answered = max(link.looks_answered, looked.ask)
+        for rank, look in looked.looks.items():
+            proc = self.procs.get(link.current(rank))
+            if proc is not None and proc.link is link:
+                proc.looked = (looked.ask, look)
+
+    def _forked(self, link: Link, forked: agentmessages.RankForked) -> None:
+        """A new rank on that node (a lost one's replacement)."""
+        rank = link.current(forked.rank)
+        if rank >= 0:
+            self.add(rank, forked.pid, link)
+
+    def _ended(self, link: Link, ended: StreamEnded) -> None:
+        """An agent's stream ended: its ranks still alive are lost with it."""
+        why = ended.why
         for rank in link.ranks:
             proc = self.procs[rank]
             if proc.exit is None and proc.link is link:  # (not a rank started anew on another node since)
                 why_lost = f"node {link.node} lost ({ranks_text(link.ranks)})" + (f": {why}" if why else "")
-                sup.ended(proc, lost_exit(rank, why_lost, stopped=proc.stop_sent))
+                self.sup.ended(proc, lost_exit(rank, why_lost, stopped=proc.stop_sent))
 
     def join(self, within: float) -> bool:
         """Whether every reader has ended (waiting ``within`` seconds at most)."""
@@ -270,6 +282,15 @@ class Streams:
             except OSError:
                 pass
         self.wake_r = self.wake_w = -1
+
+
+# what a node's stream says besides its ranks' events -> how the main thread handles it (``Streams._apply``)
+APPLY = {
+    agentmessages.Renumbered: Streams._renumbered,
+    agentmessages.Looked: Streams._looked,
+    agentmessages.RankForked: Streams._forked,
+    StreamEnded: Streams._ended,
+}
 
 
 def feed(sup, proc, event) -> None:

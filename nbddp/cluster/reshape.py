@@ -16,6 +16,7 @@ from .. import timeline
 from ..errors import UsageError
 from ..kernel.ranks.gang import Gang
 from ..rank.worker import place_env
+from ..wire import agentmessages
 from . import placement, relocate, remote
 
 
@@ -47,12 +48,12 @@ def renumber(gang, moves: dict) -> None:
     for link in gang.links:
         mine = {r: moves[r] for r in link.ranks if r in moves}
         if mine:
-            link.control("renumber", mine)
+            link.control(agentmessages.Renumber(mine))
             link.unmarked.append(mine)  # (until its agent's mark: remote.Link.current)
         elif link.ranks and link.lost and not link.clean:  # (a node gone silent: its agent may still run them)
             placement.forget(link.actor, gang.ray)
         elif link.ranks:
-            link.control("finish")
+            link.control(agentmessages.Finish())
         link.ranks = sorted(mine.values())
     gang.streams.procs = {moves[r]: p for r, p in gang.streams.procs.items() if r in moves}
     gang.node_names = {moves[r]: n for r, n in gang.node_names.items() if r in moves}
