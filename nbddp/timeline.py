@@ -23,7 +23,7 @@ A rank *lost* (its process ended: the OOM killer, a signal, a segfault), in a po
 shrinks: the loss is seen at once (its pidfd); ranks that die with it within SETTLE_S are mended with it; the
 survivors still in a cell are interrupted as above (PEER_GRACE_S, then STUCK_S / HEALTH_S); each mending step's
 answers (a survey, an export of many GiB) come within STEP_S, a replacement is up and every rank in the new
-group within JOIN_S, or the pool ends (kernel/healing.py).
+group within JOIN_S, or the pool ends (kernel/healing/).
 
 A rank left alone in a collective (every other rank answered the cell): asked for its stack ALONE_S after the last
 answer, again every STILL_S; stranded in a collective no peer will join, the cell fails (kernel/cells/probe.py).

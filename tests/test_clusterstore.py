@@ -138,7 +138,7 @@ def test_an_agent_applies_a_signal_sent_before_a_renumbering_to_the_rank_it_was_
     that was rank 2 when it was sent, not the one called 2 after; the stream marks the renumbering after it."""
     from types import SimpleNamespace
 
-    from nbddp.cluster.agent import Agent
+    from nbddp.cluster.agent import HANDLERS, Agent
 
     got = []
 
@@ -153,8 +153,9 @@ def test_an_agent_applies_a_signal_sent_before_a_renumbering_to_the_rank_it_was_
     agent.sup = SimpleNamespace(procs=procs, live=lambda: [p for p in agent.sup.procs if p.exit is None])
     agent.logs = SimpleNamespace(renumber=lambda paths: None)
     agent.run_dir = SimpleNamespace(log=lambda rank: f"rank{rank}.log")
-    agent._signal(agentmessages.Signal(2, 10, False))
-    renumbering = threading.Thread(target=agent._renumber, args=(agentmessages.Renumber({2: 1, 3: 2}),), daemon=True)
+    HANDLERS[agentmessages.Signal](agent, agentmessages.Signal(2, 10, False))
+    renumbering = threading.Thread(target=HANDLERS[agentmessages.Renumber],
+                                   args=(agent, agentmessages.Renumber({2: 1, 3: 2})), daemon=True)
     renumbering.start()
     while agent.calls.qsize() < 2:  # (the renumbering queued after the signal, as the kernel's calls came)
         threading.Event().wait(0.01)
@@ -251,7 +252,7 @@ def test_an_agents_look_at_its_ranks_is_one_call_per_node_reaches_each_rank_and_
     import signal
     from types import SimpleNamespace
 
-    from nbddp.cluster.agent import Agent
+    from nbddp.cluster.agent import HANDLERS, Agent
     from nbddp.hw import procwait
 
     agent = Agent()
@@ -267,7 +268,7 @@ def test_an_agents_look_at_its_ranks_is_one_call_per_node_reaches_each_rank_and_
     link.unmarked.append({2: 1, 3: 0})
 
     def answered(ask):
-        agent._look(agentmessages.LookAtRanks(ask))
+        HANDLERS[agentmessages.LookAtRanks](agent, agentmessages.LookAtRanks(ask))
         agent._wake()
         streams.events.put(streams.took(link, agent.queue))
         agent.queue = []
@@ -333,7 +334,7 @@ def test_a_grow_reuses_an_emptied_node_only_where_its_bundle_holds_the_chunk(mon
 
 
 def test_a_wake_nobody_drains_yet_never_blocks_the_stream_reader_or_the_agent():
-    from nbddp.cluster.agent import Agent
+    from nbddp.cluster.agent import HANDLERS, Agent
 
     sup = Supervisor([])
     streams = remote.Streams(sup, groupstore.Store())
@@ -342,7 +343,7 @@ def test_a_wake_nobody_drains_yet_never_blocks_the_stream_reader_or_the_agent():
     def many():
         for _ in range(100_000):  # > 64 KiB of wakes while the kernel's main thread is elsewhere
             streams._wake()
-            agent._signal(agentmessages.Signal(1, 0, False))
+            HANDLERS[agentmessages.Signal](agent, agentmessages.Signal(1, 0, False))
 
     t = threading.Thread(target=many, daemon=True)
     t.start()

@@ -1,11 +1,11 @@
 """rank/heal.py without a kernel: what a fingerprint tells apart (a false "equal" would give a replacement a
-value made from another rank's number), export and adopt in one pickle, and kernel/healing.verdict."""
+value made from another rank's number), export and adopt in one pickle, and kernel/healing/verdict.py."""
 import pickle
 
 import pytest
 import torch
 
-from nbddp.kernel import healing
+from nbddp.kernel.healing import verdict
 from nbddp.rank import heal
 
 
@@ -103,11 +103,11 @@ def test_verdict_copies_only_what_two_survivors_agree_on():
     own = {"model": ("remade", "m", (1,), True), "data": ("value", "d", (2,), True),
            "shard": ("value", "s0", (3,), True), "pg": ("lost", "why", (), True), "opt": ("value", "o", (1,), True)}
     views = {0: own, 2: {**own, "shard": ("value", "s2", (3,), True), "extra": ("value", "x", (), True)}}
-    v = healing.verdict(views)
+    v = verdict.verdict(views)
     assert v.agreed == ["data", "model", "opt"] and v.remade == ["model"]
     assert set(v.lacking) == {"shard", "pg", "extra"} and "differs" in v.lacking["shard"]
     assert "not every survivor" in v.lacking["extra"]
-    alone = healing.verdict({1: own})
+    alone = verdict.verdict({1: own})
     assert alone.agreed == [] and "only one survivor" in alone.lacking["data"] and alone.stale == ["model"]
 
 
@@ -116,7 +116,7 @@ def test_a_name_sharing_tensors_with_a_lacking_one_lacks_too():
     """An optimizer copied without its model would point at parameters the new rank's model does not have."""
     a = {"model": ("value", "m0", (7,), True), "opt": ("value", "o", (7,), True)}
     b = {"model": ("value", "m1", (7,), True), "opt": ("value", "o", (7,), True)}
-    v = healing.verdict({0: a, 1: b})
+    v = verdict.verdict({0: a, 1: b})
     assert v.agreed == [] and "shares tensors with model" in v.lacking["opt"]
 
 
@@ -124,11 +124,11 @@ def test_a_name_sharing_tensors_with_a_lacking_one_lacks_too():
 def test_a_notebook_value_changed_in_place_by_the_pools_cells_is_copied_or_listed():
     trained = {"net": ("value", "trained", (5,), False)}
     fresh = {"net": ("value", "as-the-notebook-has-it", (9,), False)}
-    assert healing.verdict({0: trained, 1: trained}, fresh).agreed == ["net"]
-    assert healing.verdict({0: trained, 1: trained}, {"net": trained["net"]}).agreed == [], "unchanged: nothing"
-    apart = healing.verdict({0: trained, 1: {"net": ("value", "other", (5,), False)}}, fresh)
+    assert verdict.verdict({0: trained, 1: trained}, fresh).agreed == ["net"]
+    assert verdict.verdict({0: trained, 1: trained}, {"net": trained["net"]}).agreed == [], "unchanged: nothing"
+    apart = verdict.verdict({0: trained, 1: {"net": ("value", "other", (5,), False)}}, fresh)
     assert "differently on each rank" in apart.lacking["net"]
-    assert healing.verdict({0: trained, 1: trained}, None).agreed == [], "a forkserver's: sent again instead"
+    assert verdict.verdict({0: trained, 1: trained}, None).agreed == [], "a forkserver's: sent again instead"
 
 
 GIVE = r"""

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.unit  # starts no kernel, forks no rank (README's fast 
 def fake_pynvml(monkeypatch):
     calls = []
     mod = types.ModuleType("pynvml")
+    mod.NVMLError = RuntimeError  # (nvidia-ml-py's NVMLError_NotSupported, NoPermission... are all NVMLError)
     mod.NVML_TEMPERATURE_GPU = 0
     mod.nvmlInit = lambda: calls.append("init")
     mod.nvmlDeviceGetCount = lambda: 4
@@ -57,7 +58,6 @@ def shared_pynvml(fake_pynvml, monkeypatch):
     """GPU 0: busy in exclusive-process mode; GPU 1: MIG with two instances (the parent answers only to
     root, as NVML documents); GPU 2: compute mode and process list not supported."""
     mod = sys.modules["pynvml"]
-    mod.NVMLError = RuntimeError
     monkeypatch.setattr(mod, "nvmlDeviceGetCount", lambda: 3)
 
     def need(h, allowed):
@@ -73,7 +73,13 @@ def shared_pynvml(fake_pynvml, monkeypatch):
     mod.nvmlDeviceGetComputeMode = lambda h: (need(h, modes), modes[h])[1]
     mod.nvmlDeviceGetMigMode = lambda h: (1, 1) if h == "handle1" else (0, 0)
     mod.nvmlDeviceGetMaxMigDeviceCount = lambda h: 7
-    mod.nvmlDeviceGetMigDeviceHandleByIndex = lambda h, i: {0: "mig1a", 1: "mig1b"}[i]  # KeyError: slot empty
+
+    def mig_instance(h, i):
+        if i > 1:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")  # an empty slot
+        return ("mig1a", "mig1b")[i]
+
+    mod.nvmlDeviceGetMigDeviceHandleByIndex = mig_instance
     return mod
 
 

@@ -33,6 +33,7 @@ import threading
 import time
 
 from .. import timeline
+from ..kernel import options
 from ..kernel.ranks import rendezvous, warm
 from ..kernel.ranks.logs import RankLogs
 from ..kernel.ranks.starters import ForkStarter
@@ -101,7 +102,7 @@ class Agent:
         self.run_dir = run_dir = rendezvous.new_run_dir()
         self.logs = logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
         self.sup = sup = Supervisor([logs, self])
-        sup.keep_peers = True  # a lost rank's fate, and its peers', is the kernel's to decide (it may heal the pool)
+        sup.on_loss = options.KERNEL_DECIDES  # a lost rank's fate, and its peers', is the kernel's to decide
         try:
             sup.watch(self.wake_r, self._wake)
             ifname = ifname or self.where()["ifname"]  # (none: the kernel refuses the pool)
@@ -249,68 +250,75 @@ class Agent:
                 return
             _call(self, call, done)
 
-    # -- the handlers of the kernel's calls (``HANDLERS``), each given its message, under ``order`` ------------------
-    def _command(self, call: agentmessages.Command) -> None:
-        frame = call.frame
-        for rank in call.ranks:
-            fd = self.cmd.get(rank)
-            if fd is None:
-                continue
-            try:
-                write_all(fd, frame)
-            except OSError:
-                pass  # that rank is gone; its exit says how
 
-    def _store_reply(self, call: agentmessages.StoreReply) -> None:
-        fd = self.replies.get(call.pid)
-        if fd is not None:
-            try:
-                write_all(fd, call.frame)
-            except OSError:
-                pass
+# -- the handlers of the kernel's calls (``HANDLERS``), each given the agent and its message, under ``order`` ----------
+def _command(agent: Agent, call: agentmessages.Command) -> None:
+    frame = call.frame
+    for rank in call.ranks:
+        fd = agent.cmd.get(rank)
+        if fd is None:
+            continue
+        try:
+            write_all(fd, frame)
+        except OSError:
+            pass  # that rank is gone; its exit says how
 
-    def _signal(self, call: agentmessages.Signal) -> None:
-        """For the supervisor's thread: this one may not see a rank's reaping."""
-        self.calls.put((call, None))
-        self._poke()
 
-    def _look(self, call: agentmessages.LookAtRanks) -> None:
-        """How each of its live ranks is, as /proc tells (kernel/cells/grace.py asks; ``call.ask``: the kernel's
-        count for this node), streamed as ``Looked`` (rank -> procwait.Look)."""
-        self.calls.put((call, None))
-        self._poke()
+def _store_reply(agent: Agent, call: agentmessages.StoreReply) -> None:
+    fd = agent.replies.get(call.pid)
+    if fd is not None:
+        try:
+            write_all(fd, call.frame)
+        except OSError:
+            pass
 
-    def _renumber(self, call: agentmessages.Renumber) -> None:
-        """The kernel renumbered the pool (it shrank; ``call.moves``: this node's survivors, old rank -> new): done
-        on the supervisor's thread (it reads these tables), and awaited here, so that the kernel's next call (a
-        command for the new numbers) finds them."""
-        done = threading.Event()
-        self.calls.put((call, done))
-        self._poke()
-        if not done.wait(RENUMBER_S):
-            raise TimeoutError(f"the node's supervisor did not renumber its ranks within {RENUMBER_S:g} s")
 
-    def _fork_again(self, call: agentmessages.ForkAgain) -> None:
-        """A new rank from ``call.spec`` (a lost one's replacement, joining the group's next generation), forked by
-        the pool's forker thread; its pid streamed to the kernel as ``RankForked``."""
-        self.to_fork.put(call.spec)
+def _signal(agent: Agent, call: agentmessages.Signal) -> None:
+    """For the supervisor's thread: this one may not see a rank's reaping."""
+    agent.calls.put((call, None))
+    agent._poke()
 
-    def _finish(self, call: agentmessages.Finish) -> None:
-        """The kernel's pool is done with this node (it ended after a rank was lost here): once its ranks have
-        exited, the stream ends."""
-        self.waiting = False
-        self._poke()
+
+def _look(agent: Agent, call: agentmessages.LookAtRanks) -> None:
+    """How each of its live ranks is, as /proc tells (kernel/cells/grace.py asks; ``call.ask``: the kernel's
+    count for this node), streamed as ``Looked`` (rank -> procwait.Look)."""
+    agent.calls.put((call, None))
+    agent._poke()
+
+
+def _renumber(agent: Agent, call: agentmessages.Renumber) -> None:
+    """The kernel renumbered the pool (it shrank; ``call.moves``: this node's survivors, old rank -> new): done
+    on the supervisor's thread (it reads these tables), and awaited here, so that the kernel's next call (a
+    command for the new numbers) finds them."""
+    done = threading.Event()
+    agent.calls.put((call, done))
+    agent._poke()
+    if not done.wait(RENUMBER_S):
+        raise TimeoutError(f"the node's supervisor did not renumber its ranks within {RENUMBER_S:g} s")
+
+
+def _fork_again(agent: Agent, call: agentmessages.ForkAgain) -> None:
+    """A new rank from ``call.spec`` (a lost one's replacement, joining the group's next generation), forked by
+    the pool's forker thread; its pid streamed to the kernel as ``RankForked``."""
+    agent.to_fork.put(call.spec)
+
+
+def _finish(agent: Agent, call: agentmessages.Finish) -> None:
+    """The kernel's pool is done with this node (it ended after a rank was lost here): once its ranks have
+    exited, the stream ends."""
+    agent.waiting = False
+    agent._poke()
 
 
 # each call of the kernel's (agentmessages.KERNEL_CALLS) -> its handler, called with the agent and the message
 HANDLERS = {
-    agentmessages.Command: Agent._command,
-    agentmessages.StoreReply: Agent._store_reply,
-    agentmessages.Signal: Agent._signal,
-    agentmessages.LookAtRanks: Agent._look,
-    agentmessages.Renumber: Agent._renumber,
-    agentmessages.ForkAgain: Agent._fork_again,
-    agentmessages.Finish: Agent._finish,
+    agentmessages.Command: _command,
+    agentmessages.StoreReply: _store_reply,
+    agentmessages.Signal: _signal,
+    agentmessages.LookAtRanks: _look,
+    agentmessages.Renumber: _renumber,
+    agentmessages.ForkAgain: _fork_again,
+    agentmessages.Finish: _finish,
 }
 
 

@@ -13,10 +13,12 @@ def ifname_for(ip: str) -> str | None:
     """The interface that carries ``ip`` on this machine (where the ranks' collective traffic goes)."""
     try:
         import psutil
-
+    except ImportError:  # no psutil
+        return None
+    try:
         for name, addrs in psutil.net_if_addrs().items():
             if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
                 return name
-    except Exception:  # noqa: BLE001 - no psutil, or no interfaces to read
+    except (psutil.Error, OSError):  # no interfaces to read
         pass
     return None

@@ -112,11 +112,13 @@ def reserve(ray, nodes: int, per_node: int, accelerator: str):
                          "Nothing ran.")
     from ray.util.placement_group import placement_group_table
 
+    found = False
     try:
         where = placement_group_table(pg)["bundles_to_node_id"]
-    except BaseException:  # the group released, re-raised
-        release(pg)
-        raise
+        found = True
+    finally:
+        if not found:  # whatever stopped it, an interrupt too: the group released
+            release(pg)
     by_id = {n["NodeID"]: n for n in alive}
     out = [Node(i, where[i], by_id.get(where[i], {}).get("NodeManagerAddress", "?")) for i in range(nodes)]
     out[0].host = socket.gethostname()
@@ -133,24 +135,27 @@ def _placed(ray, bundles: list, selectors: list, within: float):
     from ray.util.placement_group import placement_group
 
     pg = placement_group(bundles, strategy="STRICT_SPREAD", bundle_label_selector=selectors)
+    ready = []
     try:
         ready, _ = ray.wait([pg.ready()], timeout=within)
-    except BaseException:  # an interrupt while it is placed: the group must not outlive the attempt
-        release(pg)
-        raise
-    if not ready:
-        release(pg)
-        return None
-    return pg
+    finally:
+        if not ready:  # not placed in time, or an interrupt while it is placed: it must not outlive the attempt
+            release(pg)
+    return pg if ready else None
 
 
 def release(pg) -> None:
     """The placement group removed (with whatever still runs in it)."""
     from ray.util.placement_group import remove_placement_group
 
+    _gone_or_ended(lambda: remove_placement_group(pg))
+
+
+def _gone_or_ended(call) -> None:
+    """``call()``, a Ray call that ends a group or an agent: one that fails found it gone already."""
     try:
-        remove_placement_group(pg)
-    except Exception:  # noqa: BLE001 - Ray is gone, and the group with it
+        call()
+    except Exception:  # noqa: BLE001 - Ray's errors are many: the group or agent is gone already, or Ray with it
         pass
 
 
@@ -272,10 +277,7 @@ def forget(actor, ray=None) -> None:
     for key in [k for k, a in KEPT.items() if a is actor]:
         del KEPT[key]
     if ray is not None:
-        try:
-            ray.kill(actor)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        _gone_or_ended(lambda: ray.kill(actor))
 
 
 def release_agents() -> int:

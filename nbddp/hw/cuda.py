@@ -154,13 +154,13 @@ class Cuda:
         Only the child opens the driver library (called only once the kernel has it mapped)."""
         pid = os.fork()
         if pid == 0:  # pragma: no cover - runs in the throwaway child
+            code = 2  # the throwaway child never returns: any other failure is its exit code
             try:
-                rc = ctypes.CDLL(driverwatch.DRIVER_SONAME).cuInit(0)
+                code = 0 if ctypes.CDLL(driverwatch.DRIVER_SONAME).cuInit(0) == 0 else 1
             except OSError:
-                os._exit(0)  # no driver after all: nothing to poison
-            except BaseException:  # noqa: BLE001 - the throwaway child never returns: any failure is its exit code
-                os._exit(2)
-            os._exit(0 if rc == 0 else 1)
+                code = 0  # no driver after all: nothing to poison
+            finally:
+                os._exit(code)
         _, status = os.waitpid(pid, 0)
         return os.waitstatus_to_exitcode(status) == 0
 

@@ -63,9 +63,11 @@ def _own_pids() -> set[int]:
     pids = {os.getpid()}
     try:
         import psutil
-
+    except ImportError:  # psutil missing: the kernel's own pid is what matters
+        return pids
+    try:
         pids.update(p.pid for p in psutil.Process().children(recursive=True))
-    except Exception:  # noqa: BLE001 - psutil missing or a child gone: the kernel's own pid is what matters
+    except (psutil.Error, OSError):  # a child gone: the kernel's own pid is what matters
         pass
     return pids
 
@@ -79,8 +81,10 @@ def _process(pid: int, used: int | None) -> str:
 def _user(pid: int) -> str | None:
     try:
         import psutil
-
+    except ImportError:  # psutil missing: no name
+        return None
+    try:
         return psutil.Process(pid).username()
-    except Exception:  # noqa: BLE001 - another container's pid, or no permission
+    except (psutil.Error, OSError):  # another container's pid, or no permission
         return None
 

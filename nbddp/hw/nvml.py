@@ -50,17 +50,22 @@ class Nvml:
     def _init(self) -> bool:
         with self._lock:
             if self._ok is None:
-                try:
-                    import pynvml
-
-                    with driverwatch.not_cuda():  # NVML opens the driver's device files, as cuInit does
-                        pynvml.nvmlInit()
-                    count = pynvml.nvmlDeviceGetCount()
-                    self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _visible(count)]
-                    self._ok = True
-                except Exception:  # noqa: BLE001 - no pynvml, no driver, no GPU: all mean "no GPUs here"
-                    self._ok = False
+                self._ok = self._found()
             return self._ok
+
+    def _found(self) -> bool:
+        try:
+            import pynvml
+        except ImportError:  # no pynvml: no GPUs here
+            return False
+        try:
+            with driverwatch.not_cuda():  # NVML opens the driver's device files, as cuInit does
+                pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _visible(count)]
+        except pynvml.NVMLError:  # no driver, no GPU (every error NVML answers is one): no GPUs here
+            return False
+        return True
 
     def count(self) -> int:
         return len(self._handles) if self._init() else 0
@@ -155,10 +160,12 @@ def _str(v) -> str:
 
 
 def _try(fn):
+    import pynvml  # (imported already: a query comes after Nvml._init found it)
+
     try:
         return fn()
-    except Exception:  # noqa: BLE001 - NVML's errors are many types; a query that fails has no answer
-        return None
+    except (pynvml.NVMLError, AttributeError):  # NVML's errors (its many types are all NVMLError), or bindings
+        return None  # older than the call: a query that fails has no answer
 
 
 _backend = Nvml()

@@ -142,13 +142,14 @@ class DDPMagics(Magics):
     def ranks_debug_themselves(self):
         """With IPython's %pdb on, a failed rank was debugged in the rank itself; IPython's own post-mortem
         would open in nbddp's kernel-side frames, so it is off for this cell's traceback (on again after)."""
+        ok = False
         try:
             yield
-        except BaseException:  # any way out, an interrupt too: re-raised
-            if getattr(self.shell, "call_pdb", False):
+            ok = True
+        finally:
+            if not ok and getattr(self.shell, "call_pdb", False):  # any way out, an interrupt too
                 self.shell.call_pdb = False
                 self._pdb_back = True
-            raise
 
     def _ran(self, result) -> None:
         if self._pdb_back:

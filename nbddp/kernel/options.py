@@ -4,7 +4,8 @@ The magics' argument groups (``%%ddp?``), what ``%ddp start`` accepts, ``Config`
 the pool's clash check, ``nbddp.launch``'s keywords and docs/reference.md all derive from ``OPTIONS``.
 Scopes: ``launch`` options are fixed when ranks start (for a pool, its whole life); ``cell`` options
 hold for one cell (given at ``%ddp start`` they become the pool's defaults for its cells); ``names``
-options (``--out``, ``--gather``, ``--ranks``) belong to one ``%%ddp`` cell only.
+options (``--out``, ``--gather``, ``--ranks``) belong to one ``%%ddp`` cell only. What ``--on-loss``'s values
+mean is here too, one object each (``OnLoss``, ``Config.loss_policy``): no other module compares its names.
 """
 from __future__ import annotations
 
@@ -94,6 +95,29 @@ GROUPS = {
     "output": "Output, limits and time (per cell; at %ddp start: the pool's defaults)",
 }
 
+
+@dataclass(frozen=True)
+class OnLoss:
+    """What a pool does when it loses a rank (killed, out of memory, a crash): ``--on-loss``'s value, made once
+    (``ON_LOSS``), found from a config by ``Config.loss_policy``. ``Pool.start`` hands it to the pool's gang and the
+    gang's supervisor once the ranks are up, and every part that handles a loss asks it: the supervisor
+    (``Supervisor.on_loss``), the cells' rules (rules.PoolRules) and the pool's mending (kernel/healing/)."""
+
+    name: str  # as --on-loss says it
+    keeps_peers: bool  # a rank that dies leaves its peers running (else its supervisor stops them at once)
+    mends: bool  # the pool mends itself, in the kernel (else it ends with the loss)
+    replaces: bool = False  # mending forks a replacement for each lost rank (heal), else renumbers the survivors
+    doing: str = ""  # the pool's view while it mends: "healing: rank(s) 2 lost"
+
+
+ON_LOSS = {policy.name: policy for policy in (
+    OnLoss("heal", keeps_peers=True, mends=True, replaces=True, doing="healing"),
+    OnLoss("shrink", keeps_peers=True, mends=True, doing="shrinking"),
+    OnLoss("end", keeps_peers=False, mends=False),
+)}
+# a node's agent's supervisor (cluster/agent.py): its ranks' peers stay up; what becomes of the pool, the kernel says
+KERNEL_DECIDES = OnLoss("the kernel's", keeps_peers=True, mends=False)
+
 OPTIONS = (
     Option("devices", ("-d", "--devices"), "auto", scope=LAUNCH, group="ranks",
            help="Ranks to start, Lightning-style: a count (4), GPU indices (0,2), -1 for all, or auto "
@@ -125,7 +149,7 @@ OPTIONS = (
     Option("nodes", ("--nodes",), 1, scope=LAUNCH, group="ranks", type=int, metavar="N", need="a whole number >= 1",
            ok=_whole(1), help="Nodes of the --cluster a pool spans, --devices ranks on each (node 0 is the "
            "kernel's). Default 1."),
-    Option("on_loss", ("--on-loss",), "heal", scope=LAUNCH, group="ranks", choices=("heal", "shrink", "end"),
+    Option("on_loss", ("--on-loss",), "heal", scope=LAUNCH, group="ranks", choices=tuple(ON_LOSS),
            help="What a pool does when it loses a rank (killed, out of memory, a crash): heal (default) forks a "
            "replacement with the same rank and device, which takes the pool's state from a surviving peer; "
            "shrink goes on with the survivors, renumbered; end ends the pool. See docs/user-guide.md, \"When a "
@@ -182,7 +206,11 @@ API = tuple(o.name for o in OPTIONS if o.scope != NAMES)  # nbddp.launch / nbddp
 
 Config = dataclasses.make_dataclass(
     "Config", [(o.name, object, dataclasses.field(default=o.default)) for o in OPTIONS if o.scope != NAMES],
-    kw_only=True, namespace={"__doc__": "Every option of a run, with its default (from OPTIONS)."},
+    kw_only=True, namespace={
+        "__doc__": "Every option of a run, with its default (from OPTIONS).",
+        "loss_policy": property(lambda conf: ON_LOSS[conf.on_loss],
+                                doc="What ``--on-loss`` means (an ``OnLoss``): a pool's, asked once its ranks are up."),
+    },
 )
 Config.__module__ = __name__
 DEFAULTS = Config()

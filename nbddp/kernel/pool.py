@@ -19,8 +19,10 @@ from ..rank.server import Server
 from ..views import output
 from ..views.display import view_for_pool
 from ..wire import messages, values
-from . import checks, healing, options
+from . import checks, options
 from .cells import engine
+from .healing.losses import Losses
+from .healing.mending import Mending
 from .names.sending import RankNames
 from .ranks import failure, starters
 from .ranks.gang import Gang
@@ -54,9 +56,9 @@ class Pool:
         self.started_at: float | None = None  # time.time() once its ranks are up
         self.held = RankNames(namespace)  # what the ranks hold of the notebook's names (made anew at start())
         self._turn = threading.Lock()  # one cell in the ranks at a time (a background cell's thread, the notebook's)
-        self.losses = healing.Losses()  # its ranks lost (made anew at start())
+        self.losses = Losses()  # its ranks lost (made anew at start())
         self.bound_by: dict[str, str] = {}  # a name its cells bound -> the cell that bound it last
-        self.mending = healing.Mending(self)  # what it does when it loses a rank (--on-loss), %ddp resize
+        self.mending = Mending(self)  # what it does when it loses a rank (--on-loss), %ddp resize
         self.starter = None  # what its start method means (starters.Starter), from start() on
 
     # -- life --------------------------------------------------------------------------------------
@@ -76,6 +78,7 @@ class Pool:
             else:
                 gang = self.gang = Gang(self.config, plan, persistent=True, view_for=view_for_pool)
             self.view = gang.view
+            done = False
             try:
                 gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
                 self.started_at = time.time()
@@ -83,16 +86,19 @@ class Pool:
                 self.held = RankNames(self.namespace, across_nodes=bool(self.config.cluster),
                                       inherited=self.starter.inherits_notebook, gpu_ipc=self.starter.gpu_ipc(plan))
                 gang.sup.announce()
-                self.losses = healing.Losses(self.view)
+                self.losses = Losses(self.view)
                 gang.sup.listen(self.losses)
-                gang.sup.keep_peers = self.config.on_loss != "end"  # a lost rank's peers stay up to be mended
+                # its --on-loss (options.OnLoss), asked by its cells' rules and its supervisor (a lost rank's peers
+                # kept up to be mended: heal, shrink; or stopped: end), and what acts on it
+                gang.on_loss = gang.sup.on_loss = self.config.loss_policy
                 gang.mend = self.mending.mend
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
                               wake_at=end)
-            except BaseException:  # (nothing may be left running: closed, then raised)
-                gang.close()
-                raise
+                done = True
+            finally:
+                if not done:  # whatever stopped it, an interrupt too: nothing may be left running
+                    gang.close()
         if len(gang.ready) < gang.world_size:
             exits = [p.exit for p in gang.sup.procs if p.exit is not None]
             gang.close()

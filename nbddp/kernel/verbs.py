@@ -56,7 +56,7 @@ class Verbs:
                          "who, diff EXPR, wait [--timeout S], interrupt or attach.")
 
     def _resize(self, rest: str) -> None:
-        """``%ddp resize N``: the running pool grown or shrunk to N ranks, its state kept (kernel/healing.py)."""
+        """``%ddp resize N``: the running pool grown or shrunk to N ranks, its state kept (healing/mending.py)."""
         from .pool import NO_POOL
 
         if not rest.isdigit() or int(rest) < 1:

@@ -54,7 +54,7 @@ def _check() -> tuple:
     for module, names, what in REQUIRED:
         try:
             mod = importlib.import_module(module)
-        except Exception:  # noqa: BLE001 - renamed or gone in this debugpy
+        except (ImportError, AttributeError):  # renamed or gone in this debugpy
             return None, _why(debugpy, f"no module {module}", what)
         for name in names:
             if not hasattr(mod, name):
@@ -67,7 +67,7 @@ def _check() -> tuple:
         module, (name,), what = MONITORING
         try:
             found[name] = getattr(importlib.import_module(module), name)
-        except Exception:  # noqa: BLE001 - renamed or gone in this debugpy
+        except (ImportError, AttributeError):  # renamed or gone in this debugpy
             return None, _why(debugpy, f"no {module}.{name}", what)
     return SimpleNamespace(**found), None
 

@@ -1,6 +1,6 @@
 """In a rank: a pool's state, vouched for, sent to a replacement, and what was bound to a dead group made anew.
 
-When a pool loses a rank (kernel/healing.py), a replacement is forked from the kernel: it has the notebook's
+When a pool loses a rank (kernel/healing/), a replacement is forked from the kernel: it has the notebook's
 names, not what the pool's cells built. The survivors hold that state. Each is asked for a fingerprint of every
 name its cells bound (``survey``): tensors and arrays by their layout, their words summed by position and a hash
 of a sample spread over them (0.3 s a GiB, where hashing every byte would take seconds), everything else by its
@@ -50,7 +50,7 @@ class GroupBound(NotTransferable):
 
 # -- survey: a fingerprint per name -------------------------------------------------------------------------
 class Step:
-    """``fn(ctx, *args)`` on a rank, its value the answer (the kernel's mending steps, kernel/healing.py)."""
+    """``fn(ctx, *args)`` on a rank, its value the answer (the kernel's mending steps, kernel/healing/steps.py)."""
 
     def __init__(self, fn, args, max_value_bytes: int):
         self.fn, self.args, self.max_value_bytes = fn, args, max_value_bytes

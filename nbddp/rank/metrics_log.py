@@ -102,12 +102,12 @@ def _columns(rows: list) -> Scalars | None:
 def _number(name: str, value) -> float | None:
     try:
         return float(value)  # a Python number, a numpy scalar, a one-element tensor (its .item())
-    except Exception:  # noqa: BLE001 - not a number (a string, a big tensor, 10**400)
+    except (TypeError, ValueError, OverflowError, RuntimeError):  # not a number (a string, a big tensor, 10**400)
         if name not in _state["warned"]:
             _state["warned"].add(name)
             try:
                 print(f"nbddp.log: {name}={type(value).__name__} is not a number: left out of the charts "
                       f"(log a float: {name}=value.item())", file=sys.stderr)
-            except Exception:  # noqa: BLE001 - a closed stderr
+            except (OSError, ValueError):  # a closed stderr
                 pass
         return None

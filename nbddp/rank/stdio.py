@@ -19,12 +19,18 @@ from . import metrics_log
 def flush_streams() -> None:
     """Before a record that ends something: the text written before it reaches the pipes first, and what
     ``nbddp.log`` queued before it, the channel (rank/metrics_log.py)."""
-    for stream in (sys.stdout, sys.stderr):
+    flush_each(sys.stdout, sys.stderr)
+    metrics_log.flush()
+
+
+def flush_each(*streams) -> None:
+    """Each of ``streams`` flushed, in turn, whatever it is now (``sys.stdout``, ``sys.stderr``): one that fails
+    changes nothing."""
+    for stream in streams:
         try:
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed or replaced stream
+        except Exception:  # noqa: BLE001 - a closed stream, or one the user's code put there: nothing to push
             pass
-    metrics_log.flush()
 
 
 class CountingFileIO(io.FileIO):
@@ -65,8 +71,8 @@ class StreamOrder:
         if raw is RAW[2]:
             try:
                 self.stdout.flush()  # print("a"); print("b", file=sys.stderr): "a" first
-            except Exception:  # noqa: BLE001 - a write from inside a stdout write (a signal handler, a finaliser)
-                pass
+            except (OSError, ValueError, RuntimeError):  # the pipe gone, the stream closed, or a write from
+                pass  # inside a stdout write (a signal handler, a finaliser: "reentrant call")
         if self.last is not raw:
             if self.last is not None and self.budget.take():
                 try:
@@ -111,10 +117,7 @@ def _start_flusher() -> None:
         batch_every = max(1, round(metrics_log.SEND_S / FLUSH_S))
         for tick in itertools.count(1):
             time.sleep(FLUSH_S)
-            try:
-                sys.stdout.flush()
-            except Exception:  # noqa: BLE001 - a closed or replaced stream: nothing to push
-                pass
+            flush_each(getattr(sys, "stdout", None))  # (None: a rank's code deleted it; nothing to push)
             if tick % batch_every == 0:
                 metrics_log.flush()  # (never raises; nothing to send outside a rank: a DataLoader worker)
 

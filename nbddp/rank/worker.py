@@ -303,14 +303,10 @@ def _detach_from_kernel(chan: framing.Writer) -> None:
 
 
 def leave(code: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - the rank exits next whatever a stream says
-            pass
+    stdio.flush_each(sys.stdout, sys.stderr)  # (the rank exits next whatever a stream says)
     try:
-        LIBC.fflush(None)
-    except Exception:  # noqa: BLE001 - the rank exits next whatever libc says
+        LIBC.fflush(None)  # (a foreign call returns its int: only a lookup can fail here)
+    except AttributeError:  # a C library without fflush: the rank exits next all the same
         pass
     os._exit(code)
 

@@ -128,17 +128,11 @@ class Chart:
     # -- drawing --------------------------------------------------------------------------------------
     def html(self) -> str:
         """The charts (HTML); never an exception: a drawing that fails leaves the cell's view as it was."""
-        try:
-            return self._html()
-        except Exception:  # noqa: BLE001 - the view is the user's window on the training: it must not end it
-            return ""
+        return _drawn(self._html)
 
     def text(self) -> str:
-        """One line per scalar: each rank's latest value, at its step."""
-        try:
-            return self._text()
-        except Exception:  # noqa: BLE001 - a drawing never fails the cell: no line
-            return ""
+        """One line per scalar: each rank's latest value, at its step (never an exception: no line)."""
+        return _drawn(self._text)
 
     def _html(self) -> str:
         if not self:
@@ -163,6 +157,14 @@ class Chart:
                 said = " · ".join(f"rank {r} {_num(v)} (step {s})" for r, (s, v) in lasts.items())
             lines.append(f"{name}: {said}")
         return "\n".join(lines)
+
+
+def _drawn(draw) -> str:
+    """``draw()``, or "" where it fails (no chart, no line)."""
+    try:
+        return draw()
+    except Exception:  # noqa: BLE001 - the view is the user's window on the training: a drawing must not end it
+        return ""
 
 
 def slow_rank(step_times: dict[int, float]) -> str | None:

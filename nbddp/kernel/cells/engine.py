@@ -188,14 +188,13 @@ class CellRun:
             self._finish(error)
         if error is not None:
             raise self.rules.interrupted(self, running, announced) from None
+        ended = "failed"  # (whatever stopped it, an interrupt too)
         try:
             outcome = self._conclude(start)
-        except BaseException:  # the view says failed, re-raised
+            ended = "ok"
+        finally:
             if gang.view is not None:
-                gang.view.cell_ended("failed")
-            raise
-        if gang.view is not None:
-            gang.view.cell_ended("ok")
+                gang.view.cell_ended(ended)
         return outcome
 
     def _begin(self, sup) -> None:

@@ -6,9 +6,9 @@ and pass a barrier (``HealthCheck``) within ``HEALTH_S``. Where ranks still wait
 then), the interrupt cannot reach them: on gloo the others leave the process group, which frees them ("Connection
 closed by peer"); on NCCL the stuck rank aborts its own communicators a second after the interrupt
 (rank/ncclabort.py). Every rank then makes a fresh group (``Regroup``) within ``REGROUP_S``; the DDP models in the
-ranks' namespaces are made anew on it (kernel/healing.py), and anything else bound to the old group is named so the
-user can make it again. A pool whose rank never answers is torn down. An interrupt during any of this tears the
-pool down too: it can no longer be vouched for.
+ranks' namespaces are made anew on it (kernel/healing/orchestrate.py), and anything else bound to the old group is
+named so the user can make it again. A pool whose rank never answers is torn down. An interrupt during any of this
+tears the pool down too: it can no longer be vouched for.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 from ... import timeline
 from ...wire import messages
-from .. import healing
+from ..healing import orchestrate, steps
 from ..ranks import starters
 
 
@@ -53,8 +53,8 @@ class Recovery:
                 self.regrouped = [r for r in stuck if not _interrupted(self.replies.get(r))] or stuck or sorted(
                     self.interrupted)
                 try:  # the DDP models (meshes...) in the ranks' namespaces, made anew on the new group for the user
-                    self.rebuilt = healing.regrouped(gang)
-                except healing.HealFailed as e:
+                    self.rebuilt = orchestrate.regrouped(gang)
+                except steps.HealFailed as e:
                     gang.close(f"torn down: its DDP models could not be made anew on its new process group ({e})")
                     return False
                 made = tuple(f"{name} ({kind}" for name, kind in self.rebuilt)

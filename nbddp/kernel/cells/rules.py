@@ -225,7 +225,7 @@ class PoolRules(CellRules):
         """The survivors still in the cell are interrupted after PEER_GRACE_S, or once all are blocked (a
         collective with the lost rank fails on its own as its connections close); the cell is over once they
         answered."""
-        if run.gang.mend is not None and not self.lost:
+        if run.gang.on_loss is not None and not self.lost:  # (a pool's gang: its --on-loss, even end)
             self.lost = True
             self._interrupt_soon(run)
 
@@ -292,7 +292,7 @@ class PoolRules(CellRules):
             return
         dead = [p.exit for p in gang.sup.procs if p.exit is not None]
         err = failure.rank_failed(dead, run.relabel, str(gang.run_dir.path)) if failure.root_cause(dead) else None
-        if gang.mend is not None:
+        if gang.on_loss is not None:  # a pool's gang: mended or ended as its --on-loss says, and said
             fate = gang.mend()
         else:
             gang.close("a rank exited")

@@ -60,7 +60,7 @@ def _parent(shell) -> dict:
     parent = None
     try:
         parent = kernel.get_parent("shell") if kernel is not None else None
-    except Exception:  # noqa: BLE001 - an ipykernel without get_parent: the shell's copy below
+    except (AttributeError, TypeError):  # an ipykernel without get_parent (or with no channel): the shell's copy below
         pass
     if not isinstance(parent, dict) or not parent:
         parent = getattr(shell, "parent_header", None)

@@ -69,15 +69,16 @@ class ForkServer:
         with self.lock:
             if self.gone:
                 raise ForkServerGone(self.kind)
+            answered = False
             try:
                 fdframing.send(self.sock, message, fds)
                 reply = self._reply(timeout)
+                answered = True
             except (OSError, EOFError):
-                self._lost()
                 raise ForkServerGone(self.kind) from None
-            except BaseException:  # an interrupt mid-exchange leaves the stream out of step: re-raised
-                self._lost()
-                raise
+            finally:
+                if not answered:  # the server gone, or an interrupt mid-exchange: the stream is out of step
+                    self._lost()
         if isinstance(reply, Refused):
             raise ForkServerRefused(reply.error)
         return reply

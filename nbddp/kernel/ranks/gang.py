@@ -9,6 +9,7 @@ Its run directory (0700), rank logs (0600), supervisor and command pipes live an
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -48,7 +49,7 @@ class Gang:
         self.started = False
         self.generation = 0  # of its process group: a pool's is made anew when a rank is stuck in a collective
         self.old_group: tuple | None = None  # once its group was made anew: what the ranks had bound to the old one
-        self.mend = None  # a pool's: () -> what it says, mending the ranks it lost (kernel/healing.py); None: it ends
+        self.on_loss = self.mend = None  # a pool's, from Pool.start: its --on-loss (options.OnLoss) and Mending.mend
         self.why: str | None = None  # how it ended, once closed ("stopped", "rank 1 exited: ...")
         self._cmd: dict[int, int] = {}
         self._starter = None
@@ -162,11 +163,11 @@ class Gang:
             return spec, [*not_inherited, *others, *driverwatch.device_fds(("/memfd:",))], forked
 
         try:
-            starters.fork_specs(self.sup, self._starter, self._job_for({spec.rank: (read, write)}), [spec], None,
-                                prepare)
-        except BaseException:  # whatever stopped the fork, an interrupt too: re-raised
-            os.close(write)
-            raise
+            with contextlib.ExitStack() as failed:  # whatever stopped the fork, an interrupt too: its end closed
+                failed.callback(os.close, write)
+                starters.fork_specs(self.sup, self._starter, self._job_for({spec.rank: (read, write)}), [spec], None,
+                                    prepare)
+                failed.pop_all()  # forked: the end is the rank's command pipe
         finally:
             os.close(read)
         self._cmd[spec.rank] = write
@@ -227,7 +228,7 @@ class Gang:
 
     def news_fds(self) -> list[int]:
         """Descriptors besides the ranks' pidfds that turn readable when a rank may have ended (a cluster
-        pool's: its nodes' streams); between cells, the pool watches them all (healing.LossWatch)."""
+        pool's: its nodes' streams); between cells, the pool watches them all (losses.LossWatch)."""
         return []
 
     @property

@@ -33,7 +33,8 @@ class Store:
                 return
             try:
                 answer = (rid, True, getattr(self, "_" + op)(*args))
-            except Exception as e:  # noqa: BLE001 - the rank raises it
+            except (AttributeError, LookupError, TypeError, ValueError) as e:  # the rank raises it (an op this store
+                # lacks, arguments it cannot take, a count that is no number: the ops below are dict operations)
                 answer = (rid, False, f"{type(e).__name__}: {e}")
             ready = self._ready() if op in ("set", "add", "compare_set", "append", "multi_set") else []
         reply(encode(answer))

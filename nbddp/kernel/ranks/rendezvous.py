@@ -144,11 +144,13 @@ def loopback_ifname() -> str:
     """Name of the interface that carries 127.0.0.1 ("lo" on Linux, "lo0" on macOS)."""
     try:
         import psutil
-
+    except ImportError:  # psutil missing: the usual name
+        return "lo"
+    try:
         for name, addrs in psutil.net_if_addrs().items():
             if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
                 return name
-    except Exception:  # noqa: BLE001 - psutil missing or failing: the usual name
+    except (psutil.Error, OSError):  # psutil failing: the usual name
         pass
     return "lo"
 

@@ -358,12 +358,14 @@ class ForkserverStarter(Starter):
         if spec.rank in pipes:
             roles.append("cmd")
             fds.append(pipes[spec.rank][0])
+        done = False
         try:
             forked = self.server.fork(spec, tuple(roles), fds)
-        except BaseException:  # whatever stopped the fork, an interrupt too: re-raised
-            for fd in (out_r, out_w, err_r, err_w, chan_r, chan_w):
-                os.close(fd)
-            raise
+            done = True
+        finally:
+            if not done:  # whatever stopped the fork, an interrupt too
+                for fd in (out_r, out_w, err_r, err_w, chan_r, chan_w):
+                    os.close(fd)
         proc = _parent_side(forked.pid, spec.rank, out_r, err_r, chan_r, (out_w, err_w, chan_w), (None, None),
                             pidfd=forked.pidfd)
         server = self.server

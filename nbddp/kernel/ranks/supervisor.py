@@ -205,7 +205,7 @@ class Supervisor:
         self._exits_seen = 0
         self.on_timeout = self.stop_all  # what --timeout does once the stacks are in (a pool interrupts)
         self._waker = Waker(self.sel)  # an interrupt from another thread (a background cell's %ddp interrupt)
-        self.keep_peers = False  # a rank that fails by dying leaves its peers running (a pool that heals)
+        self.on_loss = None  # a pool's options.OnLoss (another node's: KERNEL_DECIDES); None: one-shot, peers stopped
 
     def begin_cell(self, listeners=(), *, tick: float | None = None, on_timeout=None) -> None:
         """A cell's listeners after the lifelong ones, its tick and its --timeout rule (``on_timeout``,
@@ -383,7 +383,7 @@ class Supervisor:
         self._exits_seen += 1
         proc.exit = dataclasses.replace(record, order=self._exits_seen, node=proc.node)
         self.bus.publish(Exited(proc.rank, proc.exit))
-        if failure.failed(proc.exit) and not proc.stop_sent and not self.keep_peers:
+        if failure.failed(proc.exit) and not proc.stop_sent and not (self.on_loss and self.on_loss.keeps_peers):
             self.stop_all()
 
     def stacks_arriving(self) -> None:
