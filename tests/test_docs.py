@@ -209,3 +209,36 @@ def test_each_module_row_names_the_message_kinds_the_module_handles():
             if not re.search(rf"\b{kind}\b", row):
                 missing.append(f"{path}: {kind}")
     assert not missing, f"docs/architecture.md's module rows do not name the message kinds they handle: {missing}"
+
+
+def _class_names() -> dict:
+    """Every class of the package by name -> the names it has: what its body defines and what its methods
+    assign on ``self`` (instance attributes), read with ``ast`` (nothing imported)."""
+    import ast
+
+    found: dict = {}
+    for path in (ROOT / "nbddp").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            names = found.setdefault(node.name, set())
+            for item in ast.walk(node):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(item.name)
+                elif isinstance(item, ast.Name) and isinstance(item.ctx, ast.Store):
+                    names.add(item.id)
+                elif (isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store)
+                      and isinstance(item.value, ast.Name) and item.value.id == "self"):
+                    names.add(item.attr)
+    return found
+
+
+@pytest.mark.unit
+def test_architecture_names_only_methods_and_attributes_the_classes_have():
+    """Every `Class.name` the document writes in backticks is a class of the package with that method or
+    attribute (it named `Pool.mend` and `Pool.resize` long after they had moved)."""
+    text = (DOCS / "architecture.md").read_text()
+    refs = set(re.findall(r"`([A-Z][A-Za-z_]+)\.([A-Za-z_]+)`", text))
+    classes = _class_names()
+    missing = sorted(f"{c}.{a}" for c, a in refs if a not in classes.get(c, ()))
+    assert len(refs) >= 50 and not missing, f"docs/architecture.md names what the classes do not have: {missing}"
