@@ -10,13 +10,29 @@ from helpers import left_behind, pool_in
 from kernel import Kernel
 
 UNIT = os.path.join(os.path.dirname(__file__), "unit")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what looks at the whole machine, so runs alone (README's suite: the rest in parallel workers, then these): every
+# test of these files; single tests elsewhere carry @pytest.mark.serial themselves
+SERIAL = {
+    "tests/test_faults.py",  # no /dev/shm entry more after a fault
+    "tests/test_soak.py",  # nor after hundreds of cells
+    "tests/test_healing.py",  # nor after a pool healed
+    "tests/test_procwait.py",  # how busy a process is, seen from /proc: a loaded machine blurs it
+    "tests/test_ray.py", "notebooks/10-ray-cluster.ipynb",  # a Ray cluster on this machine, one at a time
+    "tests/test_browser.py", "tests/test_browser_background.py", "tests/test_browser_charts.py",
+    "tests/test_browser_debugger.py",  # a JupyterLab and Chromium each, waiting on what the page draws
+}
 
 
 def pytest_collection_modifyitems(items):
-    """Every test under tests/unit is a ``unit`` test (README's fast command: ``-m unit``)."""
+    """Every test under tests/unit is a ``unit`` test (README's fast command: ``-m unit``); the files of SERIAL
+    are ``serial``."""
     for item in items:
-        if str(item.path).startswith(UNIT + os.sep):
+        path = str(item.path)
+        if path.startswith(UNIT + os.sep):
             item.add_marker(pytest.mark.unit)
+        if os.path.relpath(path, ROOT) in SERIAL:
+            item.add_marker(pytest.mark.serial)
 
 
 def _refused(what):

@@ -173,6 +173,7 @@ def test_a_package_that_initialises_cuda_on_import_is_never_imported_ahead(kerne
     assert said(res.stdout, 0, "cuInit 0 False"), res.stdout + res.stderr
 
 
+@pytest.mark.serial  # the whole machine's /dev/shm, or its pids
 def test_killing_the_kernel_leaves_no_forkserver_no_rank_and_nothing_in_dev_shm(runs_dir):
     shm_before = set(os.listdir("/dev/shm"))
     k = Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir), "NBDDP_FORKSERVER": "template"})
@@ -373,6 +374,7 @@ while True:
 """
 
 
+@pytest.mark.serial  # the whole machine's /dev/shm, or its pids
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("leader", [False, True], ids=["another-process", "another-group-leader"])
 def test_a_rank_that_ended_is_never_signalled_by_its_number_once_another_process_took_it(leader):

@@ -262,6 +262,7 @@ def test_kernel_death_ends_the_pool():
         assert not alive
 
 
+@pytest.mark.serial  # the whole machine's /dev/shm, or its pids
 def test_100_start_cell_stop_cycles_leave_the_kernel_flat(clean_kernel):
     k = clean_kernel
     k.warm_up()
