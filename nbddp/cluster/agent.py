@@ -36,6 +36,7 @@ from .. import timeline
 from ..kernel import options
 from ..kernel.ranks import rendezvous, warm
 from ..kernel.ranks.logs import RankLogs
+from ..kernel.ranks.membership import move_procs
 from ..kernel.ranks.starters import ForkStarter
 from ..kernel.ranks.supervisor import Supervisor
 from ..rank.server import Server
@@ -100,7 +101,7 @@ class Agent:
             self._reset(pool)
             to_fork = self.to_fork
         self.run_dir = run_dir = rendezvous.new_run_dir()
-        self.logs = logs = RankLogs({s.rank: str(run_dir.log(s.rank)) for s in specs})
+        self.logs = logs = RankLogs(run_dir, [s.rank for s in specs])
         self.sup = sup = Supervisor([logs, self])
         sup.on_loss = options.KERNEL_DECIDES  # a lost rank's fate, and its peers', is the kernel's to decide
         try:
@@ -397,17 +398,15 @@ def _register(agent: Agent, new: NodeRank) -> int:
 
 
 def _moved(agent: Agent, moves: dict) -> None:
-    """On the supervisor's thread: the node's ranks answer to their new numbers (their command and store pipes,
-    the supervisor's records, their logs); the ranks that ended are forgotten, their pipes closed."""
-    sup = agent.sup
-    sup.procs = [p for p in sup.procs if p.rank in moves and p.exit is None]
-    for p in sup.procs:
-        p.rank = moves[p.rank]
+    """On the supervisor's thread: the node's ranks answer to their new numbers (the supervisor's records:
+    ``membership.move_procs``, the kernel's Membership having decided; then, here, their command and store pipes,
+    their logs); the ranks that ended are forgotten, their pipes closed."""
+    move_procs(agent.sup, moves)
     gone = [fd for r, fd in agent.cmd.items() if r not in moves]
     agent.cmd = {moves[r]: fd for r, fd in agent.cmd.items() if r in moves}
     _retire(agent, gone)
     _forget_replies(agent)  # (the store's replies are addressed by pid: nothing to renumber)
-    agent.logs.renumber({new: str(agent.run_dir.log(new)) for new in moves.values()})
+    agent.logs.renumber(moves.values())
 
 
 def _forget_replies(agent: Agent) -> None:

@@ -46,12 +46,13 @@ class ClusterGang(Gang):
         self.local = groupstore.LocalStores(self.store)
         self.links: list[remote.Link] = []
         self.streams: remote.Streams | None = None
-        self.node_names: dict[int, str] = {}
         self.pg = self.ray = None
         self.extra_pgs: list = []  # a lost node's ranks placed anew outside the pool's group (relocate)
         self.actors: list = []
         self.closed = False
         self.reported: set[int] = set()  # the other nodes' ranks whose end their agent reported (close)
+
+    node_names = property(lambda self: self.members.nodes)  # rank -> its node's name (its Membership's placement)
 
     def node_of(self, rank: int) -> str:
         return self.node_names.get(rank, "")
@@ -134,8 +135,9 @@ class ClusterGang(Gang):
         env.update(reshape.node_place(rank, self.world_size, rank % D, D, node, self.nodes), MASTER_ADDR=nodes[0].ip)
         return starters.rank_spec(self.plan, self.config, rank, env)
 
-    # a pool across nodes grown (--devices ranks on each node it did not use) or renumbered: reshape.py
-    place, room, grow, renumber = reshape.place, reshape.room, reshape.grow, reshape.renumber
+    # a pool across nodes grown (--devices ranks on each node it did not use) or renumbered, its tables following
+    # the ranks' moves (on_Moved): reshape.py
+    place, room, grow, renumber, on_Moved = reshape.place, reshape.room, reshape.grow, reshape.renumber, reshape.moved
 
     def _fork_local(self, job_for, specs, ifname: str, deadline) -> None:
         """The kernel's node's ranks, forked from the kernel as in any pool (from its forkserver where the
@@ -161,22 +163,22 @@ class ClusterGang(Gang):
                 os.close(read)
             self.local.start()
 
-    def replace(self, rank: int, generation: int) -> None:
+    def replace(self, rank: int) -> None:
         """As any gang's for the kernel's node's ranks; another node's rank is forked anew by that node's agent
-        (same spec, the group's ``generation``), or, that agent lost, with the rest of its node's ranks by a new
+        (same spec, the group's generation now), or, that agent lost, with the rest of its node's ranks by a new
         one (relocate.lost_node)."""
         if rank in self._cmd:  # (the kernel's node's)
-            super().replace(rank, generation)
+            super().replace(rank)
             return
         link = next(link for link in self.links if rank in link.ranks)
         old = self.streams.procs.get(rank)
         if old is not None and old.exit is None:
             return  # (started anew with its node's other ranks: relocate)
         if link.lost:
-            relocate.lost_node(self, link, generation)
+            relocate.lost_node(self, link)
             return
         self.forget_ended([rank])
-        link.control(agentmessages.ForkAgain(starters.again(self.specs[rank], generation)))
+        link.control(agentmessages.ForkAgain(starters.again(self.specs[rank], self.generation)))
         end = time.monotonic() + placement.START_S
         self.sup.wait(None, until=lambda: self.streams.procs.get(rank) is not old or bool(link.lost)
                       or time.monotonic() >= end, wake_at=end)

@@ -21,9 +21,9 @@ from ..kernel.ranks.gang import ReplaceFailed
 from . import placement, remote
 
 
-def lost_node(gang, old, generation: int) -> None:
+def lost_node(gang, old) -> None:
     """The ranks of the node whose agent was lost (``old``: its link), started anew by a new agent (on that node,
-    or another: ``placement.moved``), joining the group's ``generation``; ReplaceFailed if Ray has no node with
+    or another: ``placement.moved``), joining the group's generation now; ReplaceFailed if Ray has no node with
     the room within MOVE_S."""
     index = gang.links.index(old) + 1  # (node 0 is the kernel's)
     placement.forget(old.actor, gang.ray)  # (a hung agent, or one whose stream broke: its ranks end with it)
@@ -36,21 +36,21 @@ def lost_node(gang, old, generation: int) -> None:
         gang.extra_pgs.append(found[1])  # (released with the pool's own)
     gang.forget_ended(old.ranks)
     actor = _agent(gang, found, len(old.ranks))
-    gang.links[index - 1] = _started(gang, found[0], actor, old.ranks, generation, f"node {old.node} is lost, and ")
+    gang.links[index - 1] = _started(gang, found[0], actor, old.ranks, f"node {old.node} is lost, and ")
 
 
-def new_node(gang, ranks: list, found, generation: int) -> None:
+def new_node(gang, ranks: list, found) -> None:
     """``ranks`` (new numbers, their specs made) started by a new agent on the node ``found`` (node, placement group,
-    bundle: reshape.room's), a node the pool did not use, joining the group's ``generation``."""
+    bundle: reshape.room's), a node the pool did not use, joining the group's generation now."""
     gang.placed.append(found[0])
-    gang.links.append(_started(gang, found[0], _agent(gang, found, len(ranks)), ranks, generation, ""))
+    gang.links.append(_started(gang, found[0], _agent(gang, found, len(ranks)), ranks, ""))
 
 
-def node_again(gang, ranks: list, old, generation: int) -> None:
+def node_again(gang, ranks: list, old) -> None:
     """``ranks`` started on a node the pool holds but left with no rank (``old``: its link, whose stream ended
     cleanly: a shrink), by the agent it had there, whose bundle the pool still holds."""
     index = gang.links.index(old) + 1
-    gang.links[index - 1] = link = _started(gang, gang.placed[index], old.actor, ranks, generation, "")
+    gang.links[index - 1] = link = _started(gang, gang.placed[index], old.actor, ranks, "")
     link.slots = old.slots  # (its bundle is the one it had)
 
 
@@ -64,11 +64,11 @@ def _agent(gang, found, n: int):
     return actor
 
 
-def _started(gang, to, actor, ranks: list, generation: int, why: str) -> remote.Link:
+def _started(gang, to, actor, ranks: list, why: str) -> remote.Link:
     """``ranks`` forked on node ``to`` (its pool's node index) by ``actor``, its agent, joining the group's
-    ``generation``; their link, its stream followed."""
+    generation now; their link, its stream followed."""
     index = to.index
-    specs = [starters.again(gang.specs[r], generation) for r in ranks]
+    specs = [starters.again(gang.specs[r], gang.generation) for r in ranks]
     try:
         where = gang.ray.get(actor.where.remote(), timeout=placement.START_S)
         gen = actor.events.options(num_returns="streaming").remote(gang.run_dir.run_id, specs, gang.user_if)

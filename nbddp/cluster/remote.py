@@ -134,6 +134,11 @@ class Streams:
         self.procs[rank] = proc
         return proc
 
+    def renumber(self, moves: dict) -> None:
+        """The pool's ranks moved (old -> new: ``ClusterGang.on_Moved``): the remote ranks of ``moves`` under their
+        new numbers, the others forgotten."""
+        self.procs = {moves[r]: p for r, p in self.procs.items() if r in moves}
+
     def follow(self, link: Link, gen) -> None:
         """Read ``gen``, the agent's ``events`` stream (past its first item), on a thread of its own; the
         first link followed starts the thread that listens for silence."""

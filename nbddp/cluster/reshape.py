@@ -43,8 +43,9 @@ def place(gang, rank: int) -> dict:
 def renumber(gang, moves: dict) -> None:
     """``Gang.renumber`` (old rank -> new, in order: the pool shrank) across the nodes: each agent told first (its
     calls are applied in order: before any command for the new numbers), a node left with no rank let go (its
-    agent's stream ends), its link's ranks, the streams' records, the node names and the values owed
-    renumbered; then each rank's spec says its new place (a replacement forked later starts there)."""
+    agent's stream ends), its link's ranks renumbered; then the gang's ``Membership`` moves the ranks (the node
+    names with them; the streams' records and the values owed follow its ``Moved``: ``ClusterGang.on_Moved``);
+    then each rank's spec says its new place (a replacement forked later starts there)."""
     for link in gang.links:
         mine = {r: moves[r] for r in link.ranks if r in moves}
         if mine:
@@ -55,11 +56,17 @@ def renumber(gang, moves: dict) -> None:
         elif link.ranks:
             link.control(agentmessages.Finish())
         link.ranks = sorted(mine.values())
-    gang.streams.procs = {moves[r]: p for r, p in gang.streams.procs.items() if r in moves}
-    gang.node_names = {moves[r]: n for r, n in gang.node_names.items() if r in moves}
-    gang.given = {moves[r] for r in gang.given if r in moves}
     Gang.renumber(gang, moves)
     placed_anew(gang)
+
+
+def moved(gang, event) -> None:
+    """``ClusterGang.on_Moved``: as any gang's tables (``Gang.on_Moved``); the streams' remote ranks and the remote
+    ranks that had the values owed follow (each node's agent was told first: ``renumber``)."""
+    Gang.on_Moved(gang, event)
+    if gang.streams is not None:
+        gang.streams.renumber(event.moves)
+    gang.given = {event.moves[r] for r in gang.given if r in event.moves}
 
 
 def placed_anew(gang) -> None:
@@ -113,23 +120,23 @@ def _emptied(gang) -> list:
     return [link for link in empty if link.lost and link.clean]
 
 
-def grow(gang, world_size: int, found: list, generation: int) -> None:
-    """Ranks ``gang.world_size .. world_size - 1`` added where ``room`` found, each node's forked by its agent
-    (relocate.node_again, relocate.new_node) into the group's ``generation``; every rank's spec says its place
-    after."""
+def grow(gang, world_size: int, found: list) -> None:
+    """Ranks ``gang.world_size .. world_size - 1`` added where ``room`` found (``Membership.grow``: a fresh group),
+    each node's forked by its agent (relocate.node_again, relocate.new_node) into it; every rank's spec says its
+    place after."""
     nodes = len(layout(gang))
     chunks = _chunks(gang, list(range(gang.world_size, world_size)))
     # a GPU node's ranks see the GPUs Ray gave its agent as 0..n-1
     devices = [d for chunk in chunks for d in (range(len(chunk)) if gang.plan.accelerator == "cuda"
                                                    else [None] * len(chunk))]
-    gang.grown(world_size, tuple(devices))
+    gang.members.grow(tuple(devices))
     for node, (chunk, where) in enumerate(zip(chunks, found), start=nodes):
         for local, rank in enumerate(chunk):
             spec = gang.specs[rank]
             env = node_place(rank, world_size, local, len(chunk), node, nodes + len(chunks))
             gang.specs[rank] = dataclasses.replace(spec, env={**spec.env, **env})
         if isinstance(where, remote.Link):
-            relocate.node_again(gang, chunk, where, generation)
+            relocate.node_again(gang, chunk, where)
         else:
-            relocate.new_node(gang, chunk, where, generation)
+            relocate.new_node(gang, chunk, where)
     placed_anew(gang)

@@ -12,6 +12,7 @@ every ``REFRESH_S`` (memory sampled, the output updated only when what it shows 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import html
 import time
 
@@ -145,6 +146,10 @@ class PoolView:
             for r, s in self.state.items():
                 self.state[r] = "healing" if s == "dead" else s
         self.redraw()
+
+    def on_Moved(self, event) -> None:
+        """The pool's ranks moved (a shrink, a resize: supervisor.Moved), onto ``event.device_ids``."""
+        self.renumber(event.moves, dataclasses.replace(self.plan, device_ids=event.device_ids))
 
     def renumber(self, moves: dict, plan) -> None:
         """The pool shrank or grew: rank ``old`` is rank ``moves[old]`` from now on, and ``plan`` says its ranks."""

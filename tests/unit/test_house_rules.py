@@ -61,3 +61,50 @@ def test_each_class_name_is_defined_once_in_the_package():
                 where.setdefault(node.name, []).append(f"{path}:{node.lineno}")
     twice = {name: places for name, places in where.items() if len(places) > 1}
     assert len(where) > 50 and not twice, twice
+
+
+# who the ranks are: the supervisor's processes, a rank process's number, the process group's generation
+MEMBERSHIP = {"procs", "rank", "generation"}
+MEMBERSHIP_MODULE = pathlib.Path("nbddp/kernel/ranks/membership.py")
+
+
+def _assigned_attributes(tree):
+    """Each attribute an assignment, an augmented one or a ``setattr`` with a constant name sets: (its node, the
+    object's expression, the attribute's name)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+            yield node, node.args[0], node.args[1].value
+            continue
+        else:
+            continue
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets.extend(target.elts)
+            elif isinstance(target, ast.Starred):
+                targets.append(target.value)
+            elif isinstance(target, ast.Attribute):
+                yield target, target.value, target.attr
+
+
+def test_only_the_membership_changes_who_the_ranks_are():
+    """One authority changes a pool's membership (kernel/ranks/membership.py's ``Membership``, torchft's ``Manager``
+    the model): no other module assigns another object's ``procs`` (the supervisor's rank processes), ``rank`` (a
+    rank process's number) or ``generation`` (the process group's), as ``gang.generation += 1``, ``proc.rank = n``
+    or ``sup.procs = [...]`` did; an object's own methods on ``self`` may (the supervisor's ``self.procs``), and
+    records built with ``rank=`` (a constructor's or ``dataclasses.replace``'s keywords) are no assignment. The rank
+    side (nbddp/rank/) is left out: its ``rank`` attributes are other things (Lightning's ``rank_zero_only.rank``)."""
+    found = []
+    for path, _, tree in _modules():
+        if path.parts[1] == "rank" or path == MEMBERSHIP_MODULE:
+            continue
+        for node, owner, name in _assigned_attributes(tree):
+            if name in MEMBERSHIP and not (isinstance(owner, ast.Name) and owner.id == "self"):
+                found.append(f"{path}:{node.lineno}: {ast.unparse(owner)}.{name}")
+    assert not found, ("who the ranks are is the pool's Membership's to change (kernel/ranks/membership.py: "
+                       "next_generation, forget, renumber, grow; move_procs):\n" + "\n".join(found))

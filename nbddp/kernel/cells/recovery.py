@@ -46,8 +46,7 @@ class Recovery:
         gang = self.gang
         stuck = [r for r in self.ranks if r not in self.replies]
         if gang.alive and (stuck or self.interrupted and "nccl" in gang.plan.backend):  # (rank/ncclabort.py)
-            gang.generation += 1
-            if self._all_healthy(messages.Regroup(gang.generation), timeline.REGROUP_S,
+            if self._all_healthy(messages.Regroup(gang.next_generation()), timeline.REGROUP_S,
                                  "torn down by an interrupt while its process group was made anew"):
                 # those freed from a collective: a rank only slow to answer (past STUCK_S) answers the interrupt
                 self.regrouped = [r for r in stuck if not _interrupted(self.replies.get(r))] or stuck or sorted(

@@ -50,17 +50,17 @@ def _heal(gang, survivors: list, losses: list, inherited: bool) -> Mended:
     """The group first: a survivor still waiting in a collective with the lost rank (or with a peer that left
     it) is freed as the others leave the old group, answers its cell, then joins; then the state."""
     lost = sorted({loss.rank for loss in losses})
-    gang.generation += 1
+    generation = gang.next_generation()  # one fresh group: the survivors and every replacement join it
     started = []
     for rank in lost:
         try:
-            gang.replace(rank, gang.generation)
+            gang.replace(rank)
         except ReplaceFailed as e:
             if e.started:
                 raise
             return _shrunk_instead(gang, survivors, losses, started, f"no new rank {rank} could start ({e})")
         started.append(rank)
-    _join(gang, {r: messages.Regroup(gang.generation) for r in survivors}, lost)
+    _join(gang, {r: messages.Regroup(generation) for r in survivors}, lost)
     found = _hand_over(gang, survivors, lost, inherited)
     rebuilt, unmade = _rebuild(gang, found.remade)
     return Mended("healed", losses, 0.0, copied=found.agreed, peer=survivors[0], lacking=found.lacking, unmade=unmade,
@@ -139,8 +139,7 @@ def _rebuild(gang, names: list) -> tuple[list, dict]:
 
 def _shrink(gang, survivors: list, losses: list) -> Mended:
     moves = {old: new for new, old in enumerate(survivors)}
-    gang.generation += 1
-    gang.renumber(moves)
+    gang.renumber(moves)  # (in a fresh group)
     _join(gang, {new: gang.regroup_at(new) for new in moves.values()}, [])
     found = _survey(gang, list(moves.values()))
     rebuilt, unmade = _rebuild(gang, [n for n in found.agreed if n in found.remade])
@@ -165,14 +164,12 @@ def resize(pool, world_size: int, room: tuple = ()) -> Mended:
     if world_size < old:
         found = _survey(gang, list(range(old)))
         gang.retire(list(range(world_size, old)))
-        gang.generation += 1
-        gang.renumber({r: r for r in range(world_size)})
+        gang.renumber({r: r for r in range(world_size)})  # (in a fresh group)
         _join(gang, {r: gang.regroup_at(r) for r in ranks}, [])
         mended = Mended("resized", [], 0.0, lacking=_renumbered_lacking(found))
     else:
         new = list(range(old, world_size))
-        gang.generation += 1
-        gang.grow(world_size, room, gang.generation)
+        gang.grow(world_size, room)  # (in a fresh group)
         _join(gang, {r: gang.regroup_at(r) for r in ranks}, new)
         found = _hand_over(gang, ranks, new, pool.starter.inherits_notebook)
         # what uses the old group (a mesh that does not fit the new size, a group of dist.new_group) is stale on

@@ -22,6 +22,7 @@ from ...wire import framing, messages
 from .. import devices
 from . import failure, groupstore, rendezvous, starters
 from .logs import RankLogs
+from .membership import Membership
 from .supervisor import Started, Supervisor
 
 
@@ -38,16 +39,15 @@ class Gang:
     spans_machines = False  # its ranks all on this machine (a cluster pool's gang: across nodes)
 
     def __init__(self, config, plan, *, persistent: bool, view_for=None):
-        self.config, self.plan, self.persistent = config, plan, persistent
-        self.world_size = plan.world_size
+        self.config, self.persistent = config, persistent
         self.run_dir = rendezvous.new_run_dir()
-        self.logs = RankLogs({r: str(self.run_dir.log(r)) for r in range(plan.world_size)})
+        self.logs = RankLogs(self.run_dir, range(plan.world_size))
         # a pool's dashboard (poolview.PoolView, from view_for(plan, run_dir)): subscribed for the gang's life
         self.view = view_for(plan, self.run_dir) if view_for else None
         self.sup: Supervisor | None = Supervisor(self.lifelong())
+        self.members = Membership(self.sup, plan)  # its ranks, their places and their group's generation
         self.ready: set[int] = set()
         self.started = False
-        self.generation = 0  # of its process group: a pool's is made anew when a rank is stuck in a collective
         self.old_group: tuple | None = None  # once its group was made anew: what the ranks had bound to the old one
         self.on_loss = self.mend = None  # a pool's, from Pool.start: its --on-loss (options.OnLoss) and Mending.mend
         self.why: str | None = None  # how it ended, once closed ("stopped", "rank 1 exited: ...")
@@ -59,6 +59,15 @@ class Gang:
         # what each fork is given besides (its store pipes)  # forked ranks: the kernel's store and the thread serving
         # their store pipes
         self._prepare = None
+
+    # who its ranks are, where, in which generation of their process group: its Membership's (the one authority)
+    plan = property(lambda self: self.members.plan)
+    world_size = property(lambda self: self.members.world_size)
+    generation = property(lambda self: self.members.generation)
+
+    def next_generation(self) -> int:
+        """A fresh process group (``Regroup``), its generation: ``Membership.next_generation``."""
+        return self.members.next_generation()
 
     def lifelong(self) -> list:
         """The subscribers every cell's bus starts with."""
@@ -97,16 +106,16 @@ class Gang:
             if self.local is not None:
                 self.local.start()
 
-    def replace(self, rank: int, generation: int) -> None:
+    def replace(self, rank: int) -> None:
         """A new rank ``rank`` in place of the one that ended: forked as it was (same device, environment and
         start method, from the kernel as it is now), its own command pipe, joining the process group's
-        ``generation`` (the survivors make it with ``Regroup``)."""
+        generation now (``next_generation`` first: the survivors make it with ``Regroup``)."""
         self.forget_ended([rank])
         old = self._cmd.pop(rank, None)
         if old is not None:
             os.close(old)
         try:
-            self._fork_one(starters.again(self.specs[rank], generation))
+            self._fork_one(starters.again(self.specs[rank], self.generation))
         except Exception as e:  # (out of memory, no process left to fork: no child was made, unless it is listed)
             started = any(p.rank == rank and p.exit is None for p in self.sup.procs)
             raise ReplaceFailed(f"{type(e).__name__}: {e}", started=started) from e
@@ -114,7 +123,7 @@ class Gang:
     def forget_ended(self, ranks) -> None:
         """The ranks of ``ranks`` that ended (their descriptors closed as they were reaped) are no longer the
         loop's, nor ready: their replacements are awaited."""
-        self.sup.procs = [p for p in self.sup.procs if p.rank not in ranks or p.exit is None]
+        self.members.forget(ranks)
         self.ready.difference_update(ranks)
 
     def room(self, n: int) -> tuple:
@@ -128,26 +137,12 @@ class Gang:
             raise UsageError(f"%ddp resize: {n} more GPU(s) wanted, {len(free)} not used by the pool. Nothing changed.")
         return tuple(free[:n])
 
-    def grow(self, world_size: int, device_ids: tuple, generation: int) -> None:
-        """Ranks ``self.world_size .. world_size - 1`` added on ``device_ids`` (``room``'s, one each), joining the
-        group's ``generation`` at ``world_size`` (the ranks there make it with ``Regroup``, at the new size)."""
-        for rank in self.grown(world_size, device_ids):
-            self._fork_one(starters.again(self.specs[rank], generation))
-
-    def grown(self, world_size: int, device_ids: tuple) -> range:
-        """The gang's tables at ``world_size`` (its specs, plan, logs and view), the new ranks' specs made from
-        rank 0's on ``device_ids``; the new ranks."""
-        first = self.specs[0]
-        old = self.world_size
-        self.specs = {r: starters.moved(spec, r, world_size) for r, spec in self.specs.items()}
-        self.plan = dataclasses.replace(self.plan, device_ids=tuple(self.plan.device_ids) + tuple(device_ids))
-        self.world_size = world_size
-        self.logs.renumber({r: str(self.run_dir.log(r)) for r in range(world_size)})
-        if self.view is not None:
-            self.view.renumber({r: r for r in range(old)}, self.plan)
-        for rank, dev in zip(range(old, world_size), device_ids):
-            self.specs[rank] = dataclasses.replace(starters.moved(first, rank, world_size), device_id=dev)
-        return range(old, world_size)
+    def grow(self, world_size: int, device_ids: tuple) -> None:
+        """Ranks ``self.world_size .. world_size - 1`` added on ``device_ids`` (``room``'s, one each), joining a
+        fresh group at ``world_size`` (``Membership.grow``; the ranks there make it with ``Regroup``, at the new
+        size)."""
+        for rank in self.members.grow(device_ids[:world_size - self.world_size]):
+            self._fork_one(starters.again(self.specs[rank], self.generation))
 
     def _fork_one(self, spec) -> None:
         """One rank forked from ``spec`` into the running gang, with its own command pipe."""
@@ -191,22 +186,23 @@ class Gang:
         self.sup.wait(None, until=lambda: all(p.exit is not None for p in procs))
 
     def renumber(self, moves: dict) -> None:
-        """The pool shrunk to the ranks of ``moves`` (old rank -> new, in order): every table of the gang
-        follows (its supervisor's ranks, command pipes, specs, logs and view), the ranks that ended forgotten."""
-        self.sup.procs = [p for p in self.sup.procs if p.rank in moves and p.exit is None]
-        for proc in self.sup.procs:
-            proc.rank = moves[proc.rank]
+        """The pool shrunk to the ranks of ``moves`` (old rank -> new, in order), in a fresh group
+        (``Membership.renumber``): every table of the gang follows its ``Moved``, the ranks that ended forgotten."""
+        self.members.renumber(moves)
+
+    def on_Moved(self, event) -> None:
+        """Ranks moved (``Membership``): their command pipes, readiness and specs follow (a new rank's spec made
+        from rank 0's, on its device)."""
+        moves, first = event.moves, self.specs.get(0)
         for rank in [r for r in self._cmd if r not in moves]:
             os.close(self._cmd.pop(rank))
         self._cmd = {moves[r]: fd for r, fd in self._cmd.items()}
         self.ready = {moves[r] for r in self.ready if r in moves}
-        self.specs = {moves[r]: starters.moved(spec, moves[r], len(moves)) for r, spec in self.specs.items()
+        self.specs = {moves[r]: starters.moved(spec, moves[r], event.world_size) for r, spec in self.specs.items()
                       if r in moves}
-        self.plan = dataclasses.replace(self.plan, device_ids=tuple(self.plan.device_ids[r] for r in sorted(moves)))
-        self.world_size = len(moves)
-        self.logs.renumber({r: str(self.run_dir.log(r)) for r in moves.values()})
-        if self.view is not None:
-            self.view.renumber(moves, self.plan)
+        for rank in event.added:
+            self.specs[rank] = dataclasses.replace(starters.moved(first, rank, event.world_size),
+                                                   device_id=event.device_ids[rank])
 
     def here(self) -> list[int]:
         """The ranks forked on this machine (each has its command pipe here)."""

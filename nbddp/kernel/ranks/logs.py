@@ -12,9 +12,13 @@ from ...wire.messages import Progress
 class RankLogs:
     """Every byte each rank writes, kept in ``rankN.log`` (0600) in the run directory, its bars as text."""
 
-    def __init__(self, log_paths: dict[int, str]):
-        self._fds = {r: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r, p in log_paths.items()}
+    def __init__(self, run_dir, ranks):
+        self.run_dir = run_dir  # (rendezvous.RunDir: ``log(rank)``, the path of a rank's log)
+        self._fds = self._open(ranks)
         self._bar: dict[int, int] = {}  # rank -> the bar whose line is drawn last and not ended yet
+
+    def _open(self, ranks) -> dict[int, int]:
+        return {r: os.open(str(self.run_dir.log(r)), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r in ranks}
 
     def on_Output(self, event) -> None:
         fd = self._fds.get(event.rank)
@@ -35,12 +39,17 @@ class RankLogs:
             self._bar[event.rank] = rec.bar
         os.write(fd, text.encode("utf-8", "replace"))
 
-    def renumber(self, paths: dict) -> None:
-        """Ranks moved (a pool shrunk): each rank's bytes go on in its new number's log (``paths``)."""
+    def on_Moved(self, event) -> None:
+        """The pool's ranks moved (supervisor.Moved): the logs of the ranks it has now."""
+        self.renumber([*event.moves.values(), *event.added])
+
+    def renumber(self, ranks) -> None:
+        """Ranks moved (a pool shrunk or grew): each rank's bytes go on in its new number's log (those of
+        ``ranks``, the ranks there are now)."""
         for fd in self._fds.values():
             os.close(fd)
         self._bar.clear()
-        self._fds = {r: os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r, p in paths.items()}
+        self._fds = self._open(ranks)
 
     def close(self) -> None:
         for fd in self._fds.values():

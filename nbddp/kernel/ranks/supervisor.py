@@ -73,7 +73,20 @@ class StacksRequested:
     ranks: list
 
 
-EVENTS = (Started, Output, OutputClosed, Message, Exited, Tick, StacksRequested)
+@dataclass(frozen=True)
+class Moved:
+    """The pool's ranks moved (membership.Membership, the one authority: a shrink, a resize): rank ``old`` is
+    rank ``moves[old]`` from now on (a rank not in ``moves`` left), the ranks of ``added`` are new (a grow, forked
+    next); all of them in the process group's ``generation``, ``world_size`` ranks, on ``device_ids``."""
+
+    generation: int
+    moves: dict
+    world_size: int
+    device_ids: tuple = ()
+    added: tuple = ()
+
+
+EVENTS = (Started, Output, OutputClosed, Message, Exited, Tick, StacksRequested, Moved)
 
 
 class Bus:
