@@ -211,7 +211,7 @@ class Agent:
                 try:
                     handler(self, message)
                 except Exception as e:  # noqa: BLE001 - nobody reads this call's result: the stream says it
-                    self._failed(type(message).__name__, e)
+                    self._failed(message.op, e)
 
     def _failed(self, name: str, e: BaseException) -> None:
         """A kernel's call (``name``: its type's) this agent could not apply: said on the stream (the kernel ends
@@ -241,7 +241,7 @@ class Agent:
         while not self.forked.empty():
             new = self.forked.get_nowait()
             if isinstance(new, BaseException):
-                self._failed(agentmessages.ForkAgain.__name__, new)
+                self._failed(agentmessages.ForkAgain.op, new)
             else:
                 self.queue.append(agentmessages.RankForked(new.spec.rank, _register(self, new)))
         while True:  # (no lock shared with control(): it may block on a full command pipe)
@@ -380,7 +380,7 @@ def _call(agent: Agent, call, done: threading.Event | None) -> None:
                     p.stop_sent = True  # its exit record says nbddp stopped it
                 p.signal(call.sig, call.group)
     except Exception as e:  # noqa: BLE001 - said to the kernel, the agent lives on
-        agent._failed(agentmessages.Signal.__name__, e)
+        agent._failed(agentmessages.Signal.op, e)
 
 
 def _register(agent: Agent, new: NodeRank) -> int:

@@ -12,7 +12,7 @@ The agent's stream carries, in pickled batches, its supervisor's events (kernel/
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 # -- the kernel calls ---------------------------------------------------------------------------------------------
@@ -30,6 +30,8 @@ class AgentCall:
 class Command:
     """A framed command (wire/framing.py) for the command pipes of the node's ranks ``ranks``."""
 
+    op: ClassVar[str] = "command"  # its name in what a user reads ("could not apply the kernel's 'command'")
+
     frame: bytes
     ranks: list[int]
 
@@ -39,6 +41,8 @@ class StoreReply:
     """The kernel's store answering a ``StoreRequest``: a frame for the store reply pipe of the process that asked
     (``pid``: a renumbering meanwhile cannot send it to another)."""
 
+    op: ClassVar[str] = "store_reply"  # its name in what a user reads ("could not apply the kernel's 'store_reply'")
+
     pid: int
     frame: bytes
 
@@ -46,6 +50,8 @@ class StoreReply:
 @dataclass(frozen=True)
 class Signal:
     """A signal for rank ``rank`` (``group``: its process group)."""
+
+    op: ClassVar[str] = "signal"  # its name in what a user reads ("could not apply the kernel's 'signal'")
 
     rank: int
     sig: int
@@ -57,12 +63,16 @@ class LookAtRanks:
     """How each live rank of the node is (as /proc tells): answered with ``Looked``; ``ask``: the kernel's count of
     such asks for this node."""
 
+    op: ClassVar[str] = "look"  # its name in what a user reads ("could not apply the kernel's 'look'")
+
     ask: int
 
 
 @dataclass(frozen=True)
 class Renumber:
     """The pool shrank: the node's survivors, old rank -> new; marked on the stream with ``Renumbered``."""
+
+    op: ClassVar[str] = "renumber"  # its name in what a user reads ("could not apply the kernel's 'renumber'")
 
     moves: dict[int, int]
 
@@ -71,12 +81,16 @@ class Renumber:
 class ForkAgain:
     """A new rank (a lost one's replacement), from ``spec`` (rank/worker.py's RankSpec); said with ``RankForked``."""
 
+    op: ClassVar[str] = "fork_again"  # its name in what a user reads ("could not apply the kernel's 'fork_again'")
+
     spec: Any
 
 
 @dataclass(frozen=True)
 class Finish:
     """The kernel's pool is done with the node: once its ranks have exited, the stream ends."""
+
+    op: ClassVar[str] = "finish"  # its name in what a user reads ("could not apply the kernel's 'finish'")
 
 
 KERNEL_CALLS = (Command, StoreReply, Signal, LookAtRanks, Renumber, ForkAgain, Finish)

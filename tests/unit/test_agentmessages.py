@@ -79,10 +79,10 @@ def test_a_message_the_agent_does_not_know_is_refused_by_its_name_on_the_stream_
     assert agent.applied == 3 and not agent.waiting and len(agent.queue) == 2
 
 
-def test_a_call_the_agent_fails_to_apply_is_said_naming_its_type(agent):
+def test_a_call_the_agent_fails_to_apply_is_said_by_its_old_name(agent):
     _control(agent, 1, agentmessages.Command(b"frame", None))
     assert agent.queue == [agentmessages.CallFailed(
-        "its agent could not apply the kernel's 'Command': TypeError: 'NoneType' object is not iterable")]
+        "its agent could not apply the kernel's 'command': TypeError: 'NoneType' object is not iterable")]
 
 
 def test_an_agent_applies_the_calls_in_sequence_order_and_ignores_another_pools(agent):

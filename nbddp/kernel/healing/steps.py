@@ -39,10 +39,11 @@ class _Answers:
             self.lost.append(event.exit)
 
 
-def ask(gang, commands: dict, what: str, within: float = timeline.STEP_S, also=lambda: True, expect=ANSWERS) -> dict:
+def ask(gang, commands: dict, what: str, within: float | None = None, also=lambda: True, expect=ANSWERS) -> dict:
     """``commands`` (rank -> command) sent, and each rank's answer (rank -> record, of the kinds ``expect``)
     once every one answered and ``also()`` holds; a rank lost meanwhile, an error, or no answer within
-    ``within`` s is HealFailed."""
+    ``within`` s (timeline.STEP_S, read now, unless given) is HealFailed."""
+    within = timeline.STEP_S if within is None else within
     answers = _Answers(commands, expect)
     sup = gang.sup
     sup.begin_cell([answers])
