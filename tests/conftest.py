@@ -18,9 +18,8 @@ SERIAL = {
     "tests/test_soak.py",  # nor after hundreds of cells
     "tests/test_healing.py",  # nor after a pool healed
     "tests/test_procwait.py",  # how busy a process is, seen from /proc: a loaded machine blurs it
-    "tests/test_ray.py", "notebooks/10-ray-cluster.ipynb",  # a Ray cluster on this machine, one at a time
-    "tests/test_browser.py", "tests/test_browser_background.py", "tests/test_browser_charts.py",
-    "tests/test_browser_debugger.py",  # a JupyterLab and Chromium each, waiting on what the page draws
+    # a Ray cluster on this machine (its fixed ports, its object store in /dev/shm), one at a time
+    "tests/test_ray.py", "notebooks/10-ray-cluster.ipynb",
 }
 
 
