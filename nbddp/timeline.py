@@ -28,6 +28,10 @@ group within JOIN_S, or the pool ends (kernel/healing/).
 A rank left alone in a collective (every other rank answered the cell): asked for its stack ALONE_S after the last
 answer, again every STILL_S; stranded in a collective no peer will join, the cell fails (kernel/cells/probe.py).
 
+A one-shot cell's failed rank: it reports its error, then waits (HELD_S at most) for the kernel, which stops every
+rank at once on that report (kernel/cells/rules.py OneShotRules): its peers are stopped by nbddp before its
+connections close under them (rank/worker.py).
+
 Ending ranks: a pool's ranks leave the group and exit within STOP_S of ``Stop`` (kernel/ranks/gang.py); a rank
 told to end gets SIGTERM, then SIGKILL GRACE_S later, as torch.elastic does (kernel/ranks/supervisor.py).
 
@@ -58,6 +62,9 @@ STILL_S = 30.0  # ... and asked again every STILL_S: a stack that has not moved 
 SETTLE_S = 0.2  # before mending, other ranks that die with the first are waited for this long
 STEP_S = 120.0  # a mending step's answers (a survey of many GiB, an export) within this, or the pool ends
 JOIN_S = 60.0  # a replacement up and every rank in the new group within this
+
+# -- a one-shot cell's failed rank ------------------------------------------------------------------------------
+HELD_S = 5.0  # a rank that failed a one-shot cell waits this long at most for the kernel to stop every rank
 
 # -- ranks ended -------------------------------------------------------------------------------------------------
 STOP_S = 5.0  # a pool's ranks leave the group and exit within this after Stop, or are killed

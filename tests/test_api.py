@@ -48,6 +48,34 @@ def test_launch_raises_rank_failure_naming_the_rank():
     assert "rank 1 cause KeyError: 'missing shard'" in p.stdout, p.stdout + p.stderr
 
 
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_peer_waiting_for_the_failed_rank_is_stopped_by_nbddp_however_late_the_kernel_reads_the_failure(start_method):
+    """The failed rank keeps its connections until the kernel stops every rank: a kernel slow to read its report
+    (a loaded machine: CI's once) still finds rank 0 waiting in its collective, not failed by a closed connection."""
+    p = run_script(f"""
+        import time, torch, torch.distributed as dist, nbddp
+        from nbddp.kernel.cells import engine
+        from nbddp.wire import messages
+        seen = engine.CellRun.on_Message
+        def late(self, event):
+            if isinstance(event.record, messages.Error):
+                time.sleep(1.0)  # rank 0's collective would fail in this time if rank 1 had left
+            seen(self, event)
+        engine.CellRun.on_Message = late
+        def work():
+            if dist.get_rank() == 1:
+                raise ValueError('bad batch on rank 1')
+            dist.all_reduce(torch.ones(1))
+        if __name__ == '__main__':
+            try:
+                nbddp.launch(work, devices=2, start_method={start_method!r})
+            except nbddp.RankFailure as e:
+                print(e)
+    """)
+    assert "rank 1 failed: ValueError: bad batch on rank 1" in p.stdout, p.stdout + p.stderr
+    assert "rank 0: stopped by nbddp after rank 1 failed" in p.stdout, p.stdout + p.stderr
+
+
 def test_launch_with_spawn_ships_the_function_by_value():
     p = run_script("""
         import nbddp

@@ -5,7 +5,7 @@
 A one-shot cell's ranks get their one command with the fork (or, spawned, pickled with the job),
 answer it, and leave when the kernel says every rank has answered (``Stop`` on the command pipe: nbddp's
 own synchronisation, which never touches the user's process group); an exception or ``sys.exit()`` ends
-the rank at once, as a script ends. A pool's
+the rank, as a script ends, once the kernel has its report (worker._held). A pool's
 ranks read commands from their command pipe until ``Stop``, and what a cell defines stays in the rank's
 namespace for the next one; an exception is answered and the rank lives on. SIGUSR2 raises
 KeyboardInterrupt in a running command (how the kernel relays Jupyter's interrupt to a pool, or frees
@@ -44,6 +44,11 @@ class Server:
         self.first = first
         self.cmd_pipes = cmd_pipes or {}
         self.namespace = namespace
+
+    @property
+    def one_shot(self) -> bool:
+        """Its ranks answer one cell and leave (a failed one waits for the kernel to stop it: worker._held)."""
+        return self.first is not None
 
     def __getstate__(self):
         state = dict(self.__dict__)

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .. import timeline
 from ..ipy import tracebacks
 from ..wire import framing, messages
 from . import debugpanel, inherit, stdio
@@ -148,9 +149,12 @@ def run_rank(spec: RankSpec, load_job, chan: framing.Writer) -> int:
         code = exit_code(e)
         flush_streams()
         chan.send(messages.Exit(code, exit_site(e), phase, time.time()))
+        if code != 0:
+            _held(phase, job)
         return code
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         report(chan, phase, e)
+        _held(phase, job)
         return 1
 
 
@@ -258,6 +262,16 @@ def report(chan: framing.Writer, phase: str, exc: BaseException) -> None:
         chan.send(messages.Error(phase, type(exc).__name__, str(exc), text, time.time()))
     except OSError:
         pass  # the kernel is gone
+
+
+def _held(phase: str, job) -> None:
+    """A rank that failed a one-shot cell keeps its process, so its connections, until the kernel stops every
+    rank (SIGTERM, as soon as its report arrives): a peer waiting for it in a collective is then stopped by
+    nbddp, the same on a loaded machine as on an idle one, never failed by a connection closed under it
+    ("Connection closed by peer") first. At most ``timeline.HELD_S`` (a kernel that is gone kills it sooner:
+    PDEATHSIG). A pool's rank answers a failed cell and lives on: it never gets here with one."""
+    if phase == "cell" and getattr(job, "one_shot", False):
+        time.sleep(timeline.HELD_S)
 
 
 def exit_code(exc: SystemExit) -> int:

@@ -9,7 +9,7 @@ cell's run (its gang, its supervisor's schedule, its answers).
 =====================  ==========================================  ==============================================
 the cell arrives       with the fork (spawn: pickled with the job) on each rank's command pipe
 the cell is over       when every rank has exited                  when every rank answered (or one died)
-a rank fails           the others are stopped (nothing to keep)    the others are interrupted after PEER_GRACE_S
+a rank fails           every rank is stopped on its report         the others are interrupted after PEER_GRACE_S
                                                                    (sooner once all wait: grace.py), then a
                                                                    health check (a barrier); ranks stuck in
                                                                    a collective (gloo) are freed by a fresh group
@@ -141,7 +141,9 @@ class OneShotRules(CellRules):
             run.gang.command(messages.Stop())
 
     def rank_failed(self, run) -> None:
-        pass  # the supervisor stops the others as the failed rank exits
+        """Every rank is stopped at once, the failed one too: it waits for this (worker._held), so a peer in a
+        collective with it is stopped by nbddp before its connections close."""
+        run.sup.stop_all()
 
     def timed_out(self, run) -> None:
         run.sup.stop_all()
