@@ -121,6 +121,19 @@ def load_ipython_extension(ipython) -> None:
     register_exporter(_export_cells)  # %ddp_export's writer
     ipython.register_magics(DDPMagics)
     rankdebug.install(ipython)  # JupyterLab's debugger panel reaches the ranks too
+    _say_kept()
+
+
+def _say_kept() -> None:
+    """Pools kept from a kernel that ended (``--keep``), waiting for one: said at load, with how to take them."""
+    from .kernel.ranks import keeping
+
+    waiting = [a for a in keeping.kept() if a.holder_pid is None]
+    if waiting:
+        lines = "\n".join(f"  {keeping.describe(a)}" for a in waiting)
+        print(f"nbddp: {len(waiting)} kept pool(s) wait for a kernel:\n{lines}\n%ddp attach"
+              f"{'' if len(waiting) == 1 else ' ID'} takes {'it' if len(waiting) == 1 else 'one'}, %ddp stop ID ends "
+              "one.", flush=True)
 
 
 def unload_ipython_extension(ipython) -> None:

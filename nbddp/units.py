@@ -2,7 +2,8 @@
 
 Sizes in IEC units (``size``: 850 B, 4.5 KiB, 12.3 MiB, 123 MiB, 1.2 GiB), ranks as ranges (``rank_span``:
 ``0-2,5``, the label of a line several ranks printed alike, ``[rank0-2,5]:``; ``ranks_text``: ``rank 3``,
-``ranks 0-15,17,20-63`` in prose, so 600 ranks fit one line). It imports nothing: every part of the package,
+``ranks 0-15,17,20-63`` in prose, so 600 ranks fit one line); durations as a user writes them (``seconds``:
+``30s``, ``10m``, ``2h``, ``90``). It imports nothing: every part of the package,
 rank, wire and hardware seams included, may use it.
 """
 from __future__ import annotations
@@ -44,3 +45,14 @@ def ranks_text(ranks, word: bool = True) -> str:
     if not word:
         return text
     return f"rank {text}" if len(set(ranks)) == 1 else f"ranks {text}"
+
+
+def seconds(text) -> float:
+    """A duration as a user writes it (``30s``, ``10m``, ``2h``, ``1.5h``, ``90``: seconds) -> seconds > 0;
+    ValueError otherwise."""
+    text = str(text).strip().lower()
+    scale = {"s": 1, "m": 60, "h": 3600}.get(text[-1:]) if text else None
+    number = float(text[:-1] if scale else text)
+    if not number > 0:
+        raise ValueError(text)
+    return number * (scale or 1)

@@ -29,6 +29,7 @@ MAY_IMPORT = {
     "kernel": {"rank", "views", "wire", "ipy", "hw", "errors", "units", "timeline"},
     "export": {"kernel.options", "kernel.devices", "ipy", "errors", "units"},
     "cluster": {"kernel", "rank", "views", "wire", "ipy", "hw", "errors", "units", "timeline"},
+    "keeper": {"wire", "errors", "units", "timeline"},  # a kept pool's keeper, a process of its own: no torch
     "integrations": {"rank"},  # the trainers' hooks, in a rank: nbddp.log (rank/metrics_log.py) only
     # the public API, the command line and the demo sit on top
     "__init__": {"*"}, "cli": {"*"}, "demo": {"*"},

@@ -40,7 +40,7 @@ def test_config_and_the_magic_derive_from_the_one_table():
     for title in options.GROUPS.values():
         assert title in doc
     assert set(options.POOL_FIXED) == {"devices", "accelerator", "backend", "start_method", "threads", "seed",
-                                       "cluster", "nodes", "on_loss"}
+                                       "cluster", "nodes", "on_loss", "keep"}
 
 
 @pytest.mark.parametrize("line", ["-d3", "-d 3", "--devices=3", "--devices 3", "--threads 1 -d3"])

@@ -143,7 +143,7 @@ class ClusterGang(Gang):
         """The kernel's node's ranks, forked from the kernel as in any pool (from its forkserver where the
         kernel holds CUDA), each with its store pipes."""
         pipes = {s.rank: os.pipe() for s in specs}
-        self._cmd = {r: w for r, (_, w) in pipes.items()}
+        self.cmd_fds = {r: w for r, (_, w) in pipes.items()}
         self._starter = starters.starter_for(self.plan)(self.run_dir)
 
         def env(spec):
@@ -167,7 +167,7 @@ class ClusterGang(Gang):
         """As any gang's for the kernel's node's ranks; another node's rank is forked anew by that node's agent
         (same spec, the group's generation now), or, that agent lost, with the rest of its node's ranks by a new
         one (relocate.lost_node)."""
-        if rank in self._cmd:  # (the kernel's node's)
+        if rank in self.cmd_fds:  # (the kernel's node's)
             super().replace(rank)
             return
         link = next(link for link in self.links if rank in link.ranks)
@@ -213,7 +213,7 @@ class ClusterGang(Gang):
                     self.given.update(mine)
                 link.control(agentmessages.Command(framing.encode(out), mine))
         # the kernel's node's ranks after: the other nodes' are the farther, their command goes first
-        super().command(cmd, ranks=[r for r in sorted(wanted) if r in self._cmd])
+        super().command(cmd, ranks=[r for r in sorted(wanted) if r in self.cmd_fds])
         if isinstance(cmd, messages.RunCell):  # every remote rank has had them now
             self.extra, self.given = {}, set()
 

@@ -103,3 +103,15 @@ def environment() -> Environment:
         nccl=nccl.host_needs(kind),
         host_note=HOST_NOTES.get(kind, ""),
     )
+
+
+def kernel_ports() -> tuple:
+    """The ports of this IPython kernel's sockets (shell, iopub, stdin, control, heartbeat); () outside a kernel."""
+    try:
+        from ipykernel.kernelapp import IPKernelApp
+    except ImportError:
+        return ()
+    if not IPKernelApp.initialized():
+        return ()
+    app = IPKernelApp.instance()
+    return tuple(p for p in (app.shell_port, app.iopub_port, app.stdin_port, app.control_port, app.hb_port) if p)

@@ -16,6 +16,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from .. import units
 from ..errors import UsageError
 from ..wire import values
 
@@ -49,6 +50,14 @@ class Option:
         if self.ok is not None and not _holds(self.ok, value):
             return f"{self.flag} {value!r}: need {self.need}."
         return None
+
+
+def _duration(text) -> bool:
+    try:
+        units.seconds(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _rank_list(text: str) -> tuple:
@@ -154,6 +163,13 @@ OPTIONS = (
            "replacement with the same rank and device, which takes the pool's state from a surviving peer; "
            "shrink goes on with the survivors, renumbered; end ends the pool. See docs/user-guide.md, \"When a "
            "rank is lost\"."),
+    Option("keep", ("--keep",), "off", scope=LAUNCH, group="ranks", metavar="DURATION", nargs="?", const="1h",
+           need="a duration (30s, 10m, 2h) or off", ok=lambda v: v == "off" or _duration(v),
+           help="Keep the pool when its kernel ends (pools only): killed, crashed, out of memory, restarted, shut "
+           "down. Its ranks, their state and a running --bg cell live on for DURATION (--keep alone: 1h) and wait "
+           "for a kernel: %%load_ext nbddp there lists them, %%ddp attach takes one. Only you can reach it (a socket "
+           "in a directory of yours). Default off: the pool ends with its kernel. See docs/user-guide.md, \"When "
+           "the kernel restarts\"."),
     Option("ranks", ("--ranks",), (), scope=NAMES, group="pool", type=_rank_list, metavar="R[,R...]",
            help="Run the cell on these ranks of the pool only (0 or 0,2), to look at or fix one rank's state; a "
            "collective called there fails fast, and the pool lives on. Its last expression and --out come from "
@@ -253,6 +269,17 @@ def _fix(o: Option) -> str:
 
 def fork_available() -> bool:
     return hasattr(os, "fork")
+
+
+def line(conf, scopes=(LAUNCH,)) -> str:
+    """``conf``'s options that differ from the defaults, as ``%ddp start`` would take them (``--devices 2 --keep
+    10m``)."""
+    words = []
+    for o in OPTIONS:
+        value = getattr(conf, o.name, o.default) if o.scope in scopes else o.default
+        if value != o.default:
+            words.append(o.flag if o.type is bool else f"{o.flag} {value}")
+    return " ".join(words)
 
 
 def max_value_bytes(conf) -> int:

@@ -15,7 +15,7 @@ import time
 
 from ..errors import RankFailure, UsageError
 from ..rank.jobs import CallJob
-from ..rank.server import Server
+from ..rank.server import INTERRUPT, Server
 from ..views import output
 from ..views.display import view_for_pool
 from ..wire import messages, values
@@ -24,8 +24,9 @@ from .cells import engine
 from .healing.losses import Losses
 from .healing.mending import Mending
 from .names.sending import RankNames
-from .ranks import failure, starters
+from .ranks import failure, keeping, starters
 from .ranks.gang import Gang
+from .ranks.gang import adopted as gang_of
 
 START_S = 600.0  # the ranks of a new pool must all be in the process group by then
 NO_POOL = "no pool is running (%ddp start [options] starts one)"
@@ -80,18 +81,8 @@ class Pool:
             self.view = gang.view
             done = False
             try:
-                gang.start(lambda pipes: Server(cmd_pipes=pipes, namespace=self.namespace))
-                self.started_at = time.time()
-                self.starter = starters.starter_for(plan)
-                self.held = RankNames(self.namespace, across_nodes=bool(self.config.cluster),
-                                      inherited=self.starter.inherits_notebook, gpu_ipc=self.starter.gpu_ipc(plan))
-                gang.sup.announce()
-                self.losses = Losses(self.view)
-                gang.sup.listen(self.losses)
-                # its --on-loss (options.OnLoss), asked by its cells' rules and its supervisor (a lost rank's peers
-                # kept up to be mended: heal, shrink; or stopped: end), and what acts on it
-                gang.on_loss = gang.sup.on_loss = self.config.loss_policy
-                gang.mend = self.mending.mend
+                gang.start(self.job_for)
+                self.begin(plan, inherited=starters.starter_for(plan).inherits_notebook)
                 end = time.monotonic() + START_S
                 gang.sup.wait(None, until=lambda: len(gang.ready) == gang.world_size or time.monotonic() >= end,
                               wake_at=end)
@@ -107,6 +98,25 @@ class Pool:
                             rank=None, cause="start")
         self.mending.watch.arm()
         return self
+
+    def job_for(self, pipes) -> Server:
+        """Its ranks' job, given their command pipes (a replacement's too)."""
+        return Server(cmd_pipes=pipes, namespace=self.namespace)
+
+    def begin(self, plan, inherited: bool) -> None:
+        """Its ranks are there (forked, or taken from a keeper): what the pool keeps of them, and its rules."""
+        gang = self.gang
+        self.started_at = gang.started_at
+        self.starter = starters.starter_for(plan)
+        self.held = RankNames(self.namespace, across_nodes=bool(self.config.cluster), inherited=inherited,
+                              gpu_ipc=self.starter.gpu_ipc(plan))
+        gang.sup.announce()
+        self.losses = Losses(self.view)
+        gang.sup.listen(self.losses)
+        # its --on-loss (options.OnLoss), asked by its cells' rules and its supervisor (a lost rank's peers
+        # kept up to be mended: heal, shrink; or stopped: end), and what acts on it
+        gang.on_loss = gang.sup.on_loss = self.config.loss_policy
+        gang.mend = self.mending.mend
 
     @property
     def plan(self):
@@ -282,3 +292,52 @@ class Pool:
         """Options a %%ddp cell gave that the running pool cannot honour."""
         return [f"--{k.replace('_', '-')} {v} (the pool has {getattr(self.config, k)})"
                 for k, v in explicit.items() if k in options.POOL_FIXED and str(v) != str(getattr(self.config, k))]
+
+
+def taken(namespace: dict | None, pool_id: str) -> Pool:
+    """The kept pool ``pool_id`` (``%ddp attach``), this kernel's from now on: its ranks hold what they held, the
+    notebook's names reach them as a spawned pool's do (they are no forks of this kernel), and a cell the last
+    kernel left running in them is waited for (``_settle``)."""
+    taken = keeping.take(pool_id)
+    pool = Pool(namespace)
+    pool.config = taken[2].config
+    gang = pool.gang = gang_of(taken, view_for=view_for_pool, job_for=pool.job_for)
+    pool.view = gang.view
+    with contextlib.ExitStack() as failed:  # whatever stops it, an interrupt too: the pool ends
+        failed.callback(gang.close)
+        pool.begin(gang.plan, inherited=False)
+        _settle(pool)
+        failed.pop_all()
+    pool.mending.watch.arm()
+    return pool
+
+def _settle(pool: Pool) -> None:
+    """Wait until every rank answers this kernel's first call: a cell the last kernel left running (a --bg
+    training) answers first, and that answer is its, not this kernel's next cell's. An interrupt (Jupyter's)
+    meanwhile interrupts that cell in the ranks."""
+    token = f"nbddp-taken-{time.time_ns()}"
+    sup, answered = pool.gang.sup, set()
+
+    class Answers:
+        def on_Message(self, event) -> None:
+            rec = event.record
+            if isinstance(rec, messages.Result) and rec.value is not None and rec.value.blob is not None \
+                    and values.loads(rec.value.blob) == token:
+                answered.add(event.rank)
+
+    sup.begin_cell([Answers()])
+    pool.gang.command(messages.Call(values.to_ranks(CallJob(str, (token,), 1 << 16))))
+    try:
+        while True:
+            try:
+                sup.wait(None, until=lambda: answered >= set(range(pool.gang.world_size)))
+                break
+            except KeyboardInterrupt:
+                print("nbddp: interrupting the cell the last kernel left running in the ranks", file=sys.stderr)
+                for p in sup.live():
+                    p.signal(INTERRUPT, group=False)
+    finally:
+        sup.end_cell()
+    if len(answered) < pool.gang.world_size:
+        raise RankFailure("the kept pool's ranks ended while it was being taken; see its logs: "
+                          f"{pool.gang.run_dir.path}", rank=None, cause="take")

@@ -34,12 +34,18 @@ class Verbs:
             if work:
                 print("background cells:\n" + "\n".join(f"  {line}" for line in work))
             return
+        if verb == "pools":
+            return self._pools()
+        if verb == "attach" and (rest.strip() or self._kept_to_take()):
+            return self._take(rest.strip())
         if verb in ("wait", "interrupt", "attach"):
             return self._background(verb, rest.strip())
         self.m.background.before_foreground(f"%ddp {verb}")  # never two cells in the ranks at once
         if verb in ("debug", "who", "diff"):
             with self.m.ranks_debug_themselves():
                 return self._look(verb, rest.strip())
+        if verb == "stop" and rest.strip():
+            return self._end_kept(rest.strip())
         if verb == "stop":
             ended = self.m.pool.ended if self.m.pool is not None else None
             if self._stop_pool():
@@ -52,8 +58,61 @@ class Verbs:
             return self._start(verb, rest)
         if verb == "resize":
             return self._resize(rest.strip())
-        raise UsageError(f"%ddp {verb}: say start [options], stop, restart [options], resize N, status, debug [RANK], "
-                         "who, diff EXPR, wait [--timeout S], interrupt or attach.")
+        raise UsageError(f"%ddp {verb}: say start [options], stop [ID], restart [options], resize N, status, debug "
+                         "[RANK], who, diff EXPR, wait [--timeout S], interrupt, attach [ID] or pools.")
+
+    # -- kept pools (--keep): ranks that outlived the kernel that started them ---------------------------------------
+    def _kept_to_take(self) -> list:
+        """The kept pools no kernel holds, while this kernel has no pool of its own (``%ddp attach`` takes one)."""
+        from .ranks import keeping
+
+        if self.m.pool is not None and self.m.pool.alive:
+            return []
+        return [a for a in keeping.kept() if a.holder_pid is None]
+
+    def _pools(self) -> None:
+        """``%ddp pools``: this user's kept pools on this machine."""
+        from .ranks import keeping
+
+        found = keeping.kept()
+        if not found:
+            print("nbddp: no kept pool (%ddp start --keep DURATION starts one that outlives its kernel)")
+            return
+        print("nbddp: kept pools (%ddp attach ID takes one, %ddp stop ID ends one):")
+        for about in found:
+            print(f"  {keeping.describe(about)}")
+
+    def _take(self, pool_id: str) -> None:
+        """``%ddp attach [ID]``: a kept pool taken; without ID, the only one waiting."""
+        from .pool import taken
+
+        if self.m.pool is not None and self.m.pool.alive:
+            raise UsageError(f"%ddp attach {pool_id}: this kernel runs a pool already; %ddp stop it first. Nothing "
+                             "changed.")
+        if not pool_id:
+            waiting = self._kept_to_take()
+            if len(waiting) > 1:
+                self._pools()
+                raise UsageError("%ddp attach: several kept pools wait; say which: %ddp attach ID. Nothing changed.")
+            pool_id = waiting[0].pool_id
+        t0 = time.monotonic()
+        pool = taken(self.m.shell.user_ns, pool_id)
+        self.m.pool, self.m.pool_options = pool, options.line(pool.config)
+        print(f"nbddp: took kept pool {pool_id}: {pool.plan.world_size} rank(s) on {pool.plan.accelerator}/"
+              f"{pool.plan.backend}, their state as it was, in {time.monotonic() - t0:.2f} s (%ddp stop ends it)",
+              flush=True)
+        if pool.view.shown:
+            pool.show()
+
+    def _end_kept(self, pool_id: str) -> None:
+        """``%ddp stop ID``: a kept pool no kernel holds, ended (taken, then stopped)."""
+        from .pool import taken
+
+        if self.m.pool is not None and self.m.pool.alive and self.m.pool.run_dir.run_id == pool_id:
+            self._stop_pool()
+        else:
+            taken(None, pool_id).stop()
+        print(f"nbddp: kept pool {pool_id} ended")
 
     def _resize(self, rest: str) -> None:
         """``%ddp resize N``: the running pool grown or shrunk to N ranks, its state kept (healing/mending.py)."""

@@ -42,6 +42,8 @@ class RankSpec:
     switch_interval: float | None = None  # the kernel's sys.getswitchinterval(), whatever thread forked the rank
     blocked: tuple = ()  # the signals the kernel's main thread blocks (a fork takes the forking thread's mask)
     generation: int = 0  # of the pool's process group: a replacement for a lost rank joins the survivors' new one
+    keeper_pid: int | None = None  # a kept pool's (--keep): the rank dies with its keeper, not with the kernel
+    kernel_ports: tuple = ()  # ... and lets go of the kernel's sockets on these ports (session.kernel_ports)
 
 
 def place_env(rank: int, world_size: int) -> dict:
@@ -94,7 +96,7 @@ def fork_main(spec: RankSpec, job, *, out_fd: int, err_fd: int, chan_fd: int, cl
         # notebook heap would slow every collection) and leaves their pages shared with the kernel.
         gc.freeze()
         debugpanel.after_fork()  # the kernel's debugger, if it traced the forking thread, stays in the kernel
-        tie_to_parent(spec.parent_pid)
+        tie_to_parent(spec.parent_pid, spec.keeper_pid, spec.kernel_ports)
         for fd in close_fds:
             _close(fd)
         _own_stdio(out_fd, err_fd)
@@ -286,11 +288,15 @@ def exit_site(exc: SystemExit) -> str:
 
 
 # -- ties to the parent ---------------------------------------------------------------------------
-def tie_to_parent(parent_pid: int) -> None:
-    """Die with the kernel, ignore Jupyter's group-wide SIGINT, get a process group of our own."""
-    if sys.platform.startswith("linux"):
+def tie_to_parent(parent_pid: int, keeper_pid: int | None = None, kernel_ports: tuple = ()) -> None:
+    """Die with the kernel (a kept pool's rank: with its keeper instead), ignore Jupyter's group-wide SIGINT, get a
+    process group of our own."""
+    if keeper_pid is not None:
+        _die_with(keeper_pid)
+        _let_go_of_kernel_sockets(kernel_ports)
+    elif sys.platform.startswith("linux"):
         LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != parent_pid and keeper_pid is None:  # the parent died before prctl took effect
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -298,6 +304,51 @@ def tie_to_parent(parent_pid: int) -> None:
         os.setpgid(0, 0)  # teardown signals the rank and its own children (DataLoader workers) together
     except OSError:
         pass
+
+
+def _die_with(pid: int) -> None:
+    """The rank ends the instant process ``pid`` does (a kept pool's keeper: nbddp/keeper/): a thread waits on its
+    pidfd. A rank outlives its kernel only while its keeper lives, and never its keeper."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=wait, name="nbddp-keeper-watch", daemon=True).start()
+
+
+def _let_go_of_kernel_sockets(ports: tuple) -> None:
+    """A kept pool's rank outlives its kernel: the kernel's sockets it inherited on ``ports`` (its zmq ports: shell,
+    iopub, stdin, control, heartbeat; listening, and each connection a front end made to them) are closed here. Held
+    open, they would keep Jupyter's client talking to a kernel that is gone, and the kernel started again on the same
+    ports could not bind them. Its other sockets (one the notebook opened) stay the rank's."""
+    import socket
+    import stat
+
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            here = sock.getsockname()
+        except OSError:
+            here = None
+        if isinstance(here, tuple) and here[1] in ports or \
+                isinstance(here, str) and here.rpartition("-")[2] in {str(p) for p in ports}:  # ipc transport
+            sock.close()
+        else:
+            sock.detach()
 
 
 def _own_stdio(out_fd: int, err_fd: int) -> None:

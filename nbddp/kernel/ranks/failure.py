@@ -89,6 +89,9 @@ class RankExit:
         if self.code is not None and self.code < 0:
             sig = signal.Signals(-self.code)
             return f"killed by {sig.name}: {SIGNAL_HINTS.get(sig, '')}".rstrip(": ")
+        if self.code is None:
+            return ("ended; how is unknown (a rank of a kept pool, taken by this kernel: not its child); its last "
+                    "words are in its log")
         if self.code == 0:
             return "exited (code 0) before the cell finished: os._exit() or a native exit inside the cell"
         return f"exited with code {self.code} before the cell finished"

@@ -16,14 +16,12 @@ import signal
 import time
 
 from ... import timeline
-from ...errors import UsageError
 from ...hw import driverwatch
 from ...wire import framing, messages
-from .. import devices
-from . import failure, groupstore, rendezvous, starters
+from . import failure, groupstore, keeping, rendezvous, starters
 from .logs import RankLogs
 from .membership import Membership
-from .supervisor import Started, Supervisor
+from .supervisor import RankProc, Started, Supervisor
 
 
 class ReplaceFailed(RuntimeError):
@@ -38,26 +36,27 @@ class ReplaceFailed(RuntimeError):
 class Gang:
     spans_machines = False  # its ranks all on this machine (a cluster pool's gang: across nodes)
 
-    def __init__(self, config, plan, *, persistent: bool, view_for=None):
+    def __init__(self, config, plan, *, persistent: bool, view_for=None, run_dir=None, generation: int = 0):
         self.config, self.persistent = config, persistent
-        self.run_dir = rendezvous.new_run_dir()
+        self.run_dir = run_dir or rendezvous.new_run_dir()  # (a kept pool taken: its own)
         self.logs = RankLogs(self.run_dir, range(plan.world_size))
         # a pool's dashboard (poolview.PoolView, from view_for(plan, run_dir)): subscribed for the gang's life
         self.view = view_for(plan, self.run_dir) if view_for else None
         self.sup: Supervisor | None = Supervisor(self.lifelong())
-        self.members = Membership(self.sup, plan)  # its ranks, their places and their group's generation
+        self.members = Membership(self.sup, plan, generation)  # its ranks, their places and their group's generation
+        self.keeper: keeping.KeeperLink | None = None  # a kept pool's (--keep): its keeper, told of every change
         self.ready: set[int] = set()
         self.started = False
         self.old_group: tuple | None = None  # once its group was made anew: what the ranks had bound to the old one
         self.on_loss = self.mend = None  # a pool's, from Pool.start: its --on-loss (options.OnLoss) and Mending.mend
         self.why: str | None = None  # how it ended, once closed ("stopped", "rank 1 exited: ...")
-        self._cmd: dict[int, int] = {}
+        self.cmd_fds: dict[int, int] = {}  # rank -> the kernel's end of its command pipe
         self._starter = None
         self.specs: dict = {}  # rank -> the RankSpec it was forked with
+        self.started_at = time.time()
         self.local = None
         self._job_for = None  # a rank's job, given its command pipes (a replacement's too)
-        # what each fork is given besides (its store pipes)  # forked ranks: the kernel's store and the thread serving
-        # their store pipes
+        # what each fork is given besides (its store pipes: the kernel's store, and the thread serving them)
         self._prepare = None
 
     # who its ranks are, where, in which generation of their process group: its Membership's (the one authority)
@@ -88,7 +87,7 @@ class Gang:
         """One rank per planned device, running ``job_for(command pipes)``: a pool's commands, a one-shot
         cell's ``Stop``. Past ``deadline`` no more are forked."""
         pipes = {r: os.pipe() for r in range(self.world_size)} if self.piped else {}
-        self._cmd = {r: w for r, (_, w) in pipes.items()}
+        self.cmd_fds = {r: w for r, (_, w) in pipes.items()}
         self._starter = starters.starter_for(self.plan)(self.run_dir)
         self.started = True
         prepare = None
@@ -97,21 +96,25 @@ class Gang:
             prepare = starters.store_pipes(self.local)
         self._job_for, self._prepare = job_for, prepare
         try:
+            self.keeper = keeping.start(self)  # a kept pool's (--keep), first: its ranks are tied to its life
             self._starter.ready(self.config)
-            self.specs = {spec.rank: spec for spec in starters.rank_specs(self.config, self.plan, self.run_dir)}
-            starters.fork_specs(self.sup, self._starter, job_for(pipes), list(self.specs.values()), deadline, prepare)
+            self.specs = {spec.rank: keeping.tied(spec, self.keeper)
+                          for spec in starters.rank_specs(self.config, self.plan, self.run_dir)}
+            starters.fork_specs(self.sup, self._starter, job_for(pipes), list(self.specs.values()), deadline,
+                                keeping.kept_out(self.keeper, prepare))
         finally:
             for read, _ in pipes.values():
                 os.close(read)
             if self.local is not None:
                 self.local.start()
+        keeping.hold(self)
 
     def replace(self, rank: int) -> None:
         """A new rank ``rank`` in place of the one that ended: forked as it was (same device, environment and
         start method, from the kernel as it is now), its own command pipe, joining the process group's
         generation now (``next_generation`` first: the survivors make it with ``Regroup``)."""
         self.forget_ended([rank])
-        old = self._cmd.pop(rank, None)
+        old = self.cmd_fds.pop(rank, None)
         if old is not None:
             os.close(old)
         try:
@@ -127,15 +130,8 @@ class Gang:
         self.ready.difference_update(ranks)
 
     def room(self, n: int) -> tuple:
-        """Devices for ``n`` more ranks (``%ddp resize``), found before anything changes: CPU ranks need none;
-        GPUs not used by the pool yet, else UsageError."""
-        plan = self.plan
-        if plan.accelerator != "cuda":
-            return (None,) * n
-        free = [d for d in devices.plan(-1, "cuda", plan.backend).device_ids if d not in plan.device_ids]
-        if len(free) < n:
-            raise UsageError(f"%ddp resize: {n} more GPU(s) wanted, {len(free)} not used by the pool. Nothing changed.")
-        return tuple(free[:n])
+        """Devices for ``n`` more ranks (``%ddp resize``): ``Membership.room``."""
+        return self.members.room(n)
 
     def grow(self, world_size: int, device_ids: tuple) -> None:
         """Ranks ``self.world_size .. world_size - 1`` added on ``device_ids`` (``room``'s, one each), joining a
@@ -149,10 +145,10 @@ class Gang:
         self.ready.discard(spec.rank)
         self._starter.ready(self.config)  # (the kernel's OpenMP threads released again: it ran ops since)
         read, write = os.pipe()
-        others = list(self._cmd.values())  # no other rank's command pipe in the new one
+        others = list(self.cmd_fds.values())  # no other rank's command pipe in the new one
 
         def prepare(spec):
-            spec, not_inherited, forked = self._prepare(spec) if self._prepare else (spec, (), None)
+            spec, not_inherited, forked = keeping.kept_out(self.keeper, self._prepare)(spec)
             # nor the kernel's shared-memory arenas made since the start: a rank maps what it is sent by
             # /proc, and an inherited descriptor would keep memory the kernel lets go for the rank's life
             return spec, [*not_inherited, *others, *driverwatch.device_fds(("/memfd:",))], forked
@@ -165,9 +161,10 @@ class Gang:
                 failed.pop_all()  # forked: the end is the rank's command pipe
         finally:
             os.close(read)
-        self._cmd[spec.rank] = write
+        self.cmd_fds[spec.rank] = write
         proc = self.sup.procs[-1]
         self.sup.bus.publish(Started(proc.rank, proc.pid))  # the pool's view watches it
+        keeping.hold(self)
 
     def retire(self, ranks: list[int], *, kill: bool = False) -> None:
         """``ranks`` leave: told to stop, given STOP_S to exit, then killed (``kill``: at once); reaped, forgotten."""
@@ -194,19 +191,21 @@ class Gang:
         """Ranks moved (``Membership``): their command pipes, readiness and specs follow (a new rank's spec made
         from rank 0's, on its device)."""
         moves, first = event.moves, self.specs.get(0)
-        for rank in [r for r in self._cmd if r not in moves]:
-            os.close(self._cmd.pop(rank))
-        self._cmd = {moves[r]: fd for r, fd in self._cmd.items()}
+        for rank in [r for r in self.cmd_fds if r not in moves]:
+            os.close(self.cmd_fds.pop(rank))
+        self.cmd_fds = {moves[r]: fd for r, fd in self.cmd_fds.items()}
         self.ready = {moves[r] for r in self.ready if r in moves}
         self.specs = {moves[r]: starters.moved(spec, moves[r], event.world_size) for r, spec in self.specs.items()
                       if r in moves}
         for rank in event.added:
             self.specs[rank] = dataclasses.replace(starters.moved(first, rank, event.world_size),
                                                    device_id=event.device_ids[rank])
+        if not event.added:  # (ranks added are told once forked)
+            keeping.hold(self)
 
     def here(self) -> list[int]:
         """The ranks forked on this machine (each has its command pipe here)."""
-        return sorted(self._cmd)
+        return sorted(self.cmd_fds)
 
     def regroup_at(self, rank: int):
         """The command that moves ``rank`` (its number now) into the group's generation at the gang's size (a
@@ -234,7 +233,7 @@ class Gang:
     def command(self, cmd, ranks=None) -> None:
         """One framed command on every live rank's pipe (or those of ``ranks``)."""
         frame = framing.encode(cmd)
-        for fd in (self._cmd.values() if ranks is None else [self._cmd[r] for r in ranks if r in self._cmd]):
+        for fd in (self.cmd_fds.values() if ranks is None else [self.cmd_fds[r] for r in ranks if r in self.cmd_fds]):
             try:
                 framing.write_all(fd, frame)
             except BrokenPipeError:
@@ -265,18 +264,54 @@ class Gang:
         if self.view is not None:
             self.view.finish(self.why if why == "stopped" else f"ended: {self.why}")
         sup, self.sup = self.sup, None
+        keeping.end(self.keeper)  # (its keeper goes once its ranks have)
         sup.stop_all()
         sup.reap()
         sup.close()
-        for fd in self._cmd.values():
+        for fd in self.cmd_fds.values():
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self._cmd = {}
+        self.cmd_fds = {}
         if self.local is not None:
             self.local.close()  # (once: a cluster gang closes it too)
         self.logs.close()
         self.run_dir.release_store()
         if self._starter is not None:
             self._starter.cleanup()
+
+
+def adopted(taken, view_for=None, job_for=None) -> Gang:
+    """The gang of a kept pool this kernel took (keeping.take's ``(link, Taken, KeptState, ranks)``): its ranks
+    as they are (not this kernel's children: their ends seen on their pidfds), their pipes, a store of this
+    kernel's for the groups they make from now on, and what they wrote while no kernel held them."""
+    link, told, state, ranks = taken
+    gang = Gang(state.config, state.plan, persistent=True, view_for=view_for, run_dir=state.run_dir,
+               generation=state.generation)
+    gang.keeper, gang.specs, gang.started, gang.started_at = link, dict(state.specs), True, state.started_at
+    gang._starter = starters.starter_for(gang.plan)(gang.run_dir)
+    gang.local = groupstore.LocalStores(groupstore.Store())
+    gang._job_for, gang._prepare = job_for, starters.store_pipes(gang.local)
+    for kept, fds in sorted(ranks, key=lambda r: r[0].rank):
+        fd = dict(zip(kept.fds, fds))
+        proc = RankProc(kept.rank, kept.pid, fd["pidfd"],
+                        {fd["stdout"]: "stdout", fd["stderr"]: "stderr", fd["channel"]: "channel"},
+                        published={"stdout": None, "stderr": None}, reap=_not_a_child)
+        if "store_request" in fd:
+            proc.store_fds = (fd["store_request"], fd["store_reply"])
+            gang.local.add(*proc.store_fds)
+        gang.cmd_fds[kept.rank] = fd["command"]
+        gang.sup.add(proc)
+        gang.ready.add(kept.rank)
+    gang.local.start()
+    for proc in gang.sup.procs:  # what they wrote meanwhile, in order: text, then the records that follow it
+        for kind in ("stdout", "stderr", "channel"):
+            gang.sup.feed(proc, kind, told.buffered.get(proc.rank, {}).get(kind, b""))
+    return gang
+
+
+def _not_a_child():
+    """A rank of a kept pool this kernel took: not its child, so no wait status (its own last words say how it
+    ended: supervisor._exit_code)."""
+    return None, 0

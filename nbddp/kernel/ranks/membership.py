@@ -24,18 +24,32 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...errors import UsageError
+from .. import devices
 from .supervisor import Moved
 
 
 class Membership:
-    def __init__(self, sup, plan):
+    def __init__(self, sup, plan, generation: int = 0):
         self.sup, self.plan = sup, plan  # plan: its device_ids, one per rank, say where each rank is
-        self.generation = 0  # of the process group: made anew when ranks move or a rank is stuck in a collective
+        # of the process group: made anew when ranks move or a rank is stuck in a collective
+        self.generation = generation
         self.nodes: dict[int, str] = {}  # rank -> its node's name (a pool across Ray nodes; none on one machine)
 
     @property
     def world_size(self) -> int:
         return self.plan.world_size
+
+    def room(self, n: int) -> tuple:
+        """Devices for ``n`` more ranks (``%ddp resize``), found before anything changes: CPU ranks need none;
+        GPUs not used by the pool yet, else UsageError."""
+        plan = self.plan
+        if plan.accelerator != "cuda":
+            return (None,) * n
+        free = [d for d in devices.plan(-1, "cuda", plan.backend).device_ids if d not in plan.device_ids]
+        if len(free) < n:
+            raise UsageError(f"%ddp resize: {n} more GPU(s) wanted, {len(free)} not used by the pool. Nothing changed.")
+        return tuple(free[:n])
 
     def next_generation(self) -> int:
         """A fresh process group: its generation, which the ranks join (``Regroup``, a replacement's spec)."""

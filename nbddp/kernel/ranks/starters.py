@@ -89,6 +89,7 @@ def store_pipes(local, env=None, forked=None):
             os.close(req_w)
             os.close(rep_r)
             local.add(req_r, rep_w)
+            proc.store_fds = (req_r, rep_w)
             if forked is not None:
                 forked(proc)
 

@@ -140,6 +140,7 @@ class RankProc:
     node: str = ""  # a cluster pool's: the node it runs on, as its exit record names it
     reap: object = None  # a rank that is not the kernel's child (the forkserver's): () -> (wait status, peak RSS)
     pidfd: bool = True  # exit_fd is its pidfd (no pidfds here, as on macOS: its life pipe)
+    store_fds: tuple = ()  # the kernel's ends of its store pipes (request read, reply write), where it has them
 
     def signal(self, sig: int, group: bool = True) -> None:
         """``sig`` to the rank (and, ``group``, the processes it started). Its number, and its group's, may have
@@ -187,6 +188,12 @@ class RankProc:
         """What is held of ``stream`` up to byte ``mark`` of the rank's writes (None: all), taken; text flushed
         before a record was sent is in the pipe, and read here if not yet."""
         held = self.held[stream]
+        if self.published[stream] is None:  # a rank taken from a kept pool: what it wrote before is learnt from
+            if mark is None:  # the first record it sends (its marks count from its start)
+                chunk = bytes(held)
+                held.clear()
+                return chunk
+            self.published[stream] = max(0, mark - len(held))
         if mark is not None:
             if self.published[stream] + len(held) < mark:  # (a quiet rank's marks are all reached: no read)
                 fd = self.fd_of(stream)
@@ -329,13 +336,14 @@ class Supervisor:
             return
         data = _read(fd)
         if data:
-            self._data(proc, kind, data)
+            self.feed(proc, kind, data)
         elif data is not None:
             self._close_fd(proc, fd)
 
-    def _data(self, proc: RankProc, kind: str, data: bytes) -> None:
-        """Text is held until the records the rank sent before it are known (each frame carries how much
-        text the rank had written when it was sent), so the two pipes merge in the rank's own order."""
+    def feed(self, proc: RankProc, kind: str, data: bytes) -> None:
+        """What ``proc``'s ``kind`` pipe gave (read here, or by a kept pool's keeper while no kernel held it). Text is
+        held until the records the rank sent before it are known (each frame carries how much text the rank had
+        written when it was sent), so the two pipes merge in the rank's own order."""
         if kind == "channel":
             records = proc.reader.feed(data)
         else:
@@ -374,7 +382,7 @@ class Supervisor:
         # what is there instead of waiting for EOF. The group dies before the reap (pid still reserved).
         for fd in sorted(proc.fds, key=lambda f: proc.fds[f] == "channel"):  # text first: marks place it
             while data := _read(fd):
-                self._data(proc, proc.fds[fd], data)
+                self.feed(proc, proc.fds[fd], data)
         for fd in list(proc.fds):
             self._close_fd(proc, fd)
         proc.signal(signal.SIGKILL)
@@ -385,7 +393,7 @@ class Supervisor:
         # "stopped" only if our signal ended it (a rank that reported its own end did not). A rank still
         # starting when --timeout asked for stacks dies of that SIGUSR1: stopped, too.
         self.ended(proc, failure.exit_record(
-            proc.rank, proc.records, code=os.waitstatus_to_exitcode(status),
+            proc.rank, proc.records, code=_exit_code(status, proc),
             stopped=proc.stop_sent or proc.rank in self.timed_out,
             max_rss=max_rss, seen=time.time(),
         ))
@@ -450,6 +458,14 @@ class Supervisor:
                 p.exit_fd = -1
         self.sel.close()
         self._waker.close()
+
+
+def _exit_code(status: int | None, proc: RankProc) -> int | None:
+    """The rank's exit code from its wait status; a rank taken from a kept pool (not this kernel's child: ``status``
+    None) said it, or it is unknown (None)."""
+    if status is not None:
+        return os.waitstatus_to_exitcode(status)
+    return 0 if messages.Done in proc.records else None
 
 
 def _reaped(proc: RankProc) -> tuple[int, int]:

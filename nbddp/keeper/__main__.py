@@ -1,0 +1,4 @@
+"""``python -m nbddp.keeper``: keeper/keeper.py's ``main``."""
+from .keeper import main
+
+main()

@@ -1,0 +1,304 @@
+"""The keeper's loop: one select over its holder's socket, its listening socket, the ranks' pidfds, and, while no
+kernel holds the pool, the ranks' pipes.
+
+- While a kernel holds the pool, the keeper only holds duplicates of every kernel-side descriptor of each rank
+  (wire/keepmessages.py's ``RANK_FDS``), sent by that kernel with each ``Hold``; it reads nothing.
+- The holder's socket closing without ``End`` is the kernel's end (killed, crashed, out of memory, Jupyter's
+  restarter killing its group, a shutdown). The keeper then reads the ranks' pipes, so none blocks on a full pipe:
+  their text and records are kept, bounded (``KEPT_TEXT``, ``KEPT_RECORDS``), for the next kernel, and the pool
+  waits ``About.keep_s`` for one. At the end of the wait every rank's process group is ended (SIGTERM, SIGKILL
+  ``timeline.GRACE_S`` later) and the keeper exits, its socket file removed.
+- ``Take`` from another kernel of the same user (``SO_PEERCRED``: any other user's connection is closed at once)
+  hands it every descriptor and what was kept; that connection is the holder's from then on. A second ``Take``
+  while one holds it is refused, naming the holder.
+- ``End`` ends the pool: the keeper waits for its ranks to leave (the kernel stops them), then exits.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import time
+
+from .. import timeline
+from ..wire import fdframing
+from ..wire.keepmessages import About, Describe, End, Hold, Kept, KeptRank, NotTaken, Take, Taken
+
+NAME = b"nbddp-keeper"
+KEPT_TEXT = 16 << 20  # per rank and stream, the newest bytes a rank printed while no kernel held the pool
+KEPT_RECORDS = 64 << 20  # per rank, its records (displays, metrics, answers); past it the rank waits to send more
+LEAVE_S = timeline.STOP_S + timeline.GRACE_S + 1.0  # after End, the ranks leave within this, or are killed
+
+
+def peer_uid(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
+class Rank:
+    def __init__(self, kept: KeptRank, fds: list[int]):
+        self.rank, self.pid = kept.rank, kept.pid
+        self.fds = dict(zip(kept.fds, fds))
+        self.alive = True
+        self.kept = {"stdout": bytearray(), "stderr": bytearray(), "channel": bytearray()}
+        self.dropped = {"stdout": 0, "stderr": 0}
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = {}
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to the rank's process group, if its pidfd says it is still there."""
+        pidfd = self.fds.get("pidfd")
+        if pidfd is None or not self.alive:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            signal.pidfd_send_signal(pidfd, 0)
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                signal.pidfd_send_signal(pidfd, sig)
+
+
+class Keeper:
+    def __init__(self, holder: socket.socket, listener: socket.socket, path: str):
+        self.sel = selectors.DefaultSelector()
+        self.holder: socket.socket | None = None
+        self.listener, self.path = listener, path
+        self.about: About | None = None
+        self.state = b""
+        self.ranks: dict[int, Rank] = {}
+        self.orphaned_at: float | None = None  # time.time(), while no kernel holds the pool
+        self.wait_until: float | None = None  # time.monotonic(): the wait's end, or End's
+        self.kill_at: float | None = None
+        self.ending = False  # the holder ended the pool (End): the keeper goes once its ranks have
+        self.done = False
+        self._hold(holder)
+        self.sel.register(listener, selectors.EVENT_READ, ("listener", None))
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while not self.done:
+                now = time.monotonic()
+                wake = [t for t in (self.wait_until, self.kill_at) if t is not None]
+                for key, _ in self.sel.select(max(0.0, min(wake) - now) if wake else None):
+                    kind, what = key.data
+                    getattr(self, f"_on_{kind}")(what, key.fileobj)
+                now = time.monotonic()
+                if self.kill_at is not None and now >= self.kill_at:
+                    self._end_ranks(signal.SIGKILL)
+                    self.done = True
+                elif self.wait_until is not None and now >= self.wait_until and self.kill_at is None:
+                    say(f"the wait is over ({'ending' if self.holder is None else 'ended'}): its ranks are ended")
+                    self._end_ranks(signal.SIGTERM)
+                    self.kill_at = now + timeline.GRACE_S
+                gone = not any(r.alive for r in self.ranks.values())
+                if gone and (self.ending or self.ranks and self.holder is None):
+                    say("every rank has ended")
+                    self.done = True
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        for r in self.ranks.values():
+            r.close()
+        self.sel.close()
+        self.listener.close()
+        if self.holder is not None:
+            self.holder.close()
+
+    # -- the holder -----------------------------------------------------------------------------------------
+    def _hold(self, conn: socket.socket) -> None:
+        self.holder = conn
+        self.orphaned_at = self.wait_until = None
+        self.sel.register(conn, selectors.EVENT_READ, ("holder", None))
+
+    def _on_holder(self, _, conn: socket.socket) -> None:
+        try:
+            msg, fds = fdframing.receive(conn)
+        except (EOFError, OSError):
+            if self.ending:  # (the kernel that ended the pool let go of its end)
+                self.sel.unregister(conn)
+                conn.close()
+                self.holder = None
+            else:
+                self._orphaned("its kernel ended without a word")
+            return
+        if isinstance(msg, Hold):
+            self._take_hold(msg, conn)
+            fdframing.send(conn, Kept())
+        elif isinstance(msg, End):
+            say("ended by its kernel")
+            self.ending = True
+            self.wait_until = time.monotonic() + LEAVE_S
+        for fd in fds:
+            os.close(fd)
+
+    def _take_hold(self, hold: Hold, conn: socket.socket) -> None:
+        """The holder's new word: the pool's description and every rank's descriptors (the last ones let go)."""
+        ranks = {}
+        for _ in range(hold.ranks):
+            kept, fds = fdframing.receive(conn)
+            ranks[kept.rank] = Rank(kept, fds)
+        for r in self.ranks.values():
+            self._unwatch(r)
+            r.close()
+        self.about, self.state, self.ranks = hold.about, hold.state, ranks
+        for r in ranks.values():
+            self.sel.register(r.fds["pidfd"], selectors.EVENT_READ, ("exit", r))
+
+    def _orphaned(self, why: str) -> None:
+        if self.holder is not None:
+            self.sel.unregister(self.holder)
+            self.holder.close()
+            self.holder = None
+        keep_s = self.about.keep_s if self.about is not None else 0.0
+        say(f"{why}; its pool waits {keep_s:g} s for a kernel to take it")
+        self.orphaned_at = time.time()
+        self.wait_until = time.monotonic() + keep_s
+        for r in self.ranks.values():
+            if r.alive:
+                self._watch(r)
+
+    # -- the ranks --------------------------------------------------------------------------------------------
+    def _watch(self, r: Rank) -> None:
+        """Read the rank's pipes (no kernel does), so that it never blocks on a full one."""
+        for stream in ("stdout", "stderr", "channel"):
+            fd = r.fds.get(stream)
+            if fd is not None:
+                os.set_blocking(fd, False)
+                self.sel.register(fd, selectors.EVENT_READ, ("pipe", (r, stream)))
+
+    def _unwatch(self, r: Rank) -> None:
+        for stream in ("stdout", "stderr", "channel"):
+            fd = r.fds.get(stream)
+            if fd is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.sel.unregister(fd)
+
+    def _on_pipe(self, what, _fd) -> None:
+        r, stream = what
+        fd = r.fds[stream]
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if not data:
+            self.sel.unregister(fd)
+            return
+        kept = r.kept[stream]
+        kept += data
+        if stream == "channel":
+            if len(kept) >= KEPT_RECORDS:  # the rank waits to send more (its pipe fills) until a kernel takes it
+                self.sel.unregister(fd)
+        elif len(kept) > KEPT_TEXT:
+            cut = len(kept) - KEPT_TEXT
+            del kept[:cut]
+            r.dropped[stream] += cut
+
+    def _on_exit(self, r: Rank, _fd) -> None:
+        self.sel.unregister(r.fds["pidfd"])
+        r.alive = False
+        if self.holder is None:  # what it wrote last is read before its pipes are let go
+            for stream in ("stdout", "stderr", "channel"):
+                fd = r.fds.get(stream)
+                while fd is not None:
+                    try:
+                        data = os.read(fd, 1 << 16)
+                    except (BlockingIOError, OSError):
+                        break
+                    if not data:
+                        break
+                    r.kept[stream] += data
+            say(f"rank {r.rank} (pid {r.pid}) ended while no kernel held the pool")
+
+    def _end_ranks(self, sig: int) -> None:
+        for r in self.ranks.values():
+            r.signal(sig)
+
+    # -- other kernels -----------------------------------------------------------------------------------------
+    def _on_listener(self, _, listener: socket.socket) -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        pid, uid = peer_uid(conn)
+        if uid != os.getuid():
+            say(f"refused a connection from uid {uid} (pid {pid}): only uid {os.getuid()} may reach this pool")
+            conn.close()
+            return
+        self.sel.register(conn, selectors.EVENT_READ, ("client", pid))
+
+    def _on_client(self, pid: int, conn: socket.socket) -> None:
+        self.sel.unregister(conn)
+        try:
+            msg, fds = fdframing.receive(conn)
+            for fd in fds:
+                os.close(fd)
+            if isinstance(msg, Describe):
+                fdframing.send(conn, self.described())
+            elif isinstance(msg, Take):
+                if self._give(conn, pid):
+                    return
+            else:
+                fdframing.send(conn, NotTaken(f"the keeper does not take {type(msg).__name__}"))
+        except (EOFError, OSError, fdframing.Unreadable):
+            pass
+        conn.close()
+
+    def described(self) -> About:
+        import dataclasses
+
+        return dataclasses.replace(self.about, holder_pid=self._holder_pid(), orphaned_at=self.orphaned_at,
+                                   ranks_alive=sum(r.alive for r in self.ranks.values()))
+
+    def _holder_pid(self) -> int | None:
+        return peer_uid(self.holder)[0] if self.holder is not None else None
+
+    def _give(self, conn: socket.socket, pid: int) -> bool:
+        """The pool to the kernel at ``conn`` (True), or refused, saying why (False)."""
+        if self.holder is not None:
+            fdframing.send(conn, NotTaken(f"kernel pid {self._holder_pid()} holds it"))
+            return False
+        if self.kill_at is not None or not any(r.alive for r in self.ranks.values()):
+            fdframing.send(conn, NotTaken("it is ending: its wait ran out, or its ranks have ended"))
+            return False
+        live = [r for r in self.ranks.values() if r.alive]
+        fdframing.send(conn, Taken(self.described(), self.state, len(live),
+                                   buffered={r.rank: {k: bytes(v) for k, v in r.kept.items()} for r in live},
+                                   dropped={r.rank: dict(r.dropped) for r in live}))
+        for r in live:
+            fdframing.send(conn, KeptRank(r.rank, r.pid, tuple(r.fds)), list(r.fds.values()))
+            self._unwatch(r)
+            for v in r.kept.values():
+                v.clear()
+        say(f"taken by kernel pid {pid}")
+        self._hold(conn)
+        return True
+
+
+def say(text: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} nbddp-keeper {os.getpid()}: {text}", file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> None:
+    """``python -m nbddp.keeper HOLDER_FD LISTENER_FD SOCKET_PATH``: the descriptors it was started with."""
+    holder_fd, listener_fd, path = (argv or sys.argv[1:])[:3]
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, NAME, 0, 0, 0)  # PR_SET_NAME: nbddp-keeper in ps
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    holder = socket.socket(fileno=int(holder_fd))
+    listener = socket.socket(fileno=int(listener_fd))
+    Keeper(holder, listener, path).run()

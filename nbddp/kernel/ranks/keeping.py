@@ -1,0 +1,253 @@
+"""A kept pool (``%ddp start --keep``): the kernel's end of its keeper (nbddp/keeper/), and how another kernel of the
+same user finds kept pools and takes one.
+
+- ``KeeperLink.start``: the keeper started (a fresh interpreter in a session of its own) on a socket pair, with the
+  pool's listening socket, bound here first in ``socket_dir()`` (0700, the user's own, checked); ``hold`` sends it
+  the pool's description and every rank's kernel-side descriptors (again after the ranks change); ``end``: the pool
+  ends on purpose.
+- ``kept``: the pools kept on this machine for this user (each keeper asked, ``Describe``); ``take``: one of them
+  (``Take``), its descriptors and what its ranks wrote meanwhile; the link that took it is the holder's.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import socket
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ... import units
+from ...errors import UsageError
+from ...ipy import session
+from ...wire import fdframing
+from ...wire.keepmessages import RANK_FDS, About, Describe, End, Hold, Kept, KeptRank, NotTaken, Take, Taken
+from . import rendezvous
+
+ANSWER_S = 10.0  # a keeper answers within this (it does nothing that takes longer)
+
+
+@dataclass
+class KeptState:
+    """What the kernel that takes a kept pool needs to make its gang again (pickled by the holder, kept unread by the
+    keeper): its options, plan, run directory, the specs its ranks were forked with and its group's generation."""
+
+    config: object
+    plan: object
+    run_dir: object
+    specs: dict
+    generation: int
+    options: str = ""
+    started_at: float = 0.0
+    bound_by: dict = field(default_factory=dict)  # a name the pool's cells bound -> the cell that bound it last
+
+
+def socket_dir() -> Path:
+    """Where this user's keepers listen: ``$XDG_RUNTIME_DIR/nbddp``, else ``/tmp/nbddp-UID``; made 0700 and checked
+    to be this user's own and nobody else's (else refused: a pool is never kept where another user could reach it)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and os.stat(runtime).st_uid == os.getuid():
+        path = Path(runtime) / "nbddp"
+    else:
+        path = Path(f"/tmp/nbddp-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise UsageError(f"--keep: {path} is not a directory only you can open (owner uid {st.st_uid}, mode "
+                         f"{stat.filemode(st.st_mode)}); nbddp keeps no pool there. Remove it, or set XDG_RUNTIME_DIR "
+                         "to a directory of your own. Nothing started.")
+    return path
+
+
+def about(gang, state: KeptState) -> About:
+    """What the next kernel is told of ``gang``'s pool."""
+    from .. import options
+
+    plan = gang.plan
+    on = plan.accelerator if plan.accelerator == "cpu" else "GPU " + ",".join(map(str, plan.device_ids))
+    return About(pool_id=gang.run_dir.run_id, devices=f"{on} ({plan.backend})", world_size=plan.world_size,
+                 options=options.line(gang.config), notebook=os.environ.get("JPY_SESSION_NAME", ""),
+                 started_at=state.started_at, keep_s=keep_seconds(gang.config.keep) or 0.0,
+                 run_dir=str(gang.run_dir.path))
+
+
+def rank_fds(proc, command_fd: int) -> tuple[KeptRank, list[int]]:
+    """A rank's KeptRank and its kernel-side descriptors, in ``RANK_FDS`` order."""
+    streams = {kind: fd for fd, kind in proc.fds.items()}
+    fds = [proc.exit_fd, streams["stdout"], streams["stderr"], streams["channel"], command_fd, *proc.store_fds]
+    return KeptRank(proc.rank, proc.pid, RANK_FDS[:len(fds)]), fds
+
+
+class KeeperLink:
+    """The holding kernel's end of a keeper: ``start`` one, or ``take`` a kept pool's."""
+
+    def __init__(self, conn: socket.socket, pid: int, process=None, about: About | None = None):
+        self.conn, self.pid, self.process, self.about = conn, pid, process, about
+
+    @classmethod
+    def start(cls, pool_id: str, log_path: Path) -> "KeeperLink":
+        path = socket_dir() / f"{pool_id}.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.ExitStack() as failed, theirs, listener:  # whatever stops it, an interrupt too: nothing left
+            failed.callback(mine.close)
+            listener.bind(str(path))
+            failed.callback(path.unlink, missing_ok=True)
+            os.chmod(path, 0o600)
+            listener.listen(8)
+            with open(log_path, "ab") as log:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "nbddp.keeper", str(theirs.fileno()), str(listener.fileno()), str(path)],
+                    pass_fds=(theirs.fileno(), listener.fileno()), start_new_session=True, stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=log, env=rendezvous.interpreter_env())
+            failed.pop_all()
+        return cls(mine, process.pid, process)
+
+    def hold(self, about: About, state: KeptState, ranks: list[tuple[KeptRank, list[int]]]) -> None:
+        """The pool as it is now, to the keeper: it holds every descriptor once this returns."""
+        self.about = about
+        fdframing.send(self.conn, Hold(about, pickle.dumps(state), len(ranks)))
+        for kept, fds in ranks:
+            fdframing.send(self.conn, kept, fds)
+        self.conn.settimeout(ANSWER_S)
+        try:
+            answer, _ = fdframing.receive(self.conn)
+        finally:
+            self.conn.settimeout(None)
+        if not isinstance(answer, Kept):
+            raise RuntimeError(f"the pool's keeper answered {answer!r}")
+
+    def end(self) -> None:
+        """The pool ends (its ranks are being stopped): the keeper goes once they have."""
+        with contextlib.suppress(OSError):
+            fdframing.send(self.conn, End())
+
+    def close(self, wait_s: float = 0.0) -> None:
+        self.conn.close()
+        if self.process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(wait_s)
+
+
+def _ask(path: Path, message, timeout: float = ANSWER_S):
+    """(answer, the connection) from the keeper at ``path``; None if no keeper listens there (its file removed)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(timeout)
+    try:
+        conn.connect(str(path))
+        fdframing.send(conn, message)
+        answer, _ = fdframing.receive(conn)
+    except (ConnectionRefusedError, FileNotFoundError):
+        conn.close()
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a keeper that died (killed) left it
+        return None
+    except (OSError, EOFError):
+        conn.close()
+        return None
+    return answer, conn
+
+
+def kept() -> list[About]:
+    """This user's kept pools on this machine, oldest first, each as its keeper describes it."""
+    found = []
+    try:
+        paths = sorted(socket_dir().glob("*.sock"))
+    except UsageError:
+        return []
+    for path in paths:
+        got = _ask(path, Describe(), timeout=2.0)
+        if got is not None:
+            got[1].close()
+            if isinstance(got[0], About):
+                found.append(got[0])
+    return sorted(found, key=lambda a: a.started_at)
+
+
+def take(pool_id: str) -> tuple[KeeperLink, Taken, KeptState, list[tuple[KeptRank, list[int]]]]:
+    """The kept pool ``pool_id``, taken: its link (now this kernel's), what the keeper said, the pool's state and each
+    rank's descriptors; UsageError if another kernel holds it or it is gone."""
+    got = _ask(socket_dir() / f"{pool_id}.sock", Take())
+    if got is None:
+        raise UsageError(f"%ddp attach {pool_id}: no kept pool by that id (its wait ran out, or it ended). "
+                         "%ddp pools lists the kept pools.")
+    answer, conn = got
+    if isinstance(answer, NotTaken):
+        conn.close()
+        raise UsageError(f"%ddp attach {pool_id}: the pool cannot be taken: {answer.why}. Nothing changed.")
+    ranks = []
+    with contextlib.ExitStack() as failed:  # whatever stops it: the descriptors received closed
+        failed.callback(conn.close)
+        failed.callback(lambda: [os.close(fd) for _, fds in ranks for fd in fds])
+        for _ in range(answer.ranks):
+            ranks.append(fdframing.receive(conn))
+        failed.pop_all()
+    return KeeperLink(conn, answer.about.holder_pid or 0, None, answer.about), answer, pickle.loads(answer.state), ranks
+
+
+def describe(about: About, now: float | None = None) -> str:
+    """One kept pool, in a line or two: its id, devices, notebook, since when, and whether a kernel holds it."""
+    now = now or time.time()
+    since = time.strftime("%H:%M:%S", time.localtime(about.started_at))
+    if about.holder_pid is not None:
+        state = f"held by kernel pid {about.holder_pid}"
+    else:
+        left = max(0.0, about.orphaned_at + about.keep_s - now) if about.orphaned_at else about.keep_s
+        state = f"waiting for a kernel, {left / 60:.0f} min left"
+    where = f", notebook {about.notebook}" if about.notebook else ""
+    return (f"{about.pool_id}: {about.world_size} rank(s) on {about.devices}{where}, started {since} "
+            f"({about.options or 'default options'}); {about.ranks_alive} rank(s) alive; {state}")
+
+
+def keep_seconds(value) -> float | None:
+    """``--keep``'s value in seconds: None for off."""
+    return None if value in (None, "off") else units.seconds(value)
+
+
+def kept_out(link: KeeperLink | None, prepare):
+    """``prepare`` (starters.fork_specs'), and the kernel's end of its keeper's socket not inherited: a rank holding
+    it would hide the kernel's end from the keeper."""
+    if link is None:
+        return prepare
+
+    def without(spec):
+        spec, not_inherited, forked = prepare(spec) if prepare else (spec, (), None)
+        return spec, [*not_inherited, link.conn.fileno()], forked
+
+    return without
+
+
+def hold(gang) -> None:
+    """A kept pool's keeper told of ``gang`` as it is now (its ranks, their descriptors): whenever they change."""
+    if gang.keeper is None or gang.sup is None:
+        return
+    ranks = [rank_fds(p, gang.cmd_fds.get(p.rank)) for p in gang.sup.live() if gang.cmd_fds.get(p.rank) is not None]
+    state = KeptState(gang.config, gang.plan, gang.run_dir, gang.specs, gang.generation, started_at=gang.started_at)
+    gang.keeper.hold(about(gang, state), state, ranks)
+
+
+def start(gang) -> KeeperLink | None:
+    """``gang``'s keeper, started if it is a pool kept across its kernel's end (``--keep``); else None."""
+    if not gang.persistent or keep_seconds(gang.config.keep) is None:
+        return None
+    return KeeperLink.start(gang.run_dir.run_id, gang.run_dir.path / "keeper.log")
+
+
+def tied(spec, link: KeeperLink | None):
+    """A rank's spec, tied to the keeper of ``link`` (it dies with it, and lets go of the kernel's sockets)."""
+    if link is None:
+        return spec
+    return dataclasses.replace(spec, keeper_pid=link.pid, kernel_ports=session.kernel_ports())
+
+
+def end(link: KeeperLink | None) -> None:
+    """The pool ends: its keeper told, and waited for briefly (it goes once the ranks have)."""
+    if link is not None:
+        link.end()
+        link.close(wait_s=0.0)
