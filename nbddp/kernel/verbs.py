@@ -107,8 +107,9 @@ class Verbs:
     def _end_kept(self, pool_id: str) -> None:
         """``%ddp stop ID``: a kept pool no kernel holds, ended (taken, then stopped)."""
         from .pool import taken
+        from .ranks import keeping
 
-        if self.m.pool is not None and self.m.pool.alive and self.m.pool.run_dir.run_id == pool_id:
+        if self.m.pool is not None and self.m.pool.alive and keeping.pool_id(self.m.pool.run_dir) == pool_id:
             self._stop_pool()
         else:
             taken(None, pool_id).stop()

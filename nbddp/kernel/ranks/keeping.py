@@ -47,11 +47,17 @@ class KeptState:
     bound_by: dict = field(default_factory=dict)  # a name the pool's cells bound -> the cell that bound it last
 
 
+def pool_id(run_dir) -> str:
+    """A kept pool's id, as ``%ddp attach ID`` takes it: its run directory's random tail (``0d95e7``)."""
+    return run_dir.run_id.rpartition("-")[2]
+
+
 def socket_dir() -> Path:
-    """Where this user's keepers listen: ``$XDG_RUNTIME_DIR/nbddp``, else ``/tmp/nbddp-UID``; made 0700 and checked
-    to be this user's own and nobody else's (else refused: a pool is never kept where another user could reach it)."""
+    """Where this user's keepers listen: ``$XDG_RUNTIME_DIR/nbddp``, else (or where that path leaves too little room for
+    a socket's name) ``/tmp/nbddp-UID``; made 0700 and checked to be this user's own and nobody else's (else refused:
+    a pool is never kept where another user could reach it)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime) and os.stat(runtime).st_uid == os.getuid():
+    if runtime and os.path.isdir(runtime) and os.stat(runtime).st_uid == os.getuid() and len(runtime) < 80:
         path = Path(runtime) / "nbddp"
     else:
         path = Path(f"/tmp/nbddp-{os.getuid()}")
@@ -71,7 +77,7 @@ def about(gang, state: KeptState) -> About:
 
     plan = gang.plan
     on = plan.accelerator if plan.accelerator == "cpu" else "GPU " + ",".join(map(str, plan.device_ids))
-    return About(pool_id=gang.run_dir.run_id, devices=f"{on} ({plan.backend})", world_size=plan.world_size,
+    return About(pool_id=pool_id(gang.run_dir), devices=f"{on} ({plan.backend})", world_size=plan.world_size,
                  options=options.line(gang.config), notebook=os.environ.get("JPY_SESSION_NAME", ""),
                  started_at=state.started_at, keep_s=keep_seconds(gang.config.keep) or 0.0,
                  run_dir=str(gang.run_dir.path))
@@ -236,7 +242,7 @@ def start(gang) -> KeeperLink | None:
     """``gang``'s keeper, started if it is a pool kept across its kernel's end (``--keep``); else None."""
     if not gang.persistent or keep_seconds(gang.config.keep) is None:
         return None
-    return KeeperLink.start(gang.run_dir.run_id, gang.run_dir.path / "keeper.log")
+    return KeeperLink.start(pool_id(gang.run_dir), gang.run_dir.path / "keeper.log")
 
 
 def tied(spec, link: KeeperLink | None):

@@ -1,0 +1,226 @@
+"""A pool that outlives its kernel (``%ddp start --keep``), through real kernels driven as Jupyter drives them: the
+kernel killed by its restarter (``restart_kernel(now=True)``: SIGKILL to its process group), the next kernel told
+and taking the pool, its ranks' state whole, a background training that went on; the wait running out; a second
+taker and another user refused. Every process a test made is ended by pid, however it ends."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import psutil
+import pytest
+
+from kernel import Kernel, said
+from nbddp.errors import UsageError
+from nbddp.kernel.ranks import keeping
+from nbddp.wire import fdframing
+from nbddp.wire.keepmessages import About, Describe
+
+pytestmark = pytest.mark.timeout(240)
+
+RANKS = "[p.pid for p in sorted(get_ipython().magics_manager.registry['DDPMagics'].pool.gang.sup.live(), " \
+        "key=lambda p: p.rank)]"
+KEEPER = "get_ipython().magics_manager.registry['DDPMagics'].pool.gang.keeper.pid"
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    """A directory of this test's own for the keepers' sockets (XDG_RUNTIME_DIR), for its kernels and itself (short:
+    a socket's path has room for 107 bytes)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="nbk-", dir="/tmp"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def running(pids, within: float) -> list[int]:
+    """The processes of ``pids`` still running once they all ended or ``within`` s passed (a zombie is not running:
+    its parent, maybe init, reaps it)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def restarted(k: Kernel) -> None:
+    """Jupyter's restarter on a dead kernel: SIGKILL to the kernel's process group, a new kernel on the same ports."""
+    k.km.restart_kernel(now=True)
+    k.kc.wait_for_ready(timeout=60)
+
+
+def kept_pool(k: Kernel, keep: str) -> tuple[list[int], int]:
+    k.ok("%load_ext nbddp")
+    res = k.ok(f"%ddp start --devices 2 --keep {keep}")
+    assert "pool of 2 rank(s) on cpu/gloo ready" in res.stdout, res
+    return k.value(RANKS), k.value(KEEPER)
+
+
+def test_the_next_kernel_takes_a_kept_pool_with_its_state_after_jupyter_restarts_a_killed_kernel(runtime):
+    pids = []
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k:
+        try:
+            ranks, keeper = kept_pool(k, "2m")
+            pids = [*ranks, keeper]
+            k.ok("%%ddp\nimport torch\nstate = torch.full((1 << 20,), float(rank + 1))\nprint('made', rank)")
+            restarted(k)
+            assert running(ranks, 0) == ranks, "the ranks outlived their kernel"
+            res = k.ok("%load_ext nbddp")
+            assert "1 kept pool(s) wait for a kernel" in res.stdout and "2 rank(s) alive" in res.stdout, res
+            assert "%ddp attach takes it" in res.stdout, res
+            res = k.ok("%ddp attach")
+            assert "took kept pool" in res.stdout, res
+            assert k.value(RANKS) == ranks, "the same processes, taken"
+            k.ok("extra = 10")  # a name of the new kernel's: sent, as to a spawned pool's ranks
+            res = k.ok("%%ddp\nimport torch.distributed as dist\ndist.all_reduce(state)\n"
+                       "print(rank, state[0].item() + extra, state.numel())")
+            for r in (0, 1):
+                assert said(res.stdout, r, f"{r} 13.0 1048576"), res
+            res = k.ok("%ddp stop")
+            assert "pool stopped" in res.stdout
+            assert not running(pids, 15), "every rank and the keeper end with the pool"
+            assert not list(runtime.glob("nbddp/*.sock")), "its socket file removed"
+        finally:
+            kill(pids)
+
+
+def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_no_step(runtime):
+    pids = []
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k:
+        try:
+            ranks, keeper = kept_pool(k, "2m")
+            pids = [*ranks, keeper]
+            k.ok("%%ddp --bg\nimport time, torch, torch.distributed as dist\ndone = 0\nfor step in range(40):\n"
+                 "    t = torch.ones(1)\n    dist.all_reduce(t)\n    done += int(t.item())\n"
+                 "    print('step', step, flush=True)\n    time.sleep(0.1)\n")
+            time.sleep(0.5)  # some steps in: the kernel dies mid-training
+            restarted(k)
+            k.ok("%load_ext nbddp")
+            res = k.ok("%ddp attach", timeout=60)  # waits for the training the last kernel left running
+            assert "took kept pool" in res.stdout, res
+            res = k.ok("%%ddp\nprint(rank, done)")
+            for r in (0, 1):
+                assert said(res.stdout, r, f"{r} 80"), f"every step's all_reduce done, none lost: {res}"
+            run_dir = k.value("get_ipython().magics_manager.registry['DDPMagics'].pool.run_dir.path.as_posix()")
+            log = open(os.path.join(run_dir, "rank0.log")).read()
+            assert "step 39" in log and "step 0" in log, "what it printed while no kernel held it is in its log"
+            k.ok("%ddp stop")
+            assert not running(pids, 15)
+        finally:
+            kill(pids)
+
+
+def test_a_kept_pool_nobody_takes_ends_when_its_wait_runs_out(runtime):
+    pids = []
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k:
+        try:
+            ranks, keeper = kept_pool(k, "2s")
+            pids = [*ranks, keeper]
+            restarted(k)
+            assert running(pids, 0) == pids, "kept at first"
+            assert not running(pids, 10), "ended once its 2 s ran out: every rank and its keeper"
+            assert not list(runtime.glob("nbddp/*.sock"))
+            res = k.ok("%load_ext nbddp\n%ddp pools")
+            assert "no kept pool" in res.stdout, res
+        finally:
+            kill(pids)
+
+
+def test_a_held_pool_is_refused_to_a_second_taker_and_to_another_user(runtime):
+    pids = []
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k:
+        try:
+            ranks, keeper = kept_pool(k, "2m")
+            pids = [*ranks, keeper]
+            (about,) = keeping.kept()
+            assert about.holder_pid == k.pid and about.ranks_alive == 2
+            with pytest.raises(UsageError, match=f"kernel pid {k.pid} holds it"):
+                keeping.take(about.pool_id)
+            assert k.value(RANKS) == ranks, "nothing changed"
+            assert keeping.socket_dir().stat().st_mode & 0o777 == 0o700
+            took = _as_nobody(keeping.socket_dir() / f"{about.pool_id}.sock")
+            assert took.startswith("refused"), took
+            k.ok("%ddp stop")
+            assert not running(pids, 15)
+        finally:
+            kill(pids)
+
+
+def _as_nobody(path) -> str:
+    """What another user (nobody) gets from the keeper at ``path``: the directory opened to it for the test, so that
+    the keeper's own check (its peer's uid) is what refuses it."""
+    for d in (path.parent.parent, path.parent):
+        os.chmod(d, 0o711)
+    os.chmod(path, 0o666)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(r)
+        answer = b"no answer"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.settimeout(5)
+            t0 = time.monotonic()
+            conn.connect(str(path))
+            try:  # closed at once: the send may find it closed already, or the answer never comes
+                fdframing.send(conn, Describe())
+                got, _ = fdframing.receive(conn)
+                answer = f"answered {type(got).__name__}".encode()
+            except (EOFError, ConnectionResetError, BrokenPipeError):
+                answer = f"refused in {time.monotonic() - t0:.3f} s".encode()
+        except BaseException as e:  # noqa: BLE001 - said to the parent
+            answer = f"{type(e).__name__}: {e}".encode()
+        os.write(w, answer)
+        os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            return f.read().decode()
+    finally:
+        os.waitpid(pid, 0)
+        for d in (path.parent.parent, path.parent):
+            os.chmod(d, 0o700)
+
+
+@pytest.mark.unit
+def test_keep_is_for_pools_and_takes_a_duration():
+    from nbddp import units
+    from nbddp.kernel import checks, options
+
+    assert [units.seconds(t) for t in ("30s", "10m", "2h", "1.5h", "90")] == [30, 600, 7200, 5400, 90]
+    for bad in ("0", "-1m", "soon", ""):
+        with pytest.raises(ValueError):
+            units.seconds(bad)
+    assert options.parse("--keep")["keep"] == "1h" and options.parse("--keep 10m")["keep"] == "10m"
+    with pytest.raises(UsageError, match="--keep 'soon': need a duration"):
+        options.parse("--keep soon")
+    with pytest.raises(UsageError, match="a one-shot cell's ranks end with it"):
+        checks.refusals(options.config({"keep": "10m"}))
+    with pytest.raises(UsageError, match="not for a pool across Ray nodes"):
+        checks.refusals(options.config({"keep": "10m", "cluster": "ray"}), pool=True)
+    assert options.line(options.config({"keep": "10m", "devices": 2})) == "--devices 2 --keep 10m"
+    about = About("p", "cpu (gloo)", 2, "--keep 10m", "a.ipynb", 0.0, 600.0, orphaned_at=time.time() - 60)
+    assert "waiting for a kernel, 9 min left" in keeping.describe(about)
