@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(240)
 
 RANKS = "[p.pid for p in sorted(get_ipython().magics_manager.registry['DDPMagics'].pool.gang.sup.live(), " \
         "key=lambda p: p.rank)]"
-KEEPER = "get_ipython().magics_manager.registry['DDPMagics'].pool.gang.keeper.pid"
+KEEPER = "get_ipython().magics_manager.registry['DDPMagics'].pool.gang.keeper.keeper_pid"
 
 
 @pytest.fixture
@@ -97,6 +97,25 @@ def test_the_next_kernel_takes_a_kept_pool_with_its_state_after_jupyter_restarts
                        "print(rank, state[0].item() + extra, state.numel())")
             for r in (0, 1):
                 assert said(res.stdout, r, f"{r} 13.0 1048576"), res
+            # Jupyter's interrupt reaches the taken ranks (their cell), and the pool lives on
+            res = k.interrupt_when("%%ddp\nimport time\nprint('up', flush=True)\ntime.sleep(60)", "up", 2)
+            assert res.error and res.error["ename"] == "KeyboardInterrupt" and "survived" in res.error_text, res
+            # a rank lost is healed from a peer: a fork of this kernel, tied to the keeper, told to it
+            os.kill(ranks[1], signal.SIGKILL)  # (not this kernel's child: how it ended is unknown here)
+            res = k.run("%%ddp\nprint(rank)")  # (the loss seen before it, or during it: then it fails, saying so)
+            assert "healed the pool" in res.stderr + (res.error_text if res.error else ""), res
+            assert not res.error or "rank 1 failed: ended; how is unknown" in res.error_text, res
+            k.ok("%%ddp\nimport torch\nstate = torch.full((4,), 3.0)")  # (one survivor cannot vouch for its names)
+            healed = k.value(RANKS)
+            assert healed[0] == ranks[0] and healed[1] != ranks[1]
+            pids.append(healed[1])
+            # ... and kept again, with it, across the next kernel's end
+            restarted(k)
+            k.ok("%load_ext nbddp")
+            assert "took kept pool" in k.ok("%ddp attach").stdout
+            assert k.value(RANKS) == healed
+            res = k.ok("%%ddp\nprint(rank, state[0].item())")
+            assert said(res.stdout, 0, "0 3.0") and said(res.stdout, 1, "1 3.0"), res
             res = k.ok("%ddp stop")
             assert "pool stopped" in res.stdout
             assert not running(pids, 15), "every rank and the keeper end with the pool"
@@ -143,6 +162,22 @@ def test_a_kept_pool_nobody_takes_ends_when_its_wait_runs_out(runtime):
             assert not list(runtime.glob("nbddp/*.sock"))
             res = k.ok("%load_ext nbddp\n%ddp pools")
             assert "no kept pool" in res.stdout, res
+        finally:
+            kill(pids)
+
+
+def test_a_kept_pool_whose_keeper_is_killed_ends_with_it(runtime):
+    pids = []
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k:
+        try:
+            ranks, keeper = kept_pool(k, "2m")
+            pids = [*ranks, keeper]
+            restarted(k)
+            os.kill(keeper, signal.SIGKILL)
+            assert not running(ranks, 5), "its ranks die with it (they watch its pidfd)"
+            res = k.ok("%load_ext nbddp\n%ddp pools")
+            assert "no kept pool" in res.stdout, res
+            assert not list(runtime.glob("nbddp/*.sock")), "its socket file, left by the killed keeper, removed"
         finally:
             kill(pids)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import selectors
 import signal
@@ -127,7 +128,8 @@ class Keeper:
     def _on_holder(self, _, conn: socket.socket) -> None:
         try:
             msg, fds = fdframing.receive(conn)
-        except (EOFError, OSError):
+        except (EOFError, OSError) as e:
+            say(f"its kernel's socket: {type(e).__name__}: {e}")
             if self.ending:  # (the kernel that ended the pool let go of its end)
                 self.sel.unregister(conn)
                 conn.close()
@@ -153,6 +155,8 @@ class Keeper:
             ranks[kept.rank] = Rank(kept, fds)
         for r in self.ranks.values():
             self._unwatch(r)
+            if r.alive:
+                self.sel.unregister(r.fds["pidfd"])
             r.close()
         self.about, self.state, self.ranks = hold.about, hold.state, ranks
         for r in ranks.values():
@@ -258,10 +262,8 @@ class Keeper:
         conn.close()
 
     def described(self) -> About:
-        import dataclasses
-
         return dataclasses.replace(self.about, holder_pid=self._holder_pid(), orphaned_at=self.orphaned_at,
-                                   ranks_alive=sum(r.alive for r in self.ranks.values()))
+                                   ranks_alive=sum(r.alive for r in self.ranks.values()), keeper_pid=os.getpid())
 
     def _holder_pid(self) -> int | None:
         return peer_uid(self.holder)[0] if self.holder is not None else None

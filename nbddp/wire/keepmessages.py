@@ -32,6 +32,7 @@ class About:
     orphaned_at: float | None = None  # time.time() its kernel ended, while it waits
     ranks_alive: int = 0
     run_dir: str = ""
+    keeper_pid: int = 0  # the keeper's (said by itself)
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,7 @@ class Gang:
 
     def _fork_one(self, spec) -> None:
         """One rank forked from ``spec`` into the running gang, with its own command pipe."""
+        spec = keeping.tied(spec, self.keeper)  # (a kept pool's: tied to its keeper, this kernel's sockets let go)
         self.ready.discard(spec.rank)
         self._starter.ready(self.config)  # (the kernel's OpenMP threads released again: it ran ops since)
         read, write = os.pipe()

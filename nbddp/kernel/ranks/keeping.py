@@ -93,8 +93,8 @@ def rank_fds(proc, command_fd: int) -> tuple[KeptRank, list[int]]:
 class KeeperLink:
     """The holding kernel's end of a keeper: ``start`` one, or ``take`` a kept pool's."""
 
-    def __init__(self, conn: socket.socket, pid: int, process=None, about: About | None = None):
-        self.conn, self.pid, self.process, self.about = conn, pid, process, about
+    def __init__(self, conn: socket.socket, keeper_pid: int, process=None):
+        self.conn, self.keeper_pid, self.process = conn, keeper_pid, process  # (process: the Popen that started it)
 
     @classmethod
     def start(cls, pool_id: str, log_path: Path) -> "KeeperLink":
@@ -117,7 +117,6 @@ class KeeperLink:
 
     def hold(self, about: About, state: KeptState, ranks: list[tuple[KeptRank, list[int]]]) -> None:
         """The pool as it is now, to the keeper: it holds every descriptor once this returns."""
-        self.about = about
         fdframing.send(self.conn, Hold(about, pickle.dumps(state), len(ranks)))
         for kept, fds in ranks:
             fdframing.send(self.conn, kept, fds)
@@ -194,7 +193,7 @@ def take(pool_id: str) -> tuple[KeeperLink, Taken, KeptState, list[tuple[KeptRan
         for _ in range(answer.ranks):
             ranks.append(fdframing.receive(conn))
         failed.pop_all()
-    return KeeperLink(conn, answer.about.holder_pid or 0, None, answer.about), answer, pickle.loads(answer.state), ranks
+    return KeeperLink(conn, answer.about.keeper_pid), answer, pickle.loads(answer.state), ranks
 
 
 def describe(about: About, now: float | None = None) -> str:
@@ -249,7 +248,7 @@ def tied(spec, link: KeeperLink | None):
     """A rank's spec, tied to the keeper of ``link`` (it dies with it, and lets go of the kernel's sockets)."""
     if link is None:
         return spec
-    return dataclasses.replace(spec, keeper_pid=link.pid, kernel_ports=session.kernel_ports())
+    return dataclasses.replace(spec, keeper_pid=link.keeper_pid, kernel_ports=session.kernel_ports())
 
 
 def end(link: KeeperLink | None) -> None:
