@@ -93,6 +93,10 @@ def run(quick: bool, only: str | None = None) -> dict:
 
         return {**json.loads((HERE / "results.json").read_text()),
                 "failfast": bench_failfast.measure(2 if quick else 5)}
+    if only == "keep":  # issue 64's section: a pool that outlives its kernel, kernels of its own
+        import bench_keep
+
+        return {**json.loads((HERE / "results.json").read_text()), "keep": bench_keep.measure(quick)}
     if only == "firststep":  # issue 34's section: a real first step and real data, kernels of their own
         import bench_firststep
 
@@ -170,6 +174,10 @@ def run(quick: bool, only: str | None = None) -> dict:
 
     results["failfast"] = bench_failfast.measure(2 if quick else 5)
     print("done: failfast", flush=True)
+    import bench_keep
+
+    results["keep"] = bench_keep.measure(quick)
+    print("done: keep", flush=True)
     return results
 
 
@@ -432,6 +440,10 @@ def report(r: dict) -> str:
         import bench_failfast
 
         lines += [bench_failfast.BEGIN, bench_failfast.render(r["failfast"]), "", bench_failfast.END, ""]
+    if "keep" in r:
+        import bench_keep
+
+        lines += [bench_keep.BEGIN, bench_keep.render(r["keep"]), "", bench_keep.END, ""]
     return "\n".join(lines) + "\n"
 
 

@@ -89,8 +89,11 @@ def test_the_next_kernel_takes_a_kept_pool_with_its_state_after_jupyter_restarts
             res = k.ok("%load_ext nbddp")
             assert "1 kept pool(s) wait for a kernel" in res.stdout and "2 rank(s) alive" in res.stdout, res
             assert "%ddp attach takes it" in res.stdout, res
-            res = k.ok("%ddp attach")
-            assert "took kept pool" in res.stdout, res
+            res = k.run("%ddp start --devices 3 --keep 2m")  # other options: refused, naming it and the ways out
+            assert "a pool kept from this notebook waits, started with other options" in res.error_text, res
+            assert "%ddp attach" in res.error_text and "%ddp stop" in res.error_text, res
+            res = k.ok("%ddp start --devices 2 --keep 2m")  # "Run All" after a restart: the same options take it
+            assert "took kept pool" in res.stdout and "taking it" in res.stderr, res
             assert k.value(RANKS) == ranks, "the same processes, taken"
             k.ok("extra = 10")  # a name of the new kernel's: sent, as to a spawned pool's ranks
             res = k.ok("%%ddp\nimport torch.distributed as dist\ndist.all_reduce(state)\n"

@@ -4,6 +4,7 @@ cells (wait, interrupt, attach). The pool they start is the magics' (``DDPMagics
 ``%%ddp`` cell finds it."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -69,6 +70,26 @@ class Verbs:
         if self.m.pool is not None and self.m.pool.alive:
             return []
         return [a for a in keeping.kept() if a.holder_pid is None]
+
+    def _took_kept(self, given: dict, rest: str) -> bool:
+        """``%ddp start`` while a pool kept from this notebook waits: taken if it was started with the same options
+        ("Run All" after a restart), else refused, naming it (nothing started, no device taken twice)."""
+        from .ranks import keeping
+
+        notebook = os.environ.get("JPY_SESSION_NAME", "")
+        mine = [a for a in self._kept_to_take() if a.notebook == notebook]
+        if not mine:
+            return False
+        wanted = options.line(options.config(given))
+        same = next((a for a in mine if a.options == wanted), None)
+        if same is None:
+            raise UsageError(f"%ddp start {rest.strip()}: a pool kept from this notebook waits, started with other "
+                             f"options:\n  {keeping.describe(mine[0])}\nNothing started. %ddp attach {mine[0].pool_id} "
+                             f"takes it; %ddp stop {mine[0].pool_id} ends it (then %ddp start again).")
+        print("nbddp: %ddp start: a pool kept from this notebook with the same options waits; taking it",
+              file=sys.stderr, flush=True)
+        self._take(same.pool_id)
+        return True
 
     def _pools(self) -> None:
         """``%ddp pools``: this user's kept pools on this machine."""
@@ -142,6 +163,8 @@ class Verbs:
                              "give it on that cell.\n"
                              "Nothing ran" + (", and the running pool is as it was." if self.m.pool is not None
                                               else "."))
+        if verb == "start" and self._took_kept(given, rest):
+            return
         pool = Pool(self.m.shell.user_ns, **given)
         pool.check()  # bad options, spawn: refused while the running pool stays
         self._stop_pool()
