@@ -128,6 +128,8 @@ def _say_kept() -> None:
     """Pools kept from a kernel that ended (``--keep``), waiting for one: said at load, with how to take them."""
     from .kernel.ranks import keeping
 
+    for note in keeping.ended():
+        print(f"nbddp: {note}", flush=True)
     waiting = [a for a in keeping.kept() if a.holder_pid is None]
     if waiting:
         lines = "\n".join(f"  {keeping.describe(a)}" for a in waiting)

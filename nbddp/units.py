@@ -52,7 +52,7 @@ def seconds(text) -> float:
     ValueError otherwise."""
     text = str(text).strip().lower()
     scale = {"s": 1, "m": 60, "h": 3600}.get(text[-1:]) if text else None
-    number = float(text[:-1] if scale else text)
-    if not number > 0:
+    number = float(text[:-1] if scale else text) * (scale or 1)
+    if not 0 < number < float("inf"):
         raise ValueError(text)
-    return number * (scale or 1)
+    return number

@@ -79,7 +79,7 @@ def kept_pool(k: Kernel, keep: str) -> tuple[list[int], int]:
 
 def test_the_next_kernel_takes_a_kept_pool_with_its_state_after_jupyter_restarts_a_killed_kernel(runtime):
     pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k:
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
         try:
             ranks, keeper = kept_pool(k, "2m")
             pids = [*ranks, keeper]
@@ -129,7 +129,7 @@ def test_the_next_kernel_takes_a_kept_pool_with_its_state_after_jupyter_restarts
 
 def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_no_step(runtime):
     pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k:
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
         try:
             ranks, keeper = kept_pool(k, "2m")
             pids = [*ranks, keeper]
@@ -155,7 +155,7 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
 
 def test_a_kept_pool_nobody_takes_ends_when_its_wait_runs_out(runtime):
     pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k:
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
         try:
             ranks, keeper = kept_pool(k, "2s")
             pids = [*ranks, keeper]
@@ -164,20 +164,24 @@ def test_a_kept_pool_nobody_takes_ends_when_its_wait_runs_out(runtime):
             assert not running(pids, 10), "ended once its 2 s ran out: every rank and its keeper"
             assert not list(runtime.glob("nbddp/*.sock"))
             res = k.ok("%load_ext nbddp\n%ddp pools")
+            assert "no kernel took it within its --keep 2 s; it ended" in res.stdout, "the next kernel is told, once"
             assert "no kept pool" in res.stdout, res
+            assert "it ended" not in k.ok("%reload_ext nbddp").stdout
         finally:
             kill(pids)
 
 
 def test_a_kept_pool_whose_keeper_is_killed_ends_with_it(runtime):
     pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k:
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
         try:
             ranks, keeper = kept_pool(k, "2m")
-            pids = [*ranks, keeper]
+            k.ok("%%ddp --gather child\nimport subprocess\nchild = subprocess.Popen(['sleep', '600']).pid")
+            children = k.value("child")  # (a DataLoader's workers, say: in the rank's process group)
+            pids = [*ranks, keeper, *children]
             restarted(k)
             os.kill(keeper, signal.SIGKILL)
-            assert not running(ranks, 5), "its ranks die with it (they watch its pidfd)"
+            assert not running([*ranks, *children], 5), "its ranks die with it (its pidfd), their children with them"
             res = k.ok("%load_ext nbddp\n%ddp pools")
             assert "no kept pool" in res.stdout, res
             assert not list(runtime.glob("nbddp/*.sock")), "its socket file, left by the killed keeper, removed"
@@ -185,9 +189,25 @@ def test_a_kept_pool_whose_keeper_is_killed_ends_with_it(runtime):
             kill(pids)
 
 
+def test_a_rank_lost_while_no_kernel_holds_the_pool_ends_it_and_the_next_kernel_is_told(runtime):
+    pids = []
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
+        try:
+            ranks, keeper = kept_pool(k, "2m")
+            pids = [*ranks, keeper]
+            restarted(k)
+            os.kill(ranks[1], signal.SIGKILL)  # (no kernel to heal it: the pool ends, nothing left)
+            assert not running(pids, 10)
+            res = k.ok("%load_ext nbddp")
+            assert f"rank 1 (pid {ranks[1]}) ended while no kernel held the pool" in res.stdout, res
+            assert "kept pool(s) wait" not in res.stdout, res
+        finally:
+            kill(pids)
+
+
 def test_a_held_pool_is_refused_to_a_second_taker_and_to_another_user(runtime):
     pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k:
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
         try:
             ranks, keeper = kept_pool(k, "2m")
             pids = [*ranks, keeper]

@@ -34,6 +34,9 @@ NAME = b"nbddp-keeper"
 KEPT_TEXT = 16 << 20  # per rank and stream, the newest bytes a rank printed while no kernel held the pool
 KEPT_RECORDS = 64 << 20  # per rank, its records (displays, metrics, answers); past it the rank waits to send more
 LEAVE_S = timeline.STOP_S + timeline.GRACE_S + 1.0  # after End, the ranks leave within this, or are killed
+ANSWER_S = 10.0  # a frame begun is whole within this (a kernel's Hold, another kernel's request)
+# what an exchange with a kernel can raise: it went away, sent what does not unpickle, or sent something else
+KEEPER_ERRORS = (EOFError, OSError, fdframing.Unreadable, AttributeError, TypeError, ValueError, KeyError)
 
 
 def peer_uid(conn: socket.socket) -> tuple[int, int]:
@@ -49,8 +52,38 @@ class Rank:
         self.alive = True
         self.kept = {"stdout": bytearray(), "stderr": bytearray(), "channel": bytearray()}
         self.dropped = {"stdout": 0, "stderr": 0}
+        self.log: int | None = None  # its rankN.log, while no kernel holds the pool (open_log)
+
+    def open_log(self, run_dir: str) -> None:
+        if self.log is None and run_dir:
+            with contextlib.suppress(OSError):
+                self.log = os.open(os.path.join(run_dir, f"rank{self.rank}.log"),
+                                   os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def take_in(self, stream: str) -> bool:
+        """What its ``stream`` pipe holds now: text into its log (every byte, as a kernel would write it) and the
+        newest ``KEPT_TEXT`` of it kept for the next kernel's cell; records kept whole. False once the pipe says no
+        more (its end, nothing now), or its records reached ``KEPT_RECORDS``."""
+        fd = self.fds.get(stream)
+        try:
+            data = os.read(fd, 1 << 16) if fd is not None else b""
+        except OSError:  # (BlockingIOError: nothing now)
+            return False
+        kept = self.kept[stream]
+        kept += data
+        if stream == "channel":
+            return bool(data) and len(kept) < KEPT_RECORDS
+        if self.log is not None and data:
+            os.write(self.log, data)
+        if len(kept) > KEPT_TEXT:
+            self.dropped[stream] += len(kept) - KEPT_TEXT
+            del kept[:len(kept) - KEPT_TEXT]
+        return bool(data)
 
     def close(self) -> None:
+        if self.log is not None:
+            os.close(self.log)
+            self.log = None
         for fd in self.fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -81,6 +114,7 @@ class Keeper:
         self.wait_until: float | None = None  # time.monotonic(): the wait's end, or End's
         self.kill_at: float | None = None
         self.ending = False  # the holder ended the pool (End): the keeper goes once its ranks have
+        self.why = ""  # how it ended while no kernel held it
         self.done = False
         self._hold(holder)
         self.sel.register(listener, selectors.EVENT_READ, ("listener", None))
@@ -93,15 +127,23 @@ class Keeper:
                 wake = [t for t in (self.wait_until, self.kill_at) if t is not None]
                 for key, _ in self.sel.select(max(0.0, min(wake) - now) if wake else None):
                     kind, what = key.data
-                    getattr(self, f"_on_{kind}")(what, key.fileobj)
+                    try:
+                        getattr(self, f"_on_{kind}")(what, key.fileobj)
+                    except KEEPER_ERRORS as e:  # one bad exchange never ends the pool
+                        say(f"{kind}: {type(e).__name__}: {e}")
+                        if kind == "holder" and not self.ending:
+                            self._orphaned("its kernel's word was cut short")
                 now = time.monotonic()
                 if self.kill_at is not None and now >= self.kill_at:
                     self._end_ranks(signal.SIGKILL)
                     self.done = True
                 elif self.wait_until is not None and now >= self.wait_until and self.kill_at is None:
-                    say(f"the wait is over ({'ending' if self.holder is None else 'ended'}): its ranks are ended")
-                    self._end_ranks(signal.SIGTERM)
-                    self.kill_at = now + timeline.GRACE_S
+                    if self.holder is None and not self.ending:
+                        self._ends(f"no kernel took it within its --keep {self.about.keep_s:g} s; it ended")
+                    else:
+                        say("its ranks did not leave in time: ended")
+                        self._end_ranks(signal.SIGTERM)
+                        self.kill_at = now + timeline.GRACE_S
                 gone = not any(r.alive for r in self.ranks.values())
                 if gone and (self.ending or self.ranks and self.holder is None):
                     say("every rank has ended")
@@ -112,6 +154,10 @@ class Keeper:
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        if self.why and self.about is not None:  # (read, and removed, by the next kernel's %load_ext)
+            with contextlib.suppress(OSError), open(self.path[:-len(".sock")] + ".ended", "w") as f:
+                f.write(f"kept pool {self.about.pool_id} ({self.about.world_size} rank(s) on {self.about.devices}, "
+                        f"{self.about.options}) has ended: {self.why}. Its logs: {self.about.run_dir}\n")
         for r in self.ranks.values():
             r.close()
         self.sel.close()
@@ -150,9 +196,17 @@ class Keeper:
     def _take_hold(self, hold: Hold, conn: socket.socket) -> None:
         """The holder's new word: the pool's description and every rank's descriptors (the last ones let go)."""
         ranks = {}
-        for _ in range(hold.ranks):
-            kept, fds = fdframing.receive(conn)
-            ranks[kept.rank] = Rank(kept, fds)
+        conn.settimeout(ANSWER_S)
+        try:
+            for _ in range(hold.ranks):
+                kept, fds = fdframing.receive(conn)
+                ranks[kept.rank] = Rank(kept, fds)
+        except KEEPER_ERRORS:
+            for r in ranks.values():
+                r.close()
+            raise
+        finally:
+            conn.settimeout(None)
         for r in self.ranks.values():
             self._unwatch(r)
             if r.alive:
@@ -173,6 +227,7 @@ class Keeper:
         self.wait_until = time.monotonic() + keep_s
         for r in self.ranks.values():
             if r.alive:
+                r.open_log(self.about.run_dir if self.about is not None else "")
                 self._watch(r)
 
     # -- the ranks --------------------------------------------------------------------------------------------
@@ -193,39 +248,28 @@ class Keeper:
 
     def _on_pipe(self, what, _fd) -> None:
         r, stream = what
-        fd = r.fds[stream]
-        try:
-            data = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return
-        if not data:
-            self.sel.unregister(fd)
-            return
-        kept = r.kept[stream]
-        kept += data
-        if stream == "channel":
-            if len(kept) >= KEPT_RECORDS:  # the rank waits to send more (its pipe fills) until a kernel takes it
-                self.sel.unregister(fd)
-        elif len(kept) > KEPT_TEXT:
-            cut = len(kept) - KEPT_TEXT
-            del kept[:cut]
-            r.dropped[stream] += cut
+        if not r.take_in(stream):  # its end, or (records) as much as it keeps: the rank waits until a kernel takes it
+            self.sel.unregister(r.fds[stream])
 
     def _on_exit(self, r: Rank, _fd) -> None:
         self.sel.unregister(r.fds["pidfd"])
         r.alive = False
         if self.holder is None:  # what it wrote last is read before its pipes are let go
             for stream in ("stdout", "stderr", "channel"):
-                fd = r.fds.get(stream)
-                while fd is not None:
-                    try:
-                        data = os.read(fd, 1 << 16)
-                    except (BlockingIOError, OSError):
-                        break
-                    if not data:
-                        break
-                    r.kept[stream] += data
-            say(f"rank {r.rank} (pid {r.pid}) ended while no kernel held the pool")
+                while r.take_in(stream):
+                    pass
+        if self.holder is None and self.kill_at is None:  # (not one the keeper is ending)
+            self._ends(f"rank {r.rank} (pid {r.pid}) ended while no kernel held the pool; a pool is mended by a "
+                       "kernel, so it ended with it")
+
+    def _ends(self, why: str) -> None:
+        """The pool ends while no kernel holds it: its ranks stopped (SIGTERM, then SIGKILL), ``why`` kept beside its
+        socket for the next kernel to read (``keeping.kept``)."""
+        say(why)
+        self.why = why
+        if self.kill_at is None:
+            self._end_ranks(signal.SIGTERM)
+            self.kill_at = time.monotonic() + timeline.GRACE_S
 
     def _end_ranks(self, sig: int) -> None:
         for r in self.ranks.values():
@@ -242,6 +286,7 @@ class Keeper:
             say(f"refused a connection from uid {uid} (pid {pid}): only uid {os.getuid()} may reach this pool")
             conn.close()
             return
+        conn.settimeout(ANSWER_S)  # (a client that sends half a frame never stalls the keeper)
         self.sel.register(conn, selectors.EVENT_READ, ("client", pid))
 
     def _on_client(self, pid: int, conn: socket.socket) -> None:
@@ -250,7 +295,9 @@ class Keeper:
             msg, fds = fdframing.receive(conn)
             for fd in fds:
                 os.close(fd)
-            if isinstance(msg, Describe):
+            if self.about is None:  # (its kernel's first Hold is not in yet)
+                fdframing.send(conn, NotTaken("the pool is still starting"))
+            elif isinstance(msg, Describe):
                 fdframing.send(conn, self.described())
             elif isinstance(msg, Take):
                 if self._give(conn, pid):
@@ -273,18 +320,20 @@ class Keeper:
         if self.holder is not None:
             fdframing.send(conn, NotTaken(f"kernel pid {self._holder_pid()} holds it"))
             return False
-        if self.kill_at is not None or not any(r.alive for r in self.ranks.values()):
-            fdframing.send(conn, NotTaken("it is ending: its wait ran out, or its ranks have ended"))
+        if self.ending or self.kill_at is not None or not all(r.alive for r in self.ranks.values()):
+            fdframing.send(conn, NotTaken("it is ending: its wait ran out, a rank ended, or its kernel ended it"))
             return False
-        live = [r for r in self.ranks.values() if r.alive]
+        live = list(self.ranks.values())
         fdframing.send(conn, Taken(self.described(), self.state, len(live),
                                    buffered={r.rank: {k: bytes(v) for k, v in r.kept.items()} for r in live},
                                    dropped={r.rank: dict(r.dropped) for r in live}))
-        for r in live:
+        for r in live:  # (a taker gone midway: the keeper goes on reading, as before)
             fdframing.send(conn, KeptRank(r.rank, r.pid, tuple(r.fds)), list(r.fds.values()))
+        for r in live:
             self._unwatch(r)
             for v in r.kept.values():
                 v.clear()
+        conn.settimeout(None)
         say(f"taken by kernel pid {pid}")
         self._hold(conn)
         return True

@@ -52,12 +52,14 @@ class Option:
         return None
 
 
+KEEP_MAX_S = 7 * 86400  # the longest --keep: a kept pool never outlives the user's session without a limit
+
+
 def _duration(text) -> bool:
     try:
-        units.seconds(text)
+        return units.seconds(text) <= KEEP_MAX_S
     except ValueError:
         return False
-    return True
 
 
 def _rank_list(text: str) -> tuple:
@@ -164,7 +166,7 @@ OPTIONS = (
            "shrink goes on with the survivors, renumbered; end ends the pool. See docs/user-guide.md, \"When a "
            "rank is lost\"."),
     Option("keep", ("--keep",), "off", scope=LAUNCH, group="ranks", metavar="DURATION", nargs="?", const="1h",
-           need="a duration (30s, 10m, 2h) or off", ok=lambda v: v == "off" or _duration(v),
+           need="a duration (30s, 10m, 2h; at most 7 days) or off", ok=lambda v: v == "off" or _duration(v),
            help="Keep the pool when its kernel ends (pools only): killed, crashed, out of memory, restarted, shut "
            "down. Its ranks, their state and a running --bg cell live on for DURATION (--keep alone: 1h) and wait "
            "for a kernel: %%load_ext nbddp there lists them, %%ddp attach takes one. Only you can reach it (a socket "

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from .. import units
 from ..errors import RankFailure, UsageError
 from ..rank.jobs import CallJob
 from ..rank.server import INTERRUPT, Server
@@ -25,7 +26,7 @@ from .healing.losses import Losses
 from .healing.mending import Mending
 from .names.sending import RankNames
 from .ranks import failure, keeping, starters
-from .ranks.gang import Gang
+from .ranks.gang import Gang, let_go
 from .ranks.gang import adopted as gang_of
 
 START_S = 600.0  # the ranks of a new pool must all be in the process group by then
@@ -297,24 +298,34 @@ class Pool:
 def taken(namespace: dict | None, pool_id: str) -> Pool:
     """The kept pool ``pool_id`` (``%ddp attach``), this kernel's from now on: its ranks hold what they held, the
     notebook's names reach them as a spawned pool's do (they are no forks of this kernel), and a cell the last
-    kernel left running in them is waited for (``_settle``)."""
+    kernel left running in them is waited for (``_settle``). Whatever stops that (two interrupts), the pool goes back
+    to its keeper, kept as it was."""
     taken = keeping.take(pool_id)
     pool = Pool(namespace)
     pool.config = taken[2].config
-    gang = pool.gang = gang_of(taken, view_for=view_for_pool, job_for=pool.job_for)
-    pool.view = gang.view
-    with contextlib.ExitStack() as failed:  # whatever stops it, an interrupt too: the pool ends
-        failed.callback(gang.close)
+    with contextlib.ExitStack() as failed:
+        failed.callback(keeping.give_back, taken)
+        gang = pool.gang = gang_of(taken, view_for=view_for_pool, job_for=pool.job_for)
+        failed.pop_all()
+        failed.callback(let_go, gang)
+        pool.view = gang.view
         pool.begin(gang.plan, inherited=False)
         _settle(pool)
         failed.pop_all()
+    for rank, streams in sorted(taken[1].dropped.items()):
+        for stream, n in streams.items():
+            if n:
+                print(f"nbddp: rank {rank} wrote more to {stream} while no kernel held the pool than the keeper keeps "
+                      f"for the cell: {units.size(n)} of it is in its log only ({gang.run_dir.log(rank)})",
+                      file=sys.stderr)
     pool.mending.watch.arm()
     return pool
+
 
 def _settle(pool: Pool) -> None:
     """Wait until every rank answers this kernel's first call: a cell the last kernel left running (a --bg
     training) answers first, and that answer is its, not this kernel's next cell's. An interrupt (Jupyter's)
-    meanwhile interrupts that cell in the ranks."""
+    meanwhile interrupts that cell in the ranks; a second one stops waiting (the pool goes back to its keeper)."""
     token = f"nbddp-taken-{time.time_ns()}"
     sup, answered = pool.gang.sup, set()
 
@@ -327,13 +338,19 @@ def _settle(pool: Pool) -> None:
 
     sup.begin_cell([Answers()])
     pool.gang.command(messages.Call(values.to_ranks(CallJob(str, (token,), 1 << 16))))
+    interrupted = False
     try:
         while True:
             try:
-                sup.wait(None, until=lambda: answered >= set(range(pool.gang.world_size)))
+                sup.wait(None, until=lambda: answered >= {p.rank for p in sup.live()})
                 break
             except KeyboardInterrupt:
-                print("nbddp: interrupting the cell the last kernel left running in the ranks", file=sys.stderr)
+                if interrupted:
+                    print("nbddp: the pool was not taken; it stays kept (%ddp attach again)", file=sys.stderr)
+                    raise
+                interrupted = True
+                print("nbddp: interrupting the cell the last kernel left running in the ranks (interrupt again to "
+                      "stop waiting)", file=sys.stderr)
                 for p in sup.live():
                     p.signal(INTERRUPT, group=False)
     finally:

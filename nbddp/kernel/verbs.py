@@ -76,8 +76,8 @@ class Verbs:
         ("Run All" after a restart), else refused, naming it (nothing started, no device taken twice)."""
         from .ranks import keeping
 
-        notebook = os.environ.get("JPY_SESSION_NAME", "")
-        mine = [a for a in self._kept_to_take() if a.notebook == notebook]
+        notebook = os.environ.get("JPY_SESSION_NAME", "")  # (Jupyter's: without it, no pool is known as this one's)
+        mine = [a for a in self._kept_to_take() if notebook and a.notebook == notebook]
         if not mine:
             return False
         wanted = options.line(options.config(given))
@@ -112,6 +112,9 @@ class Verbs:
                              "changed.")
         if not pool_id:
             waiting = self._kept_to_take()
+            if not waiting:
+                raise UsageError("%ddp attach: no kept pool waits for a kernel now (%ddp pools lists them). Nothing "
+                                 "changed.")
             if len(waiting) > 1:
                 self._pools()
                 raise UsageError("%ddp attach: several kept pools wait; say which: %ddp attach ID. Nothing changed.")

@@ -307,8 +307,9 @@ def tie_to_parent(parent_pid: int, keeper_pid: int | None = None, kernel_ports: 
 
 
 def _die_with(pid: int) -> None:
-    """The rank ends the instant process ``pid`` does (a kept pool's keeper: nbddp/keeper/): a thread waits on its
-    pidfd. A rank outlives its kernel only while its keeper lives, and never its keeper."""
+    """The rank ends the instant process ``pid`` does (a kept pool's keeper: nbddp/keeper/), with the processes it
+    started (its group: DataLoader workers): a thread waits on its pidfd. A rank outlives its kernel only while its
+    keeper lives, and never its keeper."""
     import select
     import threading
 
@@ -318,8 +319,10 @@ def _die_with(pid: int) -> None:
         os._exit(1)
 
     def wait() -> None:
-        select.select([fd], [], [])
-        os._exit(1)
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        poll.poll()
+        os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=wait, name="nbddp-keeper-watch", daemon=True).start()
 

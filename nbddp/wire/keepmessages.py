@@ -91,6 +91,3 @@ class Taken:
 @dataclass(frozen=True)
 class NotTaken:
     why: str
-
-
-KEEPER_TAKES = (Hold, End, Describe, Take)

@@ -65,8 +65,10 @@ class Gang:
     generation = property(lambda self: self.members.generation)
 
     def next_generation(self) -> int:
-        """A fresh process group (``Regroup``), its generation: ``Membership.next_generation``."""
-        return self.members.next_generation()
+        """A fresh process group (``Regroup``), its generation: ``Membership.next_generation`` (a keeper told)."""
+        generation = self.members.next_generation()
+        keeping.hold(self)
+        return generation
 
     def lifelong(self) -> list:
         """The subscribers every cell's bus starts with."""
@@ -129,8 +131,7 @@ class Gang:
         self.members.forget(ranks)
         self.ready.difference_update(ranks)
 
-    def room(self, n: int) -> tuple:
-        """Devices for ``n`` more ranks (``%ddp resize``): ``Membership.room``."""
+    def room(self, n: int) -> tuple:  # devices for n more ranks (%ddp resize): Membership.room
         return self.members.room(n)
 
     def grow(self, world_size: int, device_ids: tuple) -> None:
@@ -269,6 +270,7 @@ class Gang:
         sup.stop_all()
         sup.reap()
         sup.close()
+        keeping.ended_with(self.keeper)
         for fd in self.cmd_fds.values():
             try:
                 os.close(fd)
@@ -306,9 +308,10 @@ def adopted(taken, view_for=None, job_for=None) -> Gang:
         gang.sup.add(proc)
         gang.ready.add(kept.rank)
     gang.local.start()
-    for proc in gang.sup.procs:  # what they wrote meanwhile, in order: text, then the records that follow it
-        for kind in ("stdout", "stderr", "channel"):
-            gang.sup.feed(proc, kind, told.buffered.get(proc.rank, {}).get(kind, b""))
+    with gang.logs.kept_already():  # what they wrote meanwhile (the keeper logged it), in order
+        for proc in gang.sup.procs:
+            for kind in ("stdout", "stderr", "channel"):
+                gang.sup.feed(proc, kind, told.buffered.get(proc.rank, {}).get(kind, b""))
     return gang
 
 
@@ -316,3 +319,16 @@ def _not_a_child():
     """A rank of a kept pool this kernel took: not its child, so no wait status (its own last words say how it
     ended: supervisor._exit_code)."""
     return None, 0
+
+
+def let_go(gang: Gang) -> None:
+    """A taken pool handed back to its keeper as it is (a take that did not finish): every descriptor of this
+    kernel's closed, no rank signalled; the keeper, seeing its end close, keeps the pool again."""
+    sup, gang.sup = gang.sup, None
+    sup.close()
+    for fd in gang.cmd_fds.values():
+        os.close(fd)
+    gang.cmd_fds = {}
+    gang.local.close()
+    gang.logs.close()
+    gang.keeper.close()

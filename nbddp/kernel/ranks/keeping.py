@@ -19,7 +19,7 @@ import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ... import units
@@ -27,7 +27,7 @@ from ...errors import UsageError
 from ...ipy import session
 from ...wire import fdframing
 from ...wire.keepmessages import RANK_FDS, About, Describe, End, Hold, Kept, KeptRank, NotTaken, Take, Taken
-from . import rendezvous
+from . import rendezvous, starters
 
 ANSWER_S = 10.0  # a keeper answers within this (it does nothing that takes longer)
 
@@ -42,9 +42,7 @@ class KeptState:
     run_dir: object
     specs: dict
     generation: int
-    options: str = ""
     started_at: float = 0.0
-    bound_by: dict = field(default_factory=dict)  # a name the pool's cells bound -> the cell that bound it last
 
 
 def pool_id(run_dir) -> str:
@@ -52,15 +50,18 @@ def pool_id(run_dir) -> str:
     return run_dir.run_id.rpartition("-")[2]
 
 
+def _dir_path() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and os.stat(runtime).st_uid == os.getuid() and len(runtime) < 80:
+        return Path(runtime) / "nbddp"
+    return Path(f"/tmp/nbddp-{os.getuid()}")
+
+
 def socket_dir() -> Path:
     """Where this user's keepers listen: ``$XDG_RUNTIME_DIR/nbddp``, else (or where that path leaves too little room for
     a socket's name) ``/tmp/nbddp-UID``; made 0700 and checked to be this user's own and nobody else's (else refused:
     a pool is never kept where another user could reach it)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime) and os.stat(runtime).st_uid == os.getuid() and len(runtime) < 80:
-        path = Path(runtime) / "nbddp"
-    else:
-        path = Path(f"/tmp/nbddp-{os.getuid()}")
+    path = _dir_path()
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
     st = os.lstat(path)
@@ -101,12 +102,15 @@ class KeeperLink:
         path = socket_dir() / f"{pool_id}.sock"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        binding = path.with_suffix(".binding")  # (its name once it listens: a kernel that finds it then can connect)
         with contextlib.ExitStack() as failed, theirs, listener:  # whatever stops it, an interrupt too: nothing left
             failed.callback(mine.close)
-            listener.bind(str(path))
-            failed.callback(path.unlink, missing_ok=True)
-            os.chmod(path, 0o600)
+            listener.bind(str(binding))
+            failed.callback(binding.unlink, missing_ok=True)
+            os.chmod(binding, 0o600)
             listener.listen(8)
+            os.rename(binding, path)
+            failed.callback(path.unlink, missing_ok=True)
             with open(log_path, "ab") as log:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "nbddp.keeper", str(theirs.fileno()), str(listener.fileno()), str(path)],
@@ -116,10 +120,12 @@ class KeeperLink:
         return cls(mine, process.pid, process)
 
     def hold(self, about: About, state: KeptState, ranks: list[tuple[KeptRank, list[int]]]) -> None:
-        """The pool as it is now, to the keeper: it holds every descriptor once this returns."""
-        fdframing.send(self.conn, Hold(about, pickle.dumps(state), len(ranks)))
-        for kept, fds in ranks:
-            fdframing.send(self.conn, kept, fds)
+        """The pool as it is now, to the keeper: it holds every descriptor once this returns (an interrupt waits for
+        the whole of it: a Hold cut short would leave the keeper's stream out of step)."""
+        with starters.sigint_deferred():
+            fdframing.send(self.conn, Hold(about, pickle.dumps(state), len(ranks)))
+            for kept, fds in ranks:
+                fdframing.send(self.conn, kept, fds)
         self.conn.settimeout(ANSWER_S)
         try:
             answer, _ = fdframing.receive(self.conn)
@@ -159,13 +165,23 @@ def _ask(path: Path, message, timeout: float = ANSWER_S):
     return answer, conn
 
 
+def _existing_dir() -> Path | None:
+    """``socket_dir()`` if it exists already (looking for kept pools makes nothing), else None."""
+    if not _dir_path().is_dir():
+        return None
+    try:
+        return socket_dir()
+    except (UsageError, OSError):
+        return None
+
+
 def kept() -> list[About]:
     """This user's kept pools on this machine, oldest first, each as its keeper describes it."""
     found = []
-    try:
-        paths = sorted(socket_dir().glob("*.sock"))
-    except UsageError:
+    where = _existing_dir()
+    if where is None:
         return []
+    paths = sorted(where.glob("*.sock"))
     for path in paths:
         got = _ask(path, Describe(), timeout=2.0)
         if got is not None:
@@ -173,6 +189,17 @@ def kept() -> list[About]:
             if isinstance(got[0], About):
                 found.append(got[0])
     return sorted(found, key=lambda a: a.started_at)
+
+
+def ended() -> list[str]:
+    """What became of kept pools that ended while no kernel held them (their keepers' last word), each said once."""
+    where = _existing_dir()
+    said = []
+    for path in sorted(where.glob("*.ended")) if where is not None else []:
+        with contextlib.suppress(OSError):
+            said.append(path.read_text().strip())
+            path.unlink()
+    return said
 
 
 def take(pool_id: str) -> tuple[KeeperLink, Taken, KeptState, list[tuple[KeptRank, list[int]]]]:
@@ -187,13 +214,24 @@ def take(pool_id: str) -> tuple[KeeperLink, Taken, KeptState, list[tuple[KeptRan
         conn.close()
         raise UsageError(f"%ddp attach {pool_id}: the pool cannot be taken: {answer.why}. Nothing changed.")
     ranks = []
-    with contextlib.ExitStack() as failed:  # whatever stops it: the descriptors received closed
+    with contextlib.ExitStack() as failed:  # whatever stops it: the descriptors received closed (the pool kept)
         failed.callback(conn.close)
         failed.callback(lambda: [os.close(fd) for _, fds in ranks for fd in fds])
         for _ in range(answer.ranks):
             ranks.append(fdframing.receive(conn))
+        state = pickle.loads(answer.state)
         failed.pop_all()
-    return KeeperLink(conn, answer.about.keeper_pid), answer, pickle.loads(answer.state), ranks
+    return KeeperLink(conn, answer.about.keeper_pid), answer, state, ranks
+
+
+def give_back(taken) -> None:
+    """A take that did not finish before its gang was made: the descriptors closed, the keeper keeps the pool again."""
+    link, _, _, ranks = taken
+    for _, fds in ranks:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    link.close()
 
 
 def describe(about: About, now: float | None = None) -> str:
@@ -218,12 +256,9 @@ def keep_seconds(value) -> float | None:
 def kept_out(link: KeeperLink | None, prepare):
     """``prepare`` (starters.fork_specs'), and the kernel's end of its keeper's socket not inherited: a rank holding
     it would hide the kernel's end from the keeper."""
-    if link is None:
-        return prepare
-
     def without(spec):
         spec, not_inherited, forked = prepare(spec) if prepare else (spec, (), None)
-        return spec, [*not_inherited, link.conn.fileno()], forked
+        return spec, [*not_inherited, *([link.conn.fileno()] if link is not None else [])], forked
 
     return without
 
@@ -252,7 +287,12 @@ def tied(spec, link: KeeperLink | None):
 
 
 def end(link: KeeperLink | None) -> None:
-    """The pool ends: its keeper told, and waited for briefly (it goes once the ranks have)."""
+    """The pool ends (its ranks stopped next): its keeper told; it goes once they have."""
     if link is not None:
         link.end()
-        link.close(wait_s=0.0)
+
+
+def ended_with(link: KeeperLink | None) -> None:
+    """Its ranks reaped: the link let go, the keeper (gone a moment later) reaped."""
+    if link is not None:
+        link.close(wait_s=2.0)

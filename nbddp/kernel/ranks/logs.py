@@ -4,6 +4,7 @@ as the text tqdm would have drawn: each state a carriage-return redraw of its li
 bar closes or the rank writes anything else."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 from ...wire.messages import Progress
@@ -16,13 +17,23 @@ class RankLogs:
         self.run_dir = run_dir  # (rendezvous.RunDir: ``log(rank)``, the path of a rank's log)
         self._fds = self._open(ranks)
         self._bar: dict[int, int] = {}  # rank -> the bar whose line is drawn last and not ended yet
+        self._replaying = False  # (kept_already)
 
     def _open(self, ranks) -> dict[int, int]:
         return {r: os.open(str(self.run_dir.log(r)), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r in ranks}
 
+    @contextlib.contextmanager
+    def kept_already(self):
+        """Text the ranks wrote while a keeper held their pool (it wrote their logs then), replayed: not again."""
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
+
     def on_Output(self, event) -> None:
         fd = self._fds.get(event.rank)
-        if fd is not None:
+        if fd is not None and not self._replaying:
             if self._bar.pop(event.rank, None) is not None:  # the bar's line ends before the rank's text
                 os.write(fd, b"\n")
             os.write(fd, event.data)
