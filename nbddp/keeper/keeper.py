@@ -221,7 +221,11 @@ class Keeper:
             self.sel.unregister(self.holder)
             self.holder.close()
             self.holder = None
-        keep_s = self.about.keep_s if self.about is not None else 0.0
+        if self.about is None:  # (the kernel ended during %ddp start: its ranks, tied to this keeper, end with it)
+            say(f"{why} before its pool was up: nothing to keep")
+            self.done = True
+            return
+        keep_s = self.about.keep_s
         say(f"{why}; its pool waits {keep_s:g} s for a kernel to take it")
         self.orphaned_at = time.time()
         self.wait_until = time.monotonic() + keep_s
