@@ -31,22 +31,13 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from kernel import Kernel  # noqa: E402
-
 import sections  # noqa: E402
+from bench_healing import BUILD  # noqa: E402  (the same state, model and step as issue 55's figures)
+
+from kernel import Kernel  # noqa: E402
 
 BEGIN, END = "<!-- keep:begin -->", "<!-- keep:end -->"
 POOL = "get_ipython().magics_manager.registry['DDPMagics'].pool"
-BUILD = """%%ddp
-from torch.nn.parallel import DistributedDataParallel as DDP
-torch.manual_seed(0)
-state = torch.randn({numel})                      # replicated state, built alike on every rank (seeded)
-model = DDP(torch.nn.Linear(256, 256))
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-def step():
-    opt.zero_grad(); model(torch.randn(64, 256)).pow(2).mean().backward(); opt.step()
-step()
-"""
 STEP = "%%ddp\nstep()\nprint(rank, float(state[-1]))\n"
 TRAIN = """%%ddp --bg
 import time

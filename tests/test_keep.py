@@ -4,6 +4,7 @@ and taking the pool, its ranks' state whole, a background training that went on;
 taker and another user refused. Every process a test made is ended by pid, however it ends."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -70,6 +71,20 @@ def restarted(k: Kernel) -> None:
     k.kc.wait_for_ready(timeout=60)
 
 
+@contextlib.contextmanager
+def kept(runtime, keep: str):
+    """A kernel whose pool is started ``--keep KEEP``: (the kernel, its ranks' pids, its keeper's, the pids to end:
+    every process there ended by pid however the test ends)."""
+    pids: list[int] = []
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
+        try:
+            ranks, keeper = kept_pool(k, keep)
+            pids += [*ranks, keeper]
+            yield k, ranks, keeper, pids
+        finally:
+            kill(pids)
+
+
 def kept_pool(k: Kernel, keep: str) -> tuple[list[int], int]:
     k.ok("%load_ext nbddp")
     res = k.ok(f"%ddp start --devices 2 --keep {keep}")
@@ -78,151 +93,116 @@ def kept_pool(k: Kernel, keep: str) -> tuple[list[int], int]:
 
 
 def test_the_next_kernel_takes_a_kept_pool_with_its_state_after_jupyter_restarts_a_killed_kernel(runtime):
-    pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
-        try:
-            ranks, keeper = kept_pool(k, "2m")
-            pids = [*ranks, keeper]
-            k.ok("%%ddp\nimport torch\nstate = torch.full((1 << 20,), float(rank + 1))\nprint('made', rank)")
-            restarted(k)
-            assert running(ranks, 0) == ranks, "the ranks outlived their kernel"
-            res = k.ok("%load_ext nbddp")
-            assert "1 kept pool(s) wait for a kernel" in res.stdout and "2 rank(s) alive" in res.stdout, res
-            assert "%ddp attach takes it" in res.stdout, res
-            res = k.run("%ddp start --devices 3 --keep 2m")  # other options: refused, naming it and the ways out
-            assert "a pool kept from this notebook waits, started with other options" in res.error_text, res
-            assert "%ddp attach" in res.error_text and "%ddp stop" in res.error_text, res
-            res = k.ok("%ddp start --devices 2 --keep 2m")  # "Run All" after a restart: the same options take it
-            assert "took kept pool" in res.stdout and "taking it" in res.stderr, res
-            assert k.value(RANKS) == ranks, "the same processes, taken"
-            k.ok("extra = 10")  # a name of the new kernel's: sent, as to a spawned pool's ranks
-            res = k.ok("%%ddp\nimport torch.distributed as dist\ndist.all_reduce(state)\n"
-                       "print(rank, state[0].item() + extra, state.numel())")
-            for r in (0, 1):
-                assert said(res.stdout, r, f"{r} 13.0 1048576"), res
-            # Jupyter's interrupt reaches the taken ranks (their cell), and the pool lives on
-            res = k.interrupt_when("%%ddp\nimport time\nprint('up', flush=True)\ntime.sleep(60)", "up", 2)
-            assert res.error and res.error["ename"] == "KeyboardInterrupt" and "survived" in res.error_text, res
-            # a rank lost is healed from a peer: a fork of this kernel, tied to the keeper, told to it
-            os.kill(ranks[1], signal.SIGKILL)  # (not this kernel's child: how it ended is unknown here)
-            res = k.run("%%ddp\nprint(rank)")  # (the loss seen before it, or during it: then it fails, saying so)
-            assert "healed the pool" in res.stderr + (res.error_text if res.error else ""), res
-            assert not res.error or "rank 1 failed: ended; how is unknown" in res.error_text, res
-            k.ok("%%ddp\nimport torch\nstate = torch.full((4,), 3.0)")  # (one survivor cannot vouch for its names)
-            healed = k.value(RANKS)
-            assert healed[0] == ranks[0] and healed[1] != ranks[1]
-            pids.append(healed[1])
-            # ... and kept again, with it, across the next kernel's end
-            restarted(k)
-            k.ok("%load_ext nbddp")
-            assert "took kept pool" in k.ok("%ddp attach").stdout
-            assert k.value(RANKS) == healed
-            res = k.ok("%%ddp\nprint(rank, state[0].item())")
-            assert said(res.stdout, 0, "0 3.0") and said(res.stdout, 1, "1 3.0"), res
-            res = k.ok("%ddp stop")
-            assert "pool stopped" in res.stdout
-            assert not running(pids, 15), "every rank and the keeper end with the pool"
-            assert not list(runtime.glob("nbddp/*.sock")), "its socket file removed"
-        finally:
-            kill(pids)
+    with kept(runtime, "2m") as (k, ranks, keeper, pids):
+        k.ok("%%ddp\nimport torch\nstate = torch.full((1 << 20,), float(rank + 1))\nprint('made', rank)")
+        restarted(k)
+        assert running(ranks, 0) == ranks, "the ranks outlived their kernel"
+        res = k.ok("%load_ext nbddp")
+        assert "1 kept pool(s) wait for a kernel" in res.stdout and "2 rank(s) alive" in res.stdout, res
+        assert "%ddp attach takes it" in res.stdout, res
+        res = k.run("%ddp start --devices 3 --keep 2m")  # other options: refused, naming it and the ways out
+        assert "a pool kept from this notebook waits, started with other options" in res.error_text, res
+        assert "%ddp attach" in res.error_text and "%ddp stop" in res.error_text, res
+        res = k.ok("%ddp start --devices 2 --keep 2m")  # "Run All" after a restart: the same options take it
+        assert "took kept pool" in res.stdout and "taking it" in res.stderr, res
+        assert k.value(RANKS) == ranks, "the same processes, taken"
+        k.ok("extra = 10")  # a name of the new kernel's: sent, as to a spawned pool's ranks
+        res = k.ok("%%ddp\nimport torch.distributed as dist\ndist.all_reduce(state)\n"
+                   "print(rank, state[0].item() + extra, state.numel())")
+        for r in (0, 1):
+            assert said(res.stdout, r, f"{r} 13.0 1048576"), res
+        # Jupyter's interrupt reaches the taken ranks (their cell), and the pool lives on
+        res = k.interrupt_when("%%ddp\nimport time\nprint('up', flush=True)\ntime.sleep(60)", "up", 2)
+        assert res.error and res.error["ename"] == "KeyboardInterrupt" and "survived" in res.error_text, res
+        # a rank lost is healed from a peer: a fork of this kernel, tied to the keeper, told to it
+        os.kill(ranks[1], signal.SIGKILL)  # (not this kernel's child: how it ended is unknown here)
+        res = k.run("%%ddp\nprint(rank)")  # (the loss seen before it, or during it: then it fails, saying so)
+        assert "healed the pool" in res.stderr + (res.error_text if res.error else ""), res
+        assert not res.error or "rank 1 failed: ended; how is unknown" in res.error_text, res
+        k.ok("%%ddp\nimport torch\nstate = torch.full((4,), 3.0)")  # (one survivor cannot vouch for its names)
+        healed = k.value(RANKS)
+        assert healed[0] == ranks[0] and healed[1] != ranks[1]
+        pids.append(healed[1])
+        # ... and kept again, with it, across the next kernel's end
+        restarted(k)
+        k.ok("%load_ext nbddp")
+        assert "took kept pool" in k.ok("%ddp attach").stdout
+        assert k.value(RANKS) == healed
+        res = k.ok("%%ddp\nprint(rank, state[0].item())")
+        assert said(res.stdout, 0, "0 3.0") and said(res.stdout, 1, "1 3.0"), res
+        res = k.ok("%ddp stop")
+        assert "pool stopped" in res.stdout
+        assert not running(pids, 15), "every rank and the keeper end with the pool"
+        assert not list(runtime.glob("nbddp/*.sock")), "its socket file removed"
 
 
 def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_no_step(runtime):
-    pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
-        try:
-            ranks, keeper = kept_pool(k, "2m")
-            pids = [*ranks, keeper]
-            k.ok("%%ddp --bg\nimport time, torch, torch.distributed as dist\ndone = 0\nfor step in range(40):\n"
-                 "    t = torch.ones(1)\n    dist.all_reduce(t)\n    done += int(t.item())\n"
-                 "    print('step', step, flush=True)\n    time.sleep(0.1)\n")
-            time.sleep(0.5)  # some steps in: the kernel dies mid-training
-            restarted(k)
-            k.ok("%load_ext nbddp")
-            res = k.ok("%ddp attach", timeout=60)  # waits for the training the last kernel left running
-            assert "took kept pool" in res.stdout, res
-            res = k.ok("%%ddp\nprint(rank, done)")
-            for r in (0, 1):
-                assert said(res.stdout, r, f"{r} 80"), f"every step's all_reduce done, none lost: {res}"
-            run_dir = k.value("get_ipython().magics_manager.registry['DDPMagics'].pool.run_dir.path.as_posix()")
-            log = open(os.path.join(run_dir, "rank0.log")).read()
-            assert "step 39" in log and "step 0" in log, "what it printed while no kernel held it is in its log"
-            k.ok("%ddp stop")
-            assert not running(pids, 15)
-        finally:
-            kill(pids)
+    with kept(runtime, "2m") as (k, ranks, keeper, pids):
+        k.ok("%%ddp --bg\nimport time, torch, torch.distributed as dist\ndone = 0\nfor step in range(40):\n"
+             "    t = torch.ones(1)\n    dist.all_reduce(t)\n    done += int(t.item())\n"
+             "    print('step', step, flush=True)\n    time.sleep(0.1)\n")
+        time.sleep(0.5)  # some steps in: the kernel dies mid-training
+        restarted(k)
+        k.ok("%load_ext nbddp")
+        res = k.ok("%ddp attach", timeout=60)  # waits for the training the last kernel left running
+        assert "took kept pool" in res.stdout, res
+        res = k.ok("%%ddp\nprint(rank, done)")
+        for r in (0, 1):
+            assert said(res.stdout, r, f"{r} 80"), f"every step's all_reduce done, none lost: {res}"
+        run_dir = k.value("get_ipython().magics_manager.registry['DDPMagics'].pool.run_dir.path.as_posix()")
+        log = open(os.path.join(run_dir, "rank0.log")).read()
+        assert "step 39" in log and "step 0" in log, "what it printed while no kernel held it is in its log"
+        k.ok("%ddp stop")
+        assert not running(pids, 15)
 
 
 def test_a_kept_pool_nobody_takes_ends_when_its_wait_runs_out(runtime):
-    pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
-        try:
-            ranks, keeper = kept_pool(k, "2s")
-            pids = [*ranks, keeper]
-            restarted(k)
-            assert running(pids, 0) == pids, "kept at first"
-            assert not running(pids, 10), "ended once its 2 s ran out: every rank and its keeper"
-            assert not list(runtime.glob("nbddp/*.sock"))
-            res = k.ok("%load_ext nbddp\n%ddp pools")
-            assert "no kernel took it within its --keep 2 s; it ended" in res.stdout, "the next kernel is told, once"
-            assert "no kept pool" in res.stdout, res
-            assert "it ended" not in k.ok("%reload_ext nbddp").stdout
-        finally:
-            kill(pids)
+    with kept(runtime, "2s") as (k, ranks, keeper, pids):
+        restarted(k)
+        assert running(pids, 0) == pids, "kept at first"
+        assert not running(pids, 10), "ended once its 2 s ran out: every rank and its keeper"
+        assert not list(runtime.glob("nbddp/*.sock"))
+        res = k.ok("%load_ext nbddp\n%ddp pools")
+        assert "no kernel took it within its --keep 2 s; it ended" in res.stdout, "the next kernel is told, once"
+        assert "no kept pool" in res.stdout, res
+        assert "it ended" not in k.ok("%reload_ext nbddp").stdout
 
 
 def test_a_kept_pool_whose_keeper_is_killed_ends_with_it(runtime):
-    pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
-        try:
-            ranks, keeper = kept_pool(k, "2m")
-            k.ok("%%ddp --gather child\nimport subprocess\nchild = subprocess.Popen(['sleep', '600']).pid")
-            children = k.value("child")  # (a DataLoader's workers, say: in the rank's process group)
-            pids = [*ranks, keeper, *children]
-            restarted(k)
-            os.kill(keeper, signal.SIGKILL)
-            assert not running([*ranks, *children], 5), "its ranks die with it (its pidfd), their children with them"
-            res = k.ok("%load_ext nbddp\n%ddp pools")
-            assert "no kept pool" in res.stdout, res
-            assert not list(runtime.glob("nbddp/*.sock")), "its socket file, left by the killed keeper, removed"
-        finally:
-            kill(pids)
+    with kept(runtime, "2m") as (k, ranks, keeper, pids):
+        k.ok("%%ddp --gather child\nimport subprocess\nchild = subprocess.Popen(['sleep', '600']).pid")
+        children = k.value("child")  # (a DataLoader's workers, say: in the rank's process group)
+        pids += children
+        restarted(k)
+        os.kill(keeper, signal.SIGKILL)
+        assert not running([*ranks, *children], 5), "its ranks die with it (its pidfd), their children with them"
+        res = k.ok("%load_ext nbddp\n%ddp pools")
+        assert "no kept pool" in res.stdout, res
+        assert not list(runtime.glob("nbddp/*.sock")), "its socket file, left by the killed keeper, removed"
 
 
 def test_a_rank_lost_while_no_kernel_holds_the_pool_ends_it_and_the_next_kernel_is_told(runtime):
-    pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
-        try:
-            ranks, keeper = kept_pool(k, "2m")
-            pids = [*ranks, keeper]
-            restarted(k)
-            os.kill(ranks[1], signal.SIGKILL)  # (no kernel to heal it: the pool ends, nothing left)
-            assert not running(pids, 10)
-            res = k.ok("%load_ext nbddp")
-            assert f"rank 1 (pid {ranks[1]}) ended while no kernel held the pool" in res.stdout, res
-            assert "kept pool(s) wait" not in res.stdout, res
-        finally:
-            kill(pids)
+    with kept(runtime, "2m") as (k, ranks, keeper, pids):
+        restarted(k)
+        os.kill(ranks[1], signal.SIGKILL)  # (no kernel to heal it: the pool ends, nothing left)
+        assert not running(pids, 10)
+        res = k.ok("%load_ext nbddp")
+        assert f"rank 1 (pid {ranks[1]}) ended while no kernel held the pool" in res.stdout, res
+        assert "kept pool(s) wait" not in res.stdout, res
 
 
 def test_a_held_pool_is_refused_to_a_second_taker_and_to_another_user(runtime):
-    pids = []
-    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
-        try:
-            ranks, keeper = kept_pool(k, "2m")
-            pids = [*ranks, keeper]
-            (about,) = keeping.kept()
-            assert about.holder_pid == k.pid and about.ranks_alive == 2
-            with pytest.raises(UsageError, match=f"kernel pid {k.pid} holds it"):
-                keeping.take(about.pool_id)
-            assert k.value(RANKS) == ranks, "nothing changed"
-            assert keeping.socket_dir().stat().st_mode & 0o777 == 0o700
-            took = _as_nobody(keeping.socket_dir() / f"{about.pool_id}.sock")
-            assert took.startswith("refused"), took
-            k.ok("%ddp stop")
-            assert not running(pids, 15)
-        finally:
-            kill(pids)
+    with kept(runtime, "2m") as (k, ranks, keeper, pids):
+        (about,) = keeping.kept()
+        assert about.holder_pid == k.pid and about.ranks_alive == 2
+        with pytest.raises(UsageError, match=f"kernel pid {k.pid} holds it"):
+            keeping.take(about.pool_id)
+        assert k.value(RANKS) == ranks, "nothing changed"
+        assert keeping.socket_dir().stat().st_mode & 0o777 == 0o700
+        took = _as_nobody(keeping.socket_dir() / f"{about.pool_id}.sock")
+        assert took.startswith("refused"), took
+        k.ok("%ddp stop")
+        assert not running(pids, 15)
 
 
 def _as_nobody(path) -> str:
