@@ -199,8 +199,9 @@ def test_a_held_pool_is_refused_to_a_second_taker_and_to_another_user(runtime):
             keeping.take(about.pool_id)
         assert k.value(RANKS) == ranks, "nothing changed"
         assert keeping.socket_dir().stat().st_mode & 0o777 == 0o700
-        took = _as_nobody(keeping.socket_dir() / f"{about.pool_id}.sock")
-        assert took.startswith("refused"), took
+        if os.geteuid() == 0:  # (becoming another user takes root: this machine's and CI's tests run as root)
+            took = _as_nobody(keeping.socket_dir() / f"{about.pool_id}.sock")
+            assert took.startswith("refused"), took
         k.ok("%ddp stop")
         assert not running(pids, 15)
 
