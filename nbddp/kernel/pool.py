@@ -300,19 +300,19 @@ def taken(namespace: dict | None, pool_id: str) -> Pool:
     notebook's names reach them as a spawned pool's do (they are no forks of this kernel), and a cell the last
     kernel left running in them is waited for (``_settle``). Whatever stops that (two interrupts), the pool goes back
     to its keeper, kept as it was."""
-    taken = keeping.take(pool_id)
+    got = keeping.take(pool_id)
     pool = Pool(namespace)
-    pool.config = taken[2].config
+    pool.config = got[2].config
     with contextlib.ExitStack() as failed:
-        failed.callback(keeping.give_back, taken)
-        gang = pool.gang = gang_of(taken, view_for=view_for_pool, job_for=pool.job_for)
+        failed.callback(keeping.give_back, got)
+        gang = pool.gang = gang_of(got, view_for=view_for_pool, job_for=pool.job_for)
         failed.pop_all()
         failed.callback(let_go, gang)
         pool.view = gang.view
         pool.begin(gang.plan, inherited=False)
         _settle(pool)
         failed.pop_all()
-    for rank, streams in sorted(taken[1].dropped.items()):
+    for rank, streams in sorted(got[1].dropped.items()):
         for stream, n in streams.items():
             if n:
                 print(f"nbddp: rank {rank} wrote more to {stream} while no kernel held the pool than the keeper keeps "

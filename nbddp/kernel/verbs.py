@@ -77,7 +77,7 @@ class Verbs:
         from .ranks import keeping
 
         notebook = os.environ.get("JPY_SESSION_NAME", "")  # (Jupyter's: without it, no pool is known as this one's)
-        mine = [a for a in self._kept_to_take() if notebook and a.notebook == notebook]
+        mine = [a for a in self._kept_to_take() if a.notebook == notebook] if notebook else []
         if not mine:
             return False
         wanted = options.line(options.config(given))

@@ -291,10 +291,7 @@ def exit_site(exc: SystemExit) -> str:
 def tie_to_parent(parent_pid: int, keeper_pid: int | None = None, kernel_ports: tuple = ()) -> None:
     """Die with the kernel (a kept pool's rank: with its keeper instead), ignore Jupyter's group-wide SIGINT, get a
     process group of our own."""
-    if keeper_pid is not None:
-        _die_with(keeper_pid)
-        _let_go_of_kernel_sockets(kernel_ports)
-    elif sys.platform.startswith("linux"):
+    if keeper_pid is None and sys.platform.startswith("linux"):
         LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid and keeper_pid is None:  # the parent died before prctl took effect
         os._exit(1)
@@ -304,6 +301,9 @@ def tie_to_parent(parent_pid: int, keeper_pid: int | None = None, kernel_ports: 
         os.setpgid(0, 0)  # teardown signals the rank and its own children (DataLoader workers) together
     except OSError:
         pass
+    if keeper_pid is not None:  # (after setpgid: the group the watch kills is the rank's own, never the kernel's)
+        _die_with(keeper_pid)
+        _let_go_of_kernel_sockets(kernel_ports)
 
 
 def _die_with(pid: int) -> None:
@@ -322,7 +322,9 @@ def _die_with(pid: int) -> None:
         poll = select.poll()
         poll.register(fd, select.POLLIN)
         poll.poll()
-        os.killpg(0, signal.SIGKILL)
+        if os.getpgrp() == os.getpid():  # its own group (setpgid took): its children with it
+            os.killpg(0, signal.SIGKILL)
+        os._exit(1)
 
     threading.Thread(target=wait, name="nbddp-keeper-watch", daemon=True).start()
 

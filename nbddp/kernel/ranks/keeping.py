@@ -216,7 +216,7 @@ def take(pool_id: str) -> tuple[KeeperLink, Taken, KeptState, list[tuple[KeptRan
     ranks = []
     with contextlib.ExitStack() as failed:  # whatever stops it: the descriptors received closed (the pool kept)
         failed.callback(conn.close)
-        failed.callback(lambda: [os.close(fd) for _, fds in ranks for fd in fds])
+        failed.callback(_close_all, ranks)
         for _ in range(answer.ranks):
             ranks.append(fdframing.receive(conn))
         state = pickle.loads(answer.state)
@@ -227,11 +227,16 @@ def take(pool_id: str) -> tuple[KeeperLink, Taken, KeptState, list[tuple[KeptRan
 def give_back(taken) -> None:
     """A take that did not finish before its gang was made: the descriptors closed, the keeper keeps the pool again."""
     link, _, _, ranks = taken
+    _close_all(ranks)
+    link.close()
+
+
+def _close_all(ranks) -> None:
+    """Every descriptor a take received (``(KeptRank, fds)`` per rank), closed."""
     for _, fds in ranks:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    link.close()
 
 
 def describe(about: About, now: float | None = None) -> str:
