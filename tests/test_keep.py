@@ -8,7 +8,9 @@ import contextlib
 import os
 import signal
 import socket
+import stat
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -152,6 +154,8 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
         run_dir = k.value("get_ipython().magics_manager.registry['DDPMagics'].pool.run_dir.path.as_posix()")
         log = open(os.path.join(run_dir, "rank0.log")).read()
         assert "step 39" in log and "step 0" in log, "what it printed while no kernel held it is in its log"
+        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in Path(run_dir).iterdir() if f.is_file()}
+        assert modes["keeper.log"] == 0o600 and set(modes.values()) == {0o600}, modes  # private, as every file of a run
         k.ok("%ddp stop")
         assert not running(pids, 15)
 

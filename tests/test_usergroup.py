@@ -115,9 +115,11 @@ def test_the_torchrun_environment_and_record_match_torchrun(clean_kernel, tmp_pa
         "%%ddp --devices 2\nfrom torch.distributed.elastic.multiprocessing.errors import record\n"
         "@record\ndef main():\n    raise ValueError(f'recorded on {rank}')\nmain()\n", timeout=120)
     assert "ValueError: recorded on" in failed.error_text
-    error_files = sorted(runs_dir.glob("*/rank*.error.json"))
-    assert error_files, "@record wrote no error file"
-    assert "recorded on" in json.loads(error_files[-1].read_text())["message"]["message"]
+    run = max((f.parent for f in runs_dir.glob("*/rank*.error.json")), default=None)  # this cell's (named by time)
+    assert run, "@record wrote no error file"
+    # the rank that failed first wrote its whole record; its peer may be stopped by nbddp before it ends its own
+    records = [json.loads(t) for f in run.glob("rank*.error.json") if (t := f.read_text())]
+    assert any("recorded on" in r["message"]["message"] for r in records), records
 
 
 PASTED_SCRIPT = """\

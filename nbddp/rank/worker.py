@@ -7,6 +7,7 @@ Every step is a phase (messages.PHASES); however the rank ends, the channel says
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import gc
@@ -259,6 +260,8 @@ def _store_barrier(spec: RankSpec) -> None:
 
 def report(chan: framing.Writer, phase: str, exc: BaseException) -> None:
     flush_streams()
+    with contextlib.suppress(KeyError, OSError):  # torch's @record wrote it with the umask's mode: private, as its run
+        os.chmod(os.environ["TORCHELASTIC_ERROR_FILE"], 0o600)
     text = tracebacks.user_traceback(exc)  # from the user's code on: not nbddp's frames, nor asyncio's
     try:
         chan.send(messages.Error(phase, type(exc).__name__, str(exc), text, time.time()))

@@ -111,7 +111,7 @@ class KeeperLink:
             listener.listen(8)
             os.rename(binding, path)
             failed.callback(path.unlink, missing_ok=True)
-            with open(log_path, "ab") as log:
+            with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:  # private
                 process = subprocess.Popen(
                     [sys.executable, "-m", "nbddp.keeper", str(theirs.fileno()), str(listener.fileno()), str(path)],
                     pass_fds=(theirs.fileno(), listener.fileno()), start_new_session=True, stdin=subprocess.DEVNULL,
