@@ -127,6 +127,8 @@ def test_shrink_renumbers_the_survivors_in_a_group_of_n_minus_1(pool3):
     assert "mine (Cell In[" in res.stderr, "a name made from the old rank is named"
     assert [p[:4] for p in places] == [(0, 2, "0", "2"), (1, 2, "1", "2")], places
     assert pool_pids(k) == pids[1:]
+    assert k.value(f"[__import__('nbddp.kernel.debugger.rankdebug', fromlist=['_'])._ranks[0].ranks[p][0] "
+                   f"for p in {pids[1:]}]") == [0, 1], "the debugger panel names the ranks by their new numbers"
 
 
 def test_resize_grows_and_shrinks_a_live_pool_keeping_its_state(pool3):

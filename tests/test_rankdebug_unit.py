@@ -284,6 +284,21 @@ def test_a_rank_gone_says_its_stopped_threads_went_on_and_its_late_events_are_dr
 
 
 @pytest.mark.unit
+def test_ranks_renumbered_by_a_shrink_are_named_by_their_new_numbers_in_the_panel():
+    _kernel, ranks, router, (r0, r1) = make(
+        answer=lambda command, _args: {"threads": [{"id": 7, "name": "MainThread"}]} if command == "threads" else {})
+    ranks.rank_started(r1.pid, 1, {("cell.py", 3)})
+    ranks.gone(r0.pid)
+    ranks.renumbered({r1.pid: 0, 4242: 1})  # (a pid the panel never saw: nothing to rename)
+    assert r1.label == "rank 0" and ranks.ranks[r1.pid] == (0, frozenset({("cell.py", 3)})) and 4242 not in ranks.ranks
+    reply = request(router, "threads")
+    assert [t["name"] for t in reply["body"]["threads"]] == ["rank 0 · MainThread"], reply
+    rankdebug._ranks[:] = []
+    rankdebug.renumbered({r1.pid: 1})  # no panel in this kernel: nothing to do
+    assert r1.label == "rank 0"
+
+
+@pytest.mark.unit
 def test_without_pydevds_private_parts_ranks_start_as_without_the_panel(monkeypatch):
     why = "nbddp: the debugger panel cannot reach the ranks with debugpy 9: its pydevd has no pydevd_tracing"
     monkeypatch.setattr(debugpanel, "_gate", [(None, why)])

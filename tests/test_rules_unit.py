@@ -1,6 +1,7 @@
 """The rules of each kind of cell, one declared interface (rules.CellRules), without a kernel: every kind an
 explicit class, what for_cell picks, the one rule for prompts, and a refused prompt always answered."""
 import inspect
+import os
 
 import pytest
 
@@ -129,3 +130,23 @@ def test_an_interrupted_pools_ranks_are_given_up_on_at_stuck_s_or_health_s_once_
     assert not pool.gave_up and not pool.over(cell)
     cell.until(clock, at)
     assert pool.gave_up and pool.over(cell)
+
+
+def test_a_rank_already_dead_when_every_rank_is_stopped_is_not_said_stopped_by_nbddp():
+    """A one-shot cell stops every rank at the first report (OneShotRules.rank_failed): a peer killed meanwhile whose
+    end the kernel had not read yet is not "stopped by nbddp" (its SIGKILL stays the cause, the report "likely a
+    consequence"). Each rank's life pipe stands in for its pidfd: readable once it ended."""
+    from nbddp.kernel.ranks.supervisor import RankProc, Supervisor
+
+    nowhere = 2**22 + 7  # above any pid_max: signals to it find no process
+    (alive_r, alive_w), (dead_r, dead_w) = os.pipe(), os.pipe()
+    os.close(dead_w)  # rank 1 ended: its life pipe's write end closed with it
+    sup = Supervisor()
+    try:
+        sup.procs = [RankProc(0, nowhere, alive_r, pidfd=False), RankProc(1, nowhere + 1, dead_r, pidfd=False)]
+        assert [p.ended_unread() for p in sup.procs] == [False, True]
+        sup.stop_all()
+        assert [p.stop_sent for p in sup.procs] == [True, False]
+    finally:
+        for fd in (alive_r, alive_w, dead_r):
+            os.close(fd)

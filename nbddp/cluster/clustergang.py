@@ -52,10 +52,9 @@ class ClusterGang(Gang):
         self.closed = False
         self.reported: set[int] = set()  # the other nodes' ranks whose end their agent reported (close)
 
-    node_names = property(lambda self: self.members.nodes)  # rank -> its node's name (its Membership's placement)
-
     def node_of(self, rank: int) -> str:
-        return self.node_names.get(rank, "")
+        """The name of the node ``rank`` runs on (its Membership's placement)."""
+        return self.members.nodes.get(rank, "")
 
     def news_fds(self) -> list[int]:
         """The nodes' streams' wake pipe: a rank or node lost, a silent node among them (remote.Streams)."""
@@ -92,8 +91,7 @@ class ClusterGang(Gang):
         streams = [a.events.options(num_returns="streaming").remote(run_id, specs[n.index * D:(n.index + 1) * D],
                                                                    user_if)
                    for a, n in zip(self.actors, nodes[1:])]  # each begins with its ranks' pids
-        for r in range(D):
-            self.node_names[r] = nodes[0].label
+        self.members.place(range(D), nodes[0].label)
         self._fork_local(job_for, specs[:D], ifname, deadline)
         self.streams = remote.Streams(self.sup, self.store)
         no_interface = []  # nodes whose Ray address is on none of their interfaces (NBDDP_IFNAME unset)
@@ -119,8 +117,8 @@ class ClusterGang(Gang):
             ranks = sorted(pids)
             link = remote.Link(actor, n.label, ranks, run_id)
             self.links.append(link)
+            self.members.place(ranks, n.label)
             for r in ranks:
-                self.node_names[r] = n.label
                 self.streams.add(r, pids[r], link)
             self.streams.follow(link, gen)
         if self.view is not None:  # the dashboard's device column names each rank's node
@@ -151,7 +149,7 @@ class ClusterGang(Gang):
                                      spec.backend, ifname)
 
         def forked(proc):
-            proc.node = self.node_names[proc.rank]  # its exit names node 0 as the others' name theirs
+            proc.node = self.node_of(proc.rank)  # its exit names node 0 as the others' name theirs
 
         prepare = starters.store_pipes(self.local, env, forked)
         self._job_for, self._prepare = job_for, prepare  # (a replacement for a lost rank here: Gang.replace)

@@ -83,8 +83,8 @@ def _started(gang, to, actor, ranks: list, why: str) -> remote.Link:
         raise ReplaceFailed(placement.no_interface(to.ip, f"node {to.label}"))
     gang.placed[index] = to
     link = remote.Link(actor, to.label, list(ranks), gang.run_dir.run_id)
+    gang.members.place(ranks, to.label)
     for r in ranks:
-        gang.node_names[r] = to.label
         gang.streams.add(r, pids[r], link)
         if gang.view is not None and getattr(gang.view, "nodes", None):
             gang.view.nodes[r] = f"node {index} ({to.host or to.ip})"

@@ -106,5 +106,21 @@ def test_only_the_membership_changes_who_the_ranks_are():
         for node, owner, name in _assigned_attributes(tree):
             if name in MEMBERSHIP and not (isinstance(owner, ast.Name) and owner.id == "self"):
                 found.append(f"{path}:{node.lineno}: {ast.unparse(owner)}.{name}")
+        found += [f"{path}:{node.lineno}: {ast.unparse(node)}" for node in _written_into_a_membership(tree)]
     assert not found, ("who the ranks are is the pool's Membership's to change (kernel/ranks/membership.py: "
-                       "next_generation, forget, renumber, grow; move_procs):\n" + "\n".join(found))
+                       "next_generation, forget, renumber, grow, place; move_procs):\n" + "\n".join(found))
+
+
+def _written_into_a_membership(tree):
+    """Each target of an assignment that writes into a ``Membership``'s tables from outside (``gang.members.nodes[r]
+    = ...``, as a Ray pool's placement was written before ``Membership.place``)."""
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            continue
+        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            part = target
+            while isinstance(part, (ast.Attribute, ast.Subscript)):
+                if isinstance(part, ast.Attribute) and part.attr == "members" and part is not target:
+                    yield target
+                    break
+                part = part.value

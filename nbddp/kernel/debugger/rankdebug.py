@@ -87,6 +87,10 @@ class RankLink:
         return list(itertools.takewhile(
             lambda f: ((f.get("source") or {}).get("path"), f.get("line")) not in self.inherited, frames))
 
+    def renumbered(self, rank: int) -> None:
+        """The rank's number now (the pool's ranks moved: ``RankDebugger.renumbered``)."""
+        self.rank = rank
+
     @property
     def label(self) -> str:
         return f"rank {self.rank}" if self.rank is not None else f"pid {self.pid}"
@@ -138,6 +142,16 @@ class RankDebugger:
             if len(self.ranks) > 4096:  # ranks long gone
                 self.ranks.pop(next(iter(self.ranks)))
             self.registered.notify_all()
+
+    def renumbered(self, ranks: dict) -> None:
+        """The pool's ranks moved (a shrink, a resize: ``supervisor.Moved``): ``ranks`` is pid -> its rank now; the
+        panel names each rank's threads, its frames and its errors by the new number."""
+        with self.registered:
+            for pid, rank in ranks.items():
+                if pid in self.ranks:
+                    self.ranks[pid] = (rank, self.ranks[pid][1])
+                if pid in self.links:
+                    self.links[pid].renumbered(rank)
 
     def on_kernel_event(self, event: dict) -> bool:
         """An event of the kernel's debugger; True if it was about a rank (handled here, not shown)."""
@@ -611,6 +625,12 @@ def stopped_s(pids) -> float:
 def stopped_pids() -> frozenset:
     """The pids of the ranks stopped in the debugger panel now (their dashboard says so)."""
     return _ranks[0].stopped_pids() if _ranks else frozenset()
+
+
+def renumbered(ranks: dict) -> None:
+    """The pool's ranks moved (``Gang.on_Moved``): ``ranks`` is pid -> its rank now."""
+    if _ranks:
+        _ranks[0].renumbered(ranks)
 
 
 def rank_started(pid: int, rank: int) -> None:

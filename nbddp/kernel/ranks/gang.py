@@ -18,6 +18,7 @@ import time
 from ... import timeline
 from ...hw import driverwatch
 from ...wire import framing, messages
+from ..debugger import rankdebug
 from . import failure, groupstore, keeping, rendezvous, starters
 from .logs import RankLogs
 from .membership import Membership
@@ -185,14 +186,14 @@ class Gang:
         self.sup.wait(None, until=lambda: all(p.exit is not None for p in procs))
 
     def renumber(self, moves: dict) -> None:
-        """The pool shrunk to the ranks of ``moves`` (old rank -> new, in order), in a fresh group
-        (``Membership.renumber``): every table of the gang follows its ``Moved``, the ranks that ended forgotten."""
+        """The pool shrunk to the ranks of ``moves`` (old -> new) in a fresh group: ``Membership.renumber``'s Moved."""
         self.members.renumber(moves)
 
     def on_Moved(self, event) -> None:
-        """Ranks moved (``Membership``): their command pipes, readiness and specs follow (a new rank's spec made
-        from rank 0's, on its device)."""
+        """Ranks moved (``Membership``): their command pipes, readiness, specs (a new rank's made from rank 0's, on
+        its device) and their names in the debugger panel follow."""
         moves, first = event.moves, self.specs.get(0)
+        rankdebug.renumbered({p.pid: p.rank for p in self.sup.procs})
         for rank in [r for r in self.cmd_fds if r not in moves]:
             os.close(self.cmd_fds.pop(rank))
         self.cmd_fds = {moves[r]: fd for r, fd in self.cmd_fds.items()}

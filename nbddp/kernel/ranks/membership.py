@@ -9,7 +9,8 @@ each rank's node). Its moves:
   survivors: orchestrate.py), once per move however many ranks it takes;
 - ``forget``: ranks that ended, no longer the supervisor's (their successors, forked next, take their numbers);
 - ``renumber``: the ranks that stay, renumbered in a fresh group (a shrink, a resize to fewer);
-- ``grow``: ranks added in a fresh group (a resize to more).
+- ``grow``: ranks added in a fresh group (a resize to more);
+- ``place``: the node ranks run on (a pool across Ray nodes).
 
 A renumbering or a growth is published once, as one ``supervisor.Moved`` on the supervisor's bus, and whoever
 keeps a table per rank follows it (``on_Moved``): the rank logs (``RankLogs``), the gang (its command pipes, its
@@ -17,7 +18,7 @@ ready ranks, its specs; a cluster pool's gang: its streams' remote ranks, the va
 (``PoolView``). Another node's agent has no membership of its own (the kernel's decides): it renumbers its
 supervisor's ranks with ``move_procs``, then its own tables, in one place (agent.py's ``_moved``).
 
-No other module assigns the supervisor's ``procs``, a rank process's ``rank`` or the generation
+No other module assigns the supervisor's ``procs``, a rank process's ``rank``, the generation or a rank's node
 (tests/unit/test_house_rules.py).
 """
 from __future__ import annotations
@@ -55,6 +56,11 @@ class Membership:
         """A fresh process group: its generation, which the ranks join (``Regroup``, a replacement's spec)."""
         self.generation += 1
         return self.generation
+
+    def place(self, ranks, node: str) -> None:
+        """The ranks of ``ranks`` run on ``node`` (a pool across Ray nodes: started there, or a lost node's ranks
+        started anew there)."""
+        self.nodes.update(dict.fromkeys(ranks, node))
 
     def forget(self, ranks) -> None:
         """The ranks of ``ranks`` that ended (their descriptors closed as they were reaped) are no longer the

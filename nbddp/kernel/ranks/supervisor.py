@@ -16,6 +16,7 @@ import functools
 import heapq
 import itertools
 import os
+import select
 import selectors
 import signal
 import time
@@ -165,6 +166,14 @@ class RankProc:
                 os.kill(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def ended_unread(self) -> bool:
+        """The rank has ended, and the kernel has not read its end yet (its pidfd, or its life pipe, is readable)."""
+        if self.exit_fd < 0:
+            return False
+        poll = select.poll()
+        poll.register(self.exit_fd, select.POLLIN)
+        return bool(poll.poll(0))
 
     def look(self):
         """How the rank is now, as /proc tells (a procwait.Look; None where it cannot): kernel/cells/grace.py."""
@@ -421,7 +430,7 @@ class Supervisor:
         """SIGTERM every live rank (and its children); SIGKILL after the grace period."""
         for p in self.live():
             if not p.stop_sent:
-                p.stop_sent = True
+                p.stop_sent = not p.ended_unread()  # (one killed while a peer's report was read: not nbddp's doing)
                 p.signal(signal.SIGTERM)
         if self.kill_at is None:
             self.kill_at = time.monotonic() + timeline.GRACE_S
