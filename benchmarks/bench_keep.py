@@ -16,11 +16,16 @@ state, the step), and ipyparallel's re-attach to engines that outlived their cli
 client, a ``%%px``-like ``execute`` reading the engines' state).
 
 Writes results.json's "keep" entry and the section between the markers in results.md.
+
+``--cost``: what the default keeper (``--keep auto``) costs a pool that is never orphaned, against ``--keep off``,
+interleaved in one kernel: ``%ddp start``, a pool cell (median of 20 each), ``%ddp stop``; results.json's
+"keep_cost" entry and its own section.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -171,10 +176,70 @@ def render(r: dict) -> str:
     ])
 
 
+COST_BEGIN, COST_END = "<!-- keep-cost:begin -->", "<!-- keep-cost:end -->"
+CELL = "%%ddp\nimport torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+
+
+def measure_cost(rounds: int) -> dict:
+    """Interleaved rounds (off, auto; then auto, off: the side that goes first alternates) in one kernel."""
+    runs = tempfile.mkdtemp()
+    times: dict = {side: {"start": [], "cell": [], "stop": []} for side in ("off", "auto")}
+    k = Kernel(env={"GLOO_SOCKET_IFNAME": "lo", "NBDDP_RUNS_DIR": runs})
+    try:
+        k.ok("%load_ext nbddp\nimport torch", timeout=120)
+        for i in range(rounds + 1):  # (round 0 warms both up, not counted)
+            for side in (("off", "auto") if i % 2 else ("auto", "off")):
+                t0 = time.perf_counter()
+                k.ok(f"%ddp start --devices 2 --keep {side}", timeout=120)
+                t1 = time.perf_counter()
+                cells = []
+                for _ in range(20):
+                    c0 = time.perf_counter()
+                    k.ok(CELL, timeout=60)
+                    cells.append(time.perf_counter() - c0)
+                t2 = time.perf_counter()
+                k.ok("%ddp stop", timeout=120)
+                if i:
+                    times[side]["start"].append(t1 - t0)
+                    times[side]["cell"].append(statistics.median(cells))
+                    times[side]["stop"].append(time.perf_counter() - t2)
+    finally:
+        k.shutdown()
+    return {side: {what: statistics.median(v) for what, v in d.items()} for side, d in times.items()} | \
+        {"rounds": rounds}
+
+
+def render_cost(r: dict) -> str:
+    rows = [f"| {what} | {r['off'][what] * 1000:.0f} | {r['auto'][what] * 1000:.0f} | "
+            f"{r['auto'][what] / r['off'][what]:.2f}× |" for what in ("start", "cell", "stop")]
+    ok = "met" if r["auto"]["cell"] / r["off"]["cell"] <= 1.05 else "NOT met"
+    return "\n".join([
+        "### What the default keeper costs a pool never orphaned (issue 64)",
+        "",
+        f"One kernel, 2 CPU ranks (gloo), {r['rounds']} interleaved rounds (the side that goes first alternates), "
+        "each `%ddp start`, 20 pool cells (an all_reduce), `%ddp stop`; medians, ms.",
+        "",
+        "| | `--keep off` | default (`--keep auto`: a keeper) | ratio |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        f"Goal: pool cells within 5 %: {ok}. The start pays for the keeper (a fresh interpreter, no torch) and "
+        "its first `Hold`; the stop waits for the keeper to leave.",
+    ])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cost", action="store_true", help="only the default keeper's cost, against --keep off")
     args = ap.parse_args()
+    if args.cost:
+        r = measure_cost(3 if args.quick else 6)
+        print(r)
+        print(render_cost(r))
+        sections.save("keep_cost", r, f"{COST_BEGIN}\n{render_cost(r)}\n\n{COST_END}", COST_BEGIN, COST_END,
+                      before="## GPU (issue 22)")
+        return
     r = measure(args.quick)
     print(r)
     print(render(r))

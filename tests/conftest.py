@@ -2,6 +2,7 @@ import _posixsubprocess
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -9,6 +10,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import left_behind, pool_in
 from kernel import Kernel
 
+# each test process its own keepers' directory (a kept pool's socket: $XDG_RUNTIME_DIR/nbddp), as each login has: a
+# pool kept from a kernel one test killed (by default a killed kernel's pool waits 10 minutes) is never listed by
+# another process's %load_ext (an nbval notebook's output); its kernels inherit it
+os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="nbx-", dir="/tmp")
 UNIT = os.path.join(os.path.dirname(__file__), "unit")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what looks at the whole machine, so runs alone (README's suite: the rest in parallel workers, then these): every

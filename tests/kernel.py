@@ -238,10 +238,11 @@ class Kernel:
         kids = []
         try:
             kids = self.process().children(recursive=True)
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, AttributeError):  # (AttributeError: shut down already, by the test)
             pass
         self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+        if self.km.has_kernel:
+            self.km.shutdown_kernel(now=True)
         for p in kids:  # nothing a test started may outlive it
             try:
                 p.kill()

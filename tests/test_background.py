@@ -261,13 +261,16 @@ def test_bad_options_with_bg_launch_nothing(clean_kernel):
 
 
 def test_a_kernel_shut_down_mid_background_cell_leaves_nothing(runs_dir):
+    """Jupyter's shutdown (a shutdown_request) while a background cell runs: the pool ends (by default it is kept only
+    if the kernel is killed), nothing left: its ranks and its keeper."""
     with Kernel(env={"NBDDP_RUNS_DIR": str(runs_dir)}) as k:
         k.ok("%load_ext nbddp")
         k.ok("%ddp start --devices 2")
         send(k, "%%ddp --bg\nimport time\ntime.sleep(60)")
         kids = k.process().children(recursive=True)
-        assert len(kids) >= 2
-    gone, alive = psutil.wait_procs(kids, timeout=15)
+        assert len(kids) >= 3 and "nbddp-keeper" in {p.name() for p in kids}, [(p.pid, p.name()) for p in kids]
+        k.km.shutdown_kernel(now=False)
+        gone, alive = psutil.wait_procs(kids, timeout=15)
     assert not alive, [(p.pid, p.name()) for p in alive]
 
 

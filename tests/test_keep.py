@@ -74,9 +74,9 @@ def restarted(k: Kernel) -> None:
 
 
 @contextlib.contextmanager
-def kept(runtime, keep: str):
-    """A kernel whose pool is started ``--keep KEEP``: (the kernel, its ranks' pids, its keeper's, the pids to end:
-    every process there ended by pid however the test ends)."""
+def kept(runtime, keep: str | None):
+    """A kernel whose pool is started ``--keep KEEP`` (None: the default, auto): (the kernel, its ranks' pids, its
+    keeper's, the pids to end: every process there ended by pid however the test ends)."""
     pids: list[int] = []
     with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
         try:
@@ -87,9 +87,9 @@ def kept(runtime, keep: str):
             kill(pids)
 
 
-def kept_pool(k: Kernel, keep: str) -> tuple[list[int], int]:
+def kept_pool(k: Kernel, keep: str | None) -> tuple[list[int], int]:
     k.ok("%load_ext nbddp")
-    res = k.ok(f"%ddp start --devices 2 --keep {keep}")
+    res = k.ok("%ddp start --devices 2" + (f" --keep {keep}" if keep else ""))
     assert "pool of 2 rank(s) on cpu/gloo ready" in res.stdout, res
     return k.value(RANKS), k.value(KEEPER)
 
@@ -136,6 +136,28 @@ def test_the_next_kernel_takes_a_kept_pool_with_its_state_after_jupyter_restarts
         assert "pool stopped" in res.stdout
         assert not running(pids, 15), "every rank and the keeper end with the pool"
         assert not list(runtime.glob("nbddp/*.sock")), "its socket file removed"
+
+
+def test_by_default_a_pool_is_kept_if_its_kernel_is_killed_and_a_deliberate_restart_ends_it(runtime):
+    """--keep auto, the default: the kernel killed (Jupyter's restarter after a crash, SIGKILL to its group), the pool
+    waits 10 minutes and "Run All"'s own %ddp start takes it; Jupyter's "Restart Kernel" (a shutdown_request: Python's
+    atexit runs) ends it, every rank and the keeper gone."""
+    with kept(runtime, None) as (k, ranks, keeper, pids):
+        k.ok("%%ddp\nmine = rank + 1")
+        restarted(k)
+        assert running(ranks, 0) == ranks, "kept, with no --keep given"
+        res = k.ok("%load_ext nbddp")
+        assert "1 kept pool(s) wait for a kernel" in res.stdout and "10 min left" in res.stdout, res
+        res = k.ok("%ddp start --devices 2")
+        assert "took kept pool" in res.stdout and k.value(RANKS) == ranks, res
+        res = k.ok("%%ddp\nprint(rank, mine)")
+        assert said(res.stdout, 0, "0 1") and said(res.stdout, 1, "1 2"), res
+        k.km.restart_kernel(now=False)
+        k.kc.wait_for_ready(timeout=60)
+        assert not running(pids, 15), "a deliberate restart ends it: every rank and the keeper"
+        assert not list(runtime.glob("nbddp/*.sock"))
+        res = k.ok("%load_ext nbddp\n%ddp pools")
+        assert "no kept pool" in res.stdout and "wait for a kernel" not in res.stdout, res
 
 
 def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_no_step(runtime):

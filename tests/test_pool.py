@@ -252,9 +252,11 @@ def test_python_api():
         assert not k.process().children(recursive=True)
 
 
-def test_kernel_death_ends_the_pool():
+def test_kernel_death_ends_a_pool_started_keep_off():
+    """--keep off: the ranks die with their kernel, however it ends (the default keeps a pool 10 minutes if its kernel
+    is killed: test_keep.py)."""
     with Kernel(env={}) as k:
-        k.ok("%load_ext nbddp\n%ddp start --devices 2")
+        k.ok("%load_ext nbddp\n%ddp start --devices 2 --keep off")
         ranks = k.process().children(recursive=True)
         assert len(k.process().children()) == 2
         os.kill(k.pid, 9)

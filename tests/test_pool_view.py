@@ -175,10 +175,12 @@ def test_a_rank_that_dies_between_cells_shows_on_the_dashboard_before_the_next_c
     import os
     import signal
 
+    from helpers import pool_pids
+
     k = clean_kernel
     did = pool_display(k.ok("%ddp start --devices 2"))
     try:
-        victim = sorted(p.pid for p in k.process().children())[1]
+        victim = pool_pids(k)[1]
         os.kill(victim, signal.SIGKILL)
         text = wait_update(k, did, lambda t: re.search(rf"^\d\s+{victim}\s+cpu\s+dead", t, re.MULTILINE) is not None)
         assert re.search(r"^\d\s+\d+\s+cpu\s+idle", text, re.MULTILINE), "the other rank is still idle"

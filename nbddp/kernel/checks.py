@@ -44,7 +44,7 @@ def preflight(config, *, pool: bool = False, queued: bool = False) -> devices.Pl
         print(note, file=sys.stderr)
     if held and method == "fork":  # asked for by name: the notebook's data copy-on-write, or nothing
         raise held
-    if config.keep != "off" and method != "fork":
+    if options.keep_asked(config) and method != "fork":
         raise UsageError(f"--keep {config.keep}: only a pool forked from the kernel is kept across its end for now; "
                          f"this one would start by {method} (the kernel holds CUDA, or --start-method says so). "
                          "Nothing started: drop --keep, or restart the kernel and start the pool before anything "
@@ -87,10 +87,10 @@ def refusals(config, *, pool: bool = False, queued: bool = False) -> None:
     if config.cluster and not pool or config.nodes > 1 and not config.cluster:
         raise UsageError("--cluster and --nodes start a pool across the nodes of a Ray cluster: %ddp start "
                          "--cluster ray --nodes N --devices D (then %%ddp cells run on it). Nothing ran.")
-    if config.keep != "off" and not pool:
+    if options.keep_asked(config) and not pool:
         raise UsageError(f"--keep {config.keep}: a pool is kept across its kernel's end; a one-shot cell's ranks end "
                          "with it. %ddp start --keep DURATION starts such a pool. Nothing ran.")
-    if config.keep != "off" and (config.cluster or not hasattr(os, "pidfd_open")):
+    if options.keep_asked(config) and (config.cluster or not hasattr(os, "pidfd_open")):
         why = "a pool across Ray nodes" if config.cluster else f"{sys.platform} has no pidfds"
         raise UsageError(f"--keep {config.keep}: not for {why} (its ranks could not be handed to the next kernel). "
                          "Nothing started: drop --keep.")

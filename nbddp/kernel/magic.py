@@ -306,9 +306,10 @@ class DDPMagics(Magics):
         is); ``resize N`` grows or shrinks the running pool to N ranks, its state kept (new ranks take it
         from a peer); ``stop`` ends the ranks; ``status`` (or ``%ddp`` alone) shows them. A rank the pool
         loses (killed, out of memory, a crash) is said at once and mended as ``--on-loss`` says: heal
-        (default: a replacement takes the pool's state from a peer), shrink, or end. A pool started with
-        ``--keep DURATION`` outlives its kernel (killed, out of memory, restarted): ``%ddp pools`` lists the
-        kept pools, ``%ddp attach [ID]`` takes one into this kernel, ``%ddp stop ID`` ends one.
+        (default: a replacement takes the pool's state from a peer), shrink, or end. A pool outlives its
+        kernel for 10 minutes if the kernel is killed or crashes (``--keep DURATION``: that long, across a
+        deliberate restart too; ``--keep off``: never): ``%ddp pools`` lists the kept pools,
+        ``%ddp attach [ID]`` takes one into this kernel, ``%ddp stop ID`` ends one.
         """
         return self.verbs.run(line)
 

@@ -53,6 +53,15 @@ class Option:
 
 
 KEEP_MAX_S = 7 * 86400  # the longest --keep: a kept pool never outlives the user's session without a limit
+# --keep's default: a pool kept this long if its kernel ends unplanned (killed, crashed, out of memory), never
+# across a deliberate shutdown or restart (Jupyter's shutdown_request, exit()); where a pool cannot be kept
+# (--cluster, a forkserver pool, no pidfds) it ends with its kernel, as with off
+KEEP_AUTO, KEEP_AUTO_S = "auto", 600.0
+
+
+def keep_asked(conf) -> bool:
+    """--keep was given a duration (not its default, not off): a pool that cannot be kept is then refused."""
+    return conf.keep not in ("off", KEEP_AUTO)
 
 
 def _duration(text) -> bool:
@@ -165,13 +174,16 @@ OPTIONS = (
            "replacement with the same rank and device, which takes the pool's state from a surviving peer; "
            "shrink goes on with the survivors, renumbered; end ends the pool. See docs/user-guide.md, \"When a "
            "rank is lost\"."),
-    Option("keep", ("--keep",), "off", scope=LAUNCH, group="ranks", metavar="DURATION", nargs="?", const="1h",
-           need="a duration (30s, 10m, 2h; at most 7 days) or off", ok=lambda v: v == "off" or _duration(v),
+    Option("keep", ("--keep",), KEEP_AUTO, scope=LAUNCH, group="ranks", metavar="DURATION", nargs="?", const="1h",
+           need="a duration (30s, 10m, 2h; at most 7 days), auto or off",
+           ok=lambda v: v in ("off", KEEP_AUTO) or _duration(v),
            help="Keep the pool when its kernel ends (pools only): killed, crashed, out of memory, restarted, shut "
            "down. Its ranks, their state and a running --bg cell live on for DURATION (--keep alone: 1h) and wait "
-           "for a kernel: %%load_ext nbddp there lists them, %%ddp attach takes one. Only you can reach it (a socket "
-           "in a directory of yours). Default off: the pool ends with its kernel. See docs/user-guide.md, \"When "
-           "the kernel restarts\"."),
+           "for a kernel: %%load_ext nbddp there lists them, %%ddp attach (or the same %%ddp start in the same "
+           "notebook) takes one. Only you can reach it (a socket in a directory of yours). Default auto: kept 10 "
+           "minutes if the kernel is killed or crashes, ended by a deliberate shutdown or restart, and not kept "
+           "where it cannot be (--cluster, a forkserver pool). off: the pool always ends with its kernel. See "
+           "docs/user-guide.md, \"When the kernel restarts\"."),
     Option("ranks", ("--ranks",), (), scope=NAMES, group="pool", type=_rank_list, metavar="R[,R...]",
            help="Run the cell on these ranks of the pool only (0 or 0,2), to look at or fix one rank's state; a "
            "collective called there fails fast, and the pool lives on. Its last expression and --out come from "

@@ -309,6 +309,7 @@ def adopted(taken, view_for=None, job_for=None) -> Gang:
         gang.sup.add(proc)
         gang.ready.add(kept.rank)
     gang.local.start()
+    keeping.ends_at_exit(gang)  # (--keep auto: a deliberate end of this kernel ends it)
     with gang.logs.kept_already():  # what they wrote meanwhile (the keeper logged it), in order
         for proc in gang.sup.procs:
             for kind in ("stdout", "stderr", "channel"):

@@ -10,15 +10,18 @@ same user finds kept pools and takes one.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
 import pickle
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,8 +257,12 @@ def describe(about: About, now: float | None = None) -> str:
 
 
 def keep_seconds(value) -> float | None:
-    """``--keep``'s value in seconds: None for off."""
-    return None if value in (None, "off") else units.seconds(value)
+    """``--keep``'s value in seconds: None for off (auto: how long a pool whose kernel ended unplanned waits)."""
+    from .. import options
+
+    if value in (None, "off"):
+        return None
+    return options.KEEP_AUTO_S if value == options.KEEP_AUTO else units.seconds(value)
 
 
 def kept_out(link: KeeperLink | None, prepare):
@@ -278,10 +285,57 @@ def hold(gang) -> None:
 
 
 def start(gang) -> KeeperLink | None:
-    """``gang``'s keeper, started if it is a pool kept across its kernel's end (``--keep``); else None."""
+    """``gang``'s keeper, started if it is a pool kept across its kernel's end (``--keep``); else None. By default
+    (``--keep auto``) a pool that cannot be kept (across Ray nodes, from the forkserver, no pidfds: checks.py refuses
+    them a duration) is not, and one whose keeper cannot start goes on unkept, saying why."""
+    from .. import options
+
     if not gang.persistent or keep_seconds(gang.config.keep) is None:
         return None
-    return KeeperLink.start(pool_id(gang.run_dir), gang.run_dir.path / "keeper.log")
+    if not options.keep_asked(gang.config) and not keepable(gang):
+        return None
+    try:
+        link = KeeperLink.start(pool_id(gang.run_dir), gang.run_dir.path / "keeper.log")
+    except (UsageError, OSError) as e:
+        if options.keep_asked(gang.config):
+            raise
+        print(f"nbddp: this pool is not kept if its kernel is killed: {e}", file=sys.stderr)
+        return None
+    ends_at_exit(gang)
+    return link
+
+
+def keepable(gang) -> bool:
+    """A pool whose ranks another kernel can take: forked from this kernel, on this machine, seen by pidfds."""
+    return gang.plan.start_method == "fork" and not gang.config.cluster and hasattr(os, "pidfd_open")
+
+
+_ENDS_AT_EXIT: "weakref.WeakSet" = weakref.WeakSet()  # the gangs a deliberate end of the kernel ends (--keep auto)
+
+
+def ends_at_exit(gang) -> None:
+    """``gang``'s pool is kept only if its kernel ends unplanned (``--keep auto``): a deliberate end (Jupyter's
+    shutdown or restart request, ``exit()``: Python's atexit runs; a SIGKILL, a crash or the out-of-memory killer
+    never run it) ends it, as a pool that is not kept. A pool given a duration is kept either way."""
+    from .. import options
+
+    if options.keep_asked(gang.config):
+        return
+    atexit.unregister(_end_at_exit)  # (once, however many pools this kernel had)
+    atexit.register(_end_at_exit)
+    _ENDS_AT_EXIT.add(gang)
+
+
+def _end_at_exit() -> None:
+    """The kernel ends on purpose: each ``--keep auto`` pool's keeper told it ends, its ranks sent SIGTERM (the keeper
+    SIGKILLs any not gone within ``keeper.LEAVE_S``)."""
+    for gang in list(_ENDS_AT_EXIT):
+        sup = gang.sup
+        if sup is None or gang.keeper is None:
+            continue
+        end(gang.keeper)
+        for proc in sup.live():
+            proc.signal(signal.SIGTERM)
 
 
 def tied(spec, link: KeeperLink | None):
