@@ -101,6 +101,7 @@ def test_the_next_kernel_takes_a_kept_pool_with_its_state_after_jupyter_restarts
         assert running(ranks, 0) == ranks, "the ranks outlived their kernel"
         res = k.ok("%load_ext nbddp")
         assert "1 kept pool(s) wait for a kernel" in res.stdout and "2 rank(s) alive" in res.stdout, res
+        assert "its ranks hold state, torch;" in res.stdout and "running" not in res.stdout, "the names its cells bound"
         assert "%ddp attach takes it" in res.stdout, res
         res = k.run("%ddp start --devices 3 --keep 2m")  # other options: refused, naming it and the ways out
         assert "a pool kept from this notebook waits, started with other options" in res.error_text, res
@@ -167,7 +168,8 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
              "    print('step', step, flush=True)\n    time.sleep(0.1)\n")
         time.sleep(0.5)  # some steps in: the kernel dies mid-training
         restarted(k)
-        k.ok("%load_ext nbddp")
+        res = k.ok("%load_ext nbddp")
+        assert "a cell was running in them: import time, torch, torch.distributed as dist;" in res.stdout, res
         res = k.ok("%ddp attach", timeout=60)  # waits for the training the last kernel left running
         assert "took kept pool" in res.stdout, res
         res = k.ok("%%ddp\nprint(rank, done)")

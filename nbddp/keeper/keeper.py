@@ -28,7 +28,7 @@ import time
 
 from .. import timeline
 from ..wire import fdframing
-from ..wire.keepmessages import About, Describe, End, Hold, Kept, KeptRank, NotTaken, Take, Taken
+from ..wire.keepmessages import About, Describe, End, Hold, InRanks, Kept, KeptRank, NotTaken, Take, Taken
 
 NAME = b"nbddp-keeper"
 KEPT_TEXT = 16 << 20  # per rank and stream, the newest bytes a rank printed while no kernel held the pool
@@ -186,6 +186,8 @@ class Keeper:
         if isinstance(msg, Hold):
             self._take_hold(msg, conn)
             fdframing.send(conn, Kept())
+        elif isinstance(msg, InRanks) and self.about is not None:
+            self.about = dataclasses.replace(self.about, names=tuple(msg.names), running=msg.running)
         elif isinstance(msg, End):
             say("ended by its kernel")
             self.ending = True

@@ -176,7 +176,7 @@ class Pool:
 
     def cell(self, source: str, filename: str, **kw) -> list:
         """A %%ddp cell in the pool, once no other cell is in its ranks; each rank's Result (``_cell``)."""
-        with self.one_cell():
+        with self.one_cell(), keeping.cell_told(self.gang, self.bound_by, source):
             return self._cell(source, filename, **kw)
 
     def _cell(self, source: str, filename: str, *, outs=(), gathers=(), code=None, relabel=None,
@@ -312,6 +312,10 @@ def taken(namespace: dict | None, pool_id: str) -> Pool:
         pool.begin(gang.plan, inherited=False)
         _settle(pool)
         failed.pop_all()
+    about = got[1].about  # what the ranks hold, as the last kernel said; the cell it left running is over
+    pool.bound_by.update(dict.fromkeys(about.names, "a cell of the kernel before"))
+    gang.keeper.said = (tuple(about.names), about.running)
+    keeping.tell(gang, pool.bound_by, "")
     for rank, streams in sorted(got[1].dropped.items()):
         for stream, n in streams.items():
             if n:

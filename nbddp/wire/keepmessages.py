@@ -2,8 +2,9 @@
 wire/fdframing.py (each rank's descriptors travel with its ``KeptRank`` by SCM_RIGHTS).
 
 The kernel that holds the pool talks on the socket pair it started the keeper with: ``Hold`` (what the pool is,
-and a ``KeptRank`` per rank, its descriptors attached), answered ``Kept``; again whenever its ranks change; ``End``
-when the pool ends. Its end of the pair closing without ``End`` is the kernel's end: the pool waits.
+and a ``KeptRank`` per rank, its descriptors attached), answered ``Kept``; again whenever its ranks change;
+``InRanks`` (the names the ranks hold, the cell running) when those change; ``End`` when the pool ends. Its end
+of the pair closing without ``End`` is the kernel's end: the pool waits.
 
 Another kernel of the same user connects to the keeper's socket: ``Describe`` (answered ``About``), ``Take``
 (answered ``Taken`` and a ``KeptRank`` per rank, or ``NotTaken``, saying why); the connection that took the pool
@@ -33,6 +34,8 @@ class About:
     ranks_alive: int = 0
     run_dir: str = ""
     keeper_pid: int = 0  # the keeper's (said by itself)
+    names: tuple = ()  # the names the ranks bound themselves (the pool's cells'), as its holder last said (``InRanks``)
+    running: str = ""  # the cell running in the ranks when its holder last said (its first line), or ""
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,14 @@ class Hold:
 @dataclass(frozen=True)
 class Kept:
     """The keeper has every descriptor of the last Hold."""
+
+
+@dataclass(frozen=True)
+class InRanks:
+    """The holder's word between Holds, unanswered: the names the ranks hold now and the cell running in them (its
+    first line; "" once none is), sent when either changes: what the next kernel is told if this one ends."""
+    names: tuple
+    running: str
 
 
 @dataclass(frozen=True)

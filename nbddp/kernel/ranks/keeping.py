@@ -29,7 +29,7 @@ from ... import units
 from ...errors import UsageError
 from ...ipy import session
 from ...wire import fdframing
-from ...wire.keepmessages import RANK_FDS, About, Describe, End, Hold, Kept, KeptRank, NotTaken, Take, Taken
+from ...wire.keepmessages import RANK_FDS, About, Describe, End, Hold, InRanks, Kept, KeptRank, NotTaken, Take, Taken
 from . import rendezvous, starters
 
 ANSWER_S = 10.0  # a keeper answers within this (it does nothing that takes longer)
@@ -81,10 +81,11 @@ def about(gang, state: KeptState) -> About:
 
     plan = gang.plan
     on = plan.accelerator if plan.accelerator == "cpu" else "GPU " + ",".join(map(str, plan.device_ids))
+    names, running = gang.keeper.said if gang.keeper is not None else ((), "")
     return About(pool_id=pool_id(gang.run_dir), devices=f"{on} ({plan.backend})", world_size=plan.world_size,
                  options=options.line(gang.config), notebook=os.environ.get("JPY_SESSION_NAME", ""),
                  started_at=state.started_at, keep_s=keep_seconds(gang.config.keep) or 0.0,
-                 run_dir=str(gang.run_dir.path))
+                 run_dir=str(gang.run_dir.path), names=names, running=running)
 
 
 def rank_fds(proc, command_fd: int) -> tuple[KeptRank, list[int]]:
@@ -99,6 +100,7 @@ class KeeperLink:
 
     def __init__(self, conn: socket.socket, keeper_pid: int, process=None):
         self.conn, self.keeper_pid, self.process = conn, keeper_pid, process  # (process: the Popen that started it)
+        self.said: tuple = ((), "")  # the names the ranks hold and the cell running, as the keeper was last told
 
     @classmethod
     def start(cls, pool_id: str, log_path: Path) -> "KeeperLink":
@@ -252,8 +254,35 @@ def describe(about: About, now: float | None = None) -> str:
         left = max(0.0, about.orphaned_at + about.keep_s - now) if about.orphaned_at else about.keep_s
         state = f"waiting for a kernel, {left / 60:.0f} min left"
     where = f", notebook {about.notebook}" if about.notebook else ""
+    names = ", ".join(about.names[:8]) + (f" (+{len(about.names) - 8} more)" if len(about.names) > 8 else "")
+    held = f"; its ranks hold {names}" if names else ""
+    running = f"; a cell was running in them: {about.running}" if about.running else ""
     return (f"{about.pool_id}: {about.world_size} rank(s) on {about.devices}{where}, started {since} "
-            f"({about.options or 'default options'}); {about.ranks_alive} rank(s) alive; {state}")
+            f"({about.options or 'default options'}); {about.ranks_alive} rank(s) alive{held}{running}; {state}")
+
+
+@contextlib.contextmanager
+def cell_told(gang, names, source: str):
+    """A pool cell's run, its keeper told (``InRanks``, unanswered, only when what it knew changed) that the cell runs
+    (its first line) and, once it is over, the names the ranks hold (``names``, read then): what the next kernel is
+    told if this one ends meanwhile."""
+    first = next((line.strip() for line in source.splitlines() if line.strip()), "")
+    tell(gang, names, first[:60] + ("…" if len(first) > 60 else ""))
+    try:
+        yield
+    finally:
+        tell(gang, names, "")
+
+
+def tell(gang, names, running: str) -> None:
+    """``gang``'s keeper told the names its ranks hold and the cell running in them, if that changed."""
+    link = gang.keeper if gang is not None else None
+    said = (tuple(sorted(names)), running)
+    if link is None or said == link.said:
+        return
+    link.said = said
+    with contextlib.suppress(OSError):  # (a keeper gone: the pool's end is near, and said otherwise)
+        fdframing.send(link.conn, InRanks(*said))
 
 
 def keep_seconds(value) -> float | None:
