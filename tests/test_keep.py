@@ -23,8 +23,8 @@ from nbddp.wire.keepmessages import About, Describe
 
 pytestmark = pytest.mark.timeout(240)
 
-RANKS = "[p.pid for p in sorted(get_ipython().magics_manager.registry['DDPMagics'].pool.gang.sup.live(), " \
-        "key=lambda p: p.rank)]"
+POOL = "get_ipython().magics_manager.registry['DDPMagics'].pool"
+RANKS = f"[p.pid for p in sorted({POOL}.gang.sup.live(), key=lambda p: p.rank)]"
 KEEPER = "get_ipython().magics_manager.registry['DDPMagics'].pool.gang.keeper.keeper_pid"
 
 
@@ -161,6 +161,28 @@ def test_by_default_a_pool_is_kept_if_its_kernel_is_killed_and_a_deliberate_rest
         assert "no kept pool" in res.stdout and "wait for a kernel" not in res.stdout, res
 
 
+def test_the_cell_a_killed_kernel_was_running_is_interrupted_in_its_ranks_and_the_pool_kept(runtime):
+    """The kernel killed in the middle of a pool cell (not --bg): nobody waits for that cell any more, so the keeper
+    interrupts it in the ranks (a KeyboardInterrupt, as Jupyter's interrupt) and the next kernel takes the pool at
+    once, not after the cell's minute."""
+    with kept(runtime, None) as (k, ranks, keeper, pids):
+        run_dir = k.value(f"{POOL}.run_dir.path.as_posix()")
+        msg = k.execute("%%ddp\nimport time\nprint('up', flush=True)\nfor i in range(600):\n    time.sleep(0.1)\n")
+        k.follow(msg, lambda r: said(r.stdout, 0, "up") and said(r.stdout, 1, "up"), timeout=30)
+        restarted(k)
+        res = k.ok("%load_ext nbddp")
+        assert "a cell was running (interrupted) in them: import time;" in res.stdout, res
+        t0 = time.monotonic()
+        res = k.ok("%ddp attach", timeout=60)
+        assert "took kept pool" in res.stdout and time.monotonic() - t0 < 20, res
+        assert k.value(RANKS) == ranks
+        res = k.ok("%%ddp\nprint(rank, 'after', 'i' in globals() and i < 599)")
+        assert said(res.stdout, 0, "0 after True") and said(res.stdout, 1, "1 after True"), res
+        assert "interrupting the cell its kernel was running" in open(os.path.join(run_dir, "keeper.log")).read()
+        k.ok("%ddp stop")
+        assert not running(pids, 15)
+
+
 def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_no_step(runtime):
     with kept(runtime, "2m") as (k, ranks, keeper, pids):
         k.ok("%%ddp --bg\nimport time, torch, torch.distributed as dist\ndone = 0\nfor step in range(40):\n"
@@ -169,7 +191,7 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
         time.sleep(0.5)  # some steps in: the kernel dies mid-training
         restarted(k)
         res = k.ok("%load_ext nbddp")
-        assert "a cell was running in them: import time, torch, torch.distributed as dist;" in res.stdout, res
+        assert "a --bg cell was running in them: import time, torch, torch.distributed as dist;" in res.stdout, res
         res = k.ok("%ddp attach", timeout=60)  # waits for the training the last kernel left running
         assert "took kept pool" in res.stdout, res
         res = k.ok("%%ddp\nprint(rank, done)")

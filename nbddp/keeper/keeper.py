@@ -31,6 +31,7 @@ from ..wire import fdframing
 from ..wire.keepmessages import About, Describe, End, Hold, InRanks, Kept, KeptRank, NotTaken, Take, Taken
 
 NAME = b"nbddp-keeper"
+INTERRUPT = signal.SIGUSR2  # a rank's interrupt (rank/server.py's INTERRUPT; the keeper imports no rank code)
 KEPT_TEXT = 16 << 20  # per rank and stream, the newest bytes a rank printed while no kernel held the pool
 KEPT_RECORDS = 64 << 20  # per rank, its records (displays, metrics, answers); past it the rank waits to send more
 LEAVE_S = timeline.STOP_S + timeline.GRACE_S + 1.0  # after End, the ranks leave within this, or are killed
@@ -89,14 +90,17 @@ class Rank:
                 os.close(fd)
         self.fds = {}
 
-    def signal(self, sig: int) -> None:
-        """``sig`` to the rank's process group, if its pidfd says it is still there."""
+    def signal(self, sig: int, group: bool = True) -> None:
+        """``sig`` to the rank's process group (``group``; else to the rank alone), if its pidfd says it is still
+        there."""
         pidfd = self.fds.get("pidfd")
         if pidfd is None or not self.alive:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             signal.pidfd_send_signal(pidfd, 0)
             try:
+                if not group:
+                    raise ProcessLookupError
                 os.killpg(self.pid, sig)
             except (ProcessLookupError, PermissionError):
                 signal.pidfd_send_signal(pidfd, sig)
@@ -187,7 +191,8 @@ class Keeper:
             self._take_hold(msg, conn)
             fdframing.send(conn, Kept())
         elif isinstance(msg, InRanks) and self.about is not None:
-            self.about = dataclasses.replace(self.about, names=tuple(msg.names), running=msg.running)
+            self.about = dataclasses.replace(self.about, names=tuple(msg.names), running=msg.running,
+                                             background=msg.background)
         elif isinstance(msg, End):
             say("ended by its kernel")
             self.ending = True
@@ -235,6 +240,10 @@ class Keeper:
             if r.alive:
                 r.open_log(self.about.run_dir if self.about is not None else "")
                 self._watch(r)
+        if self.about.running and not self.about.background:  # the notebook's cell: nobody waits for it any more
+            say(f"interrupting the cell its kernel was running ({self.about.running}); a --bg cell would go on")
+            for r in self.ranks.values():
+                r.signal(INTERRUPT, group=False)  # (its own: a KeyboardInterrupt in the cell, as Jupyter's interrupt)
 
     # -- the ranks --------------------------------------------------------------------------------------------
     def _watch(self, r: Rank) -> None:

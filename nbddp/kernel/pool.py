@@ -314,7 +314,7 @@ def taken(namespace: dict | None, pool_id: str) -> Pool:
         failed.pop_all()
     about = got[1].about  # what the ranks hold, as the last kernel said; the cell it left running is over
     pool.bound_by.update(dict.fromkeys(about.names, "a cell of the kernel before"))
-    gang.keeper.said = (tuple(about.names), about.running)
+    gang.keeper.said = (tuple(about.names), about.running, about.background)
     keeping.tell(gang, pool.bound_by, "")
     for rank, streams in sorted(got[1].dropped.items()):
         for stream, n in streams.items():

@@ -36,6 +36,8 @@ class About:
     keeper_pid: int = 0  # the keeper's (said by itself)
     names: tuple = ()  # the names the ranks bound themselves (the pool's cells'), as its holder last said (``InRanks``)
     running: str = ""  # the cell running in the ranks when its holder last said (its first line), or ""
+    background: bool = False  # that cell is a --bg one (it goes on when the kernel ends; a cell the notebook waited
+    # for is interrupted: nobody waits for it any more)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class InRanks:
     first line; "" once none is), sent when either changes: what the next kernel is told if this one ends."""
     names: tuple
     running: str
+    background: bool = False
 
 
 @dataclass(frozen=True)

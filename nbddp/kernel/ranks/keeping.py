@@ -20,6 +20,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -81,11 +82,11 @@ def about(gang, state: KeptState) -> About:
 
     plan = gang.plan
     on = plan.accelerator if plan.accelerator == "cpu" else "GPU " + ",".join(map(str, plan.device_ids))
-    names, running = gang.keeper.said if gang.keeper is not None else ((), "")
+    names, running, background = gang.keeper.said if gang.keeper is not None else ((), "", False)
     return About(pool_id=pool_id(gang.run_dir), devices=f"{on} ({plan.backend})", world_size=plan.world_size,
                  options=options.line(gang.config), notebook=os.environ.get("JPY_SESSION_NAME", ""),
                  started_at=state.started_at, keep_s=keep_seconds(gang.config.keep) or 0.0,
-                 run_dir=str(gang.run_dir.path), names=names, running=running)
+                 run_dir=str(gang.run_dir.path), names=names, running=running, background=background)
 
 
 def rank_fds(proc, command_fd: int) -> tuple[KeptRank, list[int]]:
@@ -100,7 +101,7 @@ class KeeperLink:
 
     def __init__(self, conn: socket.socket, keeper_pid: int, process=None):
         self.conn, self.keeper_pid, self.process = conn, keeper_pid, process  # (process: the Popen that started it)
-        self.said: tuple = ((), "")  # the names the ranks hold and the cell running, as the keeper was last told
+        self.said: tuple = ((), "", False)  # the names the ranks hold, the cell running, whether a --bg one: as told
 
     @classmethod
     def start(cls, pool_id: str, log_path: Path) -> "KeeperLink":
@@ -256,7 +257,8 @@ def describe(about: About, now: float | None = None) -> str:
     where = f", notebook {about.notebook}" if about.notebook else ""
     names = ", ".join(about.names[:8]) + (f" (+{len(about.names) - 8} more)" if len(about.names) > 8 else "")
     held = f"; its ranks hold {names}" if names else ""
-    running = f"; a cell was running in them: {about.running}" if about.running else ""
+    running = (f"; a {'--bg cell was running' if about.background else 'cell was running (interrupted)'} in them: "
+               f"{about.running}") if about.running else ""
     return (f"{about.pool_id}: {about.world_size} rank(s) on {about.devices}{where}, started {since} "
             f"({about.options or 'default options'}); {about.ranks_alive} rank(s) alive{held}{running}; {state}")
 
@@ -267,17 +269,19 @@ def cell_told(gang, names, source: str):
     (its first line) and, once it is over, the names the ranks hold (``names``, read then): what the next kernel is
     told if this one ends meanwhile."""
     first = next((line.strip() for line in source.splitlines() if line.strip()), "")
-    tell(gang, names, first[:60] + ("…" if len(first) > 60 else ""))
+    background = threading.current_thread() is not threading.main_thread()  # (the notebook's cells run on the main)
+    tell(gang, names, first[:60] + ("…" if len(first) > 60 else ""), background)
     try:
         yield
     finally:
         tell(gang, names, "")
 
 
-def tell(gang, names, running: str) -> None:
-    """``gang``'s keeper told the names its ranks hold and the cell running in them, if that changed."""
+def tell(gang, names, running: str, background: bool = False) -> None:
+    """``gang``'s keeper told the names its ranks hold and the cell running in them (a --bg one: ``background``),
+    if that changed."""
     link = gang.keeper if gang is not None else None
-    said = (tuple(sorted(names)), running)
+    said = (tuple(sorted(names)), running, background)
     if link is None or said == link.said:
         return
     link.said = said
