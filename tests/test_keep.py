@@ -206,6 +206,33 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
         assert not running(pids, 15)
 
 
+def test_a_kernel_killed_during_ddp_start_leaves_nothing_or_a_whole_kept_pool(runtime):
+    """Jupyter's restarter kills the kernel as soon as the pool's keeper is up, its ranks forking or its first Hold on
+    the way: either the keeper never got the pool (its ranks, tied to it, end with it: nothing left, no socket), or
+    it did and keeps it whole (2 ranks alive, taken by the next kernel). Nothing hangs, nothing is left."""
+    with Kernel(env={"XDG_RUNTIME_DIR": str(runtime), "JPY_SESSION_NAME": "keep.ipynb"}) as k:
+        k.ok("%load_ext nbddp")
+        k.execute("%ddp start --devices 2")
+        deadline, seen = time.monotonic() + 30, []
+        while not any(p.name() == "nbddp-keeper" for p in seen) and time.monotonic() < deadline:
+            seen = k.process().children(recursive=True)
+        assert seen, "the keeper never started"
+        pids = [p.pid for p in seen]
+        try:
+            restarted(k)
+            res = k.ok("%load_ext nbddp\n%ddp pools")
+            if "no kept pool" not in res.stdout:  # the Hold went through first: kept, whole
+                assert "2 rank(s) alive" in res.stdout, res
+                assert "took kept pool" in k.ok("%ddp start --devices 2").stdout
+                pids += k.value(RANKS)
+                assert said(k.ok("%%ddp\nprint(rank, 'up')").stdout, 1, "1 up")
+                k.ok("%ddp stop")
+            assert not running(pids, 15), "every rank and the keeper ended"
+            assert not list(runtime.glob("nbddp/*.sock"))
+        finally:
+            kill(pids)
+
+
 def test_a_kept_pool_nobody_takes_ends_when_its_wait_runs_out(runtime):
     with kept(runtime, "2s") as (k, ranks, keeper, pids):
         restarted(k)
