@@ -144,7 +144,7 @@ def test_by_default_a_pool_is_kept_if_its_kernel_is_killed_and_a_deliberate_rest
     waits 10 minutes and "Run All"'s own %ddp start takes it; Jupyter's "Restart Kernel" (a shutdown_request: Python's
     atexit runs) ends it, every rank and the keeper gone."""
     with kept(runtime, None) as (k, ranks, keeper, pids):
-        k.ok("%%ddp\nmine = rank + 1")
+        k.ok("%%ddp\nimport nbddp\nmine = rank + 1\nnbddp.log(loss=float(rank))")
         restarted(k)
         assert running(ranks, 0) == ranks, "kept, with no --keep given"
         res = k.ok("%load_ext nbddp")
@@ -153,6 +153,8 @@ def test_by_default_a_pool_is_kept_if_its_kernel_is_killed_and_a_deliberate_rest
         assert "took kept pool" in res.stdout and k.value(RANKS) == ranks, res
         res = k.ok("%%ddp\nprint(rank, mine)")
         assert said(res.stdout, 0, "0 1") and said(res.stdout, 1, "1 2"), res
+        history = "sorted(__import__('nbddp.kernel.metrics', fromlist=['_']).LOGBOOK.columns()['loss'])"
+        assert k.value(history) == [0.0, 1.0], "what the ranks logged under the last kernel: nbddp.metrics() has it"
         k.km.restart_kernel(now=False)
         k.kc.wait_for_ready(timeout=60)
         assert not running(pids, 15), "a deliberate restart ends it: every rank and the keeper"

@@ -293,6 +293,27 @@ def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first
 
 
 @pytest.mark.unit
+def test_a_kept_pools_metrics_csv_is_the_next_kernels_history_and_its_new_rows_are_appended(tmp_path):
+    """A kept pool taken by a new kernel (pool.taken): the run's metrics.csv, as the dead kernel wrote it, filed
+    again (nbddp.metrics() and the charts carry the curves on), and what follows appended to the same file."""
+    from nbddp.kernel.metrics import Logbook
+
+    run = str(tmp_path)
+    dead = Logbook()
+    dead.add("In [1]", run, 0, messages.Scalars((0, 1), (1.0, 2.0), {"loss": (2.0, 1.0)}))
+    dead.add("In [1]", run, 1, messages.Scalars((0,), (1.5,), {"loss": (2.5,), "lr": (0.1,)}))
+    dead.write_csv(run)
+    taken = Logbook()
+    assert taken.load_csv(run) == 3 and taken.load_csv(str(tmp_path / "none")) == 0
+    assert taken.columns(run) == dead.columns(run) or str(taken.columns(run)) == str(dead.columns(run))  # (NaN)
+    taken.add("In [4]", run, 0, messages.Scalars((2,), (3.0,), {"loss": (0.5,)}))
+    taken.write_csv(run)
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == [
+        "cell,rank,step,time,loss,lr", "In [1],0,0,1.0,2.0,", "In [1],0,1,2.0,1.0,", "In [1],1,0,1.5,2.5,0.1",
+        "In [4],0,2,3.0,0.5,"]
+
+
+@pytest.mark.unit
 def test_an_infinite_or_missing_value_is_left_out_of_the_drawing_and_never_breaks_it():
     chart = metrics_chart.Chart()
     chart.add(0, messages.Scalars((0, 1, 2), (0.0, 1.0, 2.0), {"loss": (1.0, math.inf, 0.5), "gn": (math.nan,) * 3}))

@@ -72,6 +72,32 @@ class Logbook:
                              "pip install pandas (the same rows are in each run's metrics.csv)") from None
         return pd.DataFrame(self.columns())
 
+    def load_csv(self, run_dir: str) -> int:
+        """``run_dir``'s ``metrics.csv`` as the kernel that wrote it had it (a kept pool taken by this kernel: its
+        curves go on from there), filed as that kernel filed it; the rows read. Its later rows are appended."""
+        path = f"{run_dir}/{CSV_NAME}"
+        try:
+            with open(path, newline="") as f:
+                rows = list(csv.reader(f))
+        except OSError:
+            return 0
+        if not rows or tuple(rows[0][:len(COLUMNS)]) != COLUMNS:
+            return 0
+        header, names = rows[0], rows[0][len(COLUMNS):]
+        runs: dict[tuple, list] = {}  # (cell, rank) -> its rows, in order
+        for row in rows[1:]:
+            if len(row) == len(header):
+                runs.setdefault((row[0], int(row[1])), []).append(row)
+        for (cell, rank), got in runs.items():
+            steps = [float(r[2]) for r in got]
+            columns = {name: [float(r[len(COLUMNS) + i] or "nan") for r in got] for i, name in enumerate(names)}
+            record = Scalars([int(x) if x.is_integer() else x for x in steps], [float(r[3]) for r in got],
+                             {name: col for name, col in columns.items() if any(v == v for v in col)})  # (NaN != NaN)
+            self.add(cell, run_dir, rank, record)
+        with self.lock:
+            self.written[run_dir] = (header, len(self.chunks))
+        return len(rows) - 1
+
     def write_csv(self, run_dir: str) -> str | None:
         """``run_dir``'s rows into its ``metrics.csv``: the rows since the last write appended (a pool's cells),
         the whole file written anew only when a name first logged now widens its header."""

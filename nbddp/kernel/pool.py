@@ -20,7 +20,7 @@ from ..rank.server import INTERRUPT, Server
 from ..views import output
 from ..views.display import view_for_pool
 from ..wire import messages, values
-from . import checks, options
+from . import checks, metrics, options
 from .cells import engine
 from .healing.losses import Losses
 from .healing.mending import Mending
@@ -312,6 +312,7 @@ def taken(namespace: dict | None, pool_id: str) -> Pool:
         pool.begin(gang.plan, inherited=False)
         _settle(pool)
         failed.pop_all()
+    metrics.LOGBOOK.load_csv(str(gang.run_dir.path))  # the curves so far, as the last kernel wrote them
     about = got[1].about  # what the ranks hold, as the last kernel said; the cell it left running is over
     pool.bound_by.update(dict.fromkeys(about.names, "a cell of the kernel before"))
     gang.keeper.said = (tuple(about.names), about.running, about.background)
