@@ -187,18 +187,24 @@ def test_the_cell_a_killed_kernel_was_running_is_interrupted_in_its_ranks_and_th
 
 def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_no_step(runtime):
     with kept(runtime, "2m") as (k, ranks, keeper, pids):
-        k.ok("%%ddp --bg\nimport time, torch, torch.distributed as dist\ndone = 0\nfor step in range(40):\n"
-             "    t = torch.ones(1)\n    dist.all_reduce(t)\n    done += int(t.item())\n"
+        k.ok("%%ddp --bg\nimport time, torch, torch.distributed as dist, nbddp\ndone = 0\nfor step in range(40):\n"
+             "    t = torch.ones(1)\n    dist.all_reduce(t)\n    done += int(t.item())\n    nbddp.log(seen=step)\n"
              "    print('step', step, flush=True)\n    time.sleep(0.1)\n")
-        time.sleep(0.5)  # some steps in: the kernel dies mid-training
+        time.sleep(1.5)  # some steps in (logged, written to the run's metrics.csv): the kernel dies mid-training
         restarted(k)
         res = k.ok("%load_ext nbddp")
-        assert "a --bg cell was running in them: import time, torch, torch.distributed as dist;" in res.stdout, res
+        assert "a --bg cell was running in them: import time, torch, torch.distributed as dist, nbddp;" in \
+            res.stdout, res
         res = k.ok("%ddp attach", timeout=60)  # waits for the training the last kernel left running
         assert "took kept pool" in res.stdout, res
         res = k.ok("%%ddp\nprint(rank, done)")
         for r in (0, 1):
             assert said(res.stdout, r, f"{r} 80"), f"every step's all_reduce done, none lost: {res}"
+        logged = k.value("(lambda c: sorted(zip(c['rank'], c['seen'])))"
+                         "(__import__('nbddp.kernel.metrics', fromlist=['_']).LOGBOOK.columns())")
+        for r in (0, 1):  # before the kernel died (its metrics.csv), and after (what the keeper kept of the channel)
+            seen = [v for rank, v in logged if rank == r]
+            assert seen[0] == 0 and seen[-1] == 39 and len(seen) >= 30, (r, seen)  # (at most WRITE_EVERY_S lost)
         run_dir = k.value("get_ipython().magics_manager.registry['DDPMagics'].pool.run_dir.path.as_posix()")
         log = open(os.path.join(run_dir, "rank0.log")).read()
         assert "step 39" in log and "step 0" in log, "what it printed while no kernel held it is in its log"

@@ -12,6 +12,7 @@ import csv
 import math
 import os
 import threading
+import time
 from array import array
 
 from ..views import metrics_chart
@@ -84,6 +85,8 @@ class Logbook:
         if not rows or tuple(rows[0][:len(COLUMNS)]) != COLUMNS:
             return 0
         header, names = rows[0], rows[0][len(COLUMNS):]
+        with self.lock:  # (taken again by this kernel: the file is the whole story)
+            self.chunks = [chunk for chunk in self.chunks if chunk[1] != run_dir]
         runs: dict[tuple, list] = {}  # (cell, rank) -> its rows, in order
         for row in rows[1:]:
             if len(row) == len(header):
@@ -132,22 +135,31 @@ class Logbook:
 LOGBOOK = Logbook()
 
 
+WRITE_EVERY_S = 0.5  # a cell's metrics.csv is brought up to date this often while it logs (and at its end): a
+# kernel that dies mid-cell loses at most this much of what its ranks logged (a kept pool's next kernel reads the rest)
+
+
 class Recorder:
-    """A cell's listener: what its ranks log, filed in ``LOGBOOK`` under the cell's label."""
+    """A cell's listener: what its ranks log, filed in ``LOGBOOK`` under the cell's label, and appended to the run's
+    ``metrics.csv`` as it comes (every ``WRITE_EVERY_S``) and at the cell's end."""
 
     def __init__(self, cell: str, run_dir, store: Logbook = LOGBOOK):
         self.cell, self.run_dir, self.store = cell, str(run_dir), store
         self.logged = False
         self.bars: dict = {}  # (rank, bar) -> the step its postfix was last taken at (metrics_chart.logged)
+        self.written_at = time.monotonic()
 
     def on_Message(self, event) -> None:
         rec = metrics_chart.logged(event.rank, event.record, self.bars)
         if rec is not None:
             self.store.add(self.cell, self.run_dir, event.rank, rec)
             self.logged = True
+            if time.monotonic() - self.written_at >= WRITE_EVERY_S:
+                self.finish()
 
     def finish(self) -> None:
         if self.logged:
+            self.logged, self.written_at = False, time.monotonic()
             try:
                 self.store.write_csv(self.run_dir)
             except OSError:  # a run directory gone: nbddp.metrics() still has them

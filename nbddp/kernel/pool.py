@@ -19,7 +19,7 @@ from ..rank.jobs import CallJob
 from ..rank.server import INTERRUPT, Server
 from ..views import output
 from ..views.display import view_for_pool
-from ..wire import messages, values
+from ..wire import framing, messages, values
 from . import checks, metrics, options
 from .cells import engine
 from .healing.losses import Losses
@@ -28,6 +28,7 @@ from .names.sending import RankNames
 from .ranks import failure, keeping, starters
 from .ranks.gang import Gang, let_go
 from .ranks.gang import adopted as gang_of
+from .ranks.supervisor import Message
 
 START_S = 600.0  # the ranks of a new pool must all be in the process group by then
 NO_POOL = "no pool is running (%ddp start [options] starts one)"
@@ -310,9 +311,8 @@ def taken(namespace: dict | None, pool_id: str) -> Pool:
         failed.callback(let_go, gang)
         pool.view = gang.view
         pool.begin(gang.plan, inherited=False)
-        _settle(pool)
+        _settle(pool, _metrics_of(gang, got[1]))
         failed.pop_all()
-    metrics.LOGBOOK.load_csv(str(gang.run_dir.path))  # the curves so far, as the last kernel wrote them
     about = got[1].about  # what the ranks hold, as the last kernel said; the cell it left running is over
     pool.bound_by.update(dict.fromkeys(about.names, "a cell of the kernel before"))
     gang.keeper.said = (tuple(about.names), about.running, about.background)
@@ -327,7 +327,20 @@ def taken(namespace: dict | None, pool_id: str) -> Pool:
     return pool
 
 
-def _settle(pool: Pool) -> None:
+def _metrics_of(gang, told) -> metrics.Recorder:
+    """A taken pool's curves go on: what its ranks logged under the last kernel (the run's metrics.csv, as it wrote
+    it), then what they logged while no kernel held the pool (in what the keeper kept of their channels); the
+    Recorder that files them, for what the cell the last kernel left running logs until it ends (``_settle``)."""
+    metrics.LOGBOOK.load_csv(str(gang.run_dir.path))
+    recorder = metrics.Recorder(f"{told.about.running or 'a cell'} (the kernel before)", gang.run_dir.path)
+    for rank, streams in sorted(told.buffered.items()):
+        for record, _marks in framing.Reader().feed(streams.get("channel", b"")):
+            recorder.on_Message(Message(rank, record))
+    recorder.finish()
+    return recorder
+
+
+def _settle(pool: Pool, recorder) -> None:
     """Wait until every rank answers this kernel's first call: a cell the last kernel left running (a --bg
     training) answers first, and that answer is its, not this kernel's next cell's. An interrupt (Jupyter's)
     meanwhile interrupts that cell in the ranks; a second one stops waiting (the pool goes back to its keeper)."""
@@ -341,7 +354,7 @@ def _settle(pool: Pool) -> None:
                     and values.loads(rec.value.blob) == token:
                 answered.add(event.rank)
 
-    sup.begin_cell([Answers()])
+    sup.begin_cell([Answers(), recorder])
     pool.gang.command(messages.Call(values.to_ranks(CallJob(str, (token,), 1 << 16))))
     interrupted = False
     try:
@@ -360,6 +373,7 @@ def _settle(pool: Pool) -> None:
                     p.signal(INTERRUPT, group=False)
     finally:
         sup.end_cell()
+        recorder.finish()
     if len(answered) < pool.gang.world_size:
         raise RankFailure("the kept pool's ranks ended while it was being taken; see its logs: "
                           f"{pool.gang.run_dir.path}", rank=None, cause="take")
