@@ -241,8 +241,9 @@ def test_a_kernel_killed_during_ddp_start_leaves_nothing_or_a_whole_kept_pool(ru
             kill(pids)
 
 
-def test_a_kept_pool_nobody_takes_ends_when_its_wait_runs_out(runtime):
+def test_a_kept_pool_nobody_takes_ends_when_its_wait_runs_out_its_background_cell_too(runtime):
     with kept(runtime, "2s") as (k, ranks, keeper, pids):
+        k.ok("%%ddp --bg\nimport time\ntime.sleep(120)")  # (a training nobody came back for: it ends with the pool)
         restarted(k)
         assert running(pids, 0) == pids, "kept at first"
         assert not running(pids, 10), "ended once its 2 s ran out: every rank and its keeper"
