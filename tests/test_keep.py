@@ -241,6 +241,31 @@ def test_a_kernel_killed_during_ddp_start_leaves_nothing_or_a_whole_kept_pool(ru
             kill(pids)
 
 
+def test_a_kernel_killed_while_it_heals_a_lost_rank_leaves_a_whole_kept_pool_or_nothing(runtime):
+    """Rank 1 killed, and the kernel killed as soon as it forked the replacement (before or after it told the
+    keeper): either the keeper has the healed pool (taken whole by the next kernel), or it ends the pool at once,
+    saying why; the replacement, tied to the keeper, ends with it. Nothing hangs, nothing is left."""
+    with kept(runtime, "2m") as (k, ranks, keeper, pids):
+        os.kill(ranks[1], signal.SIGKILL)
+        deadline, new = time.monotonic() + 20, []
+        while not new and time.monotonic() < deadline:
+            new = [p.pid for p in k.process().children() if p.pid not in (*ranks, keeper)]
+        assert new, "no replacement forked"
+        restarted(k)
+        pids += new
+        res = k.ok("%load_ext nbddp\n%ddp pools")
+        if "kept pool(s) wait" in res.stdout:  # the healed pool was told to the keeper first
+            assert "2 rank(s) alive" in res.stdout, res
+            assert "took kept pool" in k.ok("%ddp attach").stdout
+            pids += k.value(RANKS)
+            assert said(k.ok("%%ddp\nprint(rank, 'up')").stdout, 1, "1 up")
+            k.ok("%ddp stop")
+        else:
+            assert "rank(s) 1 had ended when its kernel did (they were being mended)" in res.stdout, res
+        assert not running(pids, 15), "every rank, the replacement and the keeper ended"
+        assert not list(runtime.glob("nbddp/*.sock"))
+
+
 def test_a_kept_pool_nobody_takes_ends_when_its_wait_runs_out_its_background_cell_too(runtime):
     with kept(runtime, "2s") as (k, ranks, keeper, pids):
         k.ok("%%ddp --bg\nimport time\ntime.sleep(120)")  # (a training nobody came back for: it ends with the pool)

@@ -63,8 +63,11 @@ def test_the_pool_dashboard_follows_ranks_cells_and_memory_over_the_pools_life(c
         own = [d for d in long_res.displays if d.get("transient", {}).get("display_id") != did]
         assert len({d["transient"]["display_id"] for d in own}) == 1, own
         assert own[0]["data"]["text/plain"] == "nbddp pool · cell on ranks 0-1 · running", own
-        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 1\.\d s · running", own[1]["data"]["text/plain"]), own
-        assert re.fullmatch(r"nbddp pool · cell on ranks 0-1 · 2\.\d s · ok", own[-1]["data"]["text/plain"]), own
+        ticked = re.fullmatch(r"nbddp pool · cell on ranks 0-1 · (\d+\.\d) s · running", own[1]["data"]["text/plain"])
+        ended = re.fullmatch(r"nbddp pool · cell on ranks 0-1 · (\d+\.\d) s · ok", own[-1]["data"]["text/plain"])
+        # (the cell's own time: at a tick while it runs, and its whole 2.5 s and more once over, however loaded the
+        # machine; a README-suite run in three workers on 2 cores read 3.2 s)
+        assert ticked and ended and float(ticked[1]) <= float(ended[1]) and 2.5 <= float(ended[1]) < 10, own
         # between cells, on the kernel's own loop: the cell is listed, the ranks idle, their memory grew
         after = wait_update(k, did, lambda t: "1 cell run" in t and "busy" not in t)
         assert "Cell In[" in after and " · ok" in after

@@ -240,6 +240,11 @@ class Keeper:
             if r.alive:
                 r.open_log(self.about.run_dir if self.about is not None else "")
                 self._watch(r)
+        missing = sorted(set(range(self.about.world_size)) - {r.rank for r in self.ranks.values() if r.alive})
+        if missing:  # (its kernel ended while it mended them: only a kernel mends a pool)
+            self._ends(f"rank(s) {', '.join(map(str, missing))} had ended when its kernel did (they were being "
+                       "mended); a pool is mended by a kernel, so it ended with it")
+            return
         if self.about.running and not self.about.background:  # the notebook's cell: nobody waits for it any more
             say(f"interrupting the cell its kernel was running ({self.about.running}); a --bg cell would go on")
             for r in self.ranks.values():
