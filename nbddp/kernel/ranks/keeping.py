@@ -281,8 +281,10 @@ def tell(gang, names, running: str, background: bool = False) -> None:
     """``gang``'s keeper told the names its ranks hold and the cell running in them (a --bg one: ``background``),
     if that changed."""
     link = gang.keeper if gang is not None else None
+    if link is None:  # (a pool without a keeper pays nothing for it)
+        return
     said = (tuple(sorted(names)), running, background)
-    if link is None or said == link.said:
+    if said == link.said:
         return
     link.said = said
     with contextlib.suppress(OSError):  # (a keeper gone: the pool's end is near, and said otherwise)
