@@ -232,13 +232,11 @@ class Keeper:
             say(f"{why} before its pool was up: nothing to keep")
             self.done = True
             return
-        keep_s = self.about.keep_s
-        say(f"{why}; its pool waits {keep_s:g} s for a kernel to take it")
-        self.orphaned_at = time.time()
-        self.wait_until = time.monotonic() + keep_s
+        say(f"{why}; its pool waits {self.about.keep_s:g} s for a kernel to take it")
+        self.orphaned_at, self.wait_until = time.time(), time.monotonic() + self.about.keep_s
         for r in self.ranks.values():
             if r.alive:
-                r.open_log(self.about.run_dir if self.about is not None else "")
+                r.open_log(self.about.run_dir)
                 self._watch(r)
         missing = sorted(set(range(self.about.world_size)) - {r.rank for r in self.ranks.values() if r.alive})
         if missing:  # (its kernel ended while it mended them: only a kernel mends a pool)
