@@ -180,16 +180,25 @@ def _box(locator) -> dict:
 
 
 def _layout(c) -> dict:
-    """What a user sees of a cell's dashboard: its top, its size, its headers, each row's height."""
+    """What a user sees of a cell's dashboard: its top (in its cell: the notebook scrolls as output arrives), its
+    size, its headers, each row's height."""
     dash = c.locator(".nbddp-run")
     box = _box(dash)
-    return {"top": box["y"], "height": box["height"], "width": box["width"],
+    top = dash.evaluate("d => d.getBoundingClientRect().top - d.closest('.jp-Cell').getBoundingClientRect().top")
+    return {"top": top, "height": box["height"], "width": box["width"],
             "headers": dash.locator("th").all_inner_texts(),
             "rows": dash.locator("tr").evaluate_all("rows => rows.map(r => r.getBoundingClientRect().height)")}
 
 
-def _stream_top(c) -> float:
-    return _box(c.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']").first)["y"]
+STDOUT = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stdout']"
+
+
+def _above_the_stream(c, view: str) -> bool:
+    """Whether the cell's first ``view`` element sits above its first stdout output: both read in one go in the page
+    (the notebook scrolls as output arrives, and two reads apart once straddled a scroll: CI read the line 9 px
+    below the text its own screenshot showed under it)."""
+    tops = c.evaluate("(c, sels) => sels.map(s => c.querySelector(s).getBoundingClientRect().top)", [view, STDOUT])
+    return tops[0] < tops[1]
 
 
 def _shot(c, name: str, theme: str) -> None:
@@ -310,7 +319,7 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
                                       index=1)
             assert re.search(r"0\s+running", live_text) and re.search(r"1\s+running", live_text), live_text
             live = _layout(one)
-            assert live["top"] < _stream_top(one), "the dashboard sits above the stream"
+            assert _above_the_stream(one, ".nbddp-run"), "the dashboard sits above the stream"
             assert max(live["rows"]) < 24, f"a row wraps at {WIDTH} px: {live['rows']}"
             _shot(one, "one-shot-running", theme)
             if theme == "light":
@@ -370,8 +379,7 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             live_line = wait_for_text(page, ["nbddp pool · cell on ranks 0-1 ·", "· running"], index=5)
             _shot(cell(page, 5), "pool-cell-own-line", theme)
             wait_for_text(page, ["rank 1 step 1"], index=5)
-            own_top = _box(cell(page, 5).locator(".nbddp-line"))["y"]
-            assert own_top < _stream_top(cell(page, 5)), "the pool cell's line sits above its output, not among it"
+            assert _above_the_stream(cell(page, 5), ".nbddp-line"), "the pool cell's line sits above its output"
             assert cell(page, 5).locator(".nbddp-run").count() == 0, "a pool cell has no dashboard of its own"
             _shot(cell(page, 4), "pool-view-running", theme)
             _shot(cell(page, 5), "pool-cell-running", theme)
@@ -386,7 +394,7 @@ def test_every_state_in_jupyterlab_one_clean_output_per_cell(states_lab):
             assert lives and set(lives) == {160}, lives
             done = wait_for_text(page, ["1 cell run", "Cell In[6] ·", "· ok"], index=4)
             assert "busy" not in done and re.search(r"1\s+\d+\s+cpu\s+idle", done), done
-            assert _box(cell(page, 5).locator(".nbddp-line"))["y"] < _stream_top(cell(page, 5)), "in place"
+            assert _above_the_stream(cell(page, 5), ".nbddp-line"), "in place"
             # -- %ddp who: the ranks' names side by side ---------------------------------------------------------
             run_cell(page, 6)
             wait_for_text(page, ["nbddp who", "weights"], index=6)
