@@ -296,6 +296,7 @@ def test_sampling_walks_a_ranks_pages_only_when_its_faults_say_its_memory_moved(
         os.write(ready_w, b"r")  # (a fresh fork's first moments fault in many pages: it waits after them)
         os.read(go, 1)
         grown = bytearray(50 * 2**20)  # noqa: F841 - held, not read: 50 MiB of its own
+        os.write(ready_w, b"g")  # (grown whole: a loaded machine once had a sample fall mid-growth, two walks)
         time.sleep(30)
         os._exit(0)
     walks = []
@@ -315,6 +316,7 @@ def test_sampling_walks_a_ranks_pages_only_when_its_faults_say_its_memory_moved(
         assert walks.count(pid) == 1
         before = m.ranks[0].uss
         os.write(wait, b"x")
+        assert os.read(ready_r, 1) == b"g"
         deadline = time.monotonic() + 10
         while m.ranks[0].uss < before + 40 * 2**20 and time.monotonic() < deadline:
             time.sleep(0.05)
