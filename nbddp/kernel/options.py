@@ -180,10 +180,10 @@ OPTIONS = (
            help="Keep the pool when its kernel ends (pools only): killed, crashed, out of memory, restarted, shut "
            "down. Its ranks, their state and a running --bg cell live on for DURATION (--keep alone: 1h) and wait "
            "for a kernel: %%load_ext nbddp there lists them, %%ddp attach (or the same %%ddp start in the same "
-           "notebook) takes one. Only you can reach it (a socket in a directory of yours). Default auto: kept 10 "
-           "minutes if the kernel is killed or crashes, ended by a deliberate shutdown or restart, and not kept "
-           "where it cannot be (--cluster, a forkserver pool). off: the pool always ends with its kernel. See "
-           "docs/user-guide.md, \"When the kernel restarts\"."),
+           "notebook) takes one. Only you can reach it (a socket in a directory of yours). Default auto: kept "
+           f"{KEEP_AUTO_S / 60:g} minutes if the kernel is killed or crashes, ended by a deliberate shutdown or "
+           "restart, and not kept where it cannot be (--cluster, a forkserver pool). off: the pool always ends with "
+           "its kernel. See docs/user-guide.md, \"When the kernel restarts\"."),
     Option("ranks", ("--ranks",), (), scope=NAMES, group="pool", type=_rank_list, metavar="R[,R...]",
            help="Run the cell on these ranks of the pool only (0 or 0,2), to look at or fix one rank's state; a "
            "collective called there fails fast, and the pool lives on. Its last expression and --out come from "

@@ -97,8 +97,8 @@ class Verbs:
 
         found = keeping.kept()
         if not found:
-            print("nbddp: no kept pool (a pool waits 10 min for a kernel when its own is killed; %ddp start --keep "
-                  "DURATION keeps one across any end of its kernel)")
+            print(f"nbddp: no kept pool (a pool waits {options.KEEP_AUTO_S / 60:g} min for a kernel when its own is "
+                  "killed; %ddp start --keep DURATION keeps one across any end of its kernel)")
             return
         print("nbddp: kept pools (%ddp attach ID takes one, %ddp stop ID ends one):")
         for about in found:
