@@ -187,10 +187,14 @@ def test_the_cell_a_killed_kernel_was_running_is_interrupted_in_its_ranks_and_th
 
 def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_no_step(runtime):
     with kept(runtime, "2m") as (k, ranks, keeper, pids):
+        csv = Path(k.value(f"{POOL}.run_dir.path.as_posix()")) / "metrics.csv"
         k.ok("%%ddp --bg\nimport time, torch, torch.distributed as dist, nbddp\ndone = 0\nfor step in range(40):\n"
              "    t = torch.ones(1)\n    dist.all_reduce(t)\n    done += int(t.item())\n    nbddp.log(seen=step)\n"
              "    print('step', step, flush=True)\n    time.sleep(0.1)\n")
-        time.sleep(1.5)  # some steps in (logged, written to the run's metrics.csv): the kernel dies mid-training
+        deadline = time.monotonic() + 20  # some steps in, logged and written to the run's metrics.csv: then it dies
+        while not (csv.exists() and len(csv.read_text().splitlines()) > 2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert csv.exists(), "the cell's Recorder wrote nothing while it ran"
         restarted(k)
         res = k.ok("%load_ext nbddp")
         assert "a --bg cell was running in them: import time, torch, torch.distributed as dist, nbddp;" in \
