@@ -555,6 +555,61 @@ NOTEBOOKS = {
              "    print(f'loss after 60 steps on {world_size} ranks: {loss:.4f}')"),
         code("%ddp stop"),
     ],
+    "14-when-the-kernel-restarts.ipynb": [
+        md("# When the kernel restarts: the pool lives on\n\nA pool's ranks hold what took time to build: a model, "
+           "its optimizer, data, a training hours in. By default, if the notebook's kernel is **killed** (the "
+           "out-of-memory killer, a crash, Jupyter's restarter after one), the pool does not die with it: a small "
+           "keeper process holds it for 10 minutes, its ranks and their state as they were, a `--bg` training going "
+           "on. The next kernel's `%load_ext nbddp` says so, and `%ddp attach` (or \"Run All\", whose `%ddp start` "
+           "with the same options takes it) carries on where the last kernel stopped.\n\n"
+           "A **deliberate** restart or shutdown (Kernel → Restart) ends the pool, freeing its devices, unless it was "
+           "started with `--keep DURATION` (`30s`, `10m`, `2h`): then it waits that long across any end of its "
+           "kernel. `--keep off`: the pool always ends with its kernel."),
+        code("%load_ext nbddp\nimport torch"),
+        code("%ddp start --devices 2 --keep 5m"),
+        code("%%ddp\n"
+             "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+             "torch.manual_seed(0)\n"
+             "model = DDP(torch.nn.Linear(8, 1))\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+             "x = torch.randn(512, 8)\n"
+             "y = x.sum(1, keepdim=True)\n"
+             "def train(steps):\n"
+             "    for _ in range(steps):\n"
+             "        loss = torch.nn.functional.mse_loss(model(x), y)\n"
+             "        opt.zero_grad(); loss.backward(); opt.step()\n"
+             "    return loss.item()\n"
+             "loss = train(50)\n"
+             "if rank == 0:\n"
+             "    print(f'loss after 50 steps: {loss:.4f}')"),
+        md("## The kernel goes away\n\nA notebook cannot kill its own kernel and go on running, so this one lets go "
+           "of its pool with `%ddp detach`, which hands it to its keeper exactly as a killed kernel's end does: "
+           "nothing in the ranks stops. (In your own notebook, try Kernel → Restart on a pool started with "
+           "`--keep 5m`, or kill the kernel's process.) `%ddp pools` lists the kept pools of this user on this "
+           "machine: their devices, the notebook that started them, the names their ranks hold, a cell running in "
+           "them, and how long they wait."),
+        code("%ddp detach"),
+        code("%ddp pools"),
+        md("## The next kernel takes it\n\n`%ddp attach` takes the only pool waiting (`%ddp attach ID` one of "
+           "several; `%ddp stop ID` ends one without taking it). The ranks are the same processes, so everything "
+           "they held is there: the training goes on from step 50. Names of the new kernel's a cell reads are sent "
+           "to the ranks as they would be to any pool."),
+        code("%ddp attach"),
+        code("steps = 50   # a name of this kernel's, sent to the ranks when a cell reads it"),
+        code("%%ddp --gather w\n"
+             "loss = train(steps)\n"
+             "if rank == 0:\n"
+             "    print(f'loss after 100 steps: {loss:.4f}')\n"
+             "w = model.module.weight.detach().clone()"),
+        code("# NBVAL_CHECK_OUTPUT\nprint('every rank holds the same weights:', torch.equal(w[0], w[1]))"),
+        md("A `--bg` training sent before the kernel died goes on meanwhile; what it prints and logs with "
+           "`nbddp.log` is kept (its rank logs have every line; `nbddp.metrics()` in the next kernel has every step). "
+           "A cell the dead kernel was running in the foreground is interrupted in the ranks, as Jupyter's interrupt "
+           "would: nobody waits for it any more. Only you can reach your kept pools: the keeper listens on a socket "
+           "in a directory only your user can open and checks every caller's user id. See the user guide, \"When "
+           "the kernel restarts\"."),
+        code("%ddp stop"),
+    ],
 }
 
 

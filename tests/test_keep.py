@@ -218,6 +218,41 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
         assert not running(pids, 15)
 
 
+def test_ddp_detach_hands_the_pool_to_its_keeper_and_a_kernel_takes_it_back(runtime):
+    """``%ddp detach``: this kernel lets go of its pool as it is (nothing ends, no rank is signalled); another kernel
+    of the user takes it, state whole, and gives it back; ended from there, its ranks (the first kernel's children)
+    leave no zombie. A --bg cell running is waited for first; a pool with no keeper is refused, nothing changed."""
+    with kept(runtime, None) as (k, ranks, keeper, pids):
+        k.ok("%%ddp\nmine = rank * 10")
+        k.ok("%%ddp --bg\nimport time\ntime.sleep(1)\nafter = mine + 1")
+        res = k.ok("%ddp detach")  # (as every verb that needs the ranks: once the --bg cell is over)
+        assert "%ddp detach waits for background cell" in res.stderr, res
+        pool_id = k.value("__import__('nbddp.kernel.ranks.keeping', fromlist=['_']).kept()[0].pool_id")
+        assert f"pool {pool_id} detached" in res.stdout and f"%ddp attach {pool_id}" in res.stdout, res
+        assert "no pool is running" in k.ok("%ddp status").stdout
+        assert running(ranks, 0) == ranks, "nothing ended"
+        with Kernel(env={"XDG_RUNTIME_DIR": str(runtime)}) as k2:
+            res = k2.ok("%load_ext nbddp")
+            assert "1 kept pool(s) wait for a kernel" in res.stdout, res
+            assert "took kept pool" in k2.ok(f"%ddp attach {pool_id}").stdout
+            res = k2.ok("%%ddp\nprint(rank, mine, after)")
+            assert said(res.stdout, 0, "0 0 1") and said(res.stdout, 1, "1 10 11"), res
+            k2.ok("%ddp detach")
+            assert "took kept pool" in k.ok("%ddp attach").stdout, "back in the kernel that started it"
+            assert said(k.ok("%%ddp\nprint(rank, mine)").stdout, 1, "1 10")
+            k.ok("%ddp detach")
+            assert f"kept pool {pool_id} ended" in k2.ok(f"%ddp stop {pool_id}").stdout
+        deadline = time.monotonic() + 15
+        while any(psutil.pid_exists(pid) for pid in [*ranks, keeper]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in ranks if psutil.pid_exists(pid)], "reaped by the kernel that forked them"
+        k.ok("%ddp start --devices 2 --keep off")
+        res = k.run("%ddp detach")
+        assert "this pool has no keeper to hand it to" in res.stdout + res.error_text, res
+        assert said(k.ok("%%ddp\nprint(rank, 'still')").stdout, 1, "1 still"), "its pool, as it was"
+        k.ok("%ddp stop")
+
+
 def test_a_kernel_killed_during_ddp_start_leaves_nothing_or_a_whole_kept_pool(runtime):
     """Jupyter's restarter kills the kernel as soon as the pool's keeper is up, its ranks forking or its first Hold on
     the way: either the keeper never got the pool (its ranks, tied to it, end with it: nothing left, no socket), or

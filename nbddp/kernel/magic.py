@@ -309,7 +309,8 @@ class DDPMagics(Magics):
         (default: a replacement takes the pool's state from a peer), shrink, or end. A pool outlives its
         kernel for 10 minutes if the kernel is killed or crashes (``--keep DURATION``: that long, across a
         deliberate restart too; ``--keep off``: never): ``%ddp pools`` lists the kept pools,
-        ``%ddp attach [ID]`` takes one into this kernel, ``%ddp stop ID`` ends one.
+        ``%ddp attach [ID]`` takes one into this kernel, ``%ddp stop ID`` ends one; ``%ddp detach`` hands
+        this kernel's pool to its keeper now, kept as it is (for another kernel, or this one once restarted).
         """
         return self.verbs.run(line)
 

@@ -327,6 +327,34 @@ def taken(namespace: dict | None, pool_id: str) -> Pool:
     return pool
 
 
+def detach(pool: Pool) -> str:
+    """``%ddp detach`` (``Pool.detach``'s work): the pool handed to its keeper as it is, its ranks and their state
+    kept, this kernel no longer holding it; it waits as its ``--keep`` says (auto: ``options.KEEP_AUTO_S``) for a
+    kernel of this user to take it (``%ddp attach ID``, this one too). Its id. Refused, nothing changed, for a pool
+    that has no keeper, lost ranks not yet mended, or a cell running in its ranks."""
+    gang = pool.gang
+    if not pool.alive:
+        raise UsageError(f"%ddp detach: {NO_POOL}. Nothing changed.")
+    if gang.keeper is None:
+        raise UsageError("%ddp detach: this pool has no keeper to hand it to (started with --keep off, or one that "
+                         "cannot be kept: from the forkserver, across Ray nodes, or without pidfds); nothing changed. "
+                         "%ddp restart --keep 1h starts a pool that can be.")
+    if pool.mending.waiting:
+        raise UsageError("%ddp detach: the pool lost rank(s) and mends them before its next cell; a keeper keeps "
+                         "no pool that lacks ranks. Run a cell first (it mends the pool). Nothing changed.")
+    with pool.turn_if_free() as free:
+        if not free:
+            raise UsageError("%ddp detach: a cell is running in the pool's ranks (a background one); %ddp wait for "
+                             "it or %ddp interrupt it, then detach. Nothing changed.")
+        pool.mending.watch.disarm()
+        pool_id = keeping.pool_id(gang.run_dir)
+        pool.view.finish(f"detached: kept pool {pool_id}, waiting for a kernel (%ddp attach {pool_id})", "kept")
+        keeping.reap_when_gone([p.pid for p in gang.sup.procs if p.reap is None])  # (this kernel's children)
+        let_go(gang)
+        gang.why = f"detached (kept pool {pool_id})"
+    return pool_id
+
+
 def _metrics_of(gang, told) -> metrics.Recorder:
     """A taken pool's curves go on: what its ranks logged under the last kernel (the run's metrics.csv, as it wrote
     it), then what they logged while no kernel held the pool (in what the keeper kept of their channels); the

@@ -47,6 +47,8 @@ class Verbs:
                 return self._look(verb, rest.strip())
         if verb == "stop" and rest.strip():
             return self._end_kept(rest.strip())
+        if verb == "detach":
+            return self._detach(rest.strip())
         if verb == "stop":
             ended = self.m.pool.ended if self.m.pool is not None else None
             if self._stop_pool():
@@ -60,7 +62,7 @@ class Verbs:
         if verb == "resize":
             return self._resize(rest.strip())
         raise UsageError(f"%ddp {verb}: say start [options], stop [ID], restart [options], resize N, status, debug "
-                         "[RANK], who, diff EXPR, wait [--timeout S], interrupt, attach [ID] or pools.")
+                         "[RANK], who, diff EXPR, wait [--timeout S], interrupt, attach [ID], detach or pools.")
 
     # -- kept pools (--keep): ranks that outlived the kernel that started them ---------------------------------------
     def _kept_to_take(self) -> list:
@@ -128,6 +130,22 @@ class Verbs:
               flush=True)
         if pool.view.shown:
             pool.show()
+
+    def _detach(self, rest: str) -> None:
+        """``%ddp detach``: this kernel's pool handed to its keeper, kept as it is for ``%ddp attach``."""
+        from .pool import NO_POOL, detach
+        from .ranks import keeping
+
+        if rest:
+            raise UsageError(f"%ddp detach takes nothing after it ({rest!r}); nothing changed.")
+        if self.m.pool is None or not self.m.pool.alive:
+            raise UsageError(f"%ddp detach: {NO_POOL}. Nothing changed.")
+        pool_id = detach(self.m.pool)
+        wait = keeping.keep_seconds(self.m.pool.config.keep) or 0.0
+        self.m.pool = None
+        print(f"nbddp: pool {pool_id} detached: its ranks and their state kept {wait / 60:g} min with no kernel "
+              f"holding it: %ddp attach {pool_id} takes it back (here, or in another kernel of yours: %ddp pools "
+              f"lists it), %ddp stop {pool_id} ends it")
 
     def _end_kept(self, pool_id: str) -> None:
         """``%ddp stop ID``: a kept pool no kernel holds, ended (taken, then stopped)."""

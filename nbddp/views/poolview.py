@@ -179,13 +179,14 @@ class PoolView:
             if s == "busy":
                 self.state[r] = "idle"
 
-    def finish(self, why: str) -> None:
-        """The pool ended (stopped, torn down, a rank died): the last drawing stays in the notebook."""
+    def finish(self, why: str, live_as: str = "ended") -> None:
+        """The pool ended here (stopped, torn down, a rank died; detached: its ranks ``live_as`` "kept"): the last
+        drawing stays in the notebook."""
         if self.ended is not None:
             return
         self.ended, self.ended_at = why, time.time()
         # asked to (each rank left the group and exited), or ended otherwise: no rank is idle any more
-        self.state = {r: "stopped" if why == "stopped" else ("dead" if s == "dead" else "ended")
+        self.state = {r: "stopped" if why == "stopped" else ("dead" if s == "dead" else live_as)
                       for r, s in self.state.items()}
         if self._timer is not None:
             self._timer.cancel()

@@ -373,6 +373,18 @@ def _end_at_exit() -> None:
             proc.signal(signal.SIGTERM)
 
 
+def reap_when_gone(pids: list[int]) -> None:
+    """Ranks this kernel forked and no longer holds (``%ddp detach``): each reaped by a thread when it ends (its
+    keeper's wait runs out, another kernel stops it), so none is left a zombie of this kernel."""
+    def reap() -> None:
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+    if pids:
+        threading.Thread(target=reap, name="nbddp-reap-detached", daemon=True).start()
+
+
 def tied(spec, link: KeeperLink | None):
     """A rank's spec, tied to the keeper of ``link`` (it dies with it, and lets go of the kernel's sockets)."""
     if link is None:
