@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import stat
@@ -199,8 +200,14 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
         res = k.ok("%load_ext nbddp")
         assert "a --bg cell was running in them: import time, torch, torch.distributed as dist, nbddp;" in \
             res.stdout, res
-        res = k.ok("%ddp attach", timeout=60)  # waits for the training the last kernel left running
-        assert "took kept pool" in res.stdout, res
+        msg = k.execute("%ddp attach")  # the training the last kernel left running: this kernel's background cell
+        res = k.follow(msg, lambda r: said(r.stdout, 0, "step 39") and said(r.stdout, 1, "step 39"), timeout=60)
+        assert "took kept pool" in res.stdout and "goes on as background cell" in res.stderr, res
+        shown = [int(n) for n in re.findall(r"^\[rank0(?:-1)?\]:step (\d+)$", res.stdout, re.M)]
+        assert shown and 0 < shown[0] and shown == list(range(shown[0], 40)), \
+            f"what it printed while no kernel held the pool, replayed, then the rest, each step once: {res.stdout}"
+        assert "(the kernel before)" in k.ok("%ddp status").stdout
+        k.ok("%ddp wait", timeout=60)
         res = k.ok("%%ddp\nprint(rank, done)")
         for r in (0, 1):
             assert said(res.stdout, r, f"{r} 80"), f"every step's all_reduce done, none lost: {res}"
@@ -300,7 +307,7 @@ def test_a_kernel_killed_while_it_heals_a_lost_rank_leaves_a_whole_kept_pool_or_
             assert said(k.ok("%%ddp\nprint(rank, 'up')").stdout, 1, "1 up")
             k.ok("%ddp stop")
         else:
-            assert "rank(s) 1 had ended when its kernel did (they were being mended)" in res.stdout, res
+            assert "when its kernel ended (a pool is mended by a kernel" in res.stdout, res
         assert not running(pids, 15), "every rank, the replacement and the keeper ended"
         assert not list(runtime.glob("nbddp/*.sock"))
 

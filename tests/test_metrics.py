@@ -294,7 +294,7 @@ def test_metrics_csv_is_appended_cell_by_cell_and_written_anew_when_a_name_first
 
 @pytest.mark.unit
 def test_a_kept_pools_metrics_csv_is_the_next_kernels_history_and_its_new_rows_are_appended(tmp_path):
-    """A kept pool taken by a new kernel (pool.taken): the run's metrics.csv, as the dead kernel wrote it, filed
+    """A kept pool taken by a new kernel (taking.taken): the run's metrics.csv, as the dead kernel wrote it, filed
     again (nbddp.metrics() and the charts carry the curves on), and what follows appended to the same file."""
     from nbddp.kernel.metrics import Logbook
 

@@ -192,7 +192,7 @@ class Keeper:
             fdframing.send(conn, Kept())
         elif isinstance(msg, InRanks) and self.about is not None:
             self.about = dataclasses.replace(self.about, names=tuple(msg.names), running=msg.running,
-                                             background=msg.background)
+                                             background=msg.background, mending=msg.mending)
         elif isinstance(msg, End):
             say("ended by its kernel")
             self.ending = True
@@ -239,9 +239,10 @@ class Keeper:
                 r.open_log(self.about.run_dir)
                 self._watch(r)
         missing = sorted(set(range(self.about.world_size)) - {r.rank for r in self.ranks.values() if r.alive})
-        if missing:  # (its kernel ended while it mended them: only a kernel mends a pool)
-            self._ends(f"rank(s) {', '.join(map(str, missing))} had ended when its kernel did (they were being "
-                       "mended); a pool is mended by a kernel, so it ended with it")
+        if missing or self.about.mending:  # (its kernel ended while it mended them: only a kernel mends a pool)
+            lost = f"rank(s) {', '.join(map(str, missing))} had ended" if missing else "it was being mended"
+            self._ends(f"{lost} when its kernel ended (a pool is mended by a kernel; ranks half mended wait for it "
+                       "for ever), so it ended with it")
             return
         if self.about.running and not self.about.background:  # the notebook's cell: nobody waits for it any more
             say(f"interrupting the cell its kernel was running ({self.about.running}); a --bg cell would go on")

@@ -13,22 +13,19 @@ import sys
 import threading
 import time
 
-from .. import units
 from ..errors import RankFailure, UsageError
 from ..rank.jobs import CallJob
-from ..rank.server import INTERRUPT, Server
+from ..rank.server import Server
 from ..views import output
 from ..views.display import view_for_pool
-from ..wire import framing, messages, values
-from . import checks, metrics, options
+from ..wire import messages, values
+from . import checks, options
 from .cells import engine
 from .healing.losses import Losses
 from .healing.mending import Mending
 from .names.sending import RankNames
 from .ranks import failure, keeping, starters
 from .ranks.gang import Gang, let_go
-from .ranks.gang import adopted as gang_of
-from .ranks.supervisor import Message
 
 START_S = 600.0  # the ranks of a new pool must all be in the process group by then
 NO_POOL = "no pool is running (%ddp start [options] starts one)"
@@ -296,37 +293,6 @@ class Pool:
                 for k, v in explicit.items() if k in options.POOL_FIXED and str(v) != str(getattr(self.config, k))]
 
 
-def taken(namespace: dict | None, pool_id: str) -> Pool:
-    """The kept pool ``pool_id`` (``%ddp attach``), this kernel's from now on: its ranks hold what they held, the
-    notebook's names reach them as a spawned pool's do (they are no forks of this kernel), and a cell the last
-    kernel left running in them is waited for (``_settle``). Whatever stops that (two interrupts), the pool goes back
-    to its keeper, kept as it was."""
-    got = keeping.take(pool_id)
-    pool = Pool(namespace)
-    pool.config = got[2].config
-    with contextlib.ExitStack() as failed:
-        failed.callback(keeping.give_back, got)
-        gang = pool.gang = gang_of(got, view_for=view_for_pool, job_for=pool.job_for)
-        failed.pop_all()
-        failed.callback(let_go, gang)
-        pool.view = gang.view
-        pool.begin(gang.plan, inherited=False)
-        _settle(pool, _metrics_of(gang, got[1]))
-        failed.pop_all()
-    about = got[1].about  # what the ranks hold, as the last kernel said; the cell it left running is over
-    pool.bound_by.update(dict.fromkeys(about.names, "a cell of the kernel before"))
-    gang.keeper.said = (tuple(about.names), about.running, about.background)
-    keeping.tell(gang, pool.bound_by, "")
-    for rank, streams in sorted(got[1].dropped.items()):
-        for stream, n in streams.items():
-            if n:
-                print(f"nbddp: rank {rank} wrote more to {stream} while no kernel held the pool than the keeper keeps "
-                      f"for the cell: {units.size(n)} of it is in its log only ({gang.run_dir.log(rank)})",
-                      file=sys.stderr)
-    pool.mending.watch.arm()
-    return pool
-
-
 def detach(pool: Pool) -> str:
     """``%ddp detach`` (``Pool.detach``'s work): the pool handed to its keeper as it is, its ranks and their state
     kept, this kernel no longer holding it; it waits as its ``--keep`` says (auto: ``options.KEEP_AUTO_S``) for a
@@ -353,55 +319,3 @@ def detach(pool: Pool) -> str:
         let_go(gang)
         gang.why = f"detached (kept pool {pool_id})"
     return pool_id
-
-
-def _metrics_of(gang, told) -> metrics.Recorder:
-    """A taken pool's curves go on: what its ranks logged under the last kernel (the run's metrics.csv, as it wrote
-    it), then what they logged while no kernel held the pool (in what the keeper kept of their channels); the
-    Recorder that files them, for what the cell the last kernel left running logs until it ends (``_settle``)."""
-    metrics.LOGBOOK.load_csv(str(gang.run_dir.path))
-    recorder = metrics.Recorder(f"{told.about.running or 'a cell'} (the kernel before)", gang.run_dir.path)
-    for rank, streams in sorted(told.buffered.items()):
-        for record, _marks in framing.Reader().feed(streams.get("channel", b"")):
-            recorder.on_Message(Message(rank, record))
-    recorder.finish()
-    return recorder
-
-
-def _settle(pool: Pool, recorder) -> None:
-    """Wait until every rank answers this kernel's first call: a cell the last kernel left running (a --bg
-    training) answers first, and that answer is its, not this kernel's next cell's. An interrupt (Jupyter's)
-    meanwhile interrupts that cell in the ranks; a second one stops waiting (the pool goes back to its keeper)."""
-    token = f"nbddp-taken-{time.time_ns()}"
-    sup, answered = pool.gang.sup, set()
-
-    class Answers:
-        def on_Message(self, event) -> None:
-            rec = event.record
-            if isinstance(rec, messages.Result) and rec.value is not None and rec.value.blob is not None \
-                    and values.loads(rec.value.blob) == token:
-                answered.add(event.rank)
-
-    sup.begin_cell([Answers(), recorder])
-    pool.gang.command(messages.Call(values.to_ranks(CallJob(str, (token,), 1 << 16))))
-    interrupted = False
-    try:
-        while True:
-            try:
-                sup.wait(None, until=lambda: answered >= {p.rank for p in sup.live()})
-                break
-            except KeyboardInterrupt:
-                if interrupted:
-                    print("nbddp: the pool was not taken; it stays kept (%ddp attach again)", file=sys.stderr)
-                    raise
-                interrupted = True
-                print("nbddp: interrupting the cell the last kernel left running in the ranks (interrupt again to "
-                      "stop waiting)", file=sys.stderr)
-                for p in sup.live():
-                    p.signal(INTERRUPT, group=False)
-    finally:
-        sup.end_cell()
-        recorder.finish()
-    if len(answered) < pool.gang.world_size:
-        raise RankFailure("the kept pool's ranks ended while it was being taken; see its logs: "
-                          f"{pool.gang.run_dir.path}", rank=None, cause="take")

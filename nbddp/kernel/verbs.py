@@ -1,16 +1,17 @@
 """``%ddp``'s verbs, the line magic ``DDPMagics`` registers (magic.py, whose docstring is ``%ddp?``): a
 pool's life (start, stop, restart, status), a look into its ranks (debug, who, diff), and the background
-cells (wait, interrupt, attach). The pool they start is the magics' (``DDPMagics.pool``), where every
+cells (wait, interrupt, attach); kept pools' (pools, attach ID, detach, stop ID) are keptverbs.py's.
+The pool they start is the magics' (``DDPMagics.pool``), where every
 ``%%ddp`` cell finds it."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 
 from ..errors import UsageError
 from ..views import output
 from . import options
+from .keptverbs import KeptPools
 
 INTERRUPT_WAIT_S = 30.0  # %ddp interrupt waits this long for the background cell to end and say how
 
@@ -20,6 +21,7 @@ class Verbs:
 
     def __init__(self, m):
         self.m = m
+        self.kept = KeptPools(m, self._stop_pool)  # attach ID, detach, pools, stop ID
 
     def run(self, line: str):
         from .pool import NO_POOL
@@ -36,9 +38,9 @@ class Verbs:
                 print("background cells:\n" + "\n".join(f"  {line}" for line in work))
             return
         if verb == "pools":
-            return self._pools()
-        if verb == "attach" and (rest.strip() or self._kept_to_take()):
-            return self._take(rest.strip())
+            return self.kept.pools()
+        if verb == "attach" and (rest.strip() or self.kept.to_take()):
+            return self.kept.take(rest.strip())
         if verb in ("wait", "interrupt", "attach"):
             return self._background(verb, rest.strip())
         self.m.background.before_foreground(f"%ddp {verb}")  # never two cells in the ranks at once
@@ -46,9 +48,9 @@ class Verbs:
             with self.m.ranks_debug_themselves():
                 return self._look(verb, rest.strip())
         if verb == "stop" and rest.strip():
-            return self._end_kept(rest.strip())
+            return self.kept.end(rest.strip())
         if verb == "detach":
-            return self._detach(rest.strip())
+            return self.kept.detach(rest.strip())
         if verb == "stop":
             ended = self.m.pool.ended if self.m.pool is not None else None
             if self._stop_pool():
@@ -63,100 +65,6 @@ class Verbs:
             return self._resize(rest.strip())
         raise UsageError(f"%ddp {verb}: say start [options], stop [ID], restart [options], resize N, status, debug "
                          "[RANK], who, diff EXPR, wait [--timeout S], interrupt, attach [ID], detach or pools.")
-
-    # -- kept pools (--keep): ranks that outlived the kernel that started them ---------------------------------------
-    def _kept_to_take(self) -> list:
-        """The kept pools no kernel holds, while this kernel has no pool of its own (``%ddp attach`` takes one)."""
-        from .ranks import keeping
-
-        if self.m.pool is not None and self.m.pool.alive:
-            return []
-        return [a for a in keeping.kept() if a.holder_pid is None]
-
-    def _took_kept(self, given: dict, rest: str) -> bool:
-        """``%ddp start`` while a pool kept from this notebook waits: taken if it was started with the same options
-        ("Run All" after a restart), else refused, naming it (nothing started, no device taken twice)."""
-        from .ranks import keeping
-
-        notebook = os.environ.get("JPY_SESSION_NAME", "")  # (Jupyter's: without it, no pool is known as this one's)
-        mine = [a for a in self._kept_to_take() if a.notebook == notebook] if notebook else []
-        if not mine:
-            return False
-        wanted = options.line(options.config(given))
-        same = next((a for a in mine if a.options == wanted), None)
-        if same is None:
-            raise UsageError(f"%ddp start {rest.strip()}: a pool kept from this notebook waits, started with other "
-                             f"options:\n  {keeping.describe(mine[0])}\nNothing started. %ddp attach {mine[0].pool_id} "
-                             f"takes it; %ddp stop {mine[0].pool_id} ends it (then %ddp start again).")
-        print("nbddp: %ddp start: a pool kept from this notebook with the same options waits; taking it",
-              file=sys.stderr, flush=True)
-        self._take(same.pool_id)
-        return True
-
-    def _pools(self) -> None:
-        """``%ddp pools``: this user's kept pools on this machine."""
-        from .ranks import keeping
-
-        found = keeping.kept()
-        if not found:
-            print(f"nbddp: no kept pool (a pool waits {options.KEEP_AUTO_S / 60:g} min for a kernel when its own is "
-                  "killed; %ddp start --keep DURATION keeps one across any end of its kernel)")
-            return
-        print("nbddp: kept pools (%ddp attach ID takes one, %ddp stop ID ends one):")
-        for about in found:
-            print(f"  {keeping.describe(about)}")
-
-    def _take(self, pool_id: str) -> None:
-        """``%ddp attach [ID]``: a kept pool taken; without ID, the only one waiting."""
-        from .pool import taken
-
-        if self.m.pool is not None and self.m.pool.alive:
-            raise UsageError(f"%ddp attach {pool_id}: this kernel runs a pool already; %ddp stop it first. Nothing "
-                             "changed.")
-        if not pool_id:
-            waiting = self._kept_to_take()
-            if not waiting:
-                raise UsageError("%ddp attach: no kept pool waits for a kernel now (%ddp pools lists them). Nothing "
-                                 "changed.")
-            if len(waiting) > 1:
-                self._pools()
-                raise UsageError("%ddp attach: several kept pools wait; say which: %ddp attach ID. Nothing changed.")
-            pool_id = waiting[0].pool_id
-        t0 = time.monotonic()
-        pool = taken(self.m.shell.user_ns, pool_id)
-        self.m.pool, self.m.pool_options = pool, options.line(pool.config)
-        print(f"nbddp: took kept pool {pool_id}: {pool.plan.world_size} rank(s) on {pool.plan.accelerator}/"
-              f"{pool.plan.backend}, their state as it was, in {time.monotonic() - t0:.2f} s (%ddp stop ends it)",
-              flush=True)
-        if pool.view.shown:
-            pool.show()
-
-    def _detach(self, rest: str) -> None:
-        """``%ddp detach``: this kernel's pool handed to its keeper, kept as it is for ``%ddp attach``."""
-        from .pool import NO_POOL, detach
-        from .ranks import keeping
-
-        if rest:
-            raise UsageError(f"%ddp detach takes nothing after it ({rest!r}); nothing changed.")
-        if self.m.pool is None or not self.m.pool.alive:
-            raise UsageError(f"%ddp detach: {NO_POOL}. Nothing changed.")
-        pool_id = detach(self.m.pool)
-        wait = keeping.keep_seconds(self.m.pool.config.keep) or 0.0
-        self.m.pool = None
-        print(f"nbddp: pool {pool_id} detached: its ranks and their state kept {wait / 60:g} min with no kernel "
-              f"holding it: %ddp attach {pool_id} takes it back (here, or in another kernel of yours: %ddp pools "
-              f"lists it), %ddp stop {pool_id} ends it")
-
-    def _end_kept(self, pool_id: str) -> None:
-        """``%ddp stop ID``: a kept pool no kernel holds, ended (taken, then stopped)."""
-        from .pool import taken
-        from .ranks import keeping
-
-        if self.m.pool is not None and self.m.pool.alive and keeping.pool_id(self.m.pool.run_dir) == pool_id:
-            self._stop_pool()
-        else:
-            taken(None, pool_id).stop()
-        print(f"nbddp: kept pool {pool_id} ended")
 
     def _resize(self, rest: str) -> None:
         """``%ddp resize N``: the running pool grown or shrunk to N ranks, its state kept (healing/mending.py)."""
@@ -185,7 +93,7 @@ class Verbs:
                              "give it on that cell.\n"
                              "Nothing ran" + (", and the running pool is as it was." if self.m.pool is not None
                                               else "."))
-        if verb == "start" and self._took_kept(given, rest):
+        if verb == "start" and self.kept.took(given, rest):
             return
         pool = Pool(self.m.shell.user_ns, **given)
         pool.check()  # bad options, spawn: refused while the running pool stays

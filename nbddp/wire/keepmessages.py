@@ -38,6 +38,8 @@ class About:
     running: str = ""  # the cell running in the ranks when its holder last said (its first line), or ""
     background: bool = False  # that cell is a --bg one (it goes on when the kernel ends; a cell the notebook waited
     # for is interrupted: nobody waits for it any more)
+    mending: bool = False  # its holder is mending it (a replacement joining, its group made anew): if the holder ends
+    # meanwhile, the pool ends with it (only a kernel mends a pool; ranks half regrouped would wait for ever)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class InRanks:
     names: tuple
     running: str
     background: bool = False
+    mending: bool = False  # (About.mending)
 
 
 @dataclass(frozen=True)

@@ -273,14 +273,15 @@ class Background:
     def active(self) -> list[Job]:
         return [j for j in self.jobs if not j.done.is_set()]
 
-    def submit(self, job: Job) -> None:
-        """Send ``job``: it starts now (the main thread waits until its ranks have it) or queues."""
+    def submit(self, job: Job, sent: str = "background cell {name} sent: the notebook is free") -> None:
+        """Send ``job``: it starts now (the main thread waits until its ranks have it) or queues. ``sent``: what is
+        said of it (``{name}``: its name)."""
         ahead = self.active()
         job.sender_waits = not ahead
         same = sum(j.number == job.number for j in self.jobs)
         job.tag = "abcdefghijklmnopqrstuvwxyz"[same % 26] if same else ""
-        print(f"nbddp: background cell {job.name} sent: the notebook is free. Its output keeps arriving here; "
-              "%ddp status, %ddp attach (elsewhere, after a reload), %ddp wait, %ddp interrupt.", file=sys.stderr)
+        print(f"nbddp: {sent.format(name=job.name)}. Its output keeps arriving here; %ddp status, %ddp attach "
+              "(elsewhere, after a reload), %ddp wait, %ddp interrupt.", file=sys.stderr)
         sys.stderr.flush()  # (above the cell's own output, which its thread sends)
         with self._cv:
             self.jobs.append(job)

@@ -8,6 +8,7 @@ import threading
 
 from ...errors import RankFailure, UsageError
 from ...views import output
+from ..ranks import keeping
 from ..ranks.gang import ReplaceFailed
 from . import orchestrate
 from .losses import LossWatch
@@ -60,7 +61,8 @@ class Mending:
             return f"The pool has ended and its ranks' state is gone ({why}): %ddp start to begin again."
         pool.view.said(f"{policy.doing}: rank(s) {lost} lost", mending=True)
         try:
-            mended = orchestrate.mend(pool, policy)
+            with keeping.mending(gang):
+                mended = orchestrate.mend(pool, policy)
         except BaseException as e:  # whatever stopped the mending (an interrupt too) ends the pool
             why = str(e) if isinstance(e, (HealFailed, ReplaceFailed)) else f"{type(e).__name__}: {e}".rstrip(": ")
             gang.close(f"rank(s) {lost} lost, and the pool could not be mended: {why}", as_said=True)
@@ -134,7 +136,8 @@ class Mending:
             room = gang.room(world_size - gang.world_size) if world_size > gang.world_size else ()
             pool.view.said(f"resizing: {pool.gang.world_size} → {world_size} ranks")
             try:
-                mended = orchestrate.resize(pool, world_size, room)
+                with keeping.mending(pool.gang):
+                    mended = orchestrate.resize(pool, world_size, room)
             except BaseException as e:  # half resized, the pool cannot be vouched for
                 why = str(e) if isinstance(e, (HealFailed, ReplaceFailed)) else f"{type(e).__name__}: {e}"
                 pool.gang.close(f"torn down: resizing it failed ({why})", as_said=True)

@@ -289,8 +289,8 @@ class Gang:
 def adopted(taken, view_for=None, job_for=None) -> Gang:
     """The gang of a kept pool this kernel took (keeping.take's ``(link, Taken, KeptState, ranks)``): its ranks
     as they are (not this kernel's children: their ends seen on their pidfds), their pipes, a store of this
-    kernel's for the groups they make from now on, and what they wrote while no kernel held them."""
-    link, told, state, ranks = taken
+    kernel's for the groups they make from now on (what they wrote while no kernel held them: taking.LeftRunning)."""
+    link, _, state, ranks = taken
     gang = Gang(state.config, state.plan, persistent=True, view_for=view_for, run_dir=state.run_dir,
                generation=state.generation)
     gang.keeper, gang.specs, gang.started, gang.started_at = link, dict(state.specs), True, state.started_at
@@ -310,10 +310,6 @@ def adopted(taken, view_for=None, job_for=None) -> Gang:
         gang.ready.add(kept.rank)
     gang.local.start()
     keeping.ends_at_exit(gang)  # (--keep auto: a deliberate end of this kernel ends it)
-    with gang.logs.kept_already():  # what they wrote meanwhile (the keeper logged it), in order
-        for proc in gang.sup.procs:
-            for kind in ("stdout", "stderr", "channel"):
-                gang.sup.feed(proc, kind, told.buffered.get(proc.rank, {}).get(kind, b""))
     return gang
 
 

@@ -86,7 +86,8 @@ def about(gang, state: KeptState) -> About:
     return About(pool_id=pool_id(gang.run_dir), devices=f"{on} ({plan.backend})", world_size=plan.world_size,
                  options=options.line(gang.config), notebook=os.environ.get("JPY_SESSION_NAME", ""),
                  started_at=state.started_at, keep_s=keep_seconds(gang.config.keep) or 0.0,
-                 run_dir=str(gang.run_dir.path), names=names, running=running, background=background)
+                 run_dir=str(gang.run_dir.path), names=names, running=running, background=background,
+                 mending=gang.keeper.mending if gang.keeper is not None else False)
 
 
 def rank_fds(proc, command_fd: int) -> tuple[KeptRank, list[int]]:
@@ -102,6 +103,7 @@ class KeeperLink:
     def __init__(self, conn: socket.socket, keeper_pid: int, process=None):
         self.conn, self.keeper_pid, self.process = conn, keeper_pid, process  # (process: the Popen that started it)
         self.said: tuple = ((), "", False)  # the names the ranks hold, the cell running, whether a --bg one: as told
+        self.mending = False  # the pool is being mended (``mending``), as told
 
     @classmethod
     def start(cls, pool_id: str, log_path: Path) -> "KeeperLink":
@@ -287,8 +289,31 @@ def tell(gang, names, running: str, background: bool = False) -> None:
     if said == link.said:
         return
     link.said = said
+    _told(link)
+
+
+def _told(link: KeeperLink) -> None:
     with contextlib.suppress(OSError):  # (a keeper gone: the pool's end is near, and said otherwise)
-        fdframing.send(link.conn, InRanks(*said))
+        fdframing.send(link.conn, InRanks(*link.said, mending=link.mending))
+
+
+@contextlib.contextmanager
+def mending(gang):
+    """While ``gang``'s pool is mended or resized (ranks forked, retired, its group made anew): its keeper told, so
+    that a kernel that ends meanwhile leaves no pool half mended (the keeper ends it; its ranks would wait for ever
+    for the rest of a regroup only this kernel knew)."""
+    link = gang.keeper if gang is not None else None
+    if link is None:
+        yield
+        return
+    link.mending = True
+    _told(link)
+    try:
+        yield
+    finally:
+        link.mending = False
+        if gang.sup is not None:  # (a pool that could not be mended has ended, its keeper told so)
+            _told(link)
 
 
 def keep_seconds(value) -> float | None:

@@ -1,0 +1,54 @@
+"""The keeper's rules when its kernel ends, in its own process (no fork: a rank is this test process, seen on its
+pidfd, and the signals the keeper would send are recorded instead)."""
+import os
+import signal
+import socket
+
+from nbddp.keeper import keeper as kp
+from nbddp.wire.keepmessages import About, KeptRank
+
+
+def _orphaned(tmp_path, monkeypatch, **about) -> tuple[kp.Keeper, list]:
+    """A keeper holding one rank (this process), its kernel's socket closed with nothing said: (it, the signals it
+    sent its ranks)."""
+    sent = []
+    monkeypatch.setattr(kp.Rank, "signal", lambda self, sig, group=True: sent.append((self.rank, sig, group)))
+    kernel, theirs = socket.socketpair()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = str(tmp_path / "k.sock")
+    listener.bind(path)
+    keeper = kp.Keeper(theirs, listener, path)
+    keeper.ranks = {0: kp.Rank(KeptRank(0, os.getpid(), ("pidfd",)), [os.pidfd_open(os.getpid())])}
+    keeper.about = About(pool_id="0d95e7", devices="cpu (gloo)", world_size=1, options="--devices 1",
+                         notebook="", started_at=0.0, keep_s=60.0, **about)
+    kernel.close()
+    keeper._on_holder(None, theirs)
+    return keeper, sent
+
+
+def test_a_pool_whose_kernel_ends_while_it_mends_the_pool_ends_and_says_why(tmp_path, monkeypatch):
+    keeper, sent = _orphaned(tmp_path, monkeypatch, mending=True)
+    try:
+        assert "it was being mended when its kernel ended" in keeper.why, keeper.why
+        assert sent == [(0, signal.SIGTERM, True)] and keeper.kill_at is not None, "its ranks ended, SIGKILL next"
+    finally:
+        keeper.close()
+    assert "has ended: it was being mended" in (tmp_path / "k.ended").read_text(), "the next kernel is told why"
+
+
+def test_a_whole_pool_idle_when_its_kernel_ends_waits_untouched(tmp_path, monkeypatch):
+    keeper, sent = _orphaned(tmp_path, monkeypatch)
+    try:
+        assert keeper.why == "" and sent == [] and keeper.wait_until is not None and keeper.kill_at is None
+    finally:
+        keeper.close()
+
+
+def test_the_cell_a_dead_kernel_waited_for_is_interrupted_in_each_rank_alone_and_a_bg_one_goes_on(tmp_path,
+                                                                                                  monkeypatch):
+    keeper, sent = _orphaned(tmp_path, monkeypatch, running="for step in range(10):")
+    keeper.close()
+    assert sent == [(0, kp.INTERRUPT, False)] and keeper.why == ""
+    keeper, sent = _orphaned(tmp_path, monkeypatch, running="for step in range(10):", background=True)
+    keeper.close()
+    assert sent == [] and keeper.why == ""
