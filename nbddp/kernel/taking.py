@@ -42,6 +42,7 @@ def taken(namespace: dict | None, pool_id: str) -> tuple[Pool, "LeftRunning"]:
         failed.pop_all()
         failed.callback(let_go, gang)
         pool.view = gang.view
+        pool.view.started = gang.started_at  # (up since the last kernel started it)
         pool.begin(gang.plan, inherited=False)
         failed.pop_all()
     told = got[1]
@@ -83,12 +84,21 @@ class LeftRunning:
     def work(self, on_start) -> list:
         """A background cell's work (``background.Job``): the ranks' text shown in its output, replayed first; each
         ``%ddp interrupt`` interrupts the cell in the ranks. Raises as the cell ended, if not well."""
-        pool = self.pool
+        pool, ended = self.pool, "failed"
         relay = engine.new_relay(pool.config, f"{pool.gang.run_dir.run_id}-taken", range(pool.gang.world_size))
-        with pool.one_cell(), keeping.cell_told(pool.gang, pool.bound_by, self.label):
-            first = self._answered(relay, on_start, give_up=False)
-        self._over()
-        return _outcome(first, self.label, str(pool.gang.run_dir.path))
+        pool.view.cell_began(f"{self.label} (the kernel before)")  # (the pool's view: busy with it)
+        try:
+            with pool.one_cell(), keeping.cell_told(pool.gang, pool.bound_by, self.label):
+                first = self._answered(relay, on_start, give_up=False)
+            results = _outcome(first, self.label, str(pool.gang.run_dir.path))
+            ended = "ok"
+        except KeyboardInterrupt:
+            ended = "interrupted"
+            raise
+        finally:
+            self._over()
+            pool.view.cell_ended(ended)
+        return results
 
     def _answered(self, relay, on_start, give_up: bool) -> dict:
         """Until every rank answered this kernel's first call: each rank's first answer before it (the cell's)."""
@@ -105,7 +115,8 @@ class LeftRunning:
                 elif isinstance(rec, (messages.Result, messages.Error, messages.Exit)):
                     first.setdefault(event.rank, rec)
 
-        sup.begin_cell([Answers(), self.recorder, *([relay, engine.RelayClock(relay, sup)] if relay else [])])
+        sup.begin_cell([Answers(), self.recorder, *([relay, engine.RelayClock(relay, sup)] if relay else [])],
+                       tick=getattr(gang.view, "interval", None))  # (the pool's view redrawn while it waits)
         try:
             with gang.logs.kept_already():  # (the keeper wrote it into their logs)
                 for proc in sup.procs:
