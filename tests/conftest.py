@@ -23,20 +23,42 @@ SERIAL = {
     "tests/test_soak.py",  # nor after hundreds of cells
     "tests/test_healing.py",  # nor after a pool healed
     "tests/test_procwait.py",  # how busy a process is, seen from /proc: a loaded machine blurs it
-    # a Ray cluster on this machine (its fixed ports, its object store in /dev/shm), one at a time
-    "tests/test_ray.py", "notebooks/10-ray-cluster.ipynb",
 }
+# README's parallel workers (--dist loadfile) take a test file at a time, its module's kernel shared by its tests; the
+# files of one group are one unit, taken together by one worker, one after the other: a Ray cluster on this machine
+# (its fixed ports) one at a time
+GROUPS = {"tests/test_ray.py": "ray", "notebooks/10-ray-cluster.ipynb": "ray"}
+# the longest units first (measured: --durations), so that no worker starts one when the others are nearly done
+FIRST = ("tests/test_ray.py", "notebooks/10-ray-cluster.ipynb", "tests/test_keep.py", "tests/test_forkserver.py",
+         "tests/test_debug_panel.py", "tests/test_peers_vs_torchrun.py", "tests/test_browser.py", "tests/test_export.py")
 
 
 def pytest_collection_modifyitems(items):
     """Every test under tests/unit is a ``unit`` test (README's fast command: ``-m unit``); the files of SERIAL
-    are ``serial``."""
+    are ``serial``; the files of FIRST first (each file's tests stay together, in their order)."""
+    items.sort(key=lambda item: FIRST.index(rel) if (rel := os.path.relpath(str(item.path), ROOT)) in FIRST
+               else len(FIRST))
     for item in items:
         path = str(item.path)
         if path.startswith(UNIT + os.sep):
             item.add_marker(pytest.mark.unit)
         if os.path.relpath(path, ROOT) in SERIAL:
             item.add_marker(pytest.mark.serial)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with GROUPS: a file's tests are one unit of work, a group's files one unit together
+    (xdist's own ``loadgroup`` names a group in each test's id, which pytest 9's ids no longer take)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Grouped(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return GROUPS.get(file, file)
+
+    return Grouped(config, log)
 
 
 def _refused(what):
