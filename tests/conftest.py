@@ -30,7 +30,8 @@ SERIAL = {
 GROUPS = {"tests/test_ray.py": "ray", "notebooks/10-ray-cluster.ipynb": "ray"}
 # the longest units first (measured: --durations), so that no worker starts one when the others are nearly done
 FIRST = ("tests/test_ray.py", "notebooks/10-ray-cluster.ipynb", "tests/test_keep.py", "tests/test_forkserver.py",
-         "tests/test_debug_panel.py", "tests/test_peers_vs_torchrun.py", "tests/test_browser.py", "tests/test_export.py")
+         "tests/test_debug_panel.py", "tests/test_peers_vs_torchrun.py", "tests/test_browser.py",
+         "tests/test_export.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -208,6 +208,9 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
             f"what it printed while no kernel held the pool, replayed, then the rest, each step once: {res.stdout}"
         assert "(the kernel before)" in k.ok("%ddp status").stdout
         k.ok("%ddp wait", timeout=60)
+        line = k.follow(msg, lambda r: any("· ok" in d["data"].get("text/plain", "") for d in r.displays), timeout=30)
+        drawn = [d["data"]["text/html"] for d in line.displays if "<polyline" in d["data"].get("text/html", "")][-1]
+        curves = [len(points.split()) for points in re.findall(r"<polyline points='([^']*)'", drawn)]
         res = k.ok("%%ddp\nprint(rank, done)")
         for r in (0, 1):
             assert said(res.stdout, r, f"{r} 80"), f"every step's all_reduce done, none lost: {res}"
@@ -216,6 +219,7 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
         for r in (0, 1):  # before the kernel died (its metrics.csv), and after (what the keeper kept of the channel)
             seen = [v for rank, v in logged if rank == r]
             assert seen[0] == 0 and seen[-1] == 39 and len(seen) >= 30, (r, seen)  # (at most WRITE_EVERY_S lost)
+            assert curves[r] == len(seen), f"the attach cell's chart has every step logged, both kernels': {curves}"
         run_dir = k.value("get_ipython().magics_manager.registry['DDPMagics'].pool.run_dir.path.as_posix()")
         log = open(os.path.join(run_dir, "rank0.log")).read()
         assert "step 39" in log and "step 0" in log, "what it printed while no kernel held it is in its log"

@@ -192,7 +192,7 @@ class Keeper:
             fdframing.send(conn, Kept())
         elif isinstance(msg, InRanks) and self.about is not None:
             self.about = dataclasses.replace(self.about, names=tuple(msg.names), running=msg.running,
-                                             background=msg.background, mending=msg.mending)
+                                             background=msg.background, cell=msg.cell, mending=msg.mending)
         elif isinstance(msg, End):
             say("ended by its kernel")
             self.ending = True

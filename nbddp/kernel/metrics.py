@@ -62,6 +62,12 @@ class Logbook:
                 out[name] += rec.values.get(name) or [math.nan] * n
         return out
 
+    def cell_records(self, run_dir: str, cell: str) -> list[tuple[int, Scalars]]:
+        """(rank, its batch) of what ``cell`` logged in ``run_dir``, in order (a taken pool's running cell: its chart
+        drawn from its first step)."""
+        with self.lock:
+            return [(rank, rec) for name, where, rank, rec in self.chunks if name == cell and where == run_dir]
+
     def frame(self):
         """Everything logged in this kernel, as a pandas DataFrame (``nbddp.metrics()``)."""
         try:

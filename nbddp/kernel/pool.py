@@ -19,7 +19,7 @@ from ..rank.server import Server
 from ..views import output
 from ..views.display import view_for_pool
 from ..wire import messages, values
-from . import checks, options
+from . import checks, metrics, options
 from .cells import engine
 from .healing.losses import Losses
 from .healing.mending import Mending
@@ -174,7 +174,7 @@ class Pool:
 
     def cell(self, source: str, filename: str, **kw) -> list:
         """A %%ddp cell in the pool, once no other cell is in its ranks; each rank's Result (``_cell``)."""
-        with self.one_cell(), keeping.cell_told(self.gang, self.bound_by, source):
+        with self.one_cell(), keeping.cell_told(self.gang, self.bound_by, source, metrics.cell_name()):
             return self._cell(source, filename, **kw)
 
     def _cell(self, source: str, filename: str, *, outs=(), gathers=(), code=None, relabel=None,

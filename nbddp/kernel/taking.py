@@ -19,7 +19,7 @@ from .. import units
 from ..errors import RankFailure
 from ..rank.jobs import CallJob
 from ..rank.server import INTERRUPT
-from ..views.display import view_for_pool
+from ..views.display import line_for_pool_cell, view_for_pool
 from ..wire import messages, values
 from . import metrics
 from .cells import engine
@@ -48,7 +48,7 @@ def taken(namespace: dict | None, pool_id: str) -> tuple[Pool, "LeftRunning"]:
     told = got[1]
     about = told.about  # what the ranks hold, as the last kernel said, and the cell it left running
     pool.bound_by.update(dict.fromkeys(about.names, "a cell of the kernel before"))
-    gang.keeper.said = (tuple(about.names), about.running, about.background)
+    gang.keeper.said = (tuple(about.names), about.running, about.background, about.cell)
     for rank, streams in sorted(told.dropped.items()):
         for stream, n in streams.items():
             if n:
@@ -70,37 +70,35 @@ class LeftRunning:
         # the pool's curves go on: what its ranks logged under the last kernel (the run's metrics.csv, as it wrote
         # it), then what they logged while no kernel held the pool, then what that cell logs until it ends
         metrics.LOGBOOK.load_csv(str(pool.gang.run_dir.path))
-        self.recorder = metrics.Recorder(f"{self.label or 'a cell'} (the kernel before)", pool.gang.run_dir.path)
+        self.cell = told.about.cell or f"{self.label or 'a cell'} (the kernel before)"  # (its rows go on under it)
+        self.recorder = metrics.Recorder(self.cell, pool.gang.run_dir.path)
 
     def settle(self) -> None:
         """Here, at once: an interrupt (Jupyter's) interrupts that cell in the ranks; a second one stops waiting (the
         pool goes back to its keeper)."""
         with contextlib.ExitStack() as failed:
             failed.callback(let_go, self.pool.gang)
-            self._answered(relay=None, on_start=None, give_up=True)
+            self._answered([], on_start=None, give_up=True)
             failed.pop_all()
-        self._over()
+        self.over()
 
     def work(self, on_start) -> list:
         """A background cell's work (``background.Job``): the ranks' text shown in its output, replayed first; each
         ``%ddp interrupt`` interrupts the cell in the ranks. Raises as the cell ended, if not well."""
-        pool, ended = self.pool, "failed"
-        relay = engine.new_relay(pool.config, f"{pool.gang.run_dir.run_id}-taken", range(pool.gang.world_size))
+        pool = self.pool
+        gang = pool.gang
+        relay = engine.new_relay(pool.config, f"{gang.run_dir.run_id}-taken", range(gang.world_size))
+        line = line_for_pool_cell()  # its line, and the chart of what it logged from its first step on
+        for rank, rec in metrics.LOGBOOK.cell_records(str(gang.run_dir.path), self.cell):
+            line.chart.add(rank, rec)
+        line.begin(gang.plan, gang.run_dir)
         pool.view.cell_began(f"{self.label} (the kernel before)")  # (the pool's view: busy with it)
-        try:
-            with pool.one_cell(), keeping.cell_told(pool.gang, pool.bound_by, self.label):
-                first = self._answered(relay, on_start, give_up=False)
-            results = _outcome(first, self.label, str(pool.gang.run_dir.path))
-            ended = "ok"
-        except KeyboardInterrupt:
-            ended = "interrupted"
-            raise
-        finally:
-            self._over()
-            pool.view.cell_ended(ended)
-        return results
+        with _Ended(self, relay, line):
+            with pool.one_cell(), keeping.cell_told(gang, pool.bound_by, self.label, self.cell):
+                first = self._answered([relay, engine.RelayClock(relay, gang.sup), line], on_start, give_up=False)
+            return _outcome(first, self.label, str(gang.run_dir.path))
 
-    def _answered(self, relay, on_start, give_up: bool) -> dict:
+    def _answered(self, listeners: list, on_start, give_up: bool) -> dict:
         """Until every rank answered this kernel's first call: each rank's first answer before it (the cell's)."""
         gang = self.pool.gang
         sup, token = gang.sup, f"nbddp-taken-{time.time_ns()}"
@@ -115,7 +113,7 @@ class LeftRunning:
                 elif isinstance(rec, (messages.Result, messages.Error, messages.Exit)):
                     first.setdefault(event.rank, rec)
 
-        sup.begin_cell([Answers(), self.recorder, *([relay, engine.RelayClock(relay, sup)] if relay else [])],
+        sup.begin_cell([Answers(), self.recorder, *listeners],
                        tick=getattr(gang.view, "interval", None))  # (the pool's view redrawn while it waits)
         try:
             with gang.logs.kept_already():  # (the keeper wrote it into their logs)
@@ -127,8 +125,6 @@ class LeftRunning:
                 on_start(gang)
             self._wait(sup, lambda: answered >= {p.rank for p in sup.live()}, give_up)
         finally:
-            if relay is not None:
-                relay.close_all()
             sup.end_cell()
             self.recorder.finish()
         if len(answered) < gang.world_size:
@@ -153,9 +149,27 @@ class LeftRunning:
                 for p in sup.live():
                     p.signal(INTERRUPT, group=False)
 
-    def _over(self) -> None:
+    def over(self) -> None:
         keeping.tell(self.pool.gang, self.pool.bound_by, "")
         self.pool.mending.watch.arm()
+
+
+class _Ended:
+    """However ``LeftRunning.work`` ends: the pool's watch armed and keeper told, the relay's last lines out, the
+    cell's line and the pool's view told how."""
+
+    def __init__(self, left: LeftRunning, relay, line):
+        self.left, self.relay, self.line = left, relay, line
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, _tb) -> None:
+        self.left.over()
+        self.relay.close_all()
+        self.line.finish(error)
+        ended = "ok" if kind is None else "interrupted" if issubclass(kind, KeyboardInterrupt) else "failed"
+        self.left.pool.view.cell_ended(ended)
 
 
 def _outcome(first: dict, label: str, log_dir: str) -> list:

@@ -38,6 +38,7 @@ class About:
     running: str = ""  # the cell running in the ranks when its holder last said (its first line), or ""
     background: bool = False  # that cell is a --bg one (it goes on when the kernel ends; a cell the notebook waited
     # for is interrupted: nobody waits for it any more)
+    cell: str = ""  # that cell as nbddp.metrics() files its rows ("In [7]"): its curves go on in the next kernel
     mending: bool = False  # its holder is mending it (a replacement joining, its group made anew): if the holder ends
     # meanwhile, the pool ends with it (only a kernel mends a pool; ranks half regrouped would wait for ever)
 
@@ -73,6 +74,7 @@ class InRanks:
     names: tuple
     running: str
     background: bool = False
+    cell: str = ""  # (About.cell)
     mending: bool = False  # (About.mending)
 
 

@@ -82,11 +82,11 @@ def about(gang, state: KeptState) -> About:
 
     plan = gang.plan
     on = plan.accelerator if plan.accelerator == "cpu" else "GPU " + ",".join(map(str, plan.device_ids))
-    names, running, background = gang.keeper.said if gang.keeper is not None else ((), "", False)
+    names, running, background, cell = gang.keeper.said if gang.keeper is not None else ((), "", False, "")
     return About(pool_id=pool_id(gang.run_dir), devices=f"{on} ({plan.backend})", world_size=plan.world_size,
                  options=options.line(gang.config), notebook=os.environ.get("JPY_SESSION_NAME", ""),
                  started_at=state.started_at, keep_s=keep_seconds(gang.config.keep) or 0.0,
-                 run_dir=str(gang.run_dir.path), names=names, running=running, background=background,
+                 run_dir=str(gang.run_dir.path), names=names, running=running, background=background, cell=cell,
                  mending=gang.keeper.mending if gang.keeper is not None else False)
 
 
@@ -102,7 +102,8 @@ class KeeperLink:
 
     def __init__(self, conn: socket.socket, keeper_pid: int, process=None):
         self.conn, self.keeper_pid, self.process = conn, keeper_pid, process  # (process: the Popen that started it)
-        self.said: tuple = ((), "", False)  # the names the ranks hold, the cell running, whether a --bg one: as told
+        # the names the ranks hold, the cell running (its first line), whether a --bg one, its metrics' name: as told
+        self.said: tuple = ((), "", False, "")
         self.mending = False  # the pool is being mended (``mending``), as told
 
     @classmethod
@@ -266,26 +267,26 @@ def describe(about: About, now: float | None = None) -> str:
 
 
 @contextlib.contextmanager
-def cell_told(gang, names, source: str):
+def cell_told(gang, names, source: str, cell: str = ""):
     """A pool cell's run, its keeper told (``InRanks``, unanswered, only when what it knew changed) that the cell runs
-    (its first line) and, once it is over, the names the ranks hold (``names``, read then): what the next kernel is
-    told if this one ends meanwhile."""
+    (its first line; ``cell``: as nbddp.metrics() files its rows) and, once it is over, the names the ranks hold
+    (``names``, read then): what the next kernel is told if this one ends meanwhile."""
     first = next((line.strip() for line in source.splitlines() if line.strip()), "")
     background = threading.current_thread() is not threading.main_thread()  # (the notebook's cells run on the main)
-    tell(gang, names, first[:60] + ("…" if len(first) > 60 else ""), background)
+    tell(gang, names, first[:60] + ("…" if len(first) > 60 else ""), background, cell)
     try:
         yield
     finally:
         tell(gang, names, "")
 
 
-def tell(gang, names, running: str, background: bool = False) -> None:
-    """``gang``'s keeper told the names its ranks hold and the cell running in them (a --bg one: ``background``),
-    if that changed."""
+def tell(gang, names, running: str, background: bool = False, cell: str = "") -> None:
+    """``gang``'s keeper told the names its ranks hold and the cell running in them (a --bg one: ``background``;
+    ``cell``: its metrics' name), if that changed."""
     link = gang.keeper if gang is not None else None
     if link is None:  # (a pool without a keeper pays nothing for it)
         return
-    said = (tuple(sorted(names)), running, background)
+    said = (tuple(sorted(names)), running, background, cell)
     if said == link.said:
         return
     link.said = said
