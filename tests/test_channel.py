@@ -14,13 +14,29 @@ def test_frames_survive_any_split_and_lengths_whose_bytes_look_like_markers():
     # payload lengths whose little-endian first byte is 0x01 (the old one-byte "ready" marker)
     records = [messages.Ready()] + [messages.Error("group", "RuntimeError", "x" * n, "", 1.0) for n in range(150, 700)]
     stream = b"".join(framing.encode(r) for r in records)
-    assert any(framing.encode(r)[0] == 1 for r in records)
+    assert any(framing.encode(r)[len(framing.MAGIC)] == 1 for r in records)
     for step in (1, 7, 4096):
         reader = framing.Reader()
         got = []
         for i in range(0, len(stream), step):
             got += [rec for rec, _ in reader.feed(stream[i : i + step])]
         assert got == records and reader.pending == 0
+
+
+def test_a_reader_that_starts_in_the_middle_of_a_frame_finds_the_next_one():
+    """A kept pool's channel, read by its keeper from wherever the dead kernel had read it to: the rest of a frame
+    is skipped, never read as a length (a length read from the middle of a pickle would wait for ever)."""
+    records = [messages.Error("cell", "E", "x" * n, "", 1.0) for n in (10, 5000, 70_000, 3)]
+    stream = b"".join(framing.encode(r) for r in records)
+    first = len(framing.encode(records[0]))
+    for cut in (1, 4, 5, 28, 29, first - 1, first + 100):
+        reader = framing.Reader()
+        got = []
+        for i in range(cut, len(stream), 4096):
+            got += [rec for rec, _ in reader.feed(stream[i : i + 4096])]
+        whole = [r for r in records if stream.find(framing.encode(r)) >= cut]
+        assert got == whole and reader.pending == 0, (cut, len(got))
+        assert reader.skipped == stream.find(framing.encode(whole[0])) - cut
 
 
 def test_each_frame_carries_the_ranks_stdout_and_stderr_marks():
@@ -30,7 +46,7 @@ def test_each_frame_carries_the_ranks_stdout_and_stderr_marks():
 
 def test_a_record_the_kernel_cannot_unpickle_becomes_an_error_record():
     payload = b"\x80\x05not a pickle"
-    got = [rec for rec, _ in framing.Reader().feed(framing.HEADER.pack(len(payload), 0, 0) + payload)]
+    got = [rec for rec, _ in framing.Reader().feed(framing.HEADER.pack(framing.MAGIC, len(payload), 0, 0) + payload)]
     assert isinstance(got[0], messages.Error) and "cannot be unpickled in the kernel" in got[0].message
 
 

@@ -150,6 +150,7 @@ class LeftRunning:
                     p.signal(INTERRUPT, group=False)
 
     def over(self) -> None:
+        """Seen to its end: the keeper told nothing runs, the pool's watch for lost ranks armed."""
         keeping.tell(self.pool.gang, self.pool.bound_by, "")
         self.pool.mending.watch.arm()
 

@@ -1,7 +1,11 @@
 """Framing on the pipes between kernel and rank: each record (wire/messages.py) pickled and preceded by
-its length and the rank's stream marks. Nothing else is written on a channel pipe, so no byte of a frame
-can be mistaken for a marker. ``Writer`` is the rank's end (any thread), ``Reader`` the kernel's; a
+a magic, its length and the rank's stream marks. Nothing else is written on a channel pipe, so no byte of a
+frame can be mistaken for a marker. ``Writer`` is the rank's end (any thread), ``Reader`` the kernel's; a
 pool's commands travel the other way in the same frames.
+
+The magic lets a reader that starts in the middle of a frame find the next one: a kept pool's channel, read
+by its keeper from wherever the kernel that died had read it to (``Reader.skipped`` says how much was not a
+whole frame).
 """
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ import threading
 
 from .messages import Error, Mark
 
-# length, then the marks: bytes the rank had written to stdout and stderr when it sent the record
-HEADER = struct.Struct("<QQQ")
+# the magic, the length, then the marks: bytes the rank had written to stdout and stderr when it sent the record
+HEADER = struct.Struct("<4sQQQ")
+MAGIC = b"\x93NBf"
 
 
 _MARK = pickle.dumps(Mark(), protocol=pickle.HIGHEST_PROTOCOL)
@@ -21,7 +26,7 @@ _MARK = pickle.dumps(Mark(), protocol=pickle.HIGHEST_PROTOCOL)
 
 def encode(record, marks: tuple[int, int] = (0, 0)) -> bytes:
     payload = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(payload), *marks) + payload
+    return HEADER.pack(MAGIC, len(payload), *marks) + payload
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -57,7 +62,7 @@ class Writer:
 
     def mark(self) -> None:
         """A ``Mark``: the one record sent per stream switch, so its pickle is made once."""
-        self._write(HEADER.pack(len(_MARK), *self.marks()) + _MARK)
+        self._write(HEADER.pack(MAGIC, len(_MARK), *self.marks()) + _MARK)
 
     def _write(self, frame: bytes) -> None:
         with self._lock:
@@ -76,13 +81,20 @@ class Reader:
     def __init__(self):
         self._buf = bytearray()
         self._need = HEADER.size  # bytes the next parse step waits for: a large frame is parsed once
+        self.skipped = 0  # bytes that began no frame (the rest of one whose start another reader had)
 
     def feed(self, data: bytes) -> list:
         """Whole records so far, each as (record, (stdout mark, stderr mark))."""
         self._buf += data
         records = []
         while len(self._buf) >= self._need:
-            n, out, err = HEADER.unpack_from(self._buf)
+            magic, n, out, err = HEADER.unpack_from(self._buf)
+            if magic != MAGIC:  # not a frame's start: to the next one (the last bytes may begin its magic)
+                at = self._buf.find(MAGIC, 1)
+                cut = at if at > 0 else len(self._buf) - len(MAGIC) + 1
+                del self._buf[:cut]
+                self.skipped += cut
+                continue
             if len(self._buf) < HEADER.size + n:
                 self._need = HEADER.size + n
                 break
