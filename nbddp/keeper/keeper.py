@@ -158,10 +158,6 @@ class Keeper:
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        if self.why and self.about is not None:  # (read, and removed, by the next kernel's %load_ext)
-            with contextlib.suppress(OSError), open(self.path[:-len(".sock")] + ".ended", "w") as f:
-                f.write(f"kept pool {self.about.pool_id} ({self.about.world_size} rank(s) on {self.about.devices}, "
-                        f"{self.about.options}) has ended: {self.why}. Its logs: {self.about.run_dir}\n")
         for r in self.ranks.values():
             r.close()
         self.sel.close()
@@ -286,6 +282,8 @@ class Keeper:
         socket for the next kernel to read (``keeping.kept``)."""
         say(why)
         self.why = why
+        if self.about is not None:  # (at once: a kernel that looks while its ranks end finds this, not the pool)
+            leave_word(self.path, self.about, why)
         if self.kill_at is None:
             self._end_ranks(signal.SIGTERM)
             self.kill_at = time.monotonic() + timeline.GRACE_S
@@ -316,6 +314,8 @@ class Keeper:
                 os.close(fd)
             if self.about is None:  # (its kernel's first Hold is not in yet)
                 fdframing.send(conn, NotTaken("the pool is still starting"))
+            elif self.why:  # (ending while no kernel held it: said in its .ended file)
+                fdframing.send(conn, NotTaken(f"it has ended: {self.why}"))
             elif isinstance(msg, Describe):
                 fdframing.send(conn, self.described())
             elif isinstance(msg, Take):
@@ -356,6 +356,14 @@ class Keeper:
         say(f"taken by kernel pid {pid}")
         self._hold(conn)
         return True
+
+
+def leave_word(path: str, about: About, why: str) -> None:
+    """Why a kept pool ended while no kernel held it, beside its socket (read, and removed, by the next kernel's
+    ``%load_ext``: ``keeping.ended``)."""
+    with contextlib.suppress(OSError), open(path[:-len(".sock")] + ".ended", "w") as f:
+        f.write(f"kept pool {about.pool_id} ({about.world_size} rank(s) on {about.devices}, {about.options}) has "
+                f"ended: {why}. Its logs: {about.run_dir}\n")
 
 
 def say(text: str) -> None:

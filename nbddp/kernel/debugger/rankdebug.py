@@ -289,8 +289,9 @@ class RankDebugger:
                     link.quiet.add(local)
                 link.session.request("continue", {"threadId": local})
                 return
-        except Exception:  # noqa: BLE001 - the rank went meanwhile
-            return
+        except Exception as e:  # noqa: BLE001 - the rank went (then said no more), or its debugger could not say yet
+            # where it stopped: shown as stopped (a pause the panel never hears of is lost to the user for good)
+            self.kernel.log(f"nbddp: {link.label} paused; its stack could not be read ({type(e).__name__}: {e})")
         with self.lock:
             if self.links.get(link.pid) is not link:
                 return
