@@ -229,6 +229,32 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
         assert not running(pids, 15)
 
 
+def test_a_taken_background_cell_is_interrupted_by_ddp_interrupt_and_its_failure_is_said_naming_the_rank(runtime):
+    """The --bg cell a dead kernel left running, a background cell of the next kernel's: ``%ddp interrupt`` reaches
+    it in the ranks (the pool lives on); one that fails after the take fails as a background cell does, the rank and
+    its exception named."""
+    with kept(runtime, None) as (k, ranks, keeper, pids):
+        k.ok("%%ddp --bg\nimport time\nfor i in range(600):\n    time.sleep(0.1)\n    print('at', i, flush=True)\n")
+        restarted(k)
+        res = k.ok("%load_ext nbddp\n%ddp attach")
+        assert "goes on as background cell" in res.stderr, res
+        res = k.ok("%ddp interrupt", timeout=60)
+        assert "interrupting background cell" in res.stderr, res
+        res = k.ok("%%ddp\nprint(rank, 'after', i < 599)")
+        assert said(res.stdout, 0, "0 after True") and said(res.stdout, 1, "1 after True"), res
+        k.ok("%%ddp --bg\nimport time\nfor i in range(30):\n    time.sleep(0.1)\nif rank == 1:\n"
+             "    raise ValueError('boom at the end')\n")
+        restarted(k)
+        res = k.run("%load_ext nbddp\n%ddp attach")  # (its failure, if it comes by then, in its output: here)
+        assert "took kept pool" in res.stdout and (not res.error or res.error["ename"] == "RankFailure"), res
+        res = k.run("%ddp wait", timeout=60)
+        assert res.error and "rank 1 failed the cell the last kernel left running" in res.error_text and \
+            "ValueError: boom at the end" in res.error_text, res
+        assert said(k.ok("%%ddp\nprint(rank, 'lives')").stdout, 1, "1 lives"), "the pool lives on"
+        k.ok("%ddp stop")
+        assert not running(pids, 15)
+
+
 def test_ddp_detach_hands_the_pool_to_its_keeper_and_a_kernel_takes_it_back(runtime):
     """``%ddp detach``: this kernel lets go of its pool as it is (nothing ends, no rank is signalled); another kernel
     of the user takes it, state whole, and gives it back; ended from there, its ranks (the first kernel's children)

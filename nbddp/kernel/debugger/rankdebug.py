@@ -289,8 +289,7 @@ class RankDebugger:
                     link.quiet.add(local)
                 link.session.request("continue", {"threadId": local})
                 return
-        except Exception as e:  # noqa: BLE001 - the rank went (then said no more), or its debugger could not say yet
-            # where it stopped: shown as stopped (a pause the panel never hears of is lost to the user for good)
+        except Exception as e:  # noqa: BLE001 - the rank went, or its debugger cannot say yet: shown stopped, not lost
             self.kernel.log(f"nbddp: {link.label} paused; its stack could not be read ({type(e).__name__}: {e})")
         with self.lock:
             if self.links.get(link.pid) is not link:
