@@ -269,6 +269,28 @@ def test_a_pause_where_no_cell_is_runs_on_unseen_and_one_in_a_cell_is_said(monke
 
 
 @pytest.mark.unit
+def test_a_pause_pydevd_says_on_another_thread_is_said_on_the_one_in_the_cell(monkeypatch):
+    """debugpy 1.8.15 (ipykernel 6.17's) may name, for a pause that stopped every thread, a thread of nbddp's (its
+    stack empty): the rank's thread in the cell is said stopped, not let go (the panel's "pause all" lost rank 0
+    now and then); a pause with no thread in a cell lets every thread go, their `continued` unsaid, whichever named."""
+    monkeypatch.setattr(rankdebug.debugger, "cell_prefix", lambda: "/tmp/ipykernel_1/")
+    frames = {5: [], 4: [{"id": 2, "source": {"path": "/tmp/ipykernel_1/123.py"}, "line": 5}]}
+    answer = {"stackTrace": lambda args: {"stackFrames": frames[args["threadId"]]},
+              "threads": lambda args: {"threads": [{"id": 4, "name": "MainThread"}, {"id": 5, "name": "nbddp-flush"}]}}
+    kernel, ranks, _router, (r0, r1) = make(answer=lambda command, args: answer.get(command, lambda a: {})(args))
+    paused = {"type": "event", "event": "stopped",
+              "body": {"threadId": 5, "reason": "pause", "allThreadsStopped": True}}
+    ranks._paused(r0, paused)
+    assert ranks.stopped() == [(r0, 4)] and ("continue", {"threadId": 5}) not in r0.session.sent
+    assert [b["threadId"] for b in events(kernel, "stopped")] == [ranks.threads.out(r0, 4)]
+    frames[4] = [{"id": 3, "source": {"path": "/nbddp/rank/server.py"}, "line": 3}]  # waiting in nbddp: let go
+    ranks._paused(r1, paused)
+    assert ("continue", {"threadId": 5}) in r1.session.sent and r1.quiet == {4, 5}
+    went_on(ranks, r1, local=4)  # (pydevd names the main thread in its `continued`)
+    assert events(kernel, "continued") == [] and r1.quiet == set() and ranks.stopped() == [(r0, 4)]
+
+
+@pytest.mark.unit
 def test_a_rank_gone_says_its_stopped_threads_went_on_and_its_late_events_are_dropped():
     kernel, ranks, _router, (r0, r1) = make()
     stop(ranks, r0)

@@ -263,8 +263,8 @@ class RankDebugger:
         with self.lock:
             if self.links.get(link.pid) is not link:  # (a session let go: its last events are no one's)
                 return
-            if kind == "continued" and local in link.quiet:  # (a pause let go at once: never said to be stopped)
-                link.quiet.discard(local)
+            if kind == "continued" and link.quiet and (local in link.quiet or body.get("allThreadsContinued", True)):
+                link.quiet.clear()  # (a pause let go at once, all its threads: never said to be stopped)
                 return
             if kind == "stopped":
                 link.stopped.add(local)
@@ -277,18 +277,18 @@ class RankDebugger:
                 self._still_stopped()
 
     def _paused(self, link: RankLink, event: dict) -> None:
-        """A rank paused where no cell of the notebook is on its stack (in nbddp's own code, waiting for its
-        next cell or for the kernel): nothing of the user's to see or step there, so it goes on at once,
-        unseen (its ``continued`` is not said either)."""
+        """A rank paused: said stopped on its thread that runs a notebook cell (pydevd may name another, all
+        stopped). Where none does (it waits in nbddp's code, for its next cell or for the kernel) there is nothing
+        of the user's to see or step: it goes on at once, unseen (its ``continued`` is not said either)."""
         local = event["body"]["threadId"]
-        prefix = debugger.cell_prefix()
         try:
-            frames = link.session.request("stackTrace", {"threadId": local}).get("body", {}).get("stackFrames", [])
-            if not any(((f.get("source") or {}).get("path") or "").startswith(prefix) for f in link.own(frames)):
+            shown, paused = _cell_thread(link, local, every=event["body"].get("allThreadsStopped", False))
+            if shown is None:
                 with self.lock:
-                    link.quiet.add(local)
+                    link.quiet.update(paused)
                 link.session.request("continue", {"threadId": local})
                 return
+            local = shown
         except Exception as e:  # noqa: BLE001 - the rank went, or its debugger cannot say yet: shown stopped, not lost
             self.kernel.log(f"nbddp: {link.label} paused; its stack could not be read ({type(e).__name__}: {e})")
         with self.lock:
@@ -366,6 +366,22 @@ class RankDebugger:
 
     def stopped_ids(self) -> list[int]:
         return [self.threads.out(link, local) for link, local in self.stopped()]
+
+
+
+def _cell_thread(link: RankLink, local: int, every: bool) -> tuple[int | None, list[int]]:
+    """(the rank's paused thread that runs a notebook cell, or None; the threads looked at): ``local`` first, then,
+    if ``every`` thread stopped with it, the others."""
+    ids = [local]
+    if every:
+        found = link.session.request("threads").get("body", {}).get("threads", [])
+        ids += [t["id"] for t in found if t["id"] != local]
+    prefix = debugger.cell_prefix()
+    for tid in ids:
+        frames = link.session.request("stackTrace", {"threadId": tid}).get("body", {}).get("stackFrames", [])
+        if any(((f.get("source") or {}).get("path") or "").startswith(prefix) for f in link.own(frames)):
+            return tid, ids
+    return None, ids
 
 
 class Router:
