@@ -47,6 +47,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.serial)
 
 
+@pytest.hookimpl(optionalhook=True)  # (xdist's hook: a venv without xdist, as the hosted stacks', runs one process)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with GROUPS: a file's tests are one unit of work, a group's files one unit together
     (xdist's own ``loadgroup`` names a group in each test's id, which pytest 9's ids no longer take)."""
