@@ -187,8 +187,7 @@ class Keeper:
             self._take_hold(msg, conn)
             fdframing.send(conn, Kept())
         elif isinstance(msg, InRanks) and self.about is not None:
-            self.about = dataclasses.replace(self.about, names=tuple(msg.names), running=msg.running,
-                                             background=msg.background, cell=msg.cell, mending=msg.mending)
+            self.about = dataclasses.replace(self.about, **vars(msg))  # (each field of InRanks is one of About's)
         elif isinstance(msg, End):
             say("ended by its kernel")
             self.ending = True

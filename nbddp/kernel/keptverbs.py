@@ -104,7 +104,7 @@ class KeptPools:
 
         if rest:
             raise UsageError(f"%ddp detach takes nothing after it ({rest!r}); nothing changed.")
-        if self.m.pool is None or not self.m.pool.alive:
+        if self.m.pool is None:  # (one that ended: pool.detach says so)
             raise UsageError(f"%ddp detach: {NO_POOL}. Nothing changed.")
         pool_id = detach(self.m.pool)
         wait = keeping.keep_seconds(self.m.pool.config.keep) or 0.0

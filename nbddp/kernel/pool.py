@@ -294,7 +294,7 @@ class Pool:
 
 
 def detach(pool: Pool) -> str:
-    """``%ddp detach`` (``Pool.detach``'s work): the pool handed to its keeper as it is, its ranks and their state
+    """``%ddp detach``: the pool handed to its keeper as it is, its ranks and their state
     kept, this kernel no longer holding it; it waits as its ``--keep`` says (auto: ``options.KEEP_AUTO_S``) for a
     kernel of this user to take it (``%ddp attach ID``, this one too). Its id. Refused, nothing changed, for a pool
     that has no keeper, lost ranks not yet mended, or a cell running in its ranks."""

@@ -67,15 +67,20 @@ class LeftRunning:
     def __init__(self, pool: Pool, told):
         self.pool, self.told = pool, told
         self.label, self.background = told.about.running, told.about.background
-        # the pool's curves go on: what its ranks logged under the last kernel (the run's metrics.csv, as it wrote
-        # it), then what they logged while no kernel held the pool, then what that cell logs until it ends
-        metrics.LOGBOOK.load_csv(str(pool.gang.run_dir.path))
         self.cell = told.about.cell or f"{self.label or 'a cell'} (the kernel before)"  # (its rows go on under it)
-        self.recorder = metrics.Recorder(self.cell, pool.gang.run_dir.path)
+        self.recorder: metrics.Recorder | None = None  # (``_history``)
+
+    def _history(self) -> None:
+        """The pool's curves go on: what its ranks logged under the last kernel (the run's metrics.csv, as it wrote
+        it), then what they log from now on (what the keeper kept first), filed by ``recorder``. Only for a pool
+        taken for cells: ``%ddp stop ID`` files nothing in this kernel's ``nbddp.metrics()``."""
+        metrics.LOGBOOK.load_csv(str(self.pool.gang.run_dir.path))
+        self.recorder = metrics.Recorder(self.cell, self.pool.gang.run_dir.path)
 
     def settle(self) -> None:
         """Here, at once: an interrupt (Jupyter's) interrupts that cell in the ranks; a second one stops waiting (the
         pool goes back to its keeper)."""
+        self._history()
         with contextlib.ExitStack() as failed:
             failed.callback(let_go, self.pool.gang)
             self._answered([], on_start=None, give_up=True)
@@ -87,6 +92,7 @@ class LeftRunning:
         ``%ddp interrupt`` interrupts the cell in the ranks. Raises as the cell ended, if not well."""
         pool = self.pool
         gang = pool.gang
+        self._history()
         relay = engine.new_relay(pool.config, f"{gang.run_dir.run_id}-taken", range(gang.world_size))
         line = line_for_pool_cell()  # its line, and the chart of what it logged from its first step on
         for rank, rec in metrics.LOGBOOK.cell_records(str(gang.run_dir.path), self.cell):

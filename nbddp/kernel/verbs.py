@@ -1,8 +1,7 @@
 """``%ddp``'s verbs, the line magic ``DDPMagics`` registers (magic.py, whose docstring is ``%ddp?``): a
 pool's life (start, stop, restart, status), a look into its ranks (debug, who, diff), and the background
 cells (wait, interrupt, attach); kept pools' (pools, attach ID, detach, stop ID) are keptverbs.py's.
-The pool they start is the magics' (``DDPMagics.pool``), where every
-``%%ddp`` cell finds it."""
+The pool they start is the magics' (``DDPMagics.pool``), where every ``%%ddp`` cell finds it."""
 from __future__ import annotations
 
 import sys

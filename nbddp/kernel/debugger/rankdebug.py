@@ -368,7 +368,6 @@ class RankDebugger:
         return [self.threads.out(link, local) for link, local in self.stopped()]
 
 
-
 def _cell_thread(link: RankLink, local: int, every: bool) -> tuple[int | None, list[int]]:
     """(the rank's paused thread that runs a notebook cell, or None; the threads looked at): ``local`` first, then,
     if ``every`` thread stopped with it, the others."""
