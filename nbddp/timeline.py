@@ -35,6 +35,9 @@ connections close under them (rank/worker.py).
 Ending ranks: a pool's ranks leave the group and exit within STOP_S of ``Stop`` (kernel/ranks/gang.py); a rank
 told to end gets SIGTERM, then SIGKILL GRACE_S later, as torch.elastic does (kernel/ranks/supervisor.py).
 
+A kept pool taken by a new kernel (kernel/taking.py): with no cell left running in them, its ranks answer the new
+kernel's first call within TAKE_S, or the pool cannot be vouched for and ends, saying which rank was silent.
+
 Across the nodes of a Ray cluster (nbddp/cluster/): each node's agent says something at least every BEAT_S; a node
 whose stream is silent SILENT_S is lost with its ranks; a look at a node's ranks unanswered LOOK_LOST_S is asked
 again; a lost node's bundle is moved by Ray within MOVED_S (else placed anew), its ranks started elsewhere if
@@ -69,6 +72,9 @@ HELD_S = 5.0  # a rank that failed a one-shot cell waits this long at most for t
 # -- ranks ended -------------------------------------------------------------------------------------------------
 STOP_S = 5.0  # a pool's ranks leave the group and exit within this after Stop, or are killed
 GRACE_S = 3.0  # SIGTERM -> SIGKILL, like torch.elastic
+
+# -- a kept pool taken -------------------------------------------------------------------------------------------
+TAKE_S = 30.0  # idle ranks answer a new kernel's first call within this, or the pool ends
 
 # -- a node of a Ray cluster -------------------------------------------------------------------------------------
 BEAT_S = 1.0  # the longest a node's stream stays silent: its agent sends an empty batch then

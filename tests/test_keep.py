@@ -378,6 +378,26 @@ def test_a_rank_lost_while_no_kernel_holds_the_pool_ends_it_and_the_next_kernel_
         assert "kept pool(s) wait" not in res.stdout, res
 
 
+def test_a_kept_pool_whose_idle_rank_does_not_answer_the_take_is_ended_naming_it_not_waited_for(runtime):
+    """Nothing hangs: ranks a new kernel cannot reach (here rank 1 stopped, as a rank half regrouped would sit) fail
+    the take within timeline.TAKE_S, naming the silent rank; the pool ends, nothing left."""
+    with kept(runtime, "2m") as (k, ranks, keeper, pids):
+        restarted(k)
+        os.kill(ranks[1], signal.SIGSTOP)
+        try:
+            k.ok("%load_ext nbddp\nimport nbddp.timeline\nnbddp.timeline.TAKE_S = 2.0")
+            start = time.monotonic()
+            res = k.run("%ddp attach", timeout=30)
+            assert time.monotonic() - start < 15, "within TAKE_S (and the ranks' end), not waited for ever"
+            assert "rank(s) 1 did not answer this kernel's first call within 2 s" in res.error_text, res
+            assert "it has ended" in res.error_text and "%ddp start begins a new pool" in res.error_text, res
+            assert not running(pids, 10), "every rank (the stopped one killed) and the keeper ended"
+            assert "no kept pool" in k.ok("%ddp pools").stdout
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(ranks[1], signal.SIGCONT)
+
+
 def test_a_held_pool_is_refused_to_a_second_taker_and_to_another_user(runtime):
     with kept(runtime, "2m") as (k, ranks, keeper, pids):
         (about,) = keeping.kept()

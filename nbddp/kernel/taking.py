@@ -15,7 +15,7 @@ import contextlib
 import sys
 import time
 
-from .. import units
+from .. import timeline, units
 from ..errors import RankFailure
 from ..rank.jobs import CallJob
 from ..rank.server import INTERRUPT
@@ -83,7 +83,7 @@ class LeftRunning:
         self._history()
         with contextlib.ExitStack() as failed:
             failed.callback(let_go, self.pool.gang)
-            self._answered([], on_start=None, give_up=True)
+            self._answered([], on_start=None, give_up=True, within=None if self.label else timeline.TAKE_S)
             failed.pop_all()
         self.over()
 
@@ -104,8 +104,9 @@ class LeftRunning:
                 first = self._answered([relay, engine.RelayClock(relay, gang.sup), line], on_start, give_up=False)
             return _outcome(first, self.label, str(gang.run_dir.path))
 
-    def _answered(self, listeners: list, on_start, give_up: bool) -> dict:
-        """Until every rank answered this kernel's first call: each rank's first answer before it (the cell's)."""
+    def _answered(self, listeners: list, on_start, give_up: bool, within: float | None = None) -> dict:
+        """Until every rank answered this kernel's first call: each rank's first answer before it (the cell's).
+        ``within``: idle ranks answer within it, or the pool is ended (ranks that hang the take are not kept)."""
         gang = self.pool.gang
         sup, token = gang.sup, f"nbddp-taken-{time.time_ns()}"
         answered, first = set(), {}
@@ -129,20 +130,30 @@ class LeftRunning:
             gang.command(messages.Call(values.to_ranks(CallJob(str, (token,), 1 << 16))))
             if on_start is not None:
                 on_start(gang)
-            self._wait(sup, lambda: answered >= {p.rank for p in sup.live()}, give_up)
+            end = time.monotonic() + within if within is not None else None
+            self._wait(sup, lambda: answered >= {p.rank for p in sup.live()} or end and time.monotonic() >= end,
+                       give_up, end)
         finally:
             sup.end_cell()
             self.recorder.finish()
+        silent = sorted({p.rank for p in sup.live()} - answered)
+        if silent:
+            why = (f"rank(s) {', '.join(map(str, silent))} did not answer this kernel's first call within {within:g} s "
+                   "while no cell ran in them")
+            gang.close(why, as_said=True)
+            raise RankFailure(f"the kept pool could not be taken: {why}, so its ranks cannot be vouched for; it has "
+                              f"ended. Their logs: {gang.run_dir.path}\n%ddp start begins a new pool.", rank=silent[0],
+                              cause="take")
         if len(answered) < gang.world_size:
             raise RankFailure("the kept pool's ranks ended while it was being taken; see its logs: "
                               f"{gang.run_dir.path}", rank=None, cause="take")
         return first
 
-    def _wait(self, sup, until, give_up: bool) -> None:
+    def _wait(self, sup, until, give_up: bool, end: float | None = None) -> None:
         interrupted = False
         while True:
             try:
-                sup.wait(None, until=until)
+                sup.wait(None, until=until, wake_at=end)
                 return
             except KeyboardInterrupt:
                 if interrupted and give_up:

@@ -53,3 +53,32 @@ def test_the_cell_a_dead_kernel_waited_for_is_interrupted_in_each_rank_alone_and
     keeper, sent = _orphaned(tmp_path, monkeypatch, running="for step in range(10):", background=True)
     keeper.close()
     assert sent == [] and keeper.why == ""
+
+
+def test_a_mending_cut_short_leaves_the_keeper_told_the_pool_is_being_mended():
+    """Jupyter's restarter interrupts the kernel, then kills it: an interrupt that stops a mending must not tell the
+    keeper "mended" before the kill lands while the pool is torn down (the keeper would keep ranks half regrouped)."""
+    import types
+
+    import pytest
+
+    from nbddp.kernel.ranks import keeping
+    from nbddp.wire import fdframing
+
+    kernel, keeper = socket.socketpair()
+    link = keeping.KeeperLink(kernel, keeper_pid=0)
+    gang = types.SimpleNamespace(keeper=link, sup=object())
+    try:
+        with keeping.mending(gang):
+            pass
+        told = [fdframing.receive(keeper)[0].mending for _ in range(2)]
+        assert told == [True, False], "mended: told before and after"
+        with pytest.raises(KeyboardInterrupt), keeping.mending(gang):
+            raise KeyboardInterrupt
+        assert fdframing.receive(keeper)[0].mending is True
+        keeper.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            keeper.recv(1)  # nothing after it: the keeper still takes the pool for one being mended
+    finally:
+        kernel.close()
+        keeper.close()

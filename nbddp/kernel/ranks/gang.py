@@ -321,7 +321,10 @@ def _not_a_child():
 
 def let_go(gang: Gang) -> None:
     """A taken pool handed back to its keeper as it is (a take that did not finish): every descriptor of this
-    kernel's closed, no rank signalled; the keeper, seeing its end close, keeps the pool again."""
+    kernel's closed, no rank signalled; the keeper, seeing its end close, keeps the pool again (a gang closed
+    meanwhile: nothing to hand back)."""
+    if gang.sup is None:
+        return
     sup, gang.sup = gang.sup, None
     sup.close()
     for fd in gang.cmd_fds.values():

@@ -309,12 +309,13 @@ def mending(gang):
         return
     link.mending = True
     _told(link)
-    try:
-        yield
-    finally:
-        link.mending = False
-        if gang.sup is not None:  # (a pool that could not be mended has ended, its keeper told so)
-            _told(link)
+    yield
+    # mended: told so. Not when the mending was cut short (no ``finally``): the pool is torn down then
+    # (Mending.mend), and until its keeper has the kernel's End a kernel that dies (Jupyter's restarter sends
+    # SIGINT, then SIGKILL: the interrupt stops the mending, the kill lands while the pool ends) must leave it
+    # "being mended", so that the keeper ends it rather than keep ranks half regrouped (a take then waited for ever)
+    link.mending = False
+    _told(link)
 
 
 def keep_seconds(value) -> float | None:
