@@ -114,23 +114,33 @@ def load_ipython_extension(ipython) -> None:
     cells.track(ipython)  # IPython 7.x keeps no file name -> cell map: nbddp keeps one
     cuda.backend().install(ipython, cells)  # first: its environment (NVML-based CUDA checks) holds for torch's import
     sharedtensor.gpu_share = cuda.ipc_share  # the kernel's GPU tensors reach forkserver ranks by CUDA IPC
-    worker.warm_start()  # torch imported once, here, so ranks never import it
-    forkserver.at_load()  # a CUDA-clean template for GPU ranks, forked before the kernel can hold CUDA
-    warm.start()  # what a real first step imports lazily (DDP: torch._dynamo...), on a thread: forks wait for it
+    waiting = _kept_waiting()
+    if waiting:  # the kernel is back for its pool (%ddp attach): no torch needed here; the first fork imports it
+        warm.defer()
+    else:
+        worker.warm_start()  # torch imported once, here, so ranks never import it
+        forkserver.at_load()  # a CUDA-clean template for GPU ranks, forked before the kernel can hold CUDA
+        warm.start()  # what a real first step imports lazily (DDP: torch._dynamo...), on a thread: forks wait for it
     _pool_module()  # %ddp start's pool, a --cluster one included
     register_exporter(_export_cells)  # %ddp_export's writer
     ipython.register_magics(DDPMagics)
     rankdebug.install(ipython)  # JupyterLab's debugger panel reaches the ranks too
-    _say_kept()
+    _say_kept(waiting)
 
 
-def _say_kept() -> None:
-    """Pools kept from a kernel that ended (``--keep``), waiting for one: said at load, with how to take them."""
+def _kept_waiting() -> list:
+    """Pools kept from a kernel that ended (``--keep``), waiting for one; how those that ended meanwhile ended, said."""
     from .kernel.ranks import keeping
 
     for note in keeping.ended():
         print(f"nbddp: {note}", flush=True)
-    waiting = [a for a in keeping.kept() if a.holder_pid is None]
+    return [a for a in keeping.kept() if a.holder_pid is None]
+
+
+def _say_kept(waiting: list) -> None:
+    """The kept pools waiting for a kernel, said at load, with how to take them."""
+    from .kernel.ranks import keeping
+
     if waiting:
         lines = "\n".join(f"  {keeping.describe(a)}" for a in waiting)
         print(f"nbddp: {len(waiting)} kept pool(s) wait for a kernel:\n{lines}\n%ddp attach"

@@ -104,6 +104,7 @@ def test_the_next_kernel_takes_a_kept_pool_with_its_state_after_jupyter_restarts
         assert "1 kept pool(s) wait for a kernel" in res.stdout and "2 rank(s) alive" in res.stdout, res
         assert "its ranks hold state, torch;" in res.stdout and "running" not in res.stdout, "the names its cells bound"
         assert "%ddp attach takes it" in res.stdout, res
+        assert not k.value("'torch' in __import__('sys').modules"), "the way back to a kept pool needs no torch here"
         res = k.run("%ddp start --devices 3 --keep 2m")  # other options: refused, naming it and the ways out
         assert "a pool kept from this notebook waits, started with other options" in res.error_text, res
         assert "%ddp attach" in res.error_text and "%ddp stop" in res.error_text, res

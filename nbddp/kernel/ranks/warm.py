@@ -54,6 +54,7 @@ class Warming:
         self.hooked = False  # os.register_at_fork(before=self.join) done (once a process: it cannot be undone)
         self.learned: list[str] = []  # modules ranks imported, for the next fork
         self.tried: set[str] = set()  # each name imported (or failed) once: a failure is not retried at every cell
+        self.deferred = False  # nothing imported at %load_ext (a kept pool waited for it): the first fork does it
 
     def start(self) -> None:
         names = [n for n in WARM_IMPORTS if n not in sys.modules]
@@ -76,12 +77,26 @@ class Warming:
             self.hooked = True
             os.register_at_fork(before=self.join)
 
+    def defer(self) -> None:
+        """``%load_ext`` in a kernel that may only take a kept pool (one waits): ``%ddp attach`` and the pool's cells
+        need no torch in the kernel (its ranks have it), so nothing is imported now, torch neither (1-2 s of a
+        restart's way back to the pool); the first fork of ranks imports it all first
+        (``wait``)."""
+        self.deferred = True
+
     def join(self) -> None:
         thread = self.thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
     def wait(self) -> None:
+        if self.deferred:
+            from ...rank import worker
+
+            self.deferred = False
+            worker.warm_start()
+            if enabled():
+                _import_all([n for n in WARM_IMPORTS if n not in sys.modules])
         if self.thread is not None:
             self.thread.join()
             self.thread = None
@@ -99,6 +114,11 @@ class Warming:
 
 
 WARMING = Warming()  # the kernel's
+
+
+def defer() -> None:
+    """Nothing imported until the first fork (``Warming.defer``)."""
+    WARMING.defer()
 
 
 def start() -> None:
