@@ -468,6 +468,9 @@ def test_keep_is_for_pools_and_takes_a_duration():
         checks.refusals(options.config({"keep": "10m"}))
     with pytest.raises(UsageError, match="not for a pool across Ray nodes"):
         checks.refusals(options.config({"keep": "10m", "cluster": "ray"}), pool=True)
+    with pytest.raises(UsageError, match="not a pool whose ranks start by forkserver"):
+        checks.preflight(options.config({"keep": "10m", "start_method": "forkserver", "devices": "2"}), pool=True)
+    assert checks.preflight(options.config({"start_method": "forkserver", "devices": "2"}), pool=True)  # (auto: not)
     assert options.line(options.config({"keep": "10m", "devices": 2})) == "--devices 2 --keep 10m"
     about = About("p", "cpu (gloo)", 2, "--keep 10m", "a.ipynb", 0.0, 600.0, orphaned_at=time.time() - 60)
     assert "waiting for a kernel, 9 min left" in keeping.describe(about)

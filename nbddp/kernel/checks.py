@@ -11,6 +11,7 @@ import textwrap
 from ..errors import UsageError
 from ..hw import cuda
 from . import devices, options
+from .ranks import keeping
 
 _launching = False  # one launch at a time per process
 
@@ -44,11 +45,11 @@ def preflight(config, *, pool: bool = False, queued: bool = False) -> devices.Pl
         print(note, file=sys.stderr)
     if held and method == "fork":  # asked for by name: the notebook's data copy-on-write, or nothing
         raise held
-    if options.keep_asked(config) and method != "fork":
-        raise UsageError(f"--keep {config.keep}: only a pool forked from the kernel is kept across its end for now; "
-                         f"this one would start by {method} (the kernel holds CUDA, or --start-method says so). "
-                         "Nothing started: drop --keep, or restart the kernel and start the pool before anything "
-                         "touches CUDA.")
+    why = options.keep_asked(config) and keeping.unkeepable(config.cluster, method)
+    if why:
+        raise UsageError(f"--keep {config.keep}: only a pool forked from the kernel is kept across its end for now, "
+                         f"not {why}. Nothing started: drop --keep, or restart the kernel and start the pool before "
+                         "anything touches CUDA.")
     return dataclasses.replace(plan, start_method=method)
 
 
@@ -90,8 +91,8 @@ def refusals(config, *, pool: bool = False, queued: bool = False) -> None:
     if options.keep_asked(config) and not pool:
         raise UsageError(f"--keep {config.keep}: a pool is kept across its kernel's end; a one-shot cell's ranks end "
                          "with it. %ddp start --keep DURATION starts such a pool. Nothing ran.")
-    if options.keep_asked(config) and (config.cluster or not hasattr(os, "pidfd_open")):
-        why = "a pool across Ray nodes" if config.cluster else f"{sys.platform} has no pidfds"
+    why = options.keep_asked(config) and keeping.unkeepable(config.cluster)
+    if why:
         raise UsageError(f"--keep {config.keep}: not for {why} (its ranks could not be handed to the next kernel). "
                          "Nothing started: drop --keep.")
     devices.parse_devices(config.devices)

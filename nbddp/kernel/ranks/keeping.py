@@ -367,9 +367,22 @@ def start(gang) -> KeeperLink | None:
     return link
 
 
+def unkeepable(cluster, method: str | None = None) -> str:
+    """Why a pool (``cluster``: across Ray nodes; ``method``: how its ranks start, where known) could not be kept
+    across its kernel's end, its ranks taken by another kernel; "" if it can: forked from this kernel, on this
+    machine, seen by pidfds. The one rule, for ``--keep``'s refusals (checks.py) and the default (``keepable``)."""
+    if cluster:
+        return "a pool across Ray nodes"
+    if not hasattr(os, "pidfd_open"):
+        return f"{sys.platform} has no pidfds"
+    if method not in (None, "fork"):
+        return f"a pool whose ranks start by {method} (the kernel holds CUDA, or --start-method says so)"
+    return ""
+
+
 def keepable(gang) -> bool:
-    """A pool whose ranks another kernel can take: forked from this kernel, on this machine, seen by pidfds."""
-    return gang.plan.start_method == "fork" and not gang.config.cluster and hasattr(os, "pidfd_open")
+    """A pool whose ranks another kernel can take (``unkeepable``)."""
+    return not unkeepable(gang.config.cluster, gang.plan.start_method)
 
 
 _ENDS_AT_EXIT: "weakref.WeakSet" = weakref.WeakSet()  # the gangs a deliberate end of the kernel ends (--keep auto)
