@@ -190,9 +190,9 @@ def test_the_cell_a_killed_kernel_was_running_is_interrupted_in_its_ranks_and_th
 def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_no_step(runtime):
     with kept(runtime, "2m") as (k, ranks, keeper, pids):
         csv = Path(k.value(f"{POOL}.run_dir.path.as_posix()")) / "metrics.csv"
-        k.ok("%%ddp --bg\nimport time, torch, torch.distributed as dist, nbddp\ndone = 0\nfor step in range(40):\n"
-             "    t = torch.ones(1)\n    dist.all_reduce(t)\n    done += int(t.item())\n    nbddp.log(seen=step)\n"
-             "    print('step', step, flush=True)\n    time.sleep(0.1)\n")
+        k.ok("%%ddp --bg --gather done --out last\nimport time, torch, torch.distributed as dist, nbddp\ndone = 0\n"
+             "for step in range(40):\n    t = torch.ones(1)\n    dist.all_reduce(t)\n    done += int(t.item())\n"
+             "    nbddp.log(seen=step)\n    print('step', step, flush=True)\n    time.sleep(0.1)\nlast = step\n'end'\n")
         deadline = time.monotonic() + 20  # some steps in, logged and written to the run's metrics.csv: then it dies
         while not (csv.exists() and len(csv.read_text().splitlines()) > 2) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -209,7 +209,9 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
             f"what it printed while no kernel held the pool, replayed, then the rest, each step once: {res.stdout}"
         assert "(the kernel before)" in k.ok("%ddp status").stdout
         k.ok("%ddp wait", timeout=60)
-        line = k.follow(msg, lambda r: any("· ok" in d["data"].get("text/plain", "") for d in r.displays), timeout=30)
+        assert k.value("done, last") == ([80, 80], 39), "its --gather and --out names, brought to this kernel"
+        line = k.follow(msg, lambda r: any("· ok" in d["data"].get("text/plain", "") for d in r.displays)
+                        and any(d["data"].get("text/plain") == "'end'" for d in r.displays), timeout=30)  # (its value)
         drawn = [d["data"]["text/html"] for d in line.displays if "<polyline" in d["data"].get("text/html", "")][-1]
         curves = [len(points.split()) for points in re.findall(r"<polyline points='([^']*)'", drawn)]
         res = k.ok("%%ddp\nprint(rank, done)")

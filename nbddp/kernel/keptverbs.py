@@ -65,6 +65,7 @@ class KeptPools:
         running in its ranks goes on as a background cell of this kernel; another cell it left is waited for."""
         from ..ipy import cells
         from .cells.background import Job
+        from .names import delivery
         from .taking import taken
 
         if self.m.pool is not None and self.m.pool.alive:
@@ -90,9 +91,22 @@ class KeptPools:
         if pool.view.shown:
             pool.show()
         if left.background:  # a --bg training goes on: a background cell of this kernel's from now on
-            self.m.background.submit(Job(cells.running(self.m.shell), f"{left.label} (the kernel before)", left.work,
-                                         lambda _: None, (), output.Detached(output.kernel_sockets(),
-                                                                            output.request_header())),
+            shell = self.m.shell
+
+            def work(on_start):  # (rank 0's last value shown in the attach cell, as a --bg cell's in its own)
+                return delivery.shown_in_place(left.work(on_start), shell)
+
+            def deliver(per_rank):  # its --out/--gather names, here: its ranks' answers carry them, by name
+                if not per_rank:
+                    return
+                names = [*per_rank[0].outs, *per_rank[0].gathers]
+                try:
+                    delivery.deliver(per_rank, list(per_rank[0].outs), list(per_rank[0].gathers), shell.user_ns)
+                finally:
+                    pool.came_back(names)  # (as a --bg cell's: the ranks keep their own values of them)
+
+            self.m.background.submit(Job(cells.running(shell), f"{left.label} (the kernel before)", work, deliver, (),
+                                         output.Detached(output.kernel_sockets(), output.request_header())),
                                      sent=f"the --bg cell the last kernel left running ({left.label}) goes on as "
                                           "background cell {name}: below, what it printed while no kernel held the "
                                           "pool, then what it prints")

@@ -102,7 +102,11 @@ class LeftRunning:
         with _Ended(self, relay, line):
             with pool.one_cell(), keeping.cell_told(gang, pool.bound_by, self.label, self.cell):
                 first = self._answered([relay, engine.RelayClock(relay, gang.sup), line], on_start, give_up=False)
-            return _outcome(first, self.label, str(gang.run_dir.path))
+            per_rank = _outcome(first, self.label, str(gang.run_dir.path))
+        pool.held.answered(per_rank)  # the names it bound are the ranks' own (its --gather ones too, now here)
+        for res in per_rank:
+            pool.bound_by.update(dict.fromkeys(res.assigned, self.cell))
+        return per_rank
 
     def _answered(self, listeners: list, on_start, give_up: bool, within: float | None = None) -> dict:
         """Until every rank answered this kernel's first call: each rank's first answer before it (the cell's).
