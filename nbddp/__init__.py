@@ -115,8 +115,8 @@ def load_ipython_extension(ipython) -> None:
     cuda.backend().install(ipython, cells)  # first: its environment (NVML-based CUDA checks) holds for torch's import
     sharedtensor.gpu_share = cuda.ipc_share  # the kernel's GPU tensors reach forkserver ranks by CUDA IPC
     waiting = _kept_waiting()
-    if waiting:  # the kernel is back for its pool (%ddp attach): no torch needed here; the first fork imports it
-        warm.defer()
+    if any(a.notebook == os.environ.get("JPY_SESSION_NAME", "") for a in waiting):
+        warm.defer()  # this notebook's kernel back for its pool (%ddp attach): no torch here; the first fork imports it
     else:
         worker.warm_start()  # torch imported once, here, so ranks never import it
         forkserver.at_load()  # a CUDA-clean template for GPU ranks, forked before the kernel can hold CUDA

@@ -78,9 +78,9 @@ class Warming:
             os.register_at_fork(before=self.join)
 
     def defer(self) -> None:
-        """``%load_ext`` in a kernel that may only take a kept pool (one waits): ``%ddp attach`` and the pool's cells
-        need no torch in the kernel (its ranks have it), so nothing is imported now, torch neither (1-2 s of a
-        restart's way back to the pool); the first fork of ranks imports it all first
+        """``%load_ext`` in a kernel that may only take a kept pool (one kept from its notebook waits): ``%ddp attach``
+        and the pool's cells need no torch in the kernel (its ranks have it), so nothing is imported now, torch
+        neither (1-2 s of a restart's way back to the pool); the first fork of ranks imports it all first
         (``wait``)."""
         self.deferred = True
 
