@@ -192,7 +192,8 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
         csv = Path(k.value(f"{POOL}.run_dir.path.as_posix()")) / "metrics.csv"
         k.ok("%%ddp --bg --gather done --out last\nimport time, torch, torch.distributed as dist, nbddp\ndone = 0\n"
              "for step in range(40):\n    t = torch.ones(1)\n    dist.all_reduce(t)\n    done += int(t.item())\n"
-             "    nbddp.log(seen=step)\n    print('step', step, flush=True)\n    time.sleep(0.1)\nlast = step\n'end'\n")
+             "    nbddp.log(seen=step)\n    print('step', step, 'on', rank, flush=True)\n    time.sleep(0.1)\n"
+             "last = step\n'end'\n")  # (a line of each rank's own: the relay merges none)
         deadline = time.monotonic() + 20  # some steps in, logged and written to the run's metrics.csv: then it dies
         while not (csv.exists() and len(csv.read_text().splitlines()) > 2) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -202,11 +203,15 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
         assert "a --bg cell was running in them: import time, torch, torch.distributed as dist, nbddp;" in \
             res.stdout, res
         msg = k.execute("%ddp attach")  # the training the last kernel left running: this kernel's background cell
-        res = k.follow(msg, lambda r: said(r.stdout, 0, "step 39") and said(r.stdout, 1, "step 39"), timeout=60)
+        res = k.follow(msg, lambda r: said(r.stdout, 0, "step 39 on 0") and said(r.stdout, 1, "step 39 on 1"),
+                       timeout=60)
         assert "took kept pool" in res.stdout and "goes on as background cell" in res.stderr, res
-        shown = [int(n) for n in re.findall(r"^\[rank0(?:-1)?\]:step (\d+)$", res.stdout, re.M)]
+        shown = [int(n) for n in re.findall(r"^\[rank0\]:step (\d+) on 0$", res.stdout, re.M)]
         assert shown and 0 < shown[0] and shown == list(range(shown[0], 40)), \
             f"what it printed while no kernel held the pool, replayed, then the rest, each step once: {res.stdout}"
+        steps = [int(n) for n in re.findall(r"^\[rank[01]\]:step (\d+) on [01]$", res.stdout, re.M)]
+        assert all(n >= max(steps[:i] or [0]) - 1 for i, n in enumerate(steps)), \
+            f"both ranks' lines in the order they printed them, not rank by rank: {steps}"
         assert "(the kernel before)" in k.ok("%ddp status").stdout
         k.ok("%ddp wait", timeout=60)
         assert k.value("done, last") == ([80, 80], 39), "its --gather and --out names, brought to this kernel"

@@ -128,9 +128,7 @@ class LeftRunning:
                        tick=getattr(gang.view, "interval", None))  # (the pool's view redrawn while it waits)
         try:
             with gang.logs.kept_already():  # (the keeper wrote it into their logs)
-                for proc in sup.procs:
-                    for kind in ("stdout", "stderr", "channel"):
-                        sup.feed(proc, kind, self.told.buffered.get(proc.rank, {}).get(kind, b""))
+                _replay(sup, self.told)
             gang.command(messages.Call(values.to_ranks(CallJob(str, (token,), 1 << 16))))
             if on_start is not None:
                 on_start(gang)
@@ -174,6 +172,24 @@ class LeftRunning:
         """Seen to its end: the keeper told nothing runs, the pool's watch for lost ranks armed."""
         keeping.tell(self.pool.gang, self.pool.bound_by, "")
         self.pool.mending.watch.arm()
+
+
+def _replay(sup, told) -> None:
+    """What the ranks wrote while no kernel held them, fed to ``sup`` as they wrote it: their text in the order the
+    keeper read it (``Taken.order``: across ranks, not rank by rank), then each rank's records (their marks place
+    them among its text)."""
+    procs = {p.rank: p for p in sup.procs}
+    fed: dict = {}
+    for rank, stream, n in told.order:
+        if rank in procs:
+            at = fed.get((rank, stream), 0)
+            sup.feed(procs[rank], stream, told.buffered[rank][stream][at:at + n])
+            fed[rank, stream] = at + n
+    for rank, proc in procs.items():
+        for stream in ("stdout", "stderr", "channel"):
+            rest = told.buffered.get(rank, {}).get(stream, b"")[fed.get((rank, stream), 0):]
+            if rest:
+                sup.feed(proc, stream, rest)
 
 
 class _Ended:

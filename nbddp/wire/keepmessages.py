@@ -98,13 +98,15 @@ class Take:
 class Taken:
     """The pool is the asking kernel's: ``state`` (as the last Hold gave it), what the ranks wrote while no
     kernel held it (``buffered``: rank -> {"stdout"|"stderr"|"channel": bytes}, ``dropped``: rank -> stream ->
-    bytes left out past the keeper's bound), then ``ranks`` KeptRank frames."""
+    bytes left out past the keeper's bound; ``order``: (rank, stream, bytes), the text in the order it was read,
+    across ranks), then ``ranks`` KeptRank frames."""
 
     about: About
     state: bytes
     ranks: int
     buffered: dict = field(default_factory=dict)
     dropped: dict = field(default_factory=dict)
+    order: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

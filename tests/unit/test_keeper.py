@@ -82,3 +82,46 @@ def test_a_mending_cut_short_leaves_the_keeper_told_the_pool_is_being_mended():
     finally:
         kernel.close()
         keeper.close()
+
+
+def test_what_ranks_printed_while_no_kernel_held_them_is_replayed_in_the_order_they_printed_it(monkeypatch):
+    """Through real pipes: each rank's text kept (the newest KEPT_TEXT of a stream), and the order of the keeper's
+    reads across ranks kept with it, so the next kernel replays it as it was written, not rank by rank."""
+    import itertools
+
+    monkeypatch.setattr(kp, "KEPT_TEXT", 8)
+    clock, ranks, ends = itertools.count(), [], []
+    for rank in (0, 1):
+        pipes = {s: os.pipe() for s in ("stdout", "stderr")}
+        r = kp.Rank(KeptRank(rank, 0, tuple(pipes)), [read for read, _ in pipes.values()], clock)
+        ranks.append(r)
+        ends.append({s: w for s, (_, w) in pipes.items()})
+    try:
+        for rank, stream, text in [(0, "stdout", b"a0\n"), (1, "stdout", b"b0\n"), (0, "stdout", b"a1\n"),
+                                   (1, "stderr", b"e!\n"), (1, "stdout", b"b1\n"), (0, "stdout", b"a2\n")]:
+            os.write(ends[rank][stream], text)
+            assert ranks[rank].take_in(stream)
+        # rank 0's stdout kept its newest 8 bytes (of b"a0\na1\na2\n"): its first read only partly
+        assert bytes(ranks[0].kept["stdout"]) == b"0\na1\na2\n" and ranks[0].dropped["stdout"] == 1
+        order = kp.replay_order(ranks)
+        assert order == [(0, "stdout", 2), (1, "stdout", 3), (0, "stdout", 3), (1, "stderr", 3), (1, "stdout", 3),
+                         (0, "stdout", 3)], order
+        replayed = b""
+        at = {}
+        for rank, stream, n in order:
+            start = at.get((rank, stream), 0)
+            replayed += ranks[rank].kept[stream][start:start + n]
+            at[rank, stream] = start + n
+        assert replayed == b"0\nb0\na1\ne!\nb1\na2\n"
+        ranks[0].given()
+        assert kp.replay_order(ranks[:1]) == [] and not ranks[0].kept["stdout"]
+        reads = kp.Reads(itertools.count())  # bounded as the text is: a long training's reads are let go
+        for i in range(10_000):
+            reads.add("stdout", 2, min(2 * (i + 1), 8))
+        assert len(reads.reads["stdout"][1]) <= 4097
+        assert [n for *_, n in reads.order(0, {"stdout": b"x" * 8, "stderr": b""})] == [2, 2, 2, 2]
+    finally:
+        for r, e in zip(ranks, ends):
+            r.close()
+            for fd in e.values():
+                os.close(fd)
