@@ -5,7 +5,8 @@ kernel holds the pool, the ranks' pipes.
   (wire/keepmessages.py's ``RANK_FDS``), sent by that kernel with each ``Hold``; it reads nothing.
 - The holder's socket closing without ``End`` is the kernel's end (killed, crashed, out of memory, Jupyter's
   restarter killing its group, a shutdown). The keeper then reads the ranks' pipes, so none blocks on a full pipe:
-  their text and records are kept, bounded (``KEPT_TEXT``, ``KEPT_RECORDS``), for the next kernel, and the pool
+  their text and records are kept, bounded (``KEPT_TEXT``, ``KEPT_RECORDS``), with the order of its reads across
+  ranks (``Reads``: the next kernel replays the text as it was written), for the next kernel, and the pool
   waits ``About.keep_s`` for one. At the end of the wait every rank's process group is ended (SIGTERM, SIGKILL
   ``timeline.GRACE_S`` later) and the keeper exits, its socket file removed.
 - ``Take`` from another kernel of the same user (``SO_PEERCRED``: any other user's connection is closed at once)
