@@ -84,7 +84,7 @@ def measure(quick: bool = False) -> dict:
     numel = int(gib * 2**30) // 4
     runs = tempfile.mkdtemp()
     out: dict = {"gib": gib}
-    k = Kernel(env={"GLOO_SOCKET_IFNAME": "lo", "NBDDP_RUNS_DIR": runs})
+    k = Kernel(env={"GLOO_SOCKET_IFNAME": "lo", "NBDDP_RUNS_DIR": runs, "JPY_SESSION_NAME": "bench_keep.ipynb"})
     keeper = None
     try:
         k.ok("%load_ext nbddp\nimport torch, os, time", timeout=120)

@@ -104,7 +104,7 @@ def load_ipython_extension(ipython) -> None:
     from .ipy import cells
     from .kernel.debugger import rankdebug
     from .kernel.magic import DDPMagics, register_exporter
-    from .kernel.ranks import forkserver, warm
+    from .kernel.ranks import forkserver, keeping, warm
     from .rank import worker
     from .wire import sharedtensor
 
@@ -115,7 +115,7 @@ def load_ipython_extension(ipython) -> None:
     cuda.backend().install(ipython, cells)  # first: its environment (NVML-based CUDA checks) holds for torch's import
     sharedtensor.gpu_share = cuda.ipc_share  # the kernel's GPU tensors reach forkserver ranks by CUDA IPC
     waiting = _kept_waiting()
-    if any(a.notebook == os.environ.get("JPY_SESSION_NAME", "") for a in waiting):
+    if keeping.this_notebooks(waiting):
         warm.defer()  # this notebook's kernel back for its pool (%ddp attach): no torch here; the first fork imports it
     else:
         worker.warm_start()  # torch imported once, here, so ranks never import it

@@ -203,6 +203,8 @@ def test_a_background_training_goes_on_while_no_kernel_holds_the_pool_and_loses_
         assert "a --bg cell was running in them: import time, torch, torch.distributed as dist, nbddp;" in \
             res.stdout, res
         msg = k.execute("%ddp attach")  # the training the last kernel left running: this kernel's background cell
+        res = k.ok("print('got', last, done)", timeout=60)  # its --out/--gather names pending: this cell waits for them
+        assert "got 39 [80, 80]" in res.stdout, res
         res = k.follow(msg, lambda r: said(r.stdout, 0, "step 39 on 0") and said(r.stdout, 1, "step 39 on 1"),
                        timeout=60)
         assert "took kept pool" in res.stdout and "goes on as background cell" in res.stderr, res

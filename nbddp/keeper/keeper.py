@@ -21,7 +21,6 @@ import bisect
 import contextlib
 import ctypes
 import dataclasses
-import itertools
 import os
 import selectors
 import signal
@@ -50,21 +49,35 @@ def peer_uid(conn: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-class Reads:
-    """When each read of a rank's text came (a number from the keeper's one ``clock``) and where it ended, so that
-    the next kernel replays the text every rank wrote in the order it was written, not rank by rank. 16 bytes a
-    read; reads wholly before the kept text are let go as it is."""
+class Clock:
+    """The keeper's one count of its reads of every rank's pipes (``Reads``)."""
 
-    def __init__(self, clock):
+    def __init__(self):
+        self.last = -1
+
+    def tick(self) -> int:
+        self.last += 1
+        return self.last
+
+
+class Reads:
+    """When each read of a rank's pipes came (a ``Clock`` tick) and where it ended, so that the next kernel replays
+    what every rank wrote, text and records, in the order it was written, not rank by rank. 16 bytes a read (reads
+    with no other between them are one); reads wholly before the kept text are let go as it is."""
+
+    def __init__(self, clock: Clock):
         self.clock = clock
-        self.reads = {s: (array.array("q"), array.array("q")) for s in ("stdout", "stderr")}  # (whens, ends)
+        self.reads = {s: (array.array("q"), array.array("q")) for s in ("stdout", "stderr", "channel")}  # whens, ends
         self.total = dict.fromkeys(self.reads, 0)  # bytes ever read from each stream (a read's end is one of them)
 
     def add(self, stream: str, n: int, kept: int) -> None:
         """``n`` bytes read from ``stream``, of which (with what came before) the newest ``kept`` are kept."""
         whens, ends = self.reads[stream]
         self.total[stream] += n
-        whens.append(next(self.clock))
+        if whens and whens[-1] == self.clock.last:  # (no read of another pipe since: one read)
+            ends[-1] = self.total[stream]
+            return
+        whens.append(self.clock.tick())
         ends.append(self.total[stream])
         if len(ends) > 4096 and ends[len(ends) // 2] <= self.total[stream] - kept:  # (the older half let go)
             gone = bisect.bisect_right(ends, self.total[stream] - kept)
@@ -83,7 +96,7 @@ class Reads:
 
 
 def replay_order(ranks) -> list:
-    """(rank, stream, bytes) in the order the keeper read the ranks' text: what the next kernel feeds first."""
+    """(rank, stream, bytes) in the order the keeper read the ranks' pipes: what the next kernel feeds first."""
     reads = sorted(o for r in ranks for o in r.reads.order(r.rank, r.kept))
     merged: list = []
     for _, rank, stream, n in reads:
@@ -101,7 +114,7 @@ class Rank:
         self.alive = True
         self.kept = {"stdout": bytearray(), "stderr": bytearray(), "channel": bytearray()}
         self.dropped = {"stdout": 0, "stderr": 0}
-        self.reads = Reads(clock if clock is not None else itertools.count())
+        self.reads = Reads(clock if clock is not None else Clock())
         self.log: int | None = None  # its rankN.log, while no kernel holds the pool (open_log)
 
     def open_log(self, run_dir: str) -> None:
@@ -122,6 +135,8 @@ class Rank:
         kept = self.kept[stream]
         kept += data
         if stream == "channel":
+            if data:
+                self.reads.add(stream, len(data), len(kept))
             return bool(data) and len(kept) < KEPT_RECORDS
         if self.log is not None and data:
             os.write(self.log, data)
@@ -177,7 +192,7 @@ class Keeper:
         self.ending = False  # the holder ended the pool (End): the keeper goes once its ranks have
         self.why = ""  # how it ended while no kernel held it
         self.done = False
-        self.clock = itertools.count()  # (the order of the ranks' reads: Reads)
+        self.clock = Clock()  # (the order of the ranks' reads: Reads)
         self._hold(holder)
         self.sel.register(listener, selectors.EVENT_READ, ("listener", None))
 

@@ -47,9 +47,10 @@ def preflight(config, *, pool: bool = False, queued: bool = False) -> devices.Pl
         raise held
     why = options.keep_asked(config) and keeping.unkeepable(config.cluster, method)
     if why:
+        fix = "drop --keep, or --start-method fork" if config.start_method != "auto" else \
+            "drop --keep, or restart the kernel and start the pool before anything touches CUDA"
         raise UsageError(f"--keep {config.keep}: only a pool forked from the kernel is kept across its end for now, "
-                         f"not {why}. Nothing started: drop --keep, or restart the kernel and start the pool before "
-                         "anything touches CUDA.")
+                         f"not {why}. Nothing started: {fix}.")
     return dataclasses.replace(plan, start_method=method)
 
 

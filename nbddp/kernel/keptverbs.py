@@ -3,7 +3,6 @@
 kept ("Run All" after a restart). The rest of ``%ddp`` is verbs.py's."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -32,8 +31,7 @@ class KeptPools:
         ("Run All" after a restart), else refused, naming it (nothing started, no device taken twice)."""
         from .ranks import keeping
 
-        notebook = os.environ.get("JPY_SESSION_NAME", "")  # (Jupyter's: without it, no pool is known as this one's)
-        mine = [a for a in self.to_take() if a.notebook == notebook] if notebook else []
+        mine = keeping.this_notebooks(self.to_take())
         if not mine:
             return False
         wanted = options.line(options.config(given))
@@ -101,11 +99,13 @@ class KeptPools:
                     return
                 names = [*per_rank[0].outs, *per_rank[0].gathers]
                 try:
-                    delivery.deliver(per_rank, list(per_rank[0].outs), list(per_rank[0].gathers), shell.user_ns)
+                    delivery.deliver(per_rank, list(per_rank[0].outs), list(per_rank[0].gathers), shell.user_ns,
+                                     source=None)  # (its source was the kernel before's)
                 finally:
                     pool.came_back(names)  # (as a --bg cell's: the ranks keep their own values of them)
 
-            self.m.background.submit(Job(cells.running(shell), f"{left.label} (the kernel before)", work, deliver, (),
+            self.m.background.submit(Job(cells.running(shell), f"{left.label} (the kernel before)", work, deliver,
+                                         left.brings,
                                          output.Detached(output.kernel_sockets(), output.request_header())),
                                      sent=f"the --bg cell the last kernel left running ({left.label}) goes on as "
                                           "background cell {name}: below, what it printed while no kernel held the "

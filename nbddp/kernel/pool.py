@@ -174,7 +174,8 @@ class Pool:
 
     def cell(self, source: str, filename: str, **kw) -> list:
         """A %%ddp cell in the pool, once no other cell is in its ranks; each rank's Result (``_cell``)."""
-        with self.one_cell(), keeping.cell_told(self.gang, self.bound_by, source, metrics.cell_name()):
+        with self.one_cell(), keeping.cell_told(self.gang, self.bound_by, source, metrics.cell_name(),
+                                                (*kw.get("outs", ()), *kw.get("gathers", ()))):
             return self._cell(source, filename, **kw)
 
     def _cell(self, source: str, filename: str, *, outs=(), gathers=(), code=None, relabel=None,

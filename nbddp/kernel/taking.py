@@ -48,7 +48,7 @@ def taken(namespace: dict | None, pool_id: str) -> tuple[Pool, "LeftRunning"]:
     told = got[1]
     about = told.about  # what the ranks hold, as the last kernel said, and the cell it left running
     pool.bound_by.update(dict.fromkeys(about.names, "a cell of the kernel before"))
-    gang.keeper.said = (tuple(about.names), about.running, about.background, about.cell)
+    gang.keeper.said = (tuple(about.names), about.running, about.background, about.cell, tuple(about.brings))
     for rank, streams in sorted(told.dropped.items()):
         for stream, n in streams.items():
             if n:
@@ -68,6 +68,7 @@ class LeftRunning:
         self.pool, self.told = pool, told
         self.label, self.background = told.about.running, told.about.background
         self.cell = told.about.cell or f"{self.label or 'a cell'} (the kernel before)"  # (its rows go on under it)
+        self.brings = tuple(told.about.brings)  # (its --out/--gather names: a --bg one's come to this kernel)
         self.recorder: metrics.Recorder | None = None  # (``_history``)
 
     def _history(self) -> None:
@@ -79,7 +80,8 @@ class LeftRunning:
 
     def settle(self) -> None:
         """Here, at once: an interrupt (Jupyter's) interrupts that cell in the ranks; a second one stops waiting (the
-        pool goes back to its keeper)."""
+        pool goes back to its keeper). With no cell left running, ranks silent past ``timeline.TAKE_S`` end the
+        pool (``_answered``)."""
         self._history()
         with contextlib.ExitStack() as failed:
             failed.callback(let_go, self.pool.gang)
@@ -100,13 +102,13 @@ class LeftRunning:
         line.begin(gang.plan, gang.run_dir)
         pool.view.cell_began(f"{self.label} (the kernel before)")  # (the pool's view: busy with it)
         with _Ended(self, relay, line):
-            with pool.one_cell(), keeping.cell_told(gang, pool.bound_by, self.label, self.cell):
+            with pool.one_cell(), keeping.cell_told(gang, pool.bound_by, self.label, self.cell, self.brings):
                 first = self._answered([relay, engine.RelayClock(relay, gang.sup), line], on_start, give_up=False)
-            per_rank = _outcome(first, self.label, str(gang.run_dir.path))
-        pool.held.answered(per_rank)  # the names it bound are the ranks' own (its --gather ones too, now here)
-        for res in per_rank:
-            pool.bound_by.update(dict.fromkeys(res.assigned, self.cell))
-        return per_rank
+                per_rank = _outcome(first, self.label, str(gang.run_dir.path))
+                pool.held.answered(per_rank)  # the names it bound are the ranks' own (its --gather ones too, here)
+                for res in per_rank:  # (before the keeper is told the names the ranks hold: cell_told's end)
+                    pool.bound_by.update(dict.fromkeys(res.assigned, self.cell))
+            return per_rank
 
     def _answered(self, listeners: list, on_start, give_up: bool, within: float | None = None) -> dict:
         """Until every rank answered this kernel's first call: each rank's first answer before it (the cell's).
@@ -163,8 +165,8 @@ class LeftRunning:
                     raise
                 interrupted = True
                 if give_up:
-                    print("nbddp: interrupting the cell the last kernel left running in the ranks (interrupt again "
-                          "to stop waiting)", file=sys.stderr)
+                    print(f"nbddp: interrupting {'the cell the last kernel left running in ' if self.label else ''}"
+                          "the ranks (interrupt again to stop waiting)", file=sys.stderr)
                 for p in sup.live():
                     p.signal(INTERRUPT, group=False)
 
@@ -175,21 +177,27 @@ class LeftRunning:
 
 
 def _replay(sup, told) -> None:
-    """What the ranks wrote while no kernel held them, fed to ``sup`` as they wrote it: their text in the order the
-    keeper read it (``Taken.order``: across ranks, not rank by rank), then each rank's records (their marks place
-    them among its text)."""
+    """What the ranks wrote while no kernel held them, fed to ``sup`` as they wrote it: their text and records in
+    the order the keeper read them (``Taken.order``: across ranks, not rank by rank; a record's marks place it
+    among its rank's text). Their pipes, which hold what came after, are not read meanwhile."""
     procs = {p.rank: p for p in sup.procs}
     fed: dict = {}
-    for rank, stream, n in told.order:
-        if rank in procs:
-            at = fed.get((rank, stream), 0)
-            sup.feed(procs[rank], stream, told.buffered[rank][stream][at:at + n])
-            fed[rank, stream] = at + n
-    for rank, proc in procs.items():
-        for stream in ("stdout", "stderr", "channel"):
-            rest = told.buffered.get(rank, {}).get(stream, b"")[fed.get((rank, stream), 0):]
-            if rest:
-                sup.feed(proc, stream, rest)
+    for proc in procs.values():
+        proc.replaying = True
+    try:
+        for rank, stream, n in told.order:
+            if rank in procs:
+                at = fed.get((rank, stream), 0)
+                sup.feed(procs[rank], stream, told.buffered[rank][stream][at:at + n])
+                fed[rank, stream] = at + n
+        for rank, proc in procs.items():
+            for stream in ("stdout", "stderr", "channel"):
+                rest = told.buffered.get(rank, {}).get(stream, b"")[fed.get((rank, stream), 0):]
+                if rest:
+                    sup.feed(proc, stream, rest)
+    finally:
+        for proc in procs.values():
+            proc.replaying = False
 
 
 class _Ended:

@@ -39,6 +39,7 @@ class About:
     background: bool = False  # that cell is a --bg one (it goes on when the kernel ends; a cell the notebook waited
     # for is interrupted: nobody waits for it any more)
     cell: str = ""  # that cell as nbddp.metrics() files its rows ("In [7]"): its curves go on in the next kernel
+    brings: tuple = ()  # the names that cell's --out/--gather bring back (a --bg one's: the next kernel's)
     mending: bool = False  # its holder is mending it (a replacement joining, its group made anew): if the holder ends
     # meanwhile, the pool ends with it (only a kernel mends a pool; ranks half regrouped would wait for ever)
 
@@ -75,6 +76,7 @@ class InRanks:
     running: str
     background: bool = False
     cell: str = ""  # (About.cell)
+    brings: tuple = ()  # (About.brings)
     mending: bool = False  # (About.mending)
 
 

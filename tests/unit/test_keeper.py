@@ -87,10 +87,8 @@ def test_a_mending_cut_short_leaves_the_keeper_told_the_pool_is_being_mended():
 def test_what_ranks_printed_while_no_kernel_held_them_is_replayed_in_the_order_they_printed_it(monkeypatch):
     """Through real pipes: each rank's text kept (the newest KEPT_TEXT of a stream), and the order of the keeper's
     reads across ranks kept with it, so the next kernel replays it as it was written, not rank by rank."""
-    import itertools
-
     monkeypatch.setattr(kp, "KEPT_TEXT", 8)
-    clock, ranks, ends = itertools.count(), [], []
+    clock, ranks, ends = kp.Clock(), [], []
     for rank in (0, 1):
         pipes = {s: os.pipe() for s in ("stdout", "stderr")}
         r = kp.Rank(KeptRank(rank, 0, tuple(pipes)), [read for read, _ in pipes.values()], clock)
@@ -115,11 +113,16 @@ def test_what_ranks_printed_while_no_kernel_held_them_is_replayed_in_the_order_t
         assert replayed == b"0\nb0\na1\ne!\nb1\na2\n"
         ranks[0].given()
         assert kp.replay_order(ranks[:1]) == [] and not ranks[0].kept["stdout"]
-        reads = kp.Reads(itertools.count())  # bounded as the text is: a long training's reads are let go
+        clock = kp.Clock()  # bounded as the text is: a long training's reads are let go
+        reads, other = kp.Reads(clock), kp.Reads(clock)
         for i in range(10_000):
             reads.add("stdout", 2, min(2 * (i + 1), 8))
+            other.add("stdout", 1, 1)  # (another rank's read between each: none of them is one with the last)
         assert len(reads.reads["stdout"][1]) <= 4097
-        assert [n for *_, n in reads.order(0, {"stdout": b"x" * 8, "stderr": b""})] == [2, 2, 2, 2]
+        assert [n for *_, n in reads.order(0, {"stdout": b"x" * 8, "stderr": b"", "channel": b""})] == [2, 2, 2, 2]
+        for _ in range(3):  # reads with no other between them are one
+            other.add("stderr", 5, 15)
+        assert other.order(1, {"stdout": b"", "stderr": b"x" * 15, "channel": b""}) == [(clock.last, 1, "stderr", 15)]
     finally:
         for r, e in zip(ranks, ends):
             r.close()

@@ -24,7 +24,7 @@ def shown_in_place(per_rank: list, shell) -> list:
     return per_rank
 
 
-def deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict, source: str = ""):
+def deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict, source: str | None = ""):
     """--out names from rank 0, --gather names from every rank, into the notebook; every name that can
     arrive does, then one ResultError names each that could not (rank, name, why, what to do: a name never
     bound gets the cell's close names, a value that cannot travel what to send instead)."""
@@ -71,13 +71,18 @@ def deliver(per_rank: list, outs: list[str], gathers: list[str], user_ns: dict, 
     return values.loads(first.value.blob) if first.value is not None else None
 
 
-def _unbound(name: str, rank: int, flag: str, source: str, user_ns: dict) -> str:
+def _unbound(name: str, rank: int, flag: str, source: str | None, user_ns: dict) -> str:
     """Why ``name`` was never bound on ``rank``, and what to do: a branch that rank skipped, or a name the
-    cell never assigns (a typo: its close names among those the cell assigns, then the notebook's)."""
+    cell never assigns (a typo: its close names among those the cell assigns, then the notebook's). ``source``
+    None: a cell the kernel before ran (a taken --bg one), whose source is not known here."""
     import difflib
 
-    bound = sorted(n for n in cellcode.names_bound(source) if not n.startswith("_"))
     where = "on every rank" if flag == "--gather" else "on rank 0"
+    if source is None:
+        return f"that cell (run by the kernel before) did not bind it there. Assign `{name}` {where}, or leave it " \
+               f"out of {flag}."
+
+    bound = sorted(n for n in cellcode.names_bound(source) if not n.startswith("_"))
     if name in bound:
         return (f"the cell assigns it, but not on rank {rank} (a branch that rank did not take, or an exception "
                 f"it caught first). Assign `{name}` {where}, or leave it out of {flag}.")

@@ -82,11 +82,12 @@ def about(gang, state: KeptState) -> About:
 
     plan = gang.plan
     on = plan.accelerator if plan.accelerator == "cpu" else "GPU " + ",".join(map(str, plan.device_ids))
-    names, running, background, cell = gang.keeper.said if gang.keeper is not None else ((), "", False, "")
+    names, running, background, cell, brings = gang.keeper.said if gang.keeper is not None else ((), "", False, "", ())
     return About(pool_id=pool_id(gang.run_dir), devices=f"{on} ({plan.backend})", world_size=plan.world_size,
                  options=options.line(gang.config), notebook=os.environ.get("JPY_SESSION_NAME", ""),
                  started_at=state.started_at, keep_s=keep_seconds(gang.config.keep) or 0.0,
                  run_dir=str(gang.run_dir.path), names=names, running=running, background=background, cell=cell,
+                 brings=brings,
                  mending=gang.keeper.mending if gang.keeper is not None else False)
 
 
@@ -102,8 +103,9 @@ class KeeperLink:
 
     def __init__(self, conn: socket.socket, keeper_pid: int, process=None):
         self.conn, self.keeper_pid, self.process = conn, keeper_pid, process  # (process: the Popen that started it)
-        # the names the ranks hold, the cell running (its first line), whether a --bg one, its metrics' name: as told
-        self.said: tuple = ((), "", False, "")
+        # the names the ranks hold, the cell running (its first line), whether a --bg one, its metrics' name, the
+        # names its --out/--gather bring back: as told
+        self.said: tuple = ((), "", False, "", ())
         self.mending = False  # the pool is being mended (``mending``), as told
 
     @classmethod
@@ -267,26 +269,27 @@ def describe(about: About, now: float | None = None) -> str:
 
 
 @contextlib.contextmanager
-def cell_told(gang, names, source: str, cell: str = ""):
+def cell_told(gang, names, source: str, cell: str = "", brings: tuple = ()):
     """A pool cell's run, its keeper told (``InRanks``, unanswered, only when what it knew changed) that the cell runs
-    (its first line; ``cell``: as nbddp.metrics() files its rows) and, once it is over, the names the ranks hold
-    (``names``, read then): what the next kernel is told if this one ends meanwhile."""
+    (its first line; ``cell``: as nbddp.metrics() files its rows; ``brings``: its --out/--gather names) and, once it
+    is over, the names the ranks hold (``names``, read then): what the next kernel is told if this one ends
+    meanwhile."""
     first = next((line.strip() for line in source.splitlines() if line.strip()), "")
     background = threading.current_thread() is not threading.main_thread()  # (the notebook's cells run on the main)
-    tell(gang, names, first[:60] + ("…" if len(first) > 60 else ""), background, cell)
+    tell(gang, names, first[:60] + ("…" if len(first) > 60 else ""), background, cell, brings)
     try:
         yield
     finally:
         tell(gang, names, "")
 
 
-def tell(gang, names, running: str, background: bool = False, cell: str = "") -> None:
+def tell(gang, names, running: str, background: bool = False, cell: str = "", brings: tuple = ()) -> None:
     """``gang``'s keeper told the names its ranks hold and the cell running in them (a --bg one: ``background``;
-    ``cell``: its metrics' name), if that changed."""
+    ``cell``: its metrics' name; ``brings``: its --out/--gather names), if that changed."""
     link = gang.keeper if gang is not None else None
     if link is None:  # (a pool without a keeper pays nothing for it)
         return
-    said = (tuple(sorted(names)), running, background, cell)
+    said = (tuple(sorted(names)), running, background, cell, tuple(brings))
     if said == link.said:
         return
     link.said = said
@@ -316,6 +319,13 @@ def mending(gang):
     # "being mended", so that the keeper ends it rather than keep ranks half regrouped (a take then waited for ever)
     link.mending = False
     _told(link)
+
+
+def this_notebooks(waiting: list) -> list:
+    """The pools of ``waiting`` (``kept``'s) kept from this kernel's notebook: Jupyter's ``JPY_SESSION_NAME``, the
+    same; without one, none (no pool is known as this kernel's)."""
+    notebook = os.environ.get("JPY_SESSION_NAME", "")
+    return [a for a in waiting if a.notebook == notebook] if notebook else []
 
 
 def keep_seconds(value) -> float | None:

@@ -142,6 +142,7 @@ class RankProc:
     reap: object = None  # a rank that is not the kernel's child (the forkserver's): () -> (wait status, peak RSS)
     pidfd: bool = True  # exit_fd is its pidfd (no pidfds here, as on macOS: its life pipe)
     store_fds: tuple = ()  # the kernel's ends of its store pipes (request read, reply write), where it has them
+    replaying: bool = False  # what a keeper kept is being fed (taking._replay): its pipes, newer, are not read now
 
     def signal(self, sig: int, group: bool = True) -> None:
         """``sig`` to the rank (and, ``group``, the processes it started). Its number, and its group's, may have
@@ -180,6 +181,9 @@ class RankProc:
         return procwait.look(self.pid)
 
     def fd_of(self, stream: str) -> int | None:
+        """Its ``stream`` pipe, to read from here and now (none while what a keeper kept is replayed)."""
+        if self.replaying:
+            return None
         for fd, kind in self.fds.items():
             if kind == stream:
                 return fd

@@ -8,7 +8,9 @@ imports them on a thread of its own, started by ``%load_ext`` (which stays as fa
 fork waits for that thread first (``wait``): nothing of nbddp's runs and no import lock is held while
 the kernel forks. Modules a rank imported that the kernel had not are imported just before the next fork
 (``learn``), but only submodules of packages the kernel has already imported: warming never brings a new
-library into the kernel. ``NBDDP_WARM=0`` (before ``%load_ext``) turns it off.
+library into the kernel. ``NBDDP_WARM=0`` (before ``%load_ext``) turns it off. Where a pool kept from the
+notebook waits at ``%load_ext`` (``defer``), nothing is imported then, torch neither: the first fork starts the
+thread, with torch's import first, and waits for it.
 None of this touches CUDA: ``import torch._dynamo`` initialises no device.
 """
 from __future__ import annotations
@@ -56,15 +58,17 @@ class Warming:
         self.tried: set[str] = set()  # each name imported (or failed) once: a failure is not retried at every cell
         self.deferred = False  # nothing imported at %load_ext (a kept pool waited for it): the first fork does it
 
-    def start(self) -> None:
-        names = [n for n in WARM_IMPORTS if n not in sys.modules]
-        if enabled() and names and self.thread is None:
+    def start(self, torch_first: bool = False) -> None:
+        """``torch_first``: torch's import too, first (``worker.warm_start``: a deferred load's)."""
+        self.deferred = False
+        names = [n for n in WARM_IMPORTS if n not in sys.modules] if enabled() else []
+        if (names or torch_first) and self.thread is None:
             # untraced by the kernel's debugger (JupyterLab's panel, often turned on right after %load_ext): under
             # pydevd's tracer these ~800 imports took 7.5 s instead of 1.3 on 2 cores, and the first %%ddp cell
             # waits for them before it forks (``wait``), on --timeout's clock: a 6 s one passed with rank 0 forked
             # and rank 1 not, rank 0 waited at the rendezvous, no rank reached the cell's breakpoint
-            self.thread = untraced(threading.Thread(target=_import_all, args=(names,), name=driverwatch.WARM_THREAD,
-                                                    daemon=True))
+            self.thread = untraced(threading.Thread(target=_import_all, args=(names, torch_first),
+                                                    name=driverwatch.WARM_THREAD, daemon=True))
             self.thread.start()
             self.hook_forks()
 
@@ -80,8 +84,9 @@ class Warming:
     def defer(self) -> None:
         """``%load_ext`` in a kernel that may only take a kept pool (one kept from its notebook waits): ``%ddp attach``
         and the pool's cells need no torch in the kernel (its ranks have it), so nothing is imported now, torch
-        neither (1-2 s of a restart's way back to the pool); the first fork of ranks imports it all first
-        (``wait``)."""
+        neither (1-2 s of a restart's way back to the pool). The first fork of ranks waits for it all (``wait``:
+        torch's import, then the warm ones, on the warming thread). No forkserver template is made: a GPU pool this
+        kernel starts later (one holding CUDA) starts a fresh server."""
         self.deferred = True
 
     def join(self) -> None:
@@ -90,13 +95,8 @@ class Warming:
             thread.join()
 
     def wait(self) -> None:
-        if self.deferred:
-            from ...rank import worker
-
-            self.deferred = False
-            worker.warm_start()
-            if enabled():
-                _import_all([n for n in WARM_IMPORTS if n not in sys.modules])
+        if self.deferred:  # (untraced, on the warming thread as at load; an interrupt stops the wait, not them)
+            self.start(torch_first=True)
         if self.thread is not None:
             self.thread.join()
             self.thread = None
@@ -139,9 +139,16 @@ def learn(imported) -> None:
     WARMING.learn(imported)
 
 
-def _import_all(names) -> None:
-    for name in names:
+def _import_all(names, torch_first: bool = False) -> None:
+    """``names`` imported; ``torch_first``: what ``worker.warm_start`` imports and makes, first."""
+    from ...rank import worker
+
+    for name in [*worker.RANK_IMPORTS, *names] if torch_first else names:
         try:
             importlib.import_module(name)
         except BaseException:  # noqa: BLE001 - a module the kernel cannot import stays the rank's to import
             pass
+    if torch_first and "torch" in sys.modules:
+        from ...rank.pipestore import store_class
+
+        store_class()  # (the process group's store class, made once here)
