@@ -18,14 +18,14 @@ class Budget:
     """A token bucket: ``take()`` is True for ``burst`` calls, then ``rate`` a second (checked lazily:
     the clock is read only once the tokens are spent)."""
 
-    def __init__(self, burst: int = ORDER_BURST, rate: float = ORDER_RATE):
-        self.burst, self.rate = burst, rate
+    def __init__(self, burst: int = ORDER_BURST, rate: float = ORDER_RATE, clock=time.monotonic):
+        self.burst, self.rate, self.clock = burst, rate, clock
         self.tokens = float(burst)
-        self.since = time.monotonic()
+        self.since = clock()
 
     def take(self) -> bool:
         if self.tokens < 1:
-            now = time.monotonic()
+            now = self.clock()
             self.tokens = min(float(self.burst), self.tokens + (now - self.since) * self.rate)
             self.since = now
             if self.tokens < 1:

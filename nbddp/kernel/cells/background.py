@@ -360,7 +360,7 @@ class Background:
         """Ended cells' results into the notebook, and their failures said once (printed here, on the main
         thread, between cells); ``quiet_failures``: the lines returned instead (``%ddp wait`` raises them)."""
         said = []
-        for job in [j for j in self.jobs if j.done.is_set() and not j.landed]:
+        for job in [j for j in self.jobs if j.state not in (State.QUEUED, State.RUNNING) and not j.landed]:
             job.landed = True
             if job.failed and self.on_failed is not None:
                 self.on_failed(job)
@@ -449,10 +449,11 @@ class Background:
                 results = job.work(self._started(job))
             except BaseException as e:  # noqa: BLE001 - reported in its cell, said again in the next one
                 error = e  # (an interrupt too: Job.end tells them apart)
-                self._report(job, e)
             finally:
                 self.turns.release()
-                job.end(results, error)
+                job.end(results, error)  # ended before its failure shows: a cell run once it shows says it (land)
+                if error is not None:
+                    self._report(job, error)
                 job.place.flush()
                 job.started.set()
                 job.done.set()
