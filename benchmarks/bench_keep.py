@@ -113,7 +113,7 @@ def measure(quick: bool = False) -> dict:
         k.ok("import torch", timeout=120)  # what a notebook that uses torch in the kernel too pays, besides
         out["kernel_torch_import_s"] = time.perf_counter() - t0
         # 2: a background training across the kernel's end
-        steps = 60
+        steps = 150  # (7.5 s of sleeps at least: the new kernel attaches while it runs)
         k.ok(TRAIN.format(steps=steps), timeout=60)
         time.sleep(1.0)
         restarted(k)
