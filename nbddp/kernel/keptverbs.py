@@ -102,7 +102,7 @@ class KeptPools:
                     delivery.deliver(per_rank, list(per_rank[0].outs), list(per_rank[0].gathers), shell.user_ns,
                                      source=None)  # (its source was the kernel before's)
                 finally:
-                    pool.came_back(names)  # (as a --bg cell's: the ranks keep their own values of them)
+                    pool.held.came_back(names)  # (as a --bg cell's: the ranks keep their own values of them)
 
             self.m.background.submit(Job(cells.running(shell), f"{left.label} (the kernel before)", work, deliver,
                                          left.brings,

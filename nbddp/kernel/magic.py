@@ -287,7 +287,7 @@ class DDPMagics(Magics):
             try:
                 return delivery.deliver(per_rank, outs, gathers, user_ns, source)
             finally:
-                pool.came_back([*outs, *gathers])
+                pool.held.came_back([*outs, *gathers])  # (from the ranks: nothing to send back)
 
         work.observer = observer
         return work, deliver

@@ -224,10 +224,6 @@ class Pool:
         that reads them, even if equal to an older value."""
         self.held.notebook_bound(names)
 
-    def came_back(self, names) -> None:
-        """``names`` came back from the ranks into the notebook (--out, --gather): nothing to send back."""
-        self.held.came_back(names)
-
     def debug(self, rank: int | None = None) -> None:
         """pdb in the traceback of ``rank``'s last failed cell (default: the rank that failed last), in the
         notebook; the other ranks wait. ``%ddp debug [RANK]``."""
