@@ -97,12 +97,11 @@ class KeptPools:
             def deliver(per_rank):  # its --out/--gather names, here: its ranks' answers carry them, by name
                 if not per_rank:
                     return
-                names = [*per_rank[0].outs, *per_rank[0].gathers]
+                outs, gathers = list(per_rank[0].outs), list(per_rank[0].gathers)
                 try:
-                    delivery.deliver(per_rank, list(per_rank[0].outs), list(per_rank[0].gathers), shell.user_ns,
-                                     source=None)  # (its source was the kernel before's)
+                    delivery.deliver(per_rank, outs, gathers, shell.user_ns, source=None)  # (the kernel before's cell)
                 finally:
-                    pool.held.came_back(names)  # (as a --bg cell's: the ranks keep their own values of them)
+                    pool.held.came_back([*outs, *gathers])  # (as a --bg cell's: the ranks keep their own values)
 
             self.m.background.submit(Job(cells.running(shell), f"{left.label} (the kernel before)", work, deliver,
                                          left.brings,

@@ -214,10 +214,13 @@ class Pool:
         for note in outcome.notes:
             place.write("stderr", f"nbddp: {note}\n")
         per_rank = outcome.results()
-        self.held.answered(per_rank)
-        for res in per_rank:
-            self.bound_by.update(dict.fromkeys(res.assigned, label))
+        self.answered(per_rank, label)
         return per_rank
+
+    def answered(self, per_rank, label: str) -> None:
+        """A cell's Results: the names each rank bound are the ranks' own (``label``: the cell that bound them)."""
+        self.held.answered(per_rank)
+        self.bound_by.update({name: label for res in per_rank for name in res.assigned})
 
     def notebook_bound(self, names) -> None:
         """A notebook cell bound ``names``: the notebook's latest word, sent to the ranks at the next cell

@@ -105,9 +105,7 @@ class LeftRunning:
             with pool.one_cell(), keeping.cell_told(gang, pool.bound_by, self.label, self.cell, self.brings):
                 first = self._answered([relay, engine.RelayClock(relay, gang.sup), line], on_start, give_up=False)
                 per_rank = _outcome(first, self.label, str(gang.run_dir.path))
-                pool.held.answered(per_rank)  # the names it bound are the ranks' own (its --gather ones too, here)
-                for res in per_rank:  # (before the keeper is told the names the ranks hold: cell_told's end)
-                    pool.bound_by.update(dict.fromkeys(res.assigned, self.cell))
+                pool.answered(per_rank, self.cell)  # (before the keeper is told the names they hold: cell_told's end)
             return per_rank
 
     def _answered(self, listeners: list, on_start, give_up: bool, within: float | None = None) -> dict:
